@@ -1,0 +1,60 @@
+"""The one exception family ColdSnap's library raises for problems a user can fix.
+
+Every error names the object, what is wrong and what to do: modules turn it into
+``fail_json(msg=...)``, the controller prints it, the in-unit runtime reports it.
+"""
+
+from __future__ import annotations
+
+
+class ColdSnapError(Exception):
+    """A failure with a message fit for the user: object, problem, fix."""
+
+    def __init__(self, message: str, *, fix: str | None = None, details: dict | None = None) -> None:
+        self.problem = message
+        self.fix = fix
+        self.details = details or {}
+        super().__init__(message if not fix else f"{message}; {fix}")
+
+
+class FormatError(ColdSnapError):
+    """A document (request, artifact, manifest...) failed strict validation."""
+
+    def __init__(self, issues: list[FormatIssue], *, document: str) -> None:
+        self.issues = issues
+        self.document = document
+        lines = [f"{document} is invalid ({len(issues)} problem{'s' if len(issues) != 1 else ''}):"]
+        lines.extend(f"  - {issue}" for issue in issues)
+        super().__init__("\n".join(lines))
+
+
+class FormatIssue:
+    """One problem at one JSON path, with the fix."""
+
+    __slots__ = ("fix", "message", "path")
+
+    def __init__(self, path: str, message: str, fix: str) -> None:
+        self.path = path
+        self.message = message
+        self.fix = fix
+
+    def as_dict(self) -> dict:
+        return {"path": self.path, "message": self.message, "fix": self.fix}
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message} (fix: {self.fix})"
+
+    def __repr__(self) -> str:
+        return f"FormatIssue({self.path!r}, {self.message!r})"
+
+
+class IntegrityError(ColdSnapError):
+    """Bytes do not match the identity they claim (digest, size, map)."""
+
+
+class AdmissionError(ColdSnapError):
+    """A destination cannot run a captured artifact; nothing was changed."""
+
+
+class UnitError(ColdSnapError):
+    """A launch unit (engine process or container) failed; carries its last log lines."""

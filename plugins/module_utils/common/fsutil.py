@@ -1,0 +1,143 @@
+"""Crash-safe file primitives: temp name -> fsync -> rename -> directory fsync.
+
+Nothing half-written ever appears under a final name: writers create
+``.<name>.tmp-<random>`` beside the target, fsync it, rename it over the final
+name and fsync the directory so the rename itself survives a crash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+TEMP_MARKER = ".tmp-"
+
+
+def temp_path_for(final: Path) -> Path:
+    """A unique temporary name in the same directory as ``final`` (same filesystem)."""
+    return final.with_name(f".{final.name}{TEMP_MARKER}{secrets.token_hex(6)}")
+
+
+def is_temp_name(name: str) -> bool:
+    """True for names produced by :func:`temp_path_for`."""
+    return name.startswith(".") and TEMP_MARKER in name
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename/creation inside it is durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_writer(final: Path, *, mode: int = 0o644, binary: bool = True) -> Iterator[IO[Any]]:
+    """Write ``final`` atomically. On any exception the temp file is removed."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path_for(final)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.fchmod(fd, mode)  # not subject to umask
+        with os.fdopen(fd, "wb" if binary else "w", closefd=True) as fh:
+            fd = -1
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(final: Path, data: bytes, *, mode: int = 0o644) -> None:
+    """Write bytes atomically with the given mode."""
+    with atomic_writer(final, mode=mode) as fh:
+        fh.write(data)
+
+
+def atomic_write_json(final: Path, obj: Any, *, mode: int = 0o644) -> None:
+    """Write a JSON document (sorted keys, trailing newline) atomically."""
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+    atomic_write_bytes(final, data, mode=mode)
+
+
+def exclusive_commit(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final`` only when ``final`` does not exist (link + unlink).
+
+    Used where an existing object must never be replaced (capture output:
+    conflict-on-existing-output).
+    """
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        os.unlink(tmp)
+        raise
+    os.unlink(tmp)
+    fsync_dir(final.parent)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, *, shared: bool = False, timeout: float | None = None) -> Iterator[int]:
+    """Hold an flock on ``path`` (created 0600 if absent) for the block."""
+    import time
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        if timeout is None:
+            fcntl.flock(fd, op)
+        else:
+            deadline = time.monotonic() + timeout
+            while True:
+                try:
+                    fcntl.flock(fd, op | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for lock {path}") from exc
+                    time.sleep(0.05)
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def check_private(path: Path) -> None:
+    """Refuse a secret-bearing file that group or others can read."""
+    st = os.stat(path)
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+        raise ColdSnapError(
+            f"{path} is readable by group/others (mode {stat.S_IMODE(st.st_mode):04o})",
+            fix=f"run 'chmod 600 {path}'",
+        )
+
+
+def chown_tree(root: Path, uid: int, gid: int) -> None:
+    """Give ``root`` and everything below it to uid/gid without touching mode bits."""
+    root = Path(root)
+    if not root.exists():
+        return
+    os.lchown(root, uid, gid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, gid)

@@ -1,0 +1,454 @@
+"""Operation request, format 4: the strict, engine-neutral input of every operation.
+
+``load_request`` decodes (strict JSON), validates the schema (unknown fields,
+types, required fields, digest-pinned images, immutable revisions), checks the
+cross references (units, workers, groups, services, mounts, operation needs),
+and returns the normalized request with driver- and engine-owned defaults filled in.
+"""
+
+from __future__ import annotations
+
+import copy
+import posixpath
+from typing import Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import (
+    AnyJSON,
+    Arr,
+    Bool,
+    Const,
+    Field,
+    Int,
+    Map,
+    Nullable,
+    Obj,
+    OneOfKind,
+    Str,
+    json_schema_document,
+    validate_document,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import REQUEST_FORMAT, REQUEST_KIND
+
+OPERATIONS = ("capture", "restore", "warm", "publish", "publish-native", "sleep", "wake", "status",
+              "native-status", "delete")
+ENGINE_NAMES = ("reference", "vllm", "sglang")
+RUNTIMES = ("host", "docker")
+WEIGHT_MODES = ("auto", "native", "recovery", "cache-only-auto")
+MATERIALIZE = ("off", "async", "required")
+GROUP_KINDS = ("tensor", "pipeline", "data", "expert", "context")
+NEEDS_ARTIFACT = ("restore", "warm", "publish", "publish-native", "native-status", "delete")
+NEEDS_VALIDATION = ("capture", "restore", "warm", "wake")
+
+
+def _abs_path_check(value: str) -> tuple[str, str] | None:
+    if "\x00" in value:
+        return "contains a NUL byte", "remove it"
+    if posixpath.normpath(value) != value.rstrip("/") and value != "/":
+        return f"{value!r} is not a normalized path ('.', '..' or '//' inside)", f"write it as {posixpath.normpath(value)!r}"
+    return None
+
+
+def AbsPath(description: str = "") -> Str:
+    return Str(description=description, pattern=ids.ABS_PATH, pattern_fix="give an absolute path starting with '/'",
+               check=_abs_path_check)
+
+
+def Digest(description: str = "") -> Str:
+    return Str(description=description, pattern=ids.DIGEST, pattern_fix="write it as 'sha256:<64 lower-case hex>'")
+
+
+def Ident(description: str = "") -> Str:
+    return Str(description=description, pattern=ids.ID,
+               pattern_fix="use letters, digits, '.', '_' and '-' (start with a letter or digit, at most 128)")
+
+
+MOUNT = Obj({
+    "source": Field(AbsPath("host path (placement: may change between capture and restore)")),
+    "target": Field(AbsPath("path inside the unit (identity: must stay the same)")),
+    "read_only": Field(Bool(), required=False, default=True, description="model mounts must be read-only"),
+})
+
+UNIT = Obj({
+    "id": Field(Ident("launch unit id")),
+    "index": Field(Int(minimum=0, description="position of the unit, 0..n-1")),
+    "host": Field(Str(pattern=ids.HOSTNAME, pattern_fix="give the inventory hostname of the unit's host",
+                      description="Ansible inventory hostname that runs this unit")),
+    "devices": Field(Arr(Int(minimum=0), description="GPU ordinals visible to the unit (empty: CPU)"),
+                     required=False, default=[]),
+    "image": Field(Str(pattern=ids.IMAGE_REF, pattern_fix=ids.IMAGE_REF_FIX,
+                       description="runtime image pinned by digest (runtime docker)"), required=False),
+    "environment_digest": Field(Digest("sha256 of the installed runtime tree (runtime host)"), required=False),
+    "command": Field(Arr(Str(min_len=1), min_items=1, description="the engine's serve command (argv)")),
+    "environment": Field(Map(Str(), key_pattern=r"[A-Za-z_][A-Za-z0-9_]*",
+                             key_fix="environment names use letters, digits and '_'"), required=False, default={}),
+    "mounts": Field(Arr(MOUNT), required=False, default=[]),
+})
+
+MODEL_SOURCE = OneOfKind({
+    "local-safetensors": Obj({
+        "kind": Field(Const("local-safetensors")),
+        "path": Field(AbsPath("directory holding the pinned safetensors files")),
+    }),
+    "huggingface": Obj({
+        "kind": Field(Const("huggingface")),
+        "repository": Field(Str(pattern=ids.MODEL_ID, pattern_fix="give 'org/name'"), required=False),
+        "cache_dir": Field(AbsPath("Hugging Face cache on the host"), required=False),
+    }),
+}, description="where the recovery provider reads the pinned safetensors")
+
+EXECUTION = Obj({
+    "workers": Field(Arr(Obj({
+        "id": Field(Ident("worker id")),
+        "unit": Field(Ident("id of the launch unit that runs this worker")),
+        "rank": Field(Int(minimum=0, description="global rank, 0..n-1")),
+        "device_slot": Field(Nullable(Int(minimum=0)), description="index into the unit's devices; null on CPU"),
+    }), min_items=1)),
+    "groups": Field(Arr(Obj({
+        "kind": Field(Str(enum=GROUP_KINDS)),
+        "workers": Field(Arr(Ident(), min_items=1, description="worker ids in rank order")),
+    })), required=False, default=[]),
+    "services": Field(Arr(Obj({
+        "id": Field(Ident("service id")),
+        "unit": Field(Ident("unit that serves it")),
+        "port": Field(Int(minimum=1, maximum=65535)),
+        "address": Field(Str(min_len=1, description="interface the server binds"), required=False,
+                         default="127.0.0.1"),
+        "health_path": Field(Str(pattern=r"/[^\s]*", pattern_fix="start the path with '/'"), required=False,
+                             default="/health"),
+    })), required=False, default=[]),
+    "adapter": Field(Obj({
+        "schema": Field(Str(min_len=1, description="engine adapter topology schema, e.g. reference-v1")),
+        "digest": Field(Digest("digest of the engine adapter's topology description")),
+        "payload": Field(AnyJSON(object_only=True), required=False, default={}),
+    })),
+})
+
+POLICY = Obj({
+    "process": Field(Obj({
+        "backend": Field(Str(enum=("criu", "cuda-criu")), required=False),
+        "kv_discard": Field(Bool(), required=False),
+        "graph_policy": Field(Str(enum=("preserve", "recreate-from-plan")), required=False),
+        "artifact_scope": Field(Str(enum=("portable", "target-local")), required=False),
+    }), required=False, default={}),
+    "weights": Field(Obj({
+        "mode": Field(Str(enum=WEIGHT_MODES), required=False),
+        "native": Field(Obj({
+            "export": Field(Bool(), required=False, default=True,
+                            description="write model-weights.pack at capture"),
+            "materialize": Field(Str(enum=MATERIALIZE), required=False),
+            "repository": Field(Nullable(Str(pattern=ids.MODEL_ID, pattern_fix="give 'org/name'")), required=False),
+            "revision": Field(Nullable(Str(pattern=ids.COMMIT, pattern_fix=ids.COMMIT_FIX)), required=False),
+            "staged": Field(Arr(Obj({
+                "worker": Field(Ident()),
+                "path": Field(AbsPath()),
+                "bytes": Field(Int(minimum=0)),
+                "sha256": Field(Digest()),
+            })), required=False, default=[]),
+        }), required=False, default={}),
+        "recovery": Field(Obj({
+            "enabled": Field(Bool(), required=False, default=True),
+            "source": Field(Str(enum=("local-safetensors", "huggingface")), required=False),
+        }), required=False, default={}),
+    }), required=False, default={}),
+    "cache": Field(Obj({
+        "paths": Field(Arr(AbsPath()), required=False, default=[],
+                       description="derived/JIT cache directories copied into the capsule"),
+    }), required=False, default={}),
+    "capsule": Field(Obj({
+        "repository": Field(Nullable(Str(pattern=ids.REPOSITORY, pattern_fix="give 'registry:port/name' without tag")),
+                            required=False, default=None),
+    }), required=False, default={}),
+    "compatibility": Field(Obj({
+        "enforce_captured_driver_floor": Field(Bool(), required=False, default=True),
+        "kernel": Field(Str(enum=("capability", "exact")), required=False, default="capability"),
+    }), required=False, default={}),
+    "retention": Field(Obj({
+        "generations": Field(Int(minimum=1, maximum=1000), required=False, default=3),
+    }), required=False, default={}),
+})
+
+REQUEST_SCHEMA = Obj({
+    "format": Field(Const(REQUEST_FORMAT)),
+    "kind": Field(Const(REQUEST_KIND)),
+    "operation": Field(Str(enum=OPERATIONS)),
+    "id": Field(Ident("operation id, unique per operation")),
+    "snapshot_driver": Field(Obj({"id": Field(Str(enum=tuple(SNAPSHOT_DRIVERS)))})),
+    "artifact": Field(Obj({
+        "path": Field(AbsPath("committed artifact descriptor (artifact.json)")),
+        "sha256": Field(Digest("expected digest of the descriptor file"), required=False),
+    }), required=False),
+    "output": Field(Obj({
+        "artifact_dir": Field(AbsPath("directory the new descriptor is committed into")),
+    }), required=False),
+    "launch": Field(Obj({
+        "engine": Field(Str(enum=ENGINE_NAMES)),
+        "runtime": Field(Str(enum=RUNTIMES)),
+        "model": Field(Obj({
+            "id": Field(Str(pattern=ids.MODEL_ID, pattern_fix="give 'org/name'")),
+            "revision": Field(Str(pattern=ids.COMMIT, pattern_fix=ids.COMMIT_FIX)),
+            "source": Field(MODEL_SOURCE),
+        })),
+        "units": Field(Arr(UNIT, min_items=1)),
+        "execution": Field(EXECUTION),
+    })),
+    "policy": Field(POLICY, required=False, default={}),
+    "validation": Field(Obj({
+        "health_path": Field(Str(pattern=r"/[^\s]*", pattern_fix="start the path with '/'"), required=False,
+                             default="/health"),
+        "prompt": Field(Str(min_len=1)),
+        "max_tokens": Field(Int(minimum=1, maximum=4096), required=False, default=16),
+        "expected": Field(Nullable(Str()), required=False, default=None,
+                          description="exact reply; null at capture records the cold engine's reply"),
+    }), required=False),
+    "workload": Field(Obj({
+        "recipe": Field(Ident("workload recipe name")),
+        "served_model_name": Field(Str(min_len=1), required=False),
+    })),
+}, title="ColdSnap operation request (format 4)")
+
+
+def request_json_schema() -> dict:
+    """The JSON Schema of request format 4 (cross-reference rules are in the code, not the schema)."""
+    return json_schema_document(REQUEST_SCHEMA, schema_id="https://coldsnap.invalid/schemas/request-v4.json",
+                                title="ColdSnap operation request, format 4")
+
+
+def load_request(text: str | bytes, *, document: str = "request") -> dict:
+    """Decode, validate and normalize a request; raise FormatError listing every problem."""
+    return validate_request(strict_loads(text, document=document), document=document)
+
+
+def validate_request(value: Any, *, document: str = "request") -> dict:
+    """Validate an already-decoded request (from :func:`strict_loads`) and normalize it."""
+    req = validate_document(REQUEST_SCHEMA, value, document=document)
+    issues = cross_check(req)
+    if issues:
+        raise FormatError(issues, document=document)
+    return normalize(req)
+
+
+def cross_check(req: dict) -> list[FormatIssue]:
+    """Rules that span fields: inventories, references, operation needs."""
+    issues: list[FormatIssue] = []
+    add = lambda p, m, f: issues.append(FormatIssue(p, m, f))  # noqa: E731
+    launch = req["launch"]
+    op = req["operation"]
+    units = launch["units"]
+    unit_by_id: dict[str, dict] = {}
+    for i, unit in enumerate(units):
+        p = f"$.launch.units[{i}]"
+        if unit["id"] in unit_by_id:
+            add(f"{p}.id", f"duplicate unit id {unit['id']!r}", "give every unit a unique id")
+        unit_by_id.setdefault(unit["id"], unit)
+        if unit["index"] != i:
+            add(f"{p}.index", f"index is {unit['index']} but the unit is at position {i}",
+                "list units in index order with indexes 0..n-1")
+        if len(set(unit["devices"])) != len(unit["devices"]):
+            add(f"{p}.devices", "a device ordinal appears twice", "list each GPU once")
+        if launch["runtime"] == "docker":
+            if "image" not in unit:
+                add(f"{p}.image", "runtime 'docker' needs a digest-pinned image", ids.IMAGE_REF_FIX)
+            if "environment_digest" in unit:
+                add(f"{p}.environment_digest", "runtime 'docker' pins its userspace with image, not environment_digest",
+                    "remove environment_digest")
+        else:
+            if "environment_digest" not in unit:
+                add(f"{p}.environment_digest", "runtime 'host' needs environment_digest (the installed runtime tree)",
+                    "run 'coldsnap environment-digest' on the host and put its output here")
+            if "image" in unit:
+                add(f"{p}.image", "runtime 'host' runs no image", "remove image or set launch.runtime to 'docker'")
+        targets = set()
+        for j, mount in enumerate(unit["mounts"]):
+            if mount["target"] in targets:
+                add(f"{p}.mounts[{j}].target", f"mount target {mount['target']!r} appears twice", "mount each target once")
+            targets.add(mount["target"])
+
+    workers = launch["execution"]["workers"]
+    worker_ids: set[str] = set()
+    slots: set[tuple[str, int]] = set()
+    ranks: dict[int, str] = {}
+    for i, w in enumerate(workers):
+        p = f"$.launch.execution.workers[{i}]"
+        if w["id"] in worker_ids:
+            add(f"{p}.id", f"duplicate worker id {w['id']!r}", "give every worker a unique id")
+        worker_ids.add(w["id"])
+        unit = unit_by_id.get(w["unit"])
+        if unit is None:
+            add(f"{p}.unit", f"worker {w['id']!r} names undeclared unit {w['unit']!r}",
+                f"use one of the units in launch.units: {', '.join(unit_by_id) or '(none)'}")
+        else:
+            slot = w["device_slot"]
+            if slot is not None:
+                if slot >= len(unit["devices"]):
+                    add(f"{p}.device_slot", f"slot {slot} is out of range: unit {unit['id']!r} has "
+                        f"{len(unit['devices'])} device(s)", "use 0..len(devices)-1 or list the device on the unit")
+                elif (unit["id"], slot) in slots:
+                    add(f"{p}.device_slot", f"slot {slot} of unit {unit['id']!r} is already used by another worker",
+                        "give each worker its own device slot")
+                slots.add((unit["id"], slot))
+            elif unit["devices"]:
+                add(f"{p}.device_slot", f"unit {unit['id']!r} has GPUs but the worker has no device slot",
+                    "set device_slot to the worker's index into the unit's devices")
+        if w["rank"] in ranks:
+            add(f"{p}.rank", f"rank {w['rank']} is also worker {ranks[w['rank']]!r}", "give each worker a unique rank")
+        ranks.setdefault(w["rank"], w["id"])
+    if ranks and sorted(ranks) != list(range(len(ranks))):
+        add("$.launch.execution.workers", f"ranks {sorted(ranks)} are not 0..{len(ranks) - 1}",
+            "number the ranks contiguously from 0")
+    for uid in unit_by_id:
+        if not any(w["unit"] == uid for w in workers):
+            add("$.launch.execution.workers", f"unit {uid!r} runs no worker", "assign at least one worker to every unit")
+
+    for i, g in enumerate(launch["execution"]["groups"]):
+        seen: set[str] = set()
+        for j, wid in enumerate(g["workers"]):
+            if wid not in worker_ids:
+                add(f"$.launch.execution.groups[{i}].workers[{j}]", f"unknown worker {wid!r}",
+                    "list only workers declared in execution.workers")
+            if wid in seen:
+                add(f"$.launch.execution.groups[{i}].workers[{j}]", f"worker {wid!r} appears twice in the group",
+                    "list each worker once")
+            seen.add(wid)
+
+    service_ids: set[str] = set()
+    endpoints: set[tuple[str, int]] = set()
+    for i, s in enumerate(launch["execution"]["services"]):
+        p = f"$.launch.execution.services[{i}]"
+        if s["id"] in service_ids:
+            add(f"{p}.id", f"duplicate service id {s['id']!r}", "give every service a unique id")
+        service_ids.add(s["id"])
+        unit = unit_by_id.get(s["unit"])
+        if unit is None:
+            add(f"{p}.unit", f"service {s['id']!r} names undeclared unit {s['unit']!r}", "use a unit from launch.units")
+            continue
+        key = (unit["host"], s["port"])
+        if key in endpoints:
+            add(f"{p}.port", f"port {s['port']} is already used on host {unit['host']!r}", "give each service its own port")
+        endpoints.add(key)
+
+    all_targets = [(m["target"], u["id"]) for u in units for m in u["mounts"]]
+    for i, cpath in enumerate(req.get("policy", {}).get("cache", {}).get("paths", [])):
+        for target, uid in all_targets:
+            if _overlaps(cpath, target):
+                add(f"$.policy.cache.paths[{i}]", f"cache path {cpath!r} overlaps mount {target!r} of unit {uid!r}",
+                    "cache paths hold derived caches only; never a model mount or Hugging Face cache")
+        if "huggingface" in cpath.split("/") or cpath.rstrip("/").endswith("/hub"):
+            add(f"$.policy.cache.paths[{i}]", f"{cpath!r} looks like a Hugging Face cache",
+                "model bytes travel as payloads, never inside a capsule; remove this path")
+
+    if op in NEEDS_ARTIFACT and "artifact" not in req:
+        add("$.artifact", f"operation {op!r} needs the committed artifact", "add artifact.path (the artifact.json to use)")
+    if op == "capture":
+        if "artifact" in req:
+            add("$.artifact", "capture creates an artifact and takes none", "remove artifact; set output.artifact_dir")
+        if "output" not in req:
+            add("$.output", "capture needs an output directory", "add output.artifact_dir")
+    if op in ("publish", "publish-native") and "output" not in req:
+        add("$.output", f"{op} writes a separate descriptor", "add output.artifact_dir for the published descriptor")
+    if op in NEEDS_VALIDATION and "validation" not in req:
+        add("$.validation", f"operation {op!r} validates the engine's reply", "add validation.prompt")
+    policy = req.get("policy", {})
+    if op == "publish" and not policy.get("capsule", {}).get("repository"):
+        add("$.policy.capsule.repository", "publish pushes capsules but no repository is set",
+            "set policy.capsule.repository, e.g. 'registry.example:5000/coldsnap/capsules'")
+    native = policy.get("weights", {}).get("native", {})
+    if op == "publish-native" and not native.get("repository"):
+        add("$.policy.weights.native.repository", "publish-native uploads payloads but no repository is set",
+            "set policy.weights.native.repository to the Hugging Face repository ('org/name')")
+    for i, st in enumerate(native.get("staged", [])):
+        if st["worker"] not in worker_ids:
+            add(f"$.policy.weights.native.staged[{i}].worker", f"unknown worker {st['worker']!r}",
+                "stage payloads only for declared workers")
+    backend = policy.get("process", {}).get("backend")
+    contract = SNAPSHOT_DRIVERS[req["snapshot_driver"]["id"]]
+    if backend == "cuda-criu" and not contract.captures_cuda_state:
+        add("$.policy.process.backend", f"snapshot driver {contract.id} captures no CUDA state",
+            "use backend 'criu' with n580, or snapshot driver n610")
+    if op == "warm" and not contract.warm_restore:
+        add("$.operation", f"snapshot driver {contract.id} has no warm-restore boundary (it re-creates CUDA on restore)",
+            "use operation 'restore', or capture with snapshot driver n610")
+    return issues
+
+
+def _overlaps(a: str, b: str) -> bool:
+    a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
+    return a.startswith(b) or b.startswith(a)
+
+
+def normalize(req: dict) -> dict:
+    """Fill driver-owned and engine-owned defaults so the normalized form is explicit."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import ENGINES
+
+    out = copy.deepcopy(req)
+    contract = SNAPSHOT_DRIVERS[out["snapshot_driver"]["id"]]
+    policy = out.setdefault("policy", {})
+    for section, defaults in contract.policy_defaults.items():
+        target = policy.setdefault(section, {})
+        for key, value in defaults.items():
+            target.setdefault(key, copy.deepcopy(value))
+    weights = policy["weights"]
+    weights.setdefault("native", {}).setdefault("materialize", ENGINES[out["launch"]["engine"]].default_materialize)
+    weights["native"].setdefault("export", True)
+    weights["native"].setdefault("repository", None)
+    weights["native"].setdefault("revision", None)
+    weights["native"].setdefault("staged", [])
+    weights.setdefault("recovery", {}).setdefault("enabled", True)
+    weights["recovery"].setdefault("source", out["launch"]["model"]["source"]["kind"])
+    src = out["launch"]["model"]["source"]
+    if src["kind"] == "huggingface":
+        src.setdefault("repository", out["launch"]["model"]["id"])
+    for section in ("cache", "capsule", "compatibility", "retention"):
+        policy.setdefault(section, {})
+    policy["cache"].setdefault("paths", [])
+    policy["capsule"].setdefault("repository", None)
+    policy["compatibility"].setdefault("enforce_captured_driver_floor", True)
+    policy["compatibility"].setdefault("kernel", "capability")
+    policy["retention"].setdefault("generations", 3)
+    return out
+
+
+def request_sha256(req: dict) -> str:
+    """Digest of the normalized request (RFC 8785 canonical JSON)."""
+    return canonical_sha256(req)
+
+
+def topology(req: dict) -> dict:
+    """The portable topology: units, workers, groups and services without placement."""
+    launch = req["launch"]
+    return {
+        "units": [{"id": u["id"], "index": u["index"], "devices": len(u["devices"]),
+                   "command": u["command"], "mount_targets": sorted(m["target"] for m in u["mounts"])}
+                  for u in launch["units"]],
+        "workers": launch["execution"]["workers"],
+        "groups": launch["execution"]["groups"],
+        "services": [{"id": s["id"], "unit": s["unit"], "port": s["port"]} for s in launch["execution"]["services"]],
+        "adapter": {"schema": launch["execution"]["adapter"]["schema"], "digest": launch["execution"]["adapter"]["digest"]},
+    }
+
+
+def identity(req: dict) -> str:
+    """Identity of the artifact lineage: recipe, model, engine, topology and snapshot driver."""
+    launch = req["launch"]
+    return canonical_sha256({
+        "recipe": req["workload"]["recipe"],
+        "model": {"id": launch["model"]["id"], "revision": launch["model"]["revision"]},
+        "engine": launch["engine"],
+        "runtime": launch["runtime"],
+        "topology": topology(req),
+        "snapshot_driver": req["snapshot_driver"]["id"],
+    })
+
+
+def units_on_host(req: dict, host: str) -> list[dict]:
+    """Launch units placed on ``host`` (inventory hostname), in index order."""
+    return [u for u in req["launch"]["units"] if u["host"] == host]
+
+
+def workers_of_unit(req: dict, unit_id: str) -> list[dict]:
+    """Workers that run inside ``unit_id``, by rank."""
+    return sorted((w for w in req["launch"]["execution"]["workers"] if w["unit"] == unit_id), key=lambda w: w["rank"])

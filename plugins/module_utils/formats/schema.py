@@ -1,0 +1,418 @@
+"""A small declarative schema: strict validation with JSON paths and fixes, and JSON Schema export.
+
+Each format (request, artifact, receipt, ...) is declared once with these types;
+the same declaration validates documents, fills defaults (normalization) and
+generates the JSON Schema shipped under docs/schemas/.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import duplicates_of
+
+MISSING: Any = object()
+
+Check = Callable[[Any], "tuple[str, str] | None"]
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+class Schema:
+    """Base of all schema nodes."""
+
+    description: str = ""
+
+    def validate(self, value: Any, path: str, issues: list[FormatIssue]) -> Any:
+        raise NotImplementedError
+
+    def json_schema(self) -> dict:
+        raise NotImplementedError
+
+    def _with_desc(self, doc: dict) -> dict:
+        if self.description:
+            doc["description"] = self.description
+        return doc
+
+    def _wrong_type(self, value: Any, path: str, issues: list[FormatIssue], want: str) -> Any:
+        issues.append(FormatIssue(path, f"expected {want}, got {_type_name(value)}", f"give {want} here"))
+        return MISSING
+
+
+@dataclass
+class Const(Schema):
+    value: Any
+    description: str = ""
+
+    def validate(self, value, path, issues):
+        if value != self.value or isinstance(value, bool) != isinstance(self.value, bool):
+            issues.append(FormatIssue(path, f"must be {self.value!r}, got {value!r}",
+                                      f"set it to {self.value!r} (this ColdSnap speaks only that version)"))
+            return MISSING
+        return value
+
+    def json_schema(self):
+        return self._with_desc({"const": self.value})
+
+
+@dataclass
+class Str(Schema):
+    description: str = ""
+    pattern: str | None = None
+    pattern_fix: str = ""
+    enum: tuple[str, ...] | None = None
+    min_len: int = 0
+    max_len: int | None = None
+    check: Check | None = None
+
+    def validate(self, value, path, issues):
+        if not isinstance(value, str):
+            return self._wrong_type(value, path, issues, "a string")
+        if self.enum is not None and value not in self.enum:
+            close = difflib.get_close_matches(value, self.enum, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            issues.append(FormatIssue(path, f"{value!r} is not one of {', '.join(self.enum)}{hint}",
+                                      f"use one of: {', '.join(self.enum)}"))
+            return MISSING
+        if len(value) < self.min_len:
+            issues.append(FormatIssue(path, "must not be empty" if self.min_len == 1 else
+                                      f"shorter than {self.min_len} characters", "give a non-empty value"))
+            return MISSING
+        if self.max_len is not None and len(value) > self.max_len:
+            issues.append(FormatIssue(path, f"longer than {self.max_len} characters", "shorten it"))
+            return MISSING
+        if self.pattern is not None and not re.fullmatch(self.pattern, value):
+            issues.append(FormatIssue(path, f"{value!r} does not match the required form",
+                                      self.pattern_fix or f"match the pattern {self.pattern}"))
+            return MISSING
+        if self.check is not None:
+            problem = self.check(value)
+            if problem:
+                issues.append(FormatIssue(path, problem[0], problem[1]))
+                return MISSING
+        return value
+
+    def json_schema(self):
+        doc: dict = {"type": "string"}
+        if self.enum is not None:
+            doc["enum"] = list(self.enum)
+        if self.pattern is not None:
+            doc["pattern"] = "^(?:" + self.pattern + ")$"
+        if self.min_len:
+            doc["minLength"] = self.min_len
+        if self.max_len is not None:
+            doc["maxLength"] = self.max_len
+        return self._with_desc(doc)
+
+
+@dataclass
+class Int(Schema):
+    description: str = ""
+    minimum: int | None = None
+    maximum: int | None = None
+
+    def validate(self, value, path, issues):
+        if isinstance(value, bool) or not isinstance(value, int):
+            return self._wrong_type(value, path, issues, "an integer")
+        if self.minimum is not None and value < self.minimum:
+            issues.append(FormatIssue(path, f"{value} is below the minimum {self.minimum}",
+                                      f"use a value >= {self.minimum}"))
+            return MISSING
+        if self.maximum is not None and value > self.maximum:
+            issues.append(FormatIssue(path, f"{value} is above the maximum {self.maximum}",
+                                      f"use a value <= {self.maximum}"))
+            return MISSING
+        return value
+
+    def json_schema(self):
+        doc: dict = {"type": "integer"}
+        if self.minimum is not None:
+            doc["minimum"] = self.minimum
+        if self.maximum is not None:
+            doc["maximum"] = self.maximum
+        return self._with_desc(doc)
+
+
+@dataclass
+class Num(Schema):
+    description: str = ""
+    minimum: float | None = None
+
+    def validate(self, value, path, issues):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return self._wrong_type(value, path, issues, "a number")
+        if self.minimum is not None and value < self.minimum:
+            issues.append(FormatIssue(path, f"{value} is below the minimum {self.minimum}",
+                                      f"use a value >= {self.minimum}"))
+            return MISSING
+        return value
+
+    def json_schema(self):
+        doc: dict = {"type": "number"}
+        if self.minimum is not None:
+            doc["minimum"] = self.minimum
+        return self._with_desc(doc)
+
+
+@dataclass
+class Bool(Schema):
+    description: str = ""
+
+    def validate(self, value, path, issues):
+        if not isinstance(value, bool):
+            return self._wrong_type(value, path, issues, "true or false")
+        return value
+
+    def json_schema(self):
+        return self._with_desc({"type": "boolean"})
+
+
+@dataclass
+class Nullable(Schema):
+    inner: Schema
+    description: str = ""
+
+    def validate(self, value, path, issues):
+        if value is None:
+            return None
+        return self.inner.validate(value, path, issues)
+
+    def json_schema(self):
+        inner = self.inner.json_schema()
+        doc = {"anyOf": [inner, {"type": "null"}]}
+        if self.description:
+            doc["description"] = self.description
+        return doc
+
+
+@dataclass
+class Arr(Schema):
+    item: Schema
+    description: str = ""
+    min_items: int = 0
+    max_items: int | None = None
+
+    def validate(self, value, path, issues):
+        if not isinstance(value, list):
+            return self._wrong_type(value, path, issues, "an array")
+        if len(value) < self.min_items:
+            issues.append(FormatIssue(path, f"needs at least {self.min_items} item(s), got {len(value)}",
+                                      "add the missing entries"))
+        if self.max_items is not None and len(value) > self.max_items:
+            issues.append(FormatIssue(path, f"allows at most {self.max_items} item(s), got {len(value)}",
+                                      "remove the extra entries"))
+        return [self.item.validate(v, f"{path}[{i}]", issues) for i, v in enumerate(value)]
+
+    def json_schema(self):
+        doc: dict = {"type": "array", "items": self.item.json_schema()}
+        if self.min_items:
+            doc["minItems"] = self.min_items
+        if self.max_items is not None:
+            doc["maxItems"] = self.max_items
+        return self._with_desc(doc)
+
+
+@dataclass
+class Field:
+    schema: Schema
+    required: bool = True
+    default: Any = MISSING
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.description and not self.schema.description:
+            self.schema.description = self.description
+
+
+def _path_key(path: str, key: str) -> str:
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        return f"{path}.{key}"
+    return f"{path}[{key!r}]"
+
+
+@dataclass
+class Obj(Schema):
+    fields: dict[str, Field]
+    description: str = ""
+    title: str = ""
+
+    def validate(self, value, path, issues):
+        if not isinstance(value, dict):
+            return self._wrong_type(value, path, issues, "an object")
+        for dup in duplicates_of(value):
+            issues.append(FormatIssue(_path_key(path, dup), f"duplicate key {dup!r}",
+                                      f"keep exactly one {dup!r} in this object"))
+        out: dict = {}
+        for key in value:
+            if key not in self.fields:
+                close = difflib.get_close_matches(key, list(self.fields), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                issues.append(FormatIssue(_path_key(path, key), f"unknown field {key!r}{hint}",
+                                          f"remove it; allowed here: {', '.join(self.fields)}"))
+        for name, fld in self.fields.items():
+            sub = _path_key(path, name)
+            if name in value:
+                res = fld.schema.validate(value[name], sub, issues)
+                if res is not MISSING:
+                    out[name] = res
+            elif fld.required:
+                what = fld.description or fld.schema.description
+                issues.append(FormatIssue(sub, f"missing required field {name!r}",
+                                          f"add {name!r}" + (f" ({what})" if what else "")))
+            elif fld.default is not MISSING:
+                out[name] = _copy_default(fld.default)
+        return out
+
+    def json_schema(self):
+        doc: dict = {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {},
+        }
+        if self.title:
+            doc["title"] = self.title
+        required = []
+        for name, fld in self.fields.items():
+            prop = fld.schema.json_schema()
+            if fld.default is not MISSING and fld.default is not None:
+                prop = {**prop, "default": fld.default}
+            doc["properties"][name] = prop
+            if fld.required:
+                required.append(name)
+        if required:
+            doc["required"] = required
+        return self._with_desc(doc)
+
+
+def _copy_default(value: Any) -> Any:
+    import copy
+
+    return copy.deepcopy(value)
+
+
+@dataclass
+class Map(Schema):
+    """An object with arbitrary keys (matching ``key_pattern``) and uniform values."""
+
+    value: Schema
+    description: str = ""
+    key_pattern: str | None = None
+    key_fix: str = ""
+
+    def validate(self, value, path, issues):
+        if not isinstance(value, dict):
+            return self._wrong_type(value, path, issues, "an object")
+        for dup in duplicates_of(value):
+            issues.append(FormatIssue(_path_key(path, dup), f"duplicate key {dup!r}",
+                                      f"keep exactly one {dup!r} in this object"))
+        out = {}
+        for key, item in value.items():
+            sub = _path_key(path, key)
+            if self.key_pattern is not None and not re.fullmatch(self.key_pattern, key):
+                issues.append(FormatIssue(sub, f"key {key!r} is not allowed",
+                                          self.key_fix or f"keys must match {self.key_pattern}"))
+                continue
+            res = self.value.validate(item, sub, issues)
+            if res is not MISSING:
+                out[key] = res
+        return out
+
+    def json_schema(self):
+        doc: dict = {"type": "object", "additionalProperties": self.value.json_schema()}
+        if self.key_pattern is not None:
+            doc["propertyNames"] = {"pattern": "^(?:" + self.key_pattern + ")$"}
+        return self._with_desc(doc)
+
+
+@dataclass
+class AnyJSON(Schema):
+    """Opaque JSON (engine-owned payloads); still checked for duplicate keys at any depth."""
+
+    description: str = ""
+    object_only: bool = False
+
+    def validate(self, value, path, issues):
+        if self.object_only and not isinstance(value, dict):
+            return self._wrong_type(value, path, issues, "an object")
+        _check_dups_deep(value, path, issues)
+        return value
+
+    def json_schema(self):
+        return self._with_desc({"type": "object"} if self.object_only else {})
+
+
+def _check_dups_deep(value: Any, path: str, issues: list[FormatIssue]) -> None:
+    if isinstance(value, dict):
+        for dup in duplicates_of(value):
+            issues.append(FormatIssue(_path_key(path, dup), f"duplicate key {dup!r}",
+                                      f"keep exactly one {dup!r} in this object"))
+        for k, v in value.items():
+            _check_dups_deep(v, _path_key(path, k), issues)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_dups_deep(v, f"{path}[{i}]", issues)
+
+
+@dataclass
+class OneOfKind(Schema):
+    """An object whose ``kind`` field selects one of several object schemas."""
+
+    variants: dict[str, Obj]
+    discriminator: str = "kind"
+    description: str = ""
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def validate(self, value, path, issues):
+        if not isinstance(value, dict):
+            return self._wrong_type(value, path, issues, "an object")
+        kind = value.get(self.discriminator)
+        if kind not in self.variants:
+            issues.append(FormatIssue(_path_key(path, self.discriminator),
+                                      f"{kind!r} is not one of {', '.join(self.variants)}",
+                                      f"set {self.discriminator!r} to one of: {', '.join(self.variants)}"))
+            return MISSING
+        return self.variants[kind].validate(value, path, issues)
+
+    def json_schema(self):
+        return self._with_desc({"oneOf": [v.json_schema() for v in self.variants.values()]})
+
+
+def validate_document(schema: Schema, value: Any, *, document: str) -> Any:
+    """Validate and normalize; raise one FormatError listing every problem."""
+    issues: list[FormatIssue] = []
+    out = schema.validate(value, "$", issues)
+    if issues:
+        raise FormatError(issues, document=document)
+    return out
+
+
+def json_schema_document(schema: Schema, *, schema_id: str, title: str) -> dict:
+    """A complete JSON Schema (draft 2020-12) document for ``schema``."""
+    body = schema.json_schema()
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": schema_id,
+        "title": title,
+        **{k: v for k, v in body.items() if k != "title"},
+    }

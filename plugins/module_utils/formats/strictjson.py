@@ -1,0 +1,83 @@
+"""Strict JSON decoding: duplicate keys, trailing data and non-finite numbers are errors.
+
+The decoder keeps going after a duplicate key so the schema walk can report it
+at its JSON path together with every other problem in the document.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
+
+
+class ObjectWithDuplicates(dict):
+    """A decoded JSON object that remembers which keys appeared more than once."""
+
+    duplicates: list[str]
+
+
+def _pairs_hook(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict[str, Any] = {}
+    dups: list[str] = []
+    for key, value in pairs:
+        if key in seen and key not in dups:
+            dups.append(key)
+        seen[key] = value
+    if not dups:
+        return seen
+    obj = ObjectWithDuplicates(seen)
+    obj.duplicates = dups
+    return obj
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_hook, parse_constant=_reject_constant)
+
+
+def strict_loads(text: str | bytes, *, document: str = "document") -> Any:
+    """Decode exactly one JSON value; anything after it (but whitespace) is an error."""
+    if isinstance(text, bytes | bytearray):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FormatError(
+                [FormatIssue("$", f"not UTF-8 ({exc.reason} at byte {exc.start})", "save the file as UTF-8")],
+                document=document,
+            ) from None
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        value, end = _DECODER.raw_decode(text, _skip_ws(text, 0))
+    except json.JSONDecodeError as exc:
+        raise FormatError(
+            [FormatIssue("$", f"not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
+                         "fix the JSON syntax")],
+            document=document,
+        ) from None
+    except ValueError as exc:
+        raise FormatError([FormatIssue("$", str(exc), "use finite numbers")], document=document) from None
+    rest = _skip_ws(text, end)
+    if rest != len(text):
+        line = text.count("\n", 0, rest) + 1
+        raise FormatError(
+            [FormatIssue("$", f"trailing data after the JSON value at line {line}",
+                         "remove everything after the closing brace (one JSON value per document)")],
+            document=document,
+        )
+    return value
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def duplicates_of(value: Any) -> list[str]:
+    """Keys that appeared twice in this decoded object (empty for ordinary dicts)."""
+    return list(getattr(value, "duplicates", ()))

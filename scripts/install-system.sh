@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# Install the host-level tools ColdSnap needs on a Debian 12 or 13 machine, as root:
+# CRIU >= 4 (package on Debian 13, built from Debian's trixie source on Debian 12),
+# Docker's engine from Debian's docker.io (dockerd started when not running),
+# Debian's docker-registry and debootstrap (local registry, base images).
+# Idempotent: a second run finds everything in place and returns at once.
+set -euo pipefail
+
+CRIU_VERSION=4.1.1
+CACHE_DIR=${COLDSNAP_CACHE_DIR:-/var/cache/coldsnap}
+log() { printf '[install-system] %s\n' "$*" >&2; }
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "install-system.sh must run as root (it installs Debian packages and starts dockerd)" >&2
+  exit 2
+fi
+. /etc/os-release
+case "${VERSION_CODENAME:-}" in
+  bookworm|trixie|forky|sid) ;;
+  *) log "warning: untested distribution '${PRETTY_NAME:-unknown}'; continuing as Debian" ;;
+esac
+
+need_apt=()
+for pkg in docker.io docker-registry debootstrap iproute2 procps xz-utils ca-certificates; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need_apt+=("$pkg")
+done
+
+apt_updated=0
+apt_update() { [ "$apt_updated" = 1 ] || { apt-get update -qq; apt_updated=1; }; }
+
+if [ "${#need_apt[@]}" -gt 0 ]; then
+  log "installing ${need_apt[*]}"
+  apt_update
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+# ---------------------------------------------------------------- CRIU >= 4
+criu_major() { "$1" --version 2>/dev/null | sed -n 's/^Version: \([0-9]*\).*/\1/p'; }
+have_criu() {
+  local bin
+  bin=$(command -v criu 2>/dev/null) || return 1
+  [ "$(criu_major "$bin")" -ge 4 ] 2>/dev/null
+}
+
+debian_uri() {
+  # The URI of this machine's own Debian archive, read from its apt sources.
+  local uri=""
+  if [ -f /etc/apt/sources.list.d/debian.sources ]; then
+    uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources)
+  fi
+  if [ -z "$uri" ] && [ -f /etc/apt/sources.list ]; then
+    uri=$(awk '$1=="deb" && $0 !~ /security/ {for (i=2;i<=NF;i++) if ($i ~ /^(http|https|ftp|file):/) {print $i; exit}}' /etc/apt/sources.list)
+  fi
+  [ -n "$uri" ] || { echo "cannot find the Debian archive URI in /etc/apt/sources*" >&2; return 1; }
+  printf '%s\n' "$uri"
+}
+
+build_criu_from_trixie_source() {
+  local prefix="$CACHE_DIR/criu-$CRIU_VERSION"
+  if [ -x "$prefix/criu" ] && [ "$(criu_major "$prefix/criu")" -ge 4 ] 2>/dev/null; then
+    log "using cached CRIU build $prefix/criu"
+  else
+    log "building CRIU $CRIU_VERSION from Debian's trixie source (Debian 12 ships 3.17, which fails on new kernels)"
+    apt_update
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      build-essential pkg-config libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev \
+      protobuf-compiler python3-protobuf libnl-3-dev libnet1-dev libcap-dev libaio-dev \
+      libbsd-dev libgnutls28-dev libnftables-dev uuid-dev dpkg-dev >/dev/null
+    local uri list=/etc/apt/sources.list.d/coldsnap-trixie-src.list
+    uri=$(debian_uri)
+    echo "deb-src $uri trixie main" > "$list"
+    apt-get update -qq -o Dir::Etc::sourcelist="$list" -o Dir::Etc::sourceparts=- -o APT::Get::List-Cleanup=0
+    local work
+    work=$(mktemp -d "$CACHE_DIR/criu-build.XXXXXX" 2>/dev/null || { mkdir -p "$CACHE_DIR"; mktemp -d "$CACHE_DIR/criu-build.XXXXXX"; })
+    (cd "$work" && apt-get source -qq --tar-only "criu/trixie" >/dev/null)
+    tar -C "$work" -xf "$work"/criu_"$CRIU_VERSION".orig.tar.*
+    make -s -C "$work/criu-$CRIU_VERSION" -j"$(nproc)" criu >/dev/null
+    rm -rf "$prefix.tmp"; mkdir -p "$prefix.tmp"
+    cp "$work/criu-$CRIU_VERSION/criu/criu" "$prefix.tmp/criu"
+    cp -r "$work/criu-$CRIU_VERSION/lib/pycriu" "$prefix.tmp/pycriu" 2>/dev/null || true
+    rm -rf "$prefix"; mv "$prefix.tmp" "$prefix"
+    rm -rf "$work"
+  fi
+  install -m 0755 "$prefix/criu" /usr/local/sbin/criu
+}
+
+if have_criu; then
+  log "CRIU $(criu --version | sed -n 's/^Version: //p') already installed"
+else
+  if apt-cache policy criu 2>/dev/null | awk '/Candidate:/ {print $2}' | grep -q '^[4-9]'; then
+    log "installing CRIU from the distribution"
+    apt_update
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends criu >/dev/null
+  else
+    build_criu_from_trixie_source
+  fi
+  hash -r
+  have_criu || { echo "CRIU >= 4 could not be installed" >&2; exit 1; }
+fi
+
+# ---------------------------------------------------------------- dockerd
+if docker info >/dev/null 2>&1; then
+  log "dockerd is running"
+else
+  log "starting dockerd"
+  mkdir -p /var/log/coldsnap
+  nohup dockerd >/var/log/coldsnap/dockerd.log 2>&1 &
+  for _ in $(seq 1 60); do
+    docker info >/dev/null 2>&1 && break
+    sleep 1
+  done
+  docker info >/dev/null 2>&1 || { echo "dockerd did not start; see /var/log/coldsnap/dockerd.log" >&2; tail -20 /var/log/coldsnap/dockerd.log >&2; exit 1; }
+fi
+log "system ready: $(criu --version | head -1), docker $(docker version --format '{{.Server.Version}}')"

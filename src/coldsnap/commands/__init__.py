@@ -1,0 +1,1 @@
+"""Sub-commands of the ``coldsnap`` CLI; each module has ``register(subparsers)``."""

@@ -1,0 +1,56 @@
+"""``coldsnap validate`` and ``coldsnap schema``: check documents, print the JSON Schemas."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from coldsnap.commands._io import print_json, read_input
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import engine_issues
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import artifact_json_schema, load_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import load_receipt, receipt_json_schema
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import load_request, request_json_schema
+
+SCHEMAS = {"request": request_json_schema, "artifact": artifact_json_schema, "receipt": receipt_json_schema}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("validate", help="check a request (or artifact/receipt) and print its normalized form")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--request-json", metavar="PATH|-", help="operation request (format 4)")
+    src.add_argument("--artifact-json", metavar="PATH|-", help="artifact descriptor (format 9)")
+    src.add_argument("--receipt-json", metavar="PATH|-", help="operation receipt (format 2)")
+    p.add_argument("--json-errors", action="store_true", help="print errors as JSON on stdout")
+    p.set_defaults(func=run)
+    s = sub.add_parser("schema", help="print the JSON Schema of a format")
+    s.add_argument("document", choices=sorted(SCHEMAS))
+    s.set_defaults(func=lambda a: print_json(SCHEMAS[a.document]()) or 0)
+
+
+def load_checked_request(path: str) -> dict:
+    """Strict request load plus the engine's rules (what every operation runs first)."""
+    req = load_request(read_input(path), document=f"request {path if path != '-' else '(stdin)'}")
+    issues = engine_issues(req)
+    if issues:
+        raise FormatError(issues, document=f"request {path}")
+    return req
+
+
+def run(args) -> int:
+    try:
+        if args.request_json:
+            doc = load_checked_request(args.request_json)
+        elif args.artifact_json:
+            doc = load_artifact(read_input(args.artifact_json))
+        else:
+            doc = load_receipt(read_input(args.receipt_json))
+    except FormatError as exc:
+        if args.json_errors:
+            json.dump({"valid": False, "document": exc.document, "errors": [i.as_dict() for i in exc.issues]},
+                      sys.stdout, indent=2)
+            sys.stdout.write("\n")
+            return 2
+        raise
+    print_json(doc)
+    return 0

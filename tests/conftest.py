@@ -1,0 +1,97 @@
+"""Test policy shared by every test.
+
+Tests that need CRIU, dockerd or the local registry *fail* in CI (CI=true) when
+the tool is missing, and skip elsewhere; GPU tests skip cleanly without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO / "tests" / "fixtures"
+SHARED_EXAMPLES = REPO.parent / "shared" / "examples"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+sys.path.insert(0, str(REPO / "tests"))
+
+
+@functools.cache
+def criu_problem() -> str | None:
+    criu = shutil.which("criu")
+    if not criu:
+        return "criu is not installed (run scripts/install-system.sh as root)"
+    out = subprocess.run([criu, "--version"], capture_output=True, text=True).stdout
+    version = next((line.split()[1] for line in out.splitlines() if line.startswith("Version:")), "0")
+    if int(version.split(".")[0]) < 4:
+        return f"criu {version} is too old (need >= 4)"
+    if os.geteuid() != 0:
+        return "CRIU tests need root"
+    chk = subprocess.run([criu, "check"], capture_output=True, text=True)
+    if chk.returncode != 0:
+        return f"criu check failed: {chk.stdout.strip()} {chk.stderr.strip()}"[:300]
+    return None
+
+
+@functools.cache
+def docker_problem() -> str | None:
+    if not shutil.which("docker"):
+        return "docker CLI missing (run scripts/install-system.sh)"
+    r = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return "dockerd is not running (run scripts/install-system.sh)"
+    return None
+
+
+@functools.cache
+def registry_problem() -> str | None:
+    if not (shutil.which("docker-registry") or Path("/usr/bin/docker-registry").exists()):
+        return "Debian's docker-registry is not installed (run scripts/install-system.sh)"
+    return None
+
+
+@functools.cache
+def gpu_problem() -> str | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+    except Exception:
+        pass
+    return "no NVIDIA GPU"
+
+
+NEEDS = {"criu": criu_problem, "docker": docker_problem, "registry": registry_problem}
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for marker, probe in NEEDS.items():
+        if item.get_closest_marker(marker):
+            problem = probe()
+            if problem:
+                if IN_CI:
+                    pytest.fail(f"CI must provide {marker}: {problem}", pytrace=False)
+                pytest.skip(problem)
+    if item.get_closest_marker("gpu"):
+        problem = gpu_problem()
+        if problem:
+            pytest.skip(problem)
+
+
+@pytest.fixture
+def fixtures_dir() -> Path:
+    return FIXTURES
+
+
+@pytest.fixture
+def example_request_text() -> str:
+    """The reference request: the project's refined copy (shape kept valid against ../shared)."""
+    return (FIXTURES / "requests" / "capture-reference.json").read_text()
