@@ -8,6 +8,7 @@ set -euo pipefail
 
 CRIU_VERSION=4.1.1
 CACHE_DIR=${COLDSNAP_CACHE_DIR:-/var/cache/coldsnap}
+here=$(cd "$(dirname "$0")/.." && pwd)
 log() { printf '[install-system] %s\n' "$*" >&2; }
 
 if [ "$(id -u)" -ne 0 ]; then
@@ -35,11 +36,33 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
 fi
 
 # ---------------------------------------------------------------- CRIU >= 4
+# CRIU 4.1.1 (Debian 13's package and Debian 12's trixie source) cannot dump a process
+# that holds a TCP socket on Linux >= 6.16 (getsockopt SO_PASSCRED/SO_PASSSEC now fails
+# on inet sockets). We build 4.1.1 from Debian's source with our patch under
+# scripts/criu/ whenever the installed CRIU fails that probe.
 criu_major() { "$1" --version 2>/dev/null | sed -n 's/^Version: \([0-9]*\).*/\1/p'; }
-have_criu() {
+patch_id() { cat "$here"/scripts/criu/*.patch | sha256sum | cut -c1-12; }
+
+criu_socket_probe() {
+  # Dump (leave running) a process that listens on TCP: the case inference servers hit.
+  local bin=$1 dir pid rc
+  dir=$(mktemp -d)
+  python3 -c 'import socket,time; s=socket.socket(); s.bind(("127.0.0.1",0)); s.listen(); time.sleep(60)' &
+  pid=$!
+  sleep 0.3
+  "$bin" dump -t "$pid" -D "$dir" --leave-running --shell-job -o dump.log >/dev/null 2>&1
+  rc=$?
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  rm -rf "$dir"
+  return $rc
+}
+
+have_good_criu() {
   local bin
   bin=$(command -v criu 2>/dev/null) || return 1
-  [ "$(criu_major "$bin")" -ge 4 ] 2>/dev/null
+  [ "$(criu_major "$bin")" -ge 4 ] 2>/dev/null || return 1
+  "$bin" check >/dev/null 2>&1 || return 1
+  criu_socket_probe "$bin"
 }
 
 debian_uri() {
@@ -56,46 +79,51 @@ debian_uri() {
 }
 
 build_criu_from_trixie_source() {
-  local prefix="$CACHE_DIR/criu-$CRIU_VERSION"
+  local prefix="$CACHE_DIR/criu-$CRIU_VERSION-$(patch_id)"
   if [ -x "$prefix/criu" ] && [ "$(criu_major "$prefix/criu")" -ge 4 ] 2>/dev/null; then
     log "using cached CRIU build $prefix/criu"
   else
-    log "building CRIU $CRIU_VERSION from Debian's trixie source (Debian 12 ships 3.17, which fails on new kernels)"
+    log "building CRIU $CRIU_VERSION from Debian's trixie source with ColdSnap's patches"
     apt_update
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
       build-essential pkg-config libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev \
       protobuf-compiler python3-protobuf libnl-3-dev libnet1-dev libcap-dev libaio-dev \
-      libbsd-dev libgnutls28-dev libnftables-dev uuid-dev dpkg-dev >/dev/null
+      libbsd-dev libgnutls28-dev libnftables-dev uuid-dev dpkg-dev patch >/dev/null
     local uri list=/etc/apt/sources.list.d/coldsnap-trixie-src.list
     uri=$(debian_uri)
     echo "deb-src $uri trixie main" > "$list"
     apt-get update -qq -o Dir::Etc::sourcelist="$list" -o Dir::Etc::sourceparts=- -o APT::Get::List-Cleanup=0
+    mkdir -p "$CACHE_DIR"
     local work
-    work=$(mktemp -d "$CACHE_DIR/criu-build.XXXXXX" 2>/dev/null || { mkdir -p "$CACHE_DIR"; mktemp -d "$CACHE_DIR/criu-build.XXXXXX"; })
-    (cd "$work" && apt-get source -qq --tar-only "criu/trixie" >/dev/null)
+    work=$(mktemp -d "$CACHE_DIR/criu-build.XXXXXX")
+    (cd "$work" && apt-get source -qq --tar-only "criu/trixie" >/dev/null 2>&1)
     tar -C "$work" -xf "$work"/criu_"$CRIU_VERSION".orig.tar.*
-    make -s -C "$work/criu-$CRIU_VERSION" -j"$(nproc)" criu >/dev/null
+    for p in "$here"/scripts/criu/*.patch; do
+      patch -s -d "$work/criu-$CRIU_VERSION" -p1 < "$p"
+    done
+    make -s -C "$work/criu-$CRIU_VERSION" -j"$(nproc)" criu >/dev/null 2>&1 \
+      || { make -C "$work/criu-$CRIU_VERSION" criu 2>&1 | tail -30 >&2; exit 1; }
     rm -rf "$prefix.tmp"; mkdir -p "$prefix.tmp"
     cp "$work/criu-$CRIU_VERSION/criu/criu" "$prefix.tmp/criu"
-    cp -r "$work/criu-$CRIU_VERSION/lib/pycriu" "$prefix.tmp/pycriu" 2>/dev/null || true
     rm -rf "$prefix"; mv "$prefix.tmp" "$prefix"
     rm -rf "$work"
   fi
   install -m 0755 "$prefix/criu" /usr/local/sbin/criu
 }
 
-if have_criu; then
-  log "CRIU $(criu --version | sed -n 's/^Version: //p') already installed"
+if have_good_criu; then
+  log "CRIU $(criu --version | sed -n 's/^Version: //p') already installed and dumps TCP sockets"
 else
+  # The distribution's runtime libraries (and its criu on Debian 13) come from the package
+  # when it is new enough; the patched build then takes precedence in /usr/local/sbin.
   if apt-cache policy criu 2>/dev/null | awk '/Candidate:/ {print $2}' | grep -q '^[4-9]'; then
-    log "installing CRIU from the distribution"
     apt_update
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends criu >/dev/null
-  else
-    build_criu_from_trixie_source
+    hash -r
   fi
+  have_good_criu || build_criu_from_trixie_source
   hash -r
-  have_criu || { echo "CRIU >= 4 could not be installed" >&2; exit 1; }
+  have_good_criu || { echo "CRIU >= 4 that can dump TCP sockets could not be installed (see $CACHE_DIR)" >&2; exit 1; }
 fi
 
 # ---------------------------------------------------------------- dockerd

@@ -1,0 +1,286 @@
+"""``coldsnap-reference-engine``: OpenAI-compatible serving plus a loopback control API.
+
+Serving (rank 0 only): GET /health, GET /v1/models, POST /v1/completions (stream or
+not). Every response closes its connection (HTTP/1.0), so no established socket
+outlives a request — a snapshot never has to carry client connections.
+
+Control (every rank, 127.0.0.1 only, bearer token from a 0600 file): the steps the
+in-unit activation runtime drives — status, quiesce, export, release, resume,
+finish-warm, sleep, wake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import os
+import secrets
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+LOG_PREFIX = "[reference-engine]"
+
+
+def log(msg: str) -> None:
+    print(f"{LOG_PREFIX} {msg}", file=sys.stderr, flush=True)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 64
+
+
+def _json_body(handler: BaseHTTPRequestHandler) -> dict:
+    length = int(handler.headers.get("Content-Length") or 0)
+    if length > 1 << 20:
+        raise ValueError("request body too large")
+    raw = handler.rfile.read(length) if length else b"{}"
+    data = json.loads(raw or b"{}")
+    if not isinstance(data, dict):
+        raise ValueError("request body must be a JSON object")
+    return data
+
+
+def _reply(handler: BaseHTTPRequestHandler, code: int, obj: dict) -> None:
+    body = json.dumps(obj).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.send_header("Connection", "close")
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def make_serving_handler(engine):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+        server_version = "coldsnap-reference"
+
+        def log_message(self, fmt, *args):  # quiet access log
+            pass
+
+        def do_GET(self):
+            if self.path == "/health":
+                ok = engine.state == "ready"
+                _reply(self, 200 if ok else 503, {"status": "ok" if ok else engine.state})
+            elif self.path == "/v1/models":
+                _reply(self, 200, {"object": "list", "data": [
+                    {"id": engine.served_model_name, "object": "model", "owned_by": "coldsnap"}]})
+            else:
+                _reply(self, 404, {"error": {"message": f"no route {self.path}"}})
+
+        def do_POST(self):
+            if self.path != "/v1/completions":
+                _reply(self, 404, {"error": {"message": f"no route {self.path}"}})
+                return
+            if engine.state != "ready":
+                _reply(self, 503, {"error": {"message": f"engine is {engine.state}"}})
+                return
+            try:
+                req = _json_body(self)
+                prompt = req.get("prompt", "")
+                if isinstance(prompt, list):
+                    prompt = prompt[0] if prompt else ""
+                if not isinstance(prompt, str):
+                    raise ValueError("prompt must be a string")
+                max_tokens = int(req.get("max_tokens", 16))
+                if not 1 <= max_tokens <= 4096:
+                    raise ValueError("max_tokens must be 1..4096")
+            except (ValueError, json.JSONDecodeError) as exc:
+                _reply(self, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                return
+            cid = f"cmpl-{uuid.uuid4().hex[:16]}"
+            created = int(time.time())
+            model = req.get("model") or engine.served_model_name
+            if req.get("stream"):
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+
+                def emit(text: str) -> None:
+                    chunk = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                             "choices": [{"text": text, "index": 0, "finish_reason": None, "logprobs": None}]}
+                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    self.wfile.flush()
+
+                try:
+                    engine.generate(prompt, max_tokens, emit=emit)
+                    end = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [{"text": "", "index": 0, "finish_reason": "length", "logprobs": None}]}
+                    self.wfile.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                return
+            try:
+                text = engine.generate(prompt, max_tokens)
+            except ValueError as exc:
+                _reply(self, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                return
+            ntok = len(prompt.encode()) + 1
+            _reply(self, 200, {"id": cid, "object": "text_completion", "created": created, "model": model,
+                               "choices": [{"text": text, "index": 0, "finish_reason": "length", "logprobs": None}],
+                               "usage": {"prompt_tokens": ntok, "completion_tokens": max_tokens,
+                                         "total_tokens": ntok + max_tokens}})
+
+    return Handler
+
+
+def make_control_handler(engine, token: str, state: dict):
+    from coldsnap_engines.reference.engine import EngineStateError
+
+    routes = {
+        "/quiesce": lambda b: engine.quiesce(),
+        "/export": lambda b: engine.export(b["out_dir"], export_pack=bool(b.get("export_pack", True)),
+                                           state_root=b.get("state_root"), model=b["model"]),
+        "/release": lambda b: engine.release(),
+        "/resume": lambda b: engine.resume(b),
+        "/finish-warm": lambda b: engine.finish_warm(b),
+        "/sleep": lambda b: engine.sleep(),
+        "/wake": lambda b: engine.wake(b),
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def log_message(self, fmt, *args):
+            pass
+
+        def _authorized(self) -> bool:
+            got = self.headers.get("Authorization", "")
+            ok = hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
+            if not ok:
+                _reply(self, 401, {"ok": False, "error": "unauthorized"})
+            return ok
+
+        def do_GET(self):
+            if not self._authorized():
+                return
+            if self.path == "/status":
+                _reply(self, 200, {"ok": True, **engine.status(), "pid": os.getpid(), **state})
+            else:
+                _reply(self, 404, {"ok": False, "error": f"no route {self.path}"})
+
+        def do_POST(self):
+            if not self._authorized():
+                return
+            fn = routes.get(self.path)
+            if fn is None:
+                _reply(self, 404, {"ok": False, "error": f"no route {self.path}"})
+                return
+            try:
+                result = fn(_json_body(self))
+                _reply(self, 200, {"ok": True, "state": engine.state, **(result or {})})
+            except EngineStateError as exc:
+                _reply(self, 409, {"ok": False, "error": str(exc), "state": engine.state})
+            except Exception as exc:
+                engine.last_error = f"{type(exc).__name__}: {exc}"
+                log(f"control {self.path} failed: {engine.last_error}")
+                _reply(self, 500, {"ok": False, "error": engine.last_error, "state": engine.state})
+
+    return Handler
+
+
+def write_control_file(path: Path, port: int, token: str) -> None:
+    """Where (and how) the activation runtime reaches this engine; mode 0600."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"port": port, "token": token, "pid": os.getpid()}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def pick_device(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def serve(args: argparse.Namespace) -> int:
+    import torch
+
+    from coldsnap_engines.reference.engine import Engine
+    from coldsnap_engines.reference.transport import Transport
+
+    t0 = time.monotonic()
+    rank = int(os.environ.get("COLDSNAP_RANK", "0"))
+    world = int(os.environ.get("COLDSNAP_WORLD_SIZE", "1"))
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    device = pick_device(args.device)
+    engine = Engine(Path(args.model), device=device, rank=rank, world=world,
+                    served_model_name=args.served_model_name or Path(args.model).name, max_seq=args.max_seq)
+    control_file = os.environ.get("COLDSNAP_CONTROL_FILE")
+    if control_file:
+        token = secrets.token_hex(32)
+        ctl = _Server(("127.0.0.1", 0), make_control_handler(engine, token, {"unit": os.environ.get("COLDSNAP_UNIT")}))
+        threading.Thread(target=ctl.serve_forever, name="coldsnap-control", daemon=True).start()
+        write_control_file(Path(control_file), ctl.server_address[1], token)
+    transport = Transport(rank=rank, world=world, device=device,
+                          endpoint_file=os.environ.get("COLDSNAP_COORDINATOR"),
+                          scope=os.environ.get("COLDSNAP_SCOPE", "local"))
+    log(f"rank {rank}/{world} loading {args.model} on {device}")
+    engine.start(transport)
+    if rank == 0:
+        httpd = _Server((args.host, args.port), make_serving_handler(engine))
+        threading.Thread(target=httpd.serve_forever, name="coldsnap-serving", daemon=True).start()
+        log(f"serving {engine.served_model_name} on http://{args.host}:{args.port} "
+            f"(ready in {time.monotonic() - t0:.2f}s)")
+        threading.Event().wait()
+    else:
+        log(f"rank {rank} ready in {time.monotonic() - t0:.2f}s")
+        engine.worker_loop()
+    return 0
+
+
+def make_model_cmd(args: argparse.Namespace) -> int:
+    from coldsnap_engines.reference.config import PRESETS
+    from coldsnap_engines.reference.weights import make_model
+
+    cfg = PRESETS[args.preset]
+    ident = make_model(Path(args.out), cfg, model_id=args.model_id or f"coldsnap/reference-{args.preset}", seed=args.seed)
+    print(json.dumps(ident, indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("serve", "make-model", "-h", "--help"):
+        argv = ["serve", *argv]
+    from coldsnap_engines.reference.config import PRESETS
+
+    p = argparse.ArgumentParser(prog="coldsnap-reference-engine", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve a model (default)")
+    s.add_argument("--model", required=True, help="directory with config.json and safetensors")
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-seq", type=int, default=None)
+    s.set_defaults(func=serve)
+    m = sub.add_parser("make-model", help="generate deterministic weights as safetensors")
+    m.add_argument("--out", required=True)
+    m.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    m.add_argument("--model-id", default=None)
+    m.add_argument("--seed", type=int, default=0)
+    m.set_defaults(func=make_model_cmd)
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Distributed transport for tensor parallelism: torch.distributed (gloo on CPU,
+NCCL on GPU) whose rendezvous store is the activation's CSKV coordinator.
+
+Because the store is the coordinator, a restored process rebuilds its process
+group with fresh endpoints simply by pointing at the new activation's coordinator
+(``rebind``) and initialising a new generation; no captured socket is reused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+TRANSPORT_ENV_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "UCX_", "TP_SOCKET_IFNAME")
+
+
+def is_transport_env(name: str) -> bool:
+    """Placement variables that may differ between capture and restore hosts."""
+    return name.startswith(TRANSPORT_ENV_PREFIXES)
+
+
+class CoordinatorStore(dist.Store):
+    """torch.distributed Store over CSKV (one TCP connection per call, no background threads)."""
+
+    def __init__(self, client, prefix: str, timeout_s: float = 300.0) -> None:
+        super().__init__()
+        self.client = client
+        self.prefix = prefix
+        self.timeout_ms = int(timeout_s * 1000)
+
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def set(self, key, value):
+        self.client.set(self._k(key), bytes(value) if not isinstance(value, str) else value.encode())
+
+    def get(self, key):
+        return self.client.get(self._k(key), timeout_ms=self.timeout_ms)
+
+    def add(self, key, value):
+        return self.client.add(self._k(key), int(value))
+
+    def wait(self, keys, timeout=None):
+        ms = int(timeout.total_seconds() * 1000) if isinstance(timeout, datetime.timedelta) else self.timeout_ms
+        for k in keys:
+            self.client.get(self._k(k), timeout_ms=ms)
+
+    def check(self, keys):
+        return all(self.client.get(self._k(k), timeout_ms=0) is not None for k in keys)
+
+    def delete_key(self, key):
+        return self.client.delete(self._k(key))
+
+    def compare_set(self, key, expected, desired):
+        # Used only by some backends' rendezvous; the coordinator has no CAS, so emulate the
+        # common "set if absent" case atomically enough for one-writer keys.
+        current = self.client.get(self._k(key), timeout_ms=0)
+        exp = expected if isinstance(expected, bytes) else bytes(expected)
+        if current is None and not exp or current == exp:
+            self.set(key, desired)
+            return bytes(desired) if not isinstance(desired, str) else desired.encode()
+        return current if current is not None else exp
+
+    def num_keys(self):
+        raise NotImplementedError("num_keys is not supported by the CSKV store")
+
+
+class Transport:
+    """The engine's process group, re-creatable after a snapshot."""
+
+    def __init__(self, *, rank: int, world: int, device: str, endpoint_file: str | None, scope: str) -> None:
+        self.rank = rank
+        self.world = world
+        self.device = device
+        self.endpoint_file = endpoint_file
+        self.scope = scope
+        self.backend = "gloo" if device == "cpu" else "nccl"
+        self.active = False
+
+    def _client(self):
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import CoordinatorClient
+
+        return CoordinatorClient.from_endpoint_file(self.endpoint_file)
+
+    def init(self, generation: int) -> None:
+        if self.world == 1:
+            return
+        if not self.endpoint_file:
+            raise RuntimeError("tensor parallelism needs the coordinator endpoint (COLDSNAP_COORDINATOR)")
+        store = CoordinatorStore(self._client(), prefix=f"transport/{generation}/")
+        if self.backend == "nccl":
+            torch.cuda.set_device(torch.device(self.device))
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world,
+                                timeout=datetime.timedelta(seconds=300))
+        self.active = True
+
+    def rebind(self, endpoint_file: str, env: dict[str, str]) -> None:
+        """Point at the restore activation's coordinator and apply the destination's transport env."""
+        self.endpoint_file = endpoint_file
+        for name in [n for n in os.environ if is_transport_env(n)]:
+            if name not in env:
+                del os.environ[name]
+        os.environ.update(env)
+
+    def release(self) -> None:
+        if not self.active:
+            return
+        dist.barrier()
+        dist.destroy_process_group()
+        self.active = False
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        dist.all_reduce(x)
+
+    def _dev(self) -> str:
+        return "cpu" if self.backend == "gloo" else self.device
+
+    def broadcast_command(self, op: int, ids: list[int], max_tokens: int) -> None:
+        header = torch.tensor([op, len(ids), max_tokens], dtype=torch.long, device=self._dev())
+        dist.broadcast(header, 0)
+        if ids:
+            dist.broadcast(torch.tensor(ids, dtype=torch.long, device=self._dev()), 0)
+
+    def recv_command(self) -> tuple[int, list[int], int]:
+        header = torch.zeros(3, dtype=torch.long, device=self._dev())
+        dist.broadcast(header, 0)
+        op, n, max_tokens = (int(v) for v in header.tolist())
+        ids: list[int] = []
+        if n:
+            buf = torch.zeros(n, dtype=torch.long, device=self._dev())
+            dist.broadcast(buf, 0)
+            ids = [int(v) for v in buf.tolist()]
+        return op, ids, max_tokens
