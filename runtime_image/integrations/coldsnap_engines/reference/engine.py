@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -194,7 +196,8 @@ class Engine:
             cache = NodeCache(Path(state_root)) if (export_pack and state_root) else None
             with self.timing.span("engine.payload.export") as sp:
                 result = write_worker_payload(Path(out_dir), self.loaded.allocations(), self.loaded.extents,
-                                              self.loaded, export_pack=export_pack, cache=cache, model=model)
+                                              self.loaded, export_pack=export_pack, cache=cache, model=model,
+                                              safetensors_dir=self.model_dir)
                 sp["attrs"]["model_bytes"] = result.model_bytes
             return {"payload": _payload_json(result), "spans": self.timing.spans}
 
@@ -215,19 +218,23 @@ class Engine:
         """After restore: re-create arenas at their addresses, rebuild the transport,
         hydrate (unless warm), re-create a zeroed KV cache."""
         with self.state_lock:
-            self._expect("released", "sleeping")
+            self._expect("released")
             self.timing = Timing([])
             self.restores += 1
+            # The workload log was reset before CRIU ran: this marker is its first line.
+            print(json.dumps({"coldsnap": "restore-boundary", "operation_id": spec.get("operation_id"),
+                              "restores": self.restores, "provider": spec.get("provider"),
+                              "warm": bool(spec.get("warm")), "wall_unix": time.time()}),
+                  file=sys.stderr, flush=True)
             with self.timing.span("engine.arenas.recreate"):
                 for a in self.loaded.arenas.values():
                     a.recreate()
                     if a.current_address() != a.address:
                         raise EngineStateError(f"arena {a.id} moved from {a.address:#x} to {a.current_address():#x}")
-            if self.state == "released":
-                with self.timing.span("engine.transport.rebuild"):
-                    if self.world > 1:
-                        self.transport.rebind(spec["coordinator_endpoint"], spec.get("transport_env", {}))
-                    self.transport.init(generation=spec.get("generation", self.restores))
+            with self.timing.span("engine.transport.rebuild"):
+                if self.world > 1:
+                    self.transport.rebind(spec["coordinator_endpoint"], spec.get("transport_env", {}))
+                self.transport.init(generation=spec.get("generation", self.restores))
             if spec.get("warm"):
                 self.state = "warm"
                 return {"spans": self.timing.spans}

@@ -29,7 +29,7 @@ class CoordinatorStore(dist.Store):
         super().__init__()
         self.client = client
         self.prefix = prefix
-        self.timeout_ms = int(timeout_s * 1000)
+        self.timeout_s = timeout_s
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -38,18 +38,18 @@ class CoordinatorStore(dist.Store):
         self.client.set(self._k(key), bytes(value) if not isinstance(value, str) else value.encode())
 
     def get(self, key):
-        return self.client.get(self._k(key), timeout_ms=self.timeout_ms)
+        return self.client.get(self._k(key), timeout=self.timeout_s)
 
     def add(self, key, value):
         return self.client.add(self._k(key), int(value))
 
     def wait(self, keys, timeout=None):
-        ms = int(timeout.total_seconds() * 1000) if isinstance(timeout, datetime.timedelta) else self.timeout_ms
+        secs = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else self.timeout_s
         for k in keys:
-            self.client.get(self._k(k), timeout_ms=ms)
+            self.client.get(self._k(k), timeout=secs)
 
     def check(self, keys):
-        return all(self.client.get(self._k(k), timeout_ms=0) is not None for k in keys)
+        return all(self.client.try_get(self._k(k)) is not None for k in keys)
 
     def delete_key(self, key):
         return self.client.delete(self._k(key))
@@ -57,7 +57,7 @@ class CoordinatorStore(dist.Store):
     def compare_set(self, key, expected, desired):
         # Used only by some backends' rendezvous; the coordinator has no CAS, so emulate the
         # common "set if absent" case atomically enough for one-writer keys.
-        current = self.client.get(self._k(key), timeout_ms=0)
+        current = self.client.try_get(self._k(key))
         exp = expected if isinstance(expected, bytes) else bytes(expected)
         if current is None and not exp or current == exp:
             self.set(key, desired)
@@ -83,7 +83,7 @@ class Transport:
     def _client(self):
         from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import CoordinatorClient
 
-        return CoordinatorClient.from_endpoint_file(self.endpoint_file)
+        return CoordinatorClient.from_file(self.endpoint_file)
 
     def init(self, generation: int) -> None:
         if self.world == 1:

@@ -1,0 +1,87 @@
+"""The activation runtime on a host: content-addressed staging and digest checks.
+
+``<state_root>/activation-runtime/sha256/<digest>/`` holds one exact copy of the
+runtime files; the digest covers every file's path, mode bit (x) and bytes, so a
+changed file is a different runtime and a tampered copy is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
+
+SKIP = ("__pycache__", ".pyc", ".pytest_cache")
+
+
+def _files(root: Path) -> list[Path]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP)
+        for f in sorted(filenames):
+            if not f.endswith(SKIP) and not f.startswith("."):
+                out.append(Path(dirpath) / f)
+    return sorted(out, key=lambda p: p.relative_to(root).as_posix())
+
+
+def tree_digest(root: Path) -> str:
+    """``sha256:<hex>`` over (relative path, executable bit, content) of every file."""
+    root = Path(root)
+    h = hashlib.sha256()
+    for f in _files(root):
+        rel = f.relative_to(root).as_posix().encode()
+        mode = b"x" if os.access(f, os.X_OK) else b"-"
+        data = f.read_bytes()
+        h.update(len(rel).to_bytes(4, "big") + rel + mode + len(data).to_bytes(8, "big"))
+        h.update(data)
+    return "sha256:" + h.hexdigest()
+
+
+def staged_path(state_root: Path, digest: str) -> Path:
+    return Path(state_root) / "activation-runtime" / "sha256" / parse_digest(digest, what="activation runtime digest")
+
+
+def stage(source: Path, state_root: Path) -> tuple[str, Path, bool]:
+    """Copy ``source`` into the content-addressed store; (digest, path, changed)."""
+    digest = tree_digest(source)
+    final = staged_path(state_root, digest)
+    if final.is_dir() and tree_digest(final) == digest:
+        return digest, final, False
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    for f in _files(source):
+        dst = tmp / f.relative_to(source)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(f, dst)
+    if tree_digest(tmp) != digest:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise IntegrityError(f"activation runtime copy from {source} changed while staging",
+                             fix="stage again once the source is stable")
+    for dirpath, _dirs, files in os.walk(tmp):
+        os.chmod(dirpath, 0o755)
+        for f in files:
+            p = os.path.join(dirpath, f)
+            os.chmod(p, 0o755 if os.access(p, os.X_OK) else 0o644)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    return digest, final, True
+
+
+def require_staged(state_root: Path, digest: str) -> Path:
+    """The staged runtime for ``digest``, verified; refuse a missing or altered copy."""
+    path = staged_path(state_root, digest)
+    if not path.is_dir():
+        raise IntegrityError(f"activation runtime {digest} is not staged at {path}",
+                             fix="run the coldsnap.fleet.activation role (or stage it with the unit module)")
+    got = tree_digest(path)
+    if got != digest:
+        raise IntegrityError(f"staged activation runtime at {path} has digest {got}, expected {digest}",
+                             fix=f"remove {path} and stage it again")
+    return path

@@ -1,0 +1,71 @@
+"""Restore admission: can this host run that captured unit? Decided before eviction.
+
+Placement (hostname, IPs, GPU UUIDs/ordinals, mount sources, transport env) may
+change; process architecture, GPU model, compute capability, GPU count, CRIU,
+the snapshot driver's minimum and (by default) the captured driver floor may not.
+The kernel release is provenance: ``criu check`` decides, unless policy says exact.
+"""
+
+from __future__ import annotations
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import (
+    SNAPSHOT_DRIVERS,
+    admit_driver,
+    nvidia_major,
+)
+
+
+def admit_unit(*, artifact: dict, unit_id: str, facts: dict, devices: list[int], host: str) -> dict:
+    """Return the admission record for one unit on one host, or raise AdmissionError."""
+    platform = next(p for p in artifact["compatibility"]["units"] if p["unit"] == unit_id)
+    policy = artifact["policy"]["compatibility"]
+    where = f"unit {unit_id} on {host}"
+    if facts["arch"] != platform["arch"]:
+        raise AdmissionError(f"{where}: CPU architecture {facts['arch']} differs from the capture's {platform['arch']}",
+                             fix="restore onto a host with the captured architecture")
+    crit = facts.get("criu", {})
+    if not crit.get("installed"):
+        raise AdmissionError(f"{where}: CRIU is not installed", fix="run scripts/install-system.sh on the host")
+    if crit.get("check") is False:
+        raise AdmissionError(f"{where}: 'criu check' fails: {(crit.get('check_output') or '')[-300:]}",
+                             fix="use a kernel with the features CRIU needs, or another host")
+    if artifact["runtime"]["kind"] == "host" and crit.get("version") != platform["criu_version"]:
+        raise AdmissionError(f"{where}: CRIU {crit.get('version')} differs from the captured {platform['criu_version']}",
+                             fix="install the captured CRIU version (runtime 'host' pins it with the environment)")
+    if policy["kernel"] == "exact" and facts["kernel"] != platform["kernel"]:
+        raise AdmissionError(f"{where}: kernel {facts['kernel']} differs from the captured {platform['kernel']} "
+                             "and policy.compatibility.kernel is 'exact'",
+                             fix="restore on the captured kernel, or set policy.compatibility.kernel to 'capability'")
+    captured_gpus = platform.get("gpus", [])
+    record = {"unit": unit_id, "host": host, "arch": facts["arch"], "kernel": facts["kernel"], "row": None}
+    if captured_gpus:
+        host_gpus = {g["index"]: g for g in facts.get("gpus", [])}
+        if len(devices) != len(captured_gpus):
+            raise AdmissionError(f"{where}: {len(devices)} GPU(s) assigned, the capture used {len(captured_gpus)}",
+                                 fix="assign as many devices as the captured unit had")
+        for slot, (ordinal, cap) in enumerate(zip(devices, captured_gpus, strict=True)):
+            g = host_gpus.get(ordinal)
+            if g is None:
+                raise AdmissionError(f"{where}: GPU ordinal {ordinal} (slot {slot}) does not exist on the host",
+                                     fix="use device ordinals the host has")
+            if g["model"] != cap["model"]:
+                raise AdmissionError(f"{where}: GPU {ordinal} is {g['model']}, the capture ran on {cap['model']}",
+                                     fix="restore onto the captured GPU model")
+            if g["compute_capability"] != cap["compute_capability"]:
+                raise AdmissionError(f"{where}: GPU {ordinal} has compute capability {g['compute_capability']}, "
+                                     f"the capture {cap['compute_capability']}", fix="restore onto the captured GPU model")
+        driver = facts.get("nvidia_driver")
+        floor = artifact["snapshot_driver"].get("captured_nvidia_driver")
+        if policy["enforce_captured_driver_floor"] and floor and driver and nvidia_major(driver) < nvidia_major(floor):
+            raise AdmissionError(f"{where}: NVIDIA driver {driver} is older than the captured floor {floor}",
+                                 fix="upgrade the driver, or set policy.compatibility.enforce_captured_driver_floor "
+                                     "to false (the snapshot driver's own minimum still applies)")
+        workers = [w for w in artifact["launch"]["execution"]["workers"] if w["unit"] == unit_id]
+        adm = admit_driver(artifact["snapshot_driver"]["id"], nvidia_driver=driver, gpu_workers_per_unit=len(workers))
+        record["row"] = adm.row
+        record["nvidia_driver"] = driver
+    else:
+        record["row"] = f"{artifact['snapshot_driver']['id']}-cpu"
+    record["snapshot_driver"] = SNAPSHOT_DRIVERS[artifact["snapshot_driver"]["id"]].id
+    return record

@@ -1,0 +1,150 @@
+"""Assemble artifact format 9 from a capture's evidence and commit it atomically.
+
+Capture has ``conflict-on-existing-output`` semantics: an artifact already at the
+output path is never replaced; committing the identical document again is a no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
+    atomic_writer,
+    exclusive_commit,
+    temp_path_for,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS, admit_driver
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import identity, request_sha256
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
+    ACTIVATION_RUNTIME_ABI,
+    ARTIFACT_FORMAT,
+    ARTIFACT_KIND,
+)
+
+ARTIFACT_FILE = "artifact.json"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+def build_artifact(request: dict, *, capture_id: str, evidence: dict[str, dict], facts: dict[str, dict],
+                   capsules: dict[str, dict], activation_digest: str) -> dict:
+    """Artifact v9 for ``request`` from per-unit evidence, host facts and capsule refs (keyed by unit id)."""
+    launch = request["launch"]
+    driver_id = request["snapshot_driver"]["id"]
+    units = launch["units"]
+    platforms = []
+    nvidia = None
+    row = f"{driver_id}-cpu"
+    for u in units:
+        f = facts[u["id"]]
+        gpus = []
+        by_index = {g["index"]: g for g in f.get("gpus", [])}
+        for ordinal in u["devices"]:
+            g = by_index.get(ordinal)
+            if g is None:
+                raise ColdSnapError(f"unit {u['id']}: GPU {ordinal} was not found on {u['host']} at capture")
+            gpus.append({"model": g["model"], "compute_capability": g["compute_capability"],
+                         "nvidia_driver": g["nvidia_driver"], "memory_mib": g.get("memory_mib", 0)})
+        if gpus:
+            nvidia = f.get("nvidia_driver")
+            workers = [w for w in launch["execution"]["workers"] if w["unit"] == u["id"]]
+            row = admit_driver(driver_id, nvidia_driver=nvidia, gpu_workers_per_unit=len(workers)).row
+        platforms.append({"unit": u["id"], "arch": f["arch"], "kernel": f["kernel"], "cpu_model": f.get("cpu_model", ""),
+                          "criu_version": evidence[u["id"]]["criu_version"], "gpus": gpus})
+    weights = []
+    for w in launch["execution"]["workers"]:
+        ev = evidence[w["unit"]]
+        wev = next(x for x in ev["workers"] if x["worker"] == w["id"])
+        pl = wev["payload"]
+        prefix = f"workers/{w['id']}/"
+        weights.append({
+            "worker": w["id"], "unit": w["unit"], "rank": w["rank"], "role": "model",
+            "payload": ({"owner": w["id"], "size": pl["pack"]["size"], "sha256": pl["pack"]["sha256"],
+                         "path": pl["pack"]["path"]} if pl.get("pack") else None),
+            "residual": {**_rel(pl["residual"], prefix)},
+            "manifest": {**_rel(pl["manifest"], prefix)},
+            "replay": {**_rel(pl["replay"], prefix)},
+            "allocations": pl["allocations"], "model_bytes": pl["model_bytes"], "residual_bytes": pl["residual_bytes"],
+        })
+    serving = [e for e in evidence.values() if e.get("reply") is not None]
+    reply = serving[0]["reply"] if serving else next(iter(evidence.values())).get("acceptance_reply") or ""
+    val = request["validation"]
+    artifact = {
+        "format": ARTIFACT_FORMAT, "kind": ARTIFACT_KIND, "state": "accepted", "capture_id": capture_id,
+        "created_at": _now(), "request_sha256": request_sha256(request), "identity": identity(request),
+        "snapshot_driver": {"id": driver_id, "abi": SNAPSHOT_DRIVERS[driver_id].abi, "row": row,
+                            "captured_nvidia_driver": nvidia},
+        "launch": launch,
+        "policy": {"process": request["policy"]["process"], "compatibility": request["policy"]["compatibility"],
+                   "cache": request["policy"]["cache"]},
+        "compatibility": {"units": platforms},
+        "capsule": {"units": [capsules[u["id"]] for u in units]},
+        "runtime": {"kind": launch["runtime"],
+                    "activation_runtime": {"abi": ACTIVATION_RUNTIME_ABI, "digest": activation_digest},
+                    "criu_version": platforms[0]["criu_version"]},
+        "weights": {"workers": weights, "providers": {
+            "native": {"repository": request["policy"]["weights"]["native"]["repository"],
+                       "revision": request["policy"]["weights"]["native"]["revision"]},
+            "recovery": {"enabled": request["policy"]["weights"]["recovery"]["enabled"],
+                         "source": launch["model"]["source"],
+                         "model": {"id": launch["model"]["id"], "revision": launch["model"]["revision"]}}}},
+        "acceptance": {"prompt": val["prompt"], "max_tokens": val["max_tokens"], "reply": reply,
+                       "reply_sha256": "sha256:" + hashlib.sha256(reply.encode()).hexdigest(),
+                       "validated_at": _now(),
+                       "evidence": {uid: {"readiness": e.get("readiness"), "host": e.get("host")}
+                                    for uid, e in evidence.items()}},
+        "parent": None,
+    }
+    return validate_artifact(artifact)
+
+
+def _rel(ref: dict, prefix: str) -> dict:
+    path = ref["path"]
+    name = os.path.basename(path)
+    return {"path": prefix + name, "size": ref["size"], "sha256": ref["sha256"]}
+
+
+def _same_except_times(a: dict, b: dict) -> bool:
+    strip = lambda d: {**d, "created_at": "", "acceptance": {**d["acceptance"], "validated_at": ""}}  # noqa: E731
+    return strip(a) == strip(b)
+
+
+def commit_artifact(artifact_dir: Path, artifact: dict) -> tuple[Path, bool]:
+    """Commit ``artifact`` as <artifact_dir>/artifact.json; (path, changed). Never replaces another one."""
+    artifact_dir = Path(artifact_dir)
+    final = artifact_dir / ARTIFACT_FILE
+    if final.exists():
+        existing = json.loads(final.read_text())
+        if _same_except_times(existing, artifact):
+            return final, False
+        raise ColdSnapError(
+            f"{final} already holds artifact {existing.get('capture_id')!r}; capture never replaces an artifact",
+            fix="choose a new output.artifact_dir (capture semantics: conflict-on-existing-output)")
+    artifact_dir.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path_for(final)
+    data = (json.dumps(artifact, indent=2, sort_keys=True) + "\n").encode()
+    with atomic_writer(tmp, mode=0o644) as fh:
+        fh.write(data)
+    try:
+        exclusive_commit(tmp, final)
+    except FileExistsError:
+        raise ColdSnapError(f"{final} appeared while committing", fix="choose a new output.artifact_dir") from None
+    return final, True
+
+
+def load_committed(path: Path) -> dict:
+    """Read and validate a committed artifact descriptor."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+
+    try:
+        return load_artifact(Path(path).read_bytes(), document=str(path))
+    except FileNotFoundError:
+        raise ColdSnapError(f"artifact {path} does not exist", fix="give the artifact.json a capture committed") from None

@@ -1,0 +1,149 @@
+"""Driving CRIU: version, ``criu check``, dump and restore with the options ColdSnap needs.
+
+Established TCP connections are never carried (``--tcp-close``): an engine's
+clients reconnect, and the distributed transport is torn down before a dump and
+rebuilt after a restore through the coordinator.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError, ColdSnapError
+
+MIN_MAJOR = 4
+# CRIU prints this on hosts whose bounding set lacks CAP_SYS_RESOURCE; it is harmless.
+HARMLESS = ("Can't setup RLIMIT_NOFILE",)
+
+
+@dataclass(frozen=True)
+class Criu:
+    """A CRIU binary and its version."""
+
+    binary: str
+    version: str
+
+    @property
+    def major(self) -> int:
+        return int(self.version.split(".")[0])
+
+
+def find_criu(binary: str | None = None) -> Criu:
+    """Locate CRIU (>= 4); raise with the install fix otherwise."""
+    path = binary or os.environ.get("COLDSNAP_CRIU") or shutil.which("criu") or (
+        "/usr/local/sbin/criu" if os.path.exists("/usr/local/sbin/criu") else None)
+    if not path:
+        raise ColdSnapError("CRIU is not installed on this host",
+                            fix="run scripts/install-system.sh (installs CRIU >= 4) or set COLDSNAP_CRIU")
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except OSError as exc:
+        raise ColdSnapError(f"cannot run CRIU at {path}: {exc}", fix="check the binary and its libraries") from exc
+    m = re.search(r"^Version:\s*(\S+)", out, re.M)
+    if not m:
+        raise ColdSnapError(f"cannot read the version of {path}", fix="install CRIU >= 4")
+    criu = Criu(path, m.group(1))
+    if criu.major < MIN_MAJOR:
+        raise ColdSnapError(f"CRIU {criu.version} at {path} is too old (need >= {MIN_MAJOR})",
+                            fix="run scripts/install-system.sh, which builds CRIU 4.1.1")
+    return criu
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    ok: bool
+    output: str
+    failing: tuple[str, ...]
+
+
+def criu_check(criu: Criu) -> CheckResult:
+    """Run ``criu check``; name the failing features when it fails."""
+    r = subprocess.run([criu.binary, "check"], capture_output=True, text=True, timeout=120)
+    out = (r.stdout + r.stderr).strip()
+    lines = [ln for ln in out.splitlines() if ln.strip() and not any(h in ln for h in HARMLESS)]
+    ok = r.returncode == 0 and "Looks good" in out
+    failing = tuple(ln.strip() for ln in lines if "Error" in ln or "fail" in ln.lower()) if not ok else ()
+    return CheckResult(ok, "\n".join(lines), failing)
+
+
+def require_check(criu: Criu, host: str = "this host") -> None:
+    """Admission: refuse a host whose kernel fails ``criu check``, naming the feature."""
+    res = criu_check(criu)
+    if not res.ok:
+        detail = "; ".join(res.failing[:5]) or res.output[-300:]
+        raise AdmissionError(f"'criu check' fails on {host}: {detail}",
+                             fix="use a kernel with the features CRIU lists, or another host")
+
+
+def log_errors(log_path: Path, limit: int = 8) -> list[str]:
+    """The meaningful error lines of a CRIU log."""
+    try:
+        text = Path(log_path).read_text(errors="replace")
+    except OSError:
+        return []
+    errs = [ln.strip() for ln in text.splitlines() if "Error" in ln and not any(h in ln for h in HARMLESS)]
+    return errs[-limit:]
+
+
+def _run(criu: Criu, args: list[str], log_path: Path, what: str, timeout: float) -> float:
+    t0 = time.monotonic()
+    r = subprocess.run([criu.binary, *args], capture_output=True, text=True, timeout=timeout)
+    elapsed = time.monotonic() - t0
+    if r.returncode != 0:
+        errs = log_errors(log_path) or [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()][-5:]
+        raise ColdSnapError(f"CRIU {what} failed: {' | '.join(errs) or 'no error lines'}",
+                            fix=f"see {log_path} for the full CRIU log")
+    return elapsed
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    images_dir: str
+    bytes: int
+    seconds: float
+
+
+def dump(criu: Criu, pid: int, images_dir: Path, *, leave_running: bool = False, timeout: float = 600) -> DumpResult:
+    """Checkpoint the process tree rooted at ``pid`` into ``images_dir``."""
+    images_dir = Path(images_dir)
+    images_dir.mkdir(parents=True, exist_ok=True)
+    args = ["dump", "-t", str(pid), "-D", str(images_dir), "-o", "dump.log", "-v2",
+            "--tcp-close", "--skip-in-flight", "--file-locks"]
+    if leave_running:
+        args.append("--leave-running")
+    secs = _run(criu, args, images_dir / "dump.log", "dump", timeout)
+    size = sum(f.stat().st_size for f in images_dir.iterdir() if f.is_file())
+    return DumpResult(str(images_dir), size, secs)
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    pid: int
+    seconds: float
+
+
+def restore(criu: Criu, images_dir: Path, *, leave_stopped: bool = False, sibling: bool = False,
+            timeout: float = 600) -> RestoreResult:
+    """Restore the tree detached (``sibling``: as a child of the caller, for supervisors)."""
+    images_dir = Path(images_dir)
+    pidfile = images_dir / "restore.pid"
+    pidfile.unlink(missing_ok=True)
+    args = ["restore", "-D", str(images_dir), "-o", "restore.log", "-v2", "-d", "--pidfile", str(pidfile),
+            "--tcp-close", "--file-locks"]
+    if leave_stopped:
+        args.append("--leave-stopped")
+    if sibling:
+        args.append("--restore-sibling")
+    secs = _run(criu, args, images_dir / "restore.log", "restore", timeout)
+    return RestoreResult(int(pidfile.read_text().strip()), secs)
+
+
+def image_bytes(images_dir: Path) -> int:
+    """Total size of a CRIU image directory."""
+    return sum(f.stat().st_size for f in Path(images_dir).iterdir() if f.is_file())

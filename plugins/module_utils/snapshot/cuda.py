@@ -1,0 +1,80 @@
+"""CUDA checkpoint through the driver API (cuda-python's ``cuda.bindings.driver``).
+
+The sequence verified on an H200 (driver 580): lock -> checkpoint (GPU memory is
+released into host memory that CRIU then dumps) ... CRIU dump/restore ... restore
+-> unlock. A failed lock or checkpoint leaves the process unlocked and running.
+"""
+
+from __future__ import annotations
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+
+def _driver():
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError as exc:
+        raise ColdSnapError("cuda-python is not installed on this host, so CUDA state cannot be checkpointed",
+                            fix="pip install 'cuda-python>=12.6' (the 'gpu' extra of coldsnap)") from exc
+    return cu
+
+
+def _call(cu, what: str, result) -> object:
+    err = result[0] if isinstance(result, tuple) else result
+    if err != cu.CUresult.CUDA_SUCCESS:
+        name = cu.cuGetErrorName(err)[1]
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        raise ColdSnapError(f"{what} failed: {name}")
+    return result[1] if isinstance(result, tuple) and len(result) > 1 else None
+
+
+def _init(cu) -> None:
+    _call(cu, "cuInit", cu.cuInit(0))
+
+
+def state(pid: int) -> str:
+    """'running', 'locked', 'checkpointed' or 'failed'."""
+    cu = _driver()
+    _init(cu)
+    st = _call(cu, f"cuCheckpointProcessGetState({pid})", cu.cuCheckpointProcessGetState(pid))
+    return str(st).rsplit("_", 1)[-1].lower()
+
+
+def uses_cuda(pid: int) -> bool:
+    """True when ``pid`` holds a CUDA context (it maps the NVIDIA device files)."""
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            return any("/dev/nvidia" in line for line in fh)
+    except OSError:
+        return False
+
+
+def checkpoint(pid: int, *, lock_timeout_ms: int = 30000) -> None:
+    """Lock the process's CUDA API and move its GPU state to host memory.
+
+    On any failure the process is unlocked again and keeps running (FAULTS 21).
+    """
+    cu = _driver()
+    _init(cu)
+    args = cu.CUcheckpointLockArgs()
+    args.timeoutMs = lock_timeout_ms
+    _call(cu, f"cuCheckpointProcessLock({pid})", cu.cuCheckpointProcessLock(pid, args))
+    try:
+        _call(cu, f"cuCheckpointProcessCheckpoint({pid})", cu.cuCheckpointProcessCheckpoint(pid, None))
+    except ColdSnapError:
+        _call(cu, f"cuCheckpointProcessUnlock({pid})", cu.cuCheckpointProcessUnlock(pid, None))
+        raise
+
+
+def restore(pid: int) -> None:
+    """Bring GPU state back after the CRIU restore (fatal for the process if it fails)."""
+    cu = _driver()
+    _init(cu)
+    _call(cu, f"cuCheckpointProcessRestore({pid})", cu.cuCheckpointProcessRestore(pid, None))
+
+
+def unlock(pid: int) -> None:
+    """Let the restored process use CUDA again."""
+    cu = _driver()
+    _init(cu)
+    _call(cu, f"cuCheckpointProcessUnlock({pid})", cu.cuCheckpointProcessUnlock(pid, None))

@@ -1,0 +1,91 @@
+"""Pre-restore checks that a captured process can come back here: its listening
+ports and its pids must be free. Both fail fast, before anything is evicted."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
+
+
+def listeners_of(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of the TCP sockets ``pid`` listens on (IPv4 and IPv6)."""
+    inodes = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in fd_dir.iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+                parts = line.split()
+                if parts[3] != "0A" or parts[9] not in inodes:  # 0A = LISTEN
+                    continue
+                addr_hex, port_hex = parts[1].split(":")
+                found.append((_decode_addr(addr_hex, family), int(port_hex, 16)))
+    return sorted(set(found))
+
+
+def _decode_addr(hexaddr: str, family: int) -> str:
+    raw = bytes.fromhex(hexaddr)
+    if family == socket.AF_INET:
+        return socket.inet_ntop(family, raw[::-1])
+    words = [raw[i: i + 4][::-1] for i in range(0, 16, 4)]
+    return socket.inet_ntop(family, b"".join(words))
+
+
+def port_holder(port: int) -> str:
+    """Best-effort 'pid N (comm)' of a process listening on ``port``."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for _addr, p in listeners_of(int(proc.name)):
+                if p == port:
+                    comm = (proc / "comm").read_text().strip()
+                    return f"pid {proc.name} ({comm})"
+    return "another process"
+
+
+def require_ports_free(listeners: list[tuple[str, int]], *, unit: str) -> None:
+    """Every captured listener must be bindable again, or restore stops here."""
+    for addr, port in listeners:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((addr, port))
+        except OSError as exc:
+            raise AdmissionError(
+                f"unit {unit}: captured listening port {addr}:{port} is taken on this host by {port_holder(port)} "
+                f"({exc.strerror})",
+                fix="stop the process that holds the port (the workload being replaced is evicted only after "
+                    "prepare-only passes), or restore onto a host where the port is free",
+            ) from None
+        finally:
+            s.close()
+
+
+def tids_of(pid: int) -> list[int]:
+    """Thread ids of ``pid`` (CRIU restores each at its captured id)."""
+    return sorted(int(t.name) for t in Path(f"/proc/{pid}/task").iterdir())
+
+
+def require_pids_free(pids: list[int], *, unit: str) -> None:
+    """CRIU restores processes and threads with their captured ids: they must be unused here."""
+    for pid in pids:
+        if Path(f"/proc/{pid}").exists():
+            comm = "?"
+            with contextlib.suppress(OSError):
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            raise AdmissionError(
+                f"unit {unit}: captured pid {pid} is in use on this host by {comm!r}",
+                fix="CRIU restores processes with their captured pids; stop that process, or use the docker "
+                    "runtime (a fresh pid namespace per unit)",
+            )

@@ -1,0 +1,27 @@
+"""``python -m coldsnap_activation {capture,restore,warm,sleep,wake,status,finish-warm} --spec FILE``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="coldsnap_activation")
+    p.add_argument("operation", choices=("capture", "restore", "warm", "sleep", "wake", "status", "finish-warm"))
+    p.add_argument("--spec", required=True, type=Path, help="unit spec JSON written by the module")
+    p.add_argument("--evidence", type=Path, default=None, help="write evidence JSON here (default stdout)")
+    args = p.parse_args(argv)
+    from coldsnap_activation.sequence import main_run
+    from coldsnap_activation.spec import UnitSpec
+
+    spec = UnitSpec.load(args.spec)
+    if spec.operation != args.operation:
+        print(f"spec is for {spec.operation!r}, not {args.operation!r}", file=sys.stderr)
+        return 2
+    return main_run(spec, args.evidence)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
