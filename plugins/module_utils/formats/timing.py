@@ -125,6 +125,28 @@ class SpanRecorder:
                                    {**record["attrs"], "status": record["status"],
                                     "duration_ns": record["end_ns"] - start}))
 
+    def start_span(self, name: str, *, parent_id: str | None = None, **attrs: Any) -> dict:
+        """Open a span that :meth:`end_span` closes later (begin and end seen in different callbacks)."""
+        with self._lock:
+            span_id = f"{self.prefix}{self.clock}/{next(self._ids)}"
+        start = time.monotonic_ns()
+        record = {"span_id": span_id, "parent_id": parent_id, "name": name, "host": self.host, "unit": self.unit,
+                  "clock": self.clock, "start_ns": start, "end_ns": None, "wall_start_unix_ns": time.time_ns(),
+                  "status": "ok", "attrs": dict(attrs)}
+        self._emit(self._event("span-start", name, span_id, parent_id, start, dict(attrs)))
+        return record
+
+    def end_span(self, record: dict, *, status: str = "ok", **attrs: Any) -> None:
+        """Close a span opened by :meth:`start_span`; extra attributes are merged into its attrs."""
+        record["end_ns"] = time.monotonic_ns()
+        record["status"] = status
+        record["attrs"].update(attrs)
+        with self._lock:
+            self.spans.append(record)
+        self._emit(self._event("span-end", record["name"], record["span_id"], record["parent_id"], record["end_ns"],
+                               {**record["attrs"], "status": status,
+                                "duration_ns": record["end_ns"] - record["start_ns"]}))
+
     def add_span(self, name: str, start_ns: int, end_ns: int, **attrs: Any) -> None:
         """Record a span measured elsewhere on this same clock."""
         with self._lock:

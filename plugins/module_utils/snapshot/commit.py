@@ -106,6 +106,21 @@ def build_artifact(request: dict, *, capture_id: str, evidence: dict[str, dict],
     return validate_artifact(artifact)
 
 
+def by_unit(request: dict, evidence: list[dict], facts_by_host: dict[str, dict],
+            capsules: list[dict]) -> tuple[dict, dict, dict]:
+    """Key the plays' per-host results by unit id; refuse a capture with a unit missing."""
+    units = request["launch"]["units"]
+    ev = {e["unit"]: e for e in evidence}
+    caps = {c["unit"]: c for c in capsules if c}
+    missing = [u["id"] for u in units if u["id"] not in ev or u["id"] not in caps or u["host"] not in facts_by_host]
+    if missing:
+        raise ColdSnapError(f"capture results are missing for unit(s) {missing}",
+                            fix="every unit host must complete unit_capture, capsule_build and host_facts")
+    facts = {u["id"]: facts_by_host[u["host"]] for u in units}
+    capsules_out = {u["id"]: {**caps[u["id"]], "host": u["host"]} for u in units}
+    return ev, facts, capsules_out
+
+
 def _rel(ref: dict, prefix: str) -> dict:
     path = ref["path"]
     name = os.path.basename(path)

@@ -290,7 +290,7 @@ class Activation:
                         "operation_id": spec.operation_id,
                         "coordinator_endpoint": spec.coordinator["endpoint_file"] if spec.coordinator else None,
                         "generation": spec.operation_id, "transport_env": spec.transport_env,
-                        "provider": spec.weights.get("provider", "recovery"),
+                        "provider": w.get("provider", spec.weights.get("provider", "recovery")),
                         "manifest": str(wdir / "native-manifest.json"), "residual": str(wdir / "weights.blob"),
                         "replay": str(wdir / "replay-plan.json"), "pack": w.get("pack"),
                         "model_dir": spec.weights.get("model_dir"), "state_root": spec.state_root,
@@ -345,7 +345,7 @@ class Activation:
                     wdir = self.unit_dir / "workers" / wid
                     w = spec.weights.get("workers", {}).get(wid, {})
                     return h.call("POST", path, {
-                        "provider": spec.weights.get("provider", "recovery"),
+                        "provider": w.get("provider", spec.weights.get("provider", "recovery")),
                         "manifest": str(wdir / "native-manifest.json"), "residual": str(wdir / "weights.blob"),
                         "replay": str(wdir / "replay-plan.json"), "pack": w.get("pack"),
                         "model_dir": spec.weights.get("model_dir"), "state_root": spec.state_root,

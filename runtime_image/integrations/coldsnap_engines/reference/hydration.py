@@ -35,8 +35,8 @@ def hydrate(loaded: LoadedWeights, spec: dict) -> dict:
     provider = spec["provider"]
     if provider == "native":
         pack = spec["pack"]
-        verified = PayloadVerifier().verify(Path(pack["path"]), pack["sha256"], pack["size"])
-        stats = hy.hydrate_native(manifest, verified, Path(spec["residual"]), sink)
+        with PayloadVerifier().verify(Path(pack["path"]), pack["sha256"], pack["size"]) as verified:
+            stats = hy.hydrate_native(manifest, verified, Path(spec["residual"]), sink)
     elif provider == "recovery":
         stats = hy.hydrate_recovery(manifest, Path(spec["replay"]), Path(spec["model_dir"]), Path(spec["residual"]), sink)
     else:

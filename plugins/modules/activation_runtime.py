@@ -1,0 +1,99 @@
+#!/usr/bin/python
+# Copyright: ColdSnap maintainers
+# Apache License 2.0 (see LICENSE)
+"""Ansible module coldsnap.fleet.activation_runtime."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: activation_runtime
+short_description: Stage the ColdSnap activation runtime content-addressed on a host
+version_added: "0.1.0"
+description:
+  - Copies the activation runtime (the per-unit rank controller) from O(src) into
+    C(<state_root>/activation-runtime/sha256/<digest>/), where the digest covers every file's path,
+    executable bit and bytes. Units run it from there (runtime C(host)) or mount it read-only
+    (runtime C(docker)), so it can be fixed without recapturing a capsule while its ABI matches.
+  - With O(digest), the staged copy must have exactly that digest (the module fails otherwise).
+extends_documentation_fragment:
+  - coldsnap.fleet.state
+options:
+  src:
+    description: Directory on the host holding the runtime files (the role copies them there first).
+    type: path
+    required: true
+  digest:
+    description: Expected digest C(sha256:<hex>); refuse anything else.
+    type: str
+attributes:
+  check_mode:
+    support: full
+    description: Reports whether the runtime would be staged.
+  diff_mode:
+    support: none
+    description: No diff.
+  idempotent:
+    support: full
+    description: An already staged digest reports no change.
+author:
+  - ColdSnap maintainers
+"""
+
+EXAMPLES = r"""
+- name: Stage the activation runtime
+  coldsnap.fleet.activation_runtime:
+    src: /var/lib/coldsnap/activation-runtime/incoming
+    state_root: /var/lib/coldsnap
+  register: runtime
+"""
+
+RETURN = r"""
+digest:
+  description: Content digest of the staged runtime.
+  returned: success
+  type: str
+  sample: sha256:5b2e8a0c7d1f4e3b9a6c2d8e0f1a3b5c7d9e2f4a6b8c0d1e3f5a7b9c2d4e6f80
+path:
+  description: Where it is staged.
+  returned: success
+  type: str
+  sample: /var/lib/coldsnap/activation-runtime/sha256/5b2e8a0c7d1f4e3b9a6c2d8e0f1a3b5c7d9e2f4a6b8c0d1e3f5a7b9c2d4e6f80
+"""
+
+from pathlib import Path
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec=dict(
+            src=dict(type="path", required=True),
+            digest=dict(type="str"),
+            state_root=dict(type="path", default="/var/lib/coldsnap"),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+
+    def run() -> dict:
+        digest = activation.tree_digest(Path(p["src"]))
+        if p["digest"] and digest != p["digest"]:
+            raise IntegrityError(f"activation runtime at {p['src']} has digest {digest}, expected {p['digest']}",
+                                 fix="copy the runtime files of the matching collection version")
+        path = activation.staged_path(Path(p["state_root"]), digest)
+        if module.check_mode:
+            staged = path.is_dir() and activation.tree_digest(path) == digest
+            return {"changed": not staged, "digest": digest, "path": str(path)}
+        digest, path, changed = activation.stage(Path(p["src"]), Path(p["state_root"]))
+        return {"changed": changed, "digest": digest, "path": str(path)}
+
+    run_guarded(module, run, what="activation_runtime")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+#!/usr/bin/python
+# Copyright: ColdSnap maintainers
+# Apache License 2.0 (see LICENSE)
+"""Ansible module coldsnap.fleet.artifact_commit."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: artifact_commit
+short_description: Assemble and atomically commit a capture's artifact descriptor (format 9)
+version_added: "0.1.0"
+description:
+  - Builds artifact format 9 from the request, each unit's capture evidence, each unit host's facts and
+    each unit's capsule, validates it strictly and commits it as C(<output.artifact_dir>/artifact.json)
+    (temporary name, fsync, exclusive link, directory fsync).
+  - Capture semantics are conflict-on-existing-output - an existing different artifact is never replaced
+    (the task fails); committing the identical artifact again reports no change.
+  - Runs on the control node (C(delegate_to) localhost) after every unit was captured and its capsule built.
+extends_documentation_fragment:
+  - coldsnap.fleet.state.REQUEST
+options:
+  capture_id:
+    description: Identity of the capture (the request id by default).
+    type: str
+  evidence:
+    description: Capture evidence of every unit (the C(units) of each host's M(coldsnap.fleet.unit_capture) result).
+    type: list
+    elements: dict
+    required: true
+  facts:
+    description: C(coldsnap_host) facts per inventory hostname (from M(coldsnap.fleet.host_facts)).
+    type: dict
+    required: true
+  capsules:
+    description: Capsule reference of every unit (the C(capsule) of each M(coldsnap.fleet.capsule_build) result).
+    type: list
+    elements: dict
+    required: true
+  activation_digest:
+    description: Digest of the activation runtime used for the capture.
+    type: str
+    required: true
+attributes:
+  check_mode:
+    support: full
+    description: Builds and validates the artifact without writing it.
+  diff_mode:
+    support: none
+    description: No diff.
+  idempotent:
+    support: full
+    description: The same artifact committed twice reports no change.
+author:
+  - ColdSnap maintainers
+"""
+
+EXAMPLES = r"""
+- name: Commit the artifact
+  coldsnap.fleet.artifact_commit:
+    request: "{{ coldsnap_request }}"
+    evidence: "{{ unit_hosts | map('extract', hostvars, ['coldsnap_capture_units', 'units']) | flatten }}"
+    facts: "{{ dict(unit_hosts | zip(unit_hosts | map('extract', hostvars, ['ansible_facts', 'coldsnap_host']))) }}"
+    capsules: "{{ unit_hosts | map('extract', hostvars, ['coldsnap_capture_capsules', 'results']) | flatten
+                  | map(attribute='capsule') | list }}"
+    activation_digest: "{{ coldsnap_activation_digest }}"
+  delegate_to: localhost
+"""
+
+RETURN = r"""
+path:
+  description: The committed descriptor.
+  returned: success
+  type: str
+  sample: /var/lib/coldsnap/artifacts/pending/op-20261129-0001/artifact.json
+sha256:
+  description: Digest of the descriptor file.
+  returned: success
+  type: str
+artifact:
+  description: The artifact document.
+  returned: success
+  type: dict
+"""
+
+import hashlib
+from pathlib import Path
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import checked_request, run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.commit import build_artifact, by_unit, commit_artifact
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec=dict(
+            request=dict(type="dict", required=True),
+            capture_id=dict(type="str"),
+            evidence=dict(type="list", elements="dict", required=True),
+            facts=dict(type="dict", required=True),
+            capsules=dict(type="list", elements="dict", required=True),
+            activation_digest=dict(type="str", required=True),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+
+    def run() -> dict:
+        req = checked_request(p["request"])
+        evidence, facts, capsules = by_unit(req, p["evidence"], p["facts"], p["capsules"])
+        art = build_artifact(req, capture_id=p["capture_id"] or req["id"], evidence=evidence, facts=facts,
+                             capsules=capsules, activation_digest=p["activation_digest"])
+        out = Path(req["output"]["artifact_dir"])
+        if module.check_mode:
+            return {"changed": not (out / "artifact.json").exists(), "path": str(out / "artifact.json"),
+                    "artifact": art}
+        path, changed = commit_artifact(out, art)
+        return {"changed": changed, "path": str(path), "sha256": "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest(),
+                "artifact": art}
+
+    run_guarded(module, run, what="artifact_commit")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+#!/usr/bin/python
+# Copyright: ColdSnap maintainers
+# Apache License 2.0 (see LICENSE)
+"""Ansible module coldsnap.fleet.host_facts."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: host_facts
+short_description: Gather the host facts ColdSnap admission compares
+version_added: "0.1.0"
+description:
+  - Reports the CPU architecture, kernel release, CPU model, GPUs (through NVML when C(nvidia-ml-py) is
+    installed, else C(nvidia-smi)) with model, compute capability, memory and UUID, the NVIDIA driver
+    version, the CRIU version and the result of C(criu check).
+  - The facts are returned under RV(ansible_facts.coldsnap_host) so later plays read them from hostvars.
+options:
+  check_criu:
+    description: Run C(criu check) (a second or two). Disable for a quick inventory.
+    type: bool
+    default: true
+  criu_binary:
+    description: CRIU to use; defaults to C(COLDSNAP_CRIU), then C(criu) on PATH, then C(/usr/local/sbin/criu).
+    type: path
+attributes:
+  check_mode:
+    support: full
+    description: Read-only; runs the same in check mode.
+  diff_mode:
+    support: none
+    description: Nothing changes.
+  idempotent:
+    support: full
+    description: Never changes anything.
+author:
+  - ColdSnap maintainers
+"""
+
+EXAMPLES = r"""
+- name: Gather ColdSnap facts on every GPU host
+  coldsnap.fleet.host_facts:
+
+- name: Refuse hosts whose kernel fails criu check
+  ansible.builtin.assert:
+    that: ansible_facts.coldsnap_host.criu.check
+    fail_msg: "{{ ansible_facts.coldsnap_host.criu.check_output }}"
+"""
+
+RETURN = r"""
+ansible_facts:
+  description: Facts under the key C(coldsnap_host).
+  returned: always
+  type: dict
+  contains:
+    coldsnap_host:
+      description: Architecture, kernel, CPU, GPUs, NVIDIA driver, CRIU.
+      type: dict
+      sample:
+        arch: x86_64
+        kernel: 6.8.0-60-generic
+        cpu_model: AMD EPYC 9654
+        cpus: 192
+        gpus:
+          - {index: 0, model: NVIDIA H200, compute_capability: "9.0", memory_mib: 143771, nvidia_driver: "580.159.03"}
+        nvidia_driver: "580.159.03"
+        criu: {installed: true, version: 4.1.1, check: true, binary: /usr/local/sbin/criu}
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.facts import gather
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec=dict(
+            check_criu=dict(type="bool", default=True),
+            criu_binary=dict(type="path"),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+    run_guarded(module, lambda: {"changed": False, "ansible_facts": {
+        "coldsnap_host": gather(check_criu=p["check_criu"], criu_binary=p["criu_binary"])}}, what="host_facts")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+#!/usr/bin/python
+# Copyright: ColdSnap maintainers
+# Apache License 2.0 (see LICENSE)
+"""Ansible module coldsnap.fleet.lifecycle."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: lifecycle
+short_description: Sleep, wake or inspect the running launch units on this host
+version_added: "0.1.0"
+description:
+  - Live, node-local lifecycle of a running workload, not a snapshot. O(state=sleeping) discards the KV
+    cache and releases the weight memory while the process, its CUDA context and its distributed
+    transport stay. O(state=running) re-creates the weights at their addresses from the verified model
+    payload (or the pinned safetensors), zeroes the KV cache and runs the exact validation request; it also
+    finishes a warm restore. O(state=status) only reports.
+  - Convergent - a unit already in the wanted state is left alone and reports no change.
+extends_documentation_fragment:
+  - coldsnap.fleet.state
+  - coldsnap.fleet.state.REQUEST
+options:
+  state:
+    description: Wanted state of the units.
+    type: str
+    choices: [sleeping, running, status]
+    default: status
+  artifact:
+    description: The workload's artifact (for the weight provider and the accepted reply).
+    type: dict
+  host:
+    description: Inventory hostname of this host.
+    type: str
+    required: true
+  activation_digest:
+    description: Digest of the staged activation runtime.
+    type: str
+    required: true
+  python:
+    description: Python that runs the activation runtime.
+    type: path
+attributes:
+  check_mode:
+    support: full
+    description: Reports whether a unit would change state.
+  diff_mode:
+    support: none
+    description: No diff.
+  idempotent:
+    support: full
+    description: A second run reports no change.
+author:
+  - ColdSnap maintainers
+"""
+
+EXAMPLES = r"""
+- name: Put the workload to sleep
+  coldsnap.fleet.lifecycle:
+    state: sleeping
+    request: "{{ coldsnap_request }}"
+    artifact: "{{ coldsnap_artifact }}"
+    host: "{{ inventory_hostname }}"
+    activation_digest: "{{ coldsnap_activation.digest }}"
+"""
+
+RETURN = r"""
+units:
+  description: Per-unit state after the run (C(ready), C(sleeping), C(warm), C(absent)).
+  returned: success
+  type: list
+  elements: dict
+  sample:
+    - unit: unit-0
+      state: sleeping
+      workers: [{worker: worker-0, pid: 4242, state: sleeping}]
+"""
+
+from pathlib import Path
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import checked_request, run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.operations import lifecycle_units
+
+ACTIONS = {"sleeping": "sleep", "running": "wake", "status": "status"}
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec=dict(
+            state=dict(type="str", default="status", choices=list(ACTIONS)),
+            request=dict(type="dict", required=True),
+            artifact=dict(type="dict"),
+            host=dict(type="str", required=True),
+            activation_digest=dict(type="str", required=True),
+            python=dict(type="path"),
+            state_root=dict(type="path", default="/var/lib/coldsnap"),
+        ),
+        required_if=[("state", "running", ["artifact"])],
+        supports_check_mode=True,
+    )
+    p = module.params
+
+    def run() -> dict:
+        req = checked_request(p["request"])
+        art = validate_artifact(p["artifact"], document="artifact (module option)") if p["artifact"] else None
+        return lifecycle_units(req, art, host=p["host"], action=ACTIONS[p["state"]], state_root=Path(p["state_root"]),
+                               activation_digest=p["activation_digest"], python=p["python"],
+                               check_mode=module.check_mode)
+
+    run_guarded(module, run, what="lifecycle")
+
+
+if __name__ == "__main__":
+    main()

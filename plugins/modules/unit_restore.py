@@ -1,0 +1,165 @@
+#!/usr/bin/python
+# Copyright: ColdSnap maintainers
+# Apache License 2.0 (see LICENSE)
+"""Ansible module coldsnap.fleet.unit_restore."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: unit_restore
+short_description: Prepare, evict and activate the restore of this host's launch units
+version_added: "0.1.0"
+description:
+  - O(phase=prepare) decides whether this host can restore its units without touching the running
+    workload. Admission compares the host facts with the artifact's per-unit platform inventory
+    (architecture, GPU model, compute capability, GPU count, CRIU, snapshot driver minimum and the
+    captured driver floor; the kernel through C(criu check) unless the policy says exact). The unit's
+    captured state is made available (the capture directory, or the capsule extracted), the captured pids
+    and listening ports must be free, and the weight provider is chosen per worker
+    (C(policy.weights.mode)).
+  - O(phase=evict) stops this workload's running engines on the host. Playbooks run it only after
+    O(phase=prepare) passed on every host.
+  - O(phase=activate) restores the units - CRIU restore (stopped), CUDA restore, release, resume with
+    fresh transport endpoints from the coordinator, hydration, zeroed KV - and validates the exact reply.
+    O(warm=true) stops before hydration; a later wake finishes it.
+extends_documentation_fragment:
+  - coldsnap.fleet.state
+  - coldsnap.fleet.state.REQUEST
+options:
+  phase:
+    description: Which step to run.
+    type: str
+    choices: [prepare, evict, activate]
+    required: true
+  artifact:
+    description: The committed artifact descriptor (format 9), validated again on the host.
+    type: dict
+    required: true
+  host:
+    description: Inventory hostname of this host.
+    type: str
+    required: true
+  facts:
+    description: This host's C(coldsnap_host) facts (from M(coldsnap.fleet.host_facts)); needed by O(phase=prepare).
+    type: dict
+  activation_digest:
+    description: Digest of the staged activation runtime; needed by O(phase=activate).
+    type: str
+  coordinator_endpoint_file:
+    description: The activation's coordinator endpoint descriptor on this host.
+    type: path
+  python:
+    description: Python that runs the activation runtime.
+    type: path
+  warm:
+    description: Stop after process, CUDA and transport reconstruction (before hydration and KV).
+    type: bool
+    default: false
+  timeouts:
+    description: Seconds for C(ready) and C(phase).
+    type: dict
+    default: {}
+attributes:
+  check_mode:
+    support: full
+    description: C(prepare) runs its checks read-only; C(evict) and C(activate) only report.
+  diff_mode:
+    support: none
+    description: No diff.
+  idempotent:
+    support: partial
+    details: C(prepare) and C(evict) converge; C(activate) replaces (reconcile-replace semantics).
+author:
+  - ColdSnap maintainers
+"""
+
+EXAMPLES = r"""
+- name: Prepare the restore (admission, capsule state, payload provider)
+  coldsnap.fleet.unit_restore:
+    phase: prepare
+    request: "{{ coldsnap_request }}"
+    artifact: "{{ coldsnap_artifact }}"
+    host: "{{ inventory_hostname }}"
+    facts: "{{ ansible_facts.coldsnap_host }}"
+"""
+
+RETURN = r"""
+units:
+  description: Per-unit admission records (prepare) or restore evidence (activate).
+  returned: success
+  type: list
+  elements: dict
+weights:
+  description: The weight provider chosen for each worker on this host (prepare).
+  returned: when phase is prepare
+  type: dict
+stopped:
+  description: Engines stopped by O(phase=evict).
+  returned: when phase is evict
+  type: list
+  elements: dict
+coldsnap_timing:
+  description: Unit-clock spans of the activation (activate).
+  returned: when phase is activate
+  type: dict
+"""
+
+from pathlib import Path
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import checked_request, run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import operations as ops
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec=dict(
+            phase=dict(type="str", required=True, choices=["prepare", "evict", "activate"]),
+            request=dict(type="dict", required=True),
+            artifact=dict(type="dict", required=True),
+            host=dict(type="str", required=True),
+            facts=dict(type="dict"),
+            activation_digest=dict(type="str"),
+            coordinator_endpoint_file=dict(type="path"),
+            python=dict(type="path"),
+            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            warm=dict(type="bool", default=False),
+            timeouts=dict(type="dict", default={}),
+        ),
+        required_if=[("phase", "prepare", ["facts"]), ("phase", "activate", ["activation_digest"])],
+        supports_check_mode=True,
+    )
+    p = module.params
+    state_root = Path(p["state_root"])
+
+    def run() -> dict:
+        req = checked_request(p["request"])
+        art = validate_artifact(p["artifact"], document="artifact (module option)")
+        if art["identity"] != _identity(req):
+            raise ColdSnapError("the request does not describe the captured workload (identity differs)",
+                                fix="restore with the request whose recipe, model, engine, topology and snapshot "
+                                    "driver match the artifact")
+        if p["phase"] == "prepare":
+            return ops.prepare_restore(req, art, host=p["host"], facts=p["facts"], state_root=state_root,
+                                       check_mode=module.check_mode)
+        if p["phase"] == "evict":
+            return ops.evict(req, host=p["host"], state_root=state_root, check_mode=module.check_mode)
+        return ops.restore_units(req, art, host=p["host"], state_root=state_root,
+                                 activation_digest=p["activation_digest"],
+                                 coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
+                                 warm=p["warm"], check_mode=module.check_mode, timeouts=p["timeouts"])
+
+    run_guarded(module, run, what="unit_restore")
+
+
+def _identity(req: dict) -> str:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import identity
+
+    return identity(req)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+#!/usr/bin/env python3
+"""Build the ColdSnap runtime image from a locally produced, digest-pinned base.
+
+    python runtime_image/build.py [--base-only] [--tag NAME] [--base-tag NAME] [--cache-dir DIR] [--criu PATH]
+
+prints one JSON object: ``{"base_image": "coldsnap-base@sha256:..", "runtime_image":
+"coldsnap-runtime@sha256:..", "image_id": "sha256:..", ...}``. Requests refer to the
+runtime image only by that digest (a local image id: the SHA-256 of the image config,
+which pins every layer).
+
+No container registry can be reached, so the base is built here: debootstrap of the
+host's own Debian suite (the mirror read from this machine's apt sources) with python3
+and the runtime libraries of the pinned CRIU binary, tarred and ``docker import``ed.
+On top of it go the pinned wheels (torch CPU from the local wheel directory, numpy,
+safetensors; installed offline with ``--require-hashes``), the CRIU binary, and this
+collection's code (``plugins/`` as ``ansible_collections/coldsnap/fleet`` plus
+``runtime_image/integrations/coldsnap_engines`` in ``/opt/coldsnap/site``, on sys.path).
+The activation runtime is not baked in: it is staged per host and mounted read-only.
+
+Caching: each image is labelled with the digest of its inputs; a rebuild with unchanged
+inputs finds the labelled image and returns at once. The debootstrap tarball and the
+downloaded wheels are kept under the cache directory, so even a rebuild after
+``docker rmi`` needs no network and no debootstrap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+BUILD_FORMAT = 1
+DEFAULT_TAG = "coldsnap-runtime"
+DEFAULT_BASE_TAG = "coldsnap-base"
+BASE_EXTRA_PACKAGES = ("python3", "procps")
+# Python of each Debian suite's python3 package (the wheels must match it).
+SUITE_PYTHON = {"bookworm": "3.11", "trixie": "3.13"}
+LABEL_KIND = "org.coldsnap.kind"
+LABEL_INPUTS = "org.coldsnap.inputs"
+
+try:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import archive, dockerapi
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
+        atomic_write_bytes,
+        file_lock,
+    )
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
+        ACTIVATION_RUNTIME_ABI,
+        COLDSNAP_VERSION,
+    )
+except ImportError as _exc:  # pragma: no cover - a checkout without the venv
+    sys.exit(f"runtime_image/build.py: cannot import the collection ({_exc}); run scripts/setup-venv.sh and "
+             "use the virtualenv's python")
+
+
+def log(msg: str) -> None:
+    print(f"[runtime-image] {msg}", file=sys.stderr, flush=True)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("COLDSNAP_CACHE_DIR")
+    if env:
+        return Path(env) / "runtime-image"
+    if os.geteuid() == 0:
+        return Path("/var/cache/coldsnap/runtime-image")
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "coldsnap" / "runtime-image"
+
+
+# ----------------------------------------------------------------------------- host facts
+
+def host_suite() -> str:
+    fields = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line)
+    suite = fields.get("VERSION_CODENAME", "").strip('"')
+    if not suite:
+        raise ColdSnapError("cannot tell this host's Debian suite from /etc/os-release",
+                            fix="pass --suite (the suite the CRIU binary was built on)")
+    return suite
+
+
+def dpkg_arch() -> str:
+    return subprocess.run(["dpkg", "--print-architecture"], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def find_criu(explicit: str | None) -> tuple[Path, str]:
+    path = Path(explicit) if explicit else Path(shutil.which("criu") or "/usr/local/sbin/criu")
+    if not path.is_file():
+        raise ColdSnapError(f"CRIU binary {path} not found",
+                            fix="install CRIU >= 4 (scripts/install-system.sh) or pass --criu PATH")
+    out = subprocess.run([str(path), "--version"], check=False, capture_output=True, text=True).stdout
+    m = re.search(r"^Version:\s*(\S+)", out, re.M)
+    if not m or int(m.group(1).split(".")[0]) < 4:
+        raise ColdSnapError(f"{path} is not CRIU >= 4 ({out.strip()[:80]!r})", fix="pass --criu with CRIU 4.x")
+    return path.resolve(), m.group(1)
+
+
+def library_packages(binary: Path) -> list[str]:
+    """The Debian packages holding the shared libraries ``binary`` links against."""
+    out = subprocess.run(["ldd", str(binary)], check=True, capture_output=True, text=True).stdout
+    libs = [m.group(1) for m in re.finditer(r"=>\s+(/\S+)", out)]
+    pkgs: set[str] = set()
+    for lib in libs:
+        found = None
+        for candidate in (lib, os.path.realpath(lib)):
+            r = subprocess.run(["dpkg", "-S", candidate], check=False, capture_output=True, text=True)
+            if r.returncode == 0:
+                found = r.stdout.split(":", 1)[0].split(",")[0].strip()
+                break
+        if not found:
+            raise ColdSnapError(f"{binary} links {lib}, which no Debian package provides",
+                                fix="use a CRIU built against Debian packages (scripts/install-system.sh)")
+        pkgs.add(found)
+    pkgs.discard("libc6")  # always in minbase
+    return sorted(pkgs)
+
+
+# ----------------------------------------------------------------------------- base image
+
+def find_labelled(client: Any, kind: str, inputs: str) -> Any | None:
+    images = client.images.list(filters={"label": [f"{LABEL_KIND}={kind}", f"{LABEL_INPUTS}={inputs}"]})
+    return images[0] if images else None
+
+
+def build_base(client: Any, *, cache: Path, suite: str, arch: str, packages: list[str], tag: str,
+               timings: dict[str, float]) -> tuple[Any, bool]:
+    script = HERE / "base" / "mkbase.sh"
+    inputs = canonical_sha256({"format": BUILD_FORMAT, "suite": suite, "arch": arch, "packages": packages,
+                               "script": sha256_file(script)})
+    hexpart = inputs.split(":", 1)[1]
+    image = find_labelled(client, "base", inputs)
+    if image is not None:
+        return image, True
+    tarball = cache / "base" / f"{hexpart}.tar"
+    if not tarball.exists():
+        log(f"debootstrap {suite}/{arch} with {len(packages)} extra packages (first build only)")
+        t0 = time.monotonic()
+        subprocess.run(["bash", str(script), suite, ",".join(packages), str(tarball)], check=True)
+        timings["debootstrap_s"] = round(time.monotonic() - t0, 1)
+    log(f"docker import {tarball.name}")
+    t0 = time.monotonic()
+    changes = [f"LABEL {LABEL_KIND}=base", f"LABEL {LABEL_INPUTS}={inputs}", f"LABEL org.coldsnap.suite={suite}",
+               'CMD ["python3"]', "ENV LANG=C.UTF-8"]
+    client.api.import_image(src=str(tarball), repository=tag, tag=hexpart[:12], changes=changes)
+    timings["import_s"] = round(time.monotonic() - t0, 1)
+    image = find_labelled(client, "base", inputs)
+    if image is None:
+        raise ColdSnapError(f"docker import of {tarball} produced no labelled image", fix="check dockerd's logs")
+    return image, False
+
+
+# ----------------------------------------------------------------------------- wheels
+
+def wheelhouse(cache: Path, python: str, arch: str) -> Path:
+    """Download (once) every wheel the requirements need, plus pip; write requirements.lock with hashes."""
+    req = HERE / "requirements.txt"
+    platform_tag = {"amd64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
+    key = hashlib.sha256(req.read_bytes() + f"|{python}|{platform_tag}".encode()).hexdigest()[:16]
+    house = cache / "wheels" / key
+    if (house / ".complete").exists():
+        return house
+    tmp = house.with_name(house.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    pyver = python.replace(".", "")
+    plats = [f"manylinux_2_{n}_{platform_tag}" for n in (28, 27, 17)] + [f"manylinux2014_{platform_tag}"]
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", str(tmp), "--only-binary=:all:",
+           "--python-version", python, "--implementation", "cp", "--abi", f"cp{pyver}", "--abi", "abi3",
+           "--abi", "none"] + [a for p in plats for a in ("--platform", p)] + ["-r", str(req), "pip"]
+    log("downloading the pinned wheels (first build only; torch comes from PIP_FIND_LINKS)")
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise ColdSnapError(f"pip download of the runtime wheels failed: {r.stderr.strip()[-800:]}",
+                            fix="check PIP_FIND_LINKS (the CPU torch wheel) and PyPI access")
+    lines = []
+    for whl in sorted(tmp.glob("*.whl")):
+        name, version = whl.name.split("-")[:2]
+        if name.lower() == "pip":
+            continue
+        lines.append(f"{name.replace('_', '-').lower()}=={version} --hash=sha256:{sha256_file(whl)}")
+    (tmp / "requirements.lock").write_text("\n".join(lines) + "\n")
+    (tmp / ".complete").write_text("ok\n")
+    if house.exists():
+        shutil.rmtree(house)
+    tmp.rename(house)
+    return house
+
+
+# ----------------------------------------------------------------------------- context
+
+def site_entries() -> list[archive.LayerEntry]:
+    """This collection's code as it appears below /opt/coldsnap/site (no caches, no activation runtime)."""
+    def skip(rel: str) -> bool:
+        return "__pycache__" in rel.split("/") or rel.endswith((".pyc", ".pyo"))
+
+    entries, _ = archive.collect_tree(REPO / "plugins", "site/ansible_collections/coldsnap/fleet/plugins",
+                                      exclude=skip, what="collection plugins")
+    for meta in ("galaxy.yml", "meta/runtime.yml"):
+        if (REPO / meta).is_file():
+            entries.append(archive.LayerEntry(f"site/ansible_collections/coldsnap/fleet/{meta}", REPO / meta))
+    engines = HERE / "integrations" / "coldsnap_engines"
+    if engines.is_dir():
+        more, _ = archive.collect_tree(engines, "site/coldsnap_engines", exclude=skip, what="engine integrations")
+        entries += more
+    return entries
+
+
+def console_scripts() -> dict[str, bytes]:
+    """Wrappers for the project's console scripts that live in the image (coldsnap_engines.*)."""
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())
+    out = {}
+    for name, target in sorted(data.get("project", {}).get("scripts", {}).items()):
+        module, _, func = target.partition(":")
+        if not module.startswith("coldsnap_engines"):
+            continue
+        out[name] = (f"#!/usr/bin/python3\nimport sys\nfrom {module} import {func}\n"
+                     f"sys.exit({func}())\n").encode()
+    out["coldsnap-runtime-info"] = b"#!/bin/sh\nexec cat /opt/coldsnap/runtime.json\n"
+    return out
+
+
+def runtime_build(client: Any, *, base: Any, cache: Path, criu: Path, criu_version: str, python: str, arch: str,
+                  tag: str, timings: dict[str, float]) -> tuple[Any, bool, str]:
+    house = wheelhouse(cache, python, arch)
+    wheels = sorted(house.glob("*.whl"))
+    lock = (house / "requirements.lock").read_text()
+    entries = site_entries()
+    scripts = console_scripts()
+    pth = b"/opt/coldsnap/site\n/opt/coldsnap/python\n"
+    dockerfile = (HERE / "Dockerfile").read_bytes()
+    criu_sha = sha256_file(criu)
+    files_fp = [[e.arcname, sha256_file(e.source) if e.source and e.source.is_file() else "",
+                 os.lstat(e.source).st_mode & 0o7777 if e.source else 0o755] for e in entries]
+    inputs = canonical_sha256({
+        "format": BUILD_FORMAT, "base": base.id, "dockerfile": hashlib.sha256(dockerfile).hexdigest(),
+        "lock": lock, "pip": [w.name for w in wheels if w.name.startswith("pip-")], "criu": criu_sha,
+        "site": files_fp, "scripts": {k: hashlib.sha256(v).hexdigest() for k, v in scripts.items()},
+        "pth": pth.decode(), "version": COLDSNAP_VERSION, "abi": ACTIVATION_RUNTIME_ABI})
+    image = find_labelled(client, "runtime", inputs)
+    if image is not None:
+        return image, True, inputs
+    runtime_json = json.dumps({
+        "format": 1, "kind": "coldsnap-runtime-image", "inputs": inputs, "coldsnap_version": COLDSNAP_VERSION,
+        "activation_runtime_abi": ACTIVATION_RUNTIME_ABI, "base_image": base.id, "python": python,
+        "criu": {"version": criu_version, "sha256": "sha256:" + criu_sha, "path": "/usr/local/sbin/criu"},
+        "requirements": lock.splitlines()}, indent=2, sort_keys=True).encode() + b"\n"
+
+    def write_context(tar: Any) -> None:
+        dockerapi.add_bytes(tar, "Dockerfile", dockerfile)
+        for whl in wheels:
+            dockerapi.add_file(tar, f"wheels/{whl.name}", whl, mode=0o644)
+        dockerapi.add_bytes(tar, "wheels/requirements.lock", lock.encode())
+        dockerapi.add_file(tar, "criu", criu, mode=0o755)
+        for name, body in scripts.items():
+            dockerapi.add_bytes(tar, f"bin/{name}", body, mode=0o755)
+        dockerapi.add_bytes(tar, "coldsnap.pth", pth)
+        dockerapi.add_bytes(tar, "runtime.json", runtime_json)
+        archive.add_entries(tar, entries)
+
+    labels = {LABEL_KIND: "runtime", LABEL_INPUTS: inputs, "org.coldsnap.criu.version": criu_version,
+              "org.coldsnap.criu.sha256": "sha256:" + criu_sha, "org.coldsnap.base": base.id,
+              "org.coldsnap.activation-runtime.abi": str(ACTIVATION_RUNTIME_ABI),
+              "org.coldsnap.version": COLDSNAP_VERSION}
+    log("docker build of the runtime image")
+    t0 = time.monotonic()
+    image_id = dockerapi.stream_build(client, write_context, tag=f"{tag}:{inputs.split(':', 1)[1][:12]}",
+                                      labels=labels, buildargs={"BASE": base.id}, what="the runtime image",
+                                      on_line=lambda line: log("  " + line.strip()) if line.startswith("Step") else None)
+    timings["runtime_build_s"] = round(time.monotonic() - t0, 1)
+    return client.images.get(image_id), False, inputs
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-only", action="store_true", help="build (or find) the base image only")
+    ap.add_argument("--tag", default=DEFAULT_TAG, help="runtime image repository name (default %(default)s)")
+    ap.add_argument("--base-tag", default=DEFAULT_BASE_TAG, help="base image repository name (default %(default)s)")
+    ap.add_argument("--cache-dir", type=Path, default=None, help="debootstrap tarball and wheel cache")
+    ap.add_argument("--criu", default=None, help="CRIU binary to bake in (default: the one on PATH)")
+    ap.add_argument("--suite", default=None, help="Debian suite of the base (default: this host's)")
+    ap.add_argument("--output", type=Path, default=None, help="also write the JSON result to this file")
+    args = ap.parse_args(argv)
+
+    t_start = time.monotonic()
+    timings: dict[str, float] = {}
+    try:
+        cache = args.cache_dir or default_cache_dir()
+        cache.mkdir(parents=True, exist_ok=True)
+        client = dockerapi.docker_client()
+        suite = args.suite or host_suite()
+        python = SUITE_PYTHON.get(suite)
+        if python is None:
+            raise ColdSnapError(f"Debian suite {suite!r} has no known python3 version here",
+                                fix=f"use one of {', '.join(SUITE_PYTHON)}")
+        arch = dpkg_arch()
+        criu, criu_version = find_criu(args.criu)
+        packages = sorted(set(BASE_EXTRA_PACKAGES) | set(library_packages(criu)))
+        with file_lock(cache / "build.lock", timeout=3600):
+            t0 = time.monotonic()
+            base, base_cached = build_base(client, cache=cache, suite=suite, arch=arch, packages=packages,
+                                           tag=args.base_tag, timings=timings)
+            timings["base_s"] = round(time.monotonic() - t0, 2)
+            result: dict[str, Any] = {
+                "base_image": dockerapi.pinned_ref(args.base_tag, base.id), "base_image_id": base.id,
+                "base_cached": base_cached, "base_size_bytes": int(base.attrs.get("Size") or 0),
+                "suite": suite, "arch": arch, "criu_version": criu_version}
+            if not args.base_only:
+                t0 = time.monotonic()
+                image, cached, inputs = runtime_build(client, base=base, cache=cache, criu=criu,
+                                                      criu_version=criu_version, python=python, arch=arch,
+                                                      tag=args.tag, timings=timings)
+                timings["runtime_s"] = round(time.monotonic() - t0, 2)
+                result.update({"runtime_image": dockerapi.pinned_ref(args.tag, image.id), "image_id": image.id,
+                               "inputs": inputs, "cached": cached, "size_bytes": int(image.attrs.get("Size") or 0)})
+    except ColdSnapError as exc:
+        print(f"runtime_image/build.py: {exc}", file=sys.stderr)
+        return 2
+    except subprocess.CalledProcessError as exc:
+        print(f"runtime_image/build.py: {exc}", file=sys.stderr)
+        return 2
+    timings["total_s"] = round(time.monotonic() - t_start, 2)
+    result["timings"] = timings
+    text = json.dumps(result, indent=2, sort_keys=True)
+    if args.output:
+        atomic_write_bytes(args.output, (text + "\n").encode())
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

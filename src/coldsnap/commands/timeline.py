@@ -1,0 +1,28 @@
+"""``coldsnap timeline RECEIPT.json -o timeline.png``: draw an operation's timing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import load_receipt
+
+from coldsnap.commands._io import read_input
+
+
+def register(sub) -> None:
+    p = sub.add_parser("timeline", help="draw a receipt's timing as a Gantt-style PNG",
+                       description="One lane per clock/host/unit; each clock is drawn relative to its own "
+                                   "first event (clocks of different hosts are never compared).")
+    p.add_argument("receipt", metavar="RECEIPT.json|-", help="receipt (format 2)")
+    p.add_argument("-o", "--output", metavar="PNG", default="timeline.png", help="output file (default: %(default)s)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from coldsnap.timeline import render_timeline
+
+    receipt = load_receipt(read_input(args.receipt))
+    out = render_timeline(receipt, Path(args.output))
+    print(f"timeline: {out}", file=sys.stderr)
+    return 0

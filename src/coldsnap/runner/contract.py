@@ -1,0 +1,104 @@
+"""The contract between the controller (or an AWX job template) and the playbooks.
+
+Everything a playbook may rely on, and everything it reports back, is named
+here once:
+
+* extra vars in: ``coldsnap_request`` (the normalized request), ``coldsnap_prepare_only``
+  and ``coldsnap_state_root``: the CLI passes exactly these, and an AWX job
+  template passes the same three (plus AWX's own ``awx_*``/``tower_*`` vars);
+* the operation's result out: ``set_stats`` key ``coldsnap_result`` (with the
+  default ``per_host: false``), which ansible-runner and AWX both surface as the
+  ``playbook_on_stats`` event's ``artifact_data``;
+* unit timing out: a module result key ``coldsnap_timing`` =
+  ``{"spans": [...], "marks": [...]}`` recorded on ``unit:<id>`` clocks;
+* live progress out: a module result key ``coldsnap_progress``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+from coldsnap._collection import collection_root
+
+EXTRAVAR_REQUEST = "coldsnap_request"
+EXTRAVAR_PREPARE_ONLY = "coldsnap_prepare_only"
+EXTRAVAR_STATE_ROOT = "coldsnap_state_root"
+RESERVED_EXTRAVARS = (EXTRAVAR_REQUEST, EXTRAVAR_PREPARE_ONLY, EXTRAVAR_STATE_ROOT)
+
+STATS_RESULT_KEY = "coldsnap_result"
+RESULT_TIMING_KEY = "coldsnap_timing"
+RESULT_PROGRESS_KEY = "coldsnap_progress"
+
+PREPARE_ONLY_OPERATIONS = ("restore", "warm")
+COLLECTION_NAMESPACE = "coldsnap.fleet"
+
+
+def operation_extravars(request: Mapping[str, Any], *, prepare_only: bool = False,
+                        state_root: str | Path | None = None) -> dict[str, Any]:
+    """The extra vars an operation's playbook receives (CLI and AWX job templates alike)."""
+    out: dict[str, Any] = {EXTRAVAR_REQUEST: dict(request), EXTRAVAR_PREPARE_ONLY: bool(prepare_only)}
+    if state_root is not None:
+        out[EXTRAVAR_STATE_ROOT] = str(state_root)
+    return out
+
+
+def collection_dir() -> Path:
+    """The installed (or linked) ``ansible_collections/coldsnap/fleet`` directory."""
+    try:
+        root = collection_root()
+    except RuntimeError as exc:
+        raise ColdSnapError(str(exc)) from None
+    return (root / "ansible_collections" / "coldsnap" / "fleet").resolve()
+
+
+def playbook_name(operation: str) -> str:
+    """``publish-native`` -> ``publish_native``: the playbook's file stem."""
+    return operation.replace("-", "_")
+
+
+def playbook_for(operation: str) -> Path:
+    """Absolute path of the collection playbook that runs ``operation``; error when it is missing."""
+    return resolve_playbook(f"playbooks/{playbook_name(operation)}.yml")
+
+
+def resolve_playbook(playbook: str | Path) -> Path:
+    """Turn a playbook reference into an absolute, existing path.
+
+    Accepted: an FQCN (``coldsnap.fleet.capture`` -> ``<collection>/playbooks/capture.yml``),
+    an absolute path, or a path relative to the collection directory
+    (``playbooks/capture.yml``).
+    """
+    text = str(playbook)
+    prefix = COLLECTION_NAMESPACE + "."
+    if text.startswith(prefix) and "/" not in text:
+        path = collection_dir() / "playbooks" / f"{text[len(prefix):]}.yml"
+    else:
+        path = Path(text)
+        if not path.is_absolute():
+            path = collection_dir() / path
+    if not path.is_file():
+        raise ColdSnapError(
+            f"playbook {text} does not exist ({path})",
+            fix="the operation's playbook is not part of this collection yet; update the collection, "
+                "or pass --playbook PATH to run another playbook",
+        )
+    return path.resolve()
+
+
+def set_stats_artifacts(events: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The ``set_stats`` data of a run: what AWX shows as the job's artifacts.
+
+    AWX (and ansible-runner) take it from the ``playbook_on_stats`` event's
+    ``event_data.artifact_data``; only ``per_host: false`` stats land there. The
+    last such event wins (a run has one).
+    """
+    artifacts: dict[str, Any] = {}
+    for event in events:
+        if event.get("event") == "playbook_on_stats":
+            data = (event.get("event_data") or {}).get("artifact_data")
+            artifacts = dict(data) if isinstance(data, Mapping) else {}
+    return artifacts

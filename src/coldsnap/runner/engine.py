@@ -1,0 +1,496 @@
+"""Run one operation's playbook through the ansible-runner Python API and write its receipt.
+
+Private data directory (one per operation id, reused when the same operation
+is replayed; each run gets its own artifact directory)::
+
+    <state_root>/runs/<operation_id>/          0700
+        .lock                                   one run of an operation at a time
+        env/extravars                           0600  public extra vars (JSON)
+        env/envvars                             0600  non-secret environment we set
+        env/settings                            0600  runner settings
+        inventory/hosts.json                    0600  only when we wrote the inventory
+        project -> <collection dir>             cwd of ansible-playbook
+        secrets/                                0700  secret extra vars, only while a run starts
+        artifacts/<ident>/                      ansible-runner's artifacts (+ ours below)
+            command                             rewritten with the environment redacted
+            job_events/*.json                   events, scrubbed of known secret values
+            stdout                              scrubbed stdout, written from the events
+            timing.ndjson                       the timing stream
+            receipt.json
+        receipt.json                            the latest run's receipt
+
+Secret extra vars never enter ``env/``: they go to a 0600 file under
+``secrets/`` passed as ``-e @file``; the file is deleted as soon as
+ansible-playbook has loaded its variables (its first event) and again when the
+run ends, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import re
+import secrets as pysecrets
+import shlex
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
+    atomic_write_bytes,
+    file_lock,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import OPERATIONS
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
+
+from coldsnap.receipts import build_receipt, write_receipt
+from coldsnap.runner.contract import (
+    PREPARE_ONLY_OPERATIONS,
+    collection_dir,
+    resolve_playbook,
+)
+from coldsnap.runner.events import EventCollector
+from coldsnap.runner.inventory import inventory_from_request
+from coldsnap.runner.proctree import find_child, terminate_tree
+from coldsnap.runner.progress import ProgressReporter
+from coldsnap.runner.redaction import Redactor, is_secret_name, redact_env
+from coldsnap.runner.timing_stream import TimingStream, TimingTarget
+
+OPERATION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+# How often the runner loop wakes to poll the cancel callback (seconds).
+CANCEL_POLL_S = 0.25
+RUNNER_SETTINGS = {"pexpect_timeout": CANCEL_POLL_S, "suppress_output_file": True}
+
+
+@dataclass(frozen=True)
+class OperationResult:
+    """What :func:`run_playbook` did (the receipt is the durable record)."""
+
+    operation_id: str
+    operation: str
+    succeeded: bool
+    cancelled: bool
+    receipt: dict
+    receipt_path: Path
+    run_dir: Path
+    artifact_dir: Path
+    runner_status: str
+    rc: int | None
+
+    @property
+    def state(self) -> str:
+        """``succeeded`` or ``failed`` (as in the receipt)."""
+        return self.receipt["state"]
+
+    @property
+    def exit_code(self) -> int:
+        """CLI exit status: 0 succeeded, 1 failed, 130 cancelled."""
+        if self.cancelled:
+            return 130
+        return 0 if self.succeeded else 1
+
+
+def default_state_root() -> Path:
+    """``/var/lib/coldsnap`` for root, else ``$XDG_STATE_HOME/coldsnap`` (``~/.local/state/coldsnap``).
+
+    ``COLDSNAP_STATE_ROOT`` overrides both.
+    """
+    env = os.environ.get("COLDSNAP_STATE_ROOT")
+    if env:
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/lib/coldsnap")
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return base / "coldsnap"
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)  # also when it existed with a wider mode
+    return path
+
+
+def _write_private_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), mode=0o600)
+
+
+def _collection_paths(extra: str | None) -> str:
+    from coldsnap._collection import collection_root
+
+    parts = [str(collection_root())]
+    for p in (extra or "").split(os.pathsep):
+        if p and p not in parts:
+            parts.append(p)
+    return os.pathsep.join(parts)
+
+
+def _base_envvars() -> dict[str, str]:
+    """Non-secret environment every run gets (recorded in ``env/envvars``)."""
+    env = {
+        "ANSIBLE_COLLECTIONS_PATH": _collection_paths(os.environ.get("ANSIBLE_COLLECTIONS_PATH")),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_FORCE_COLOR": "0",
+        "ANSIBLE_LOCALHOST_WARNING": "False",
+        "ANSIBLE_INVENTORY_UNPARSED_WARNING": "False",
+    }
+    # ansible-playbook of the controller's own environment, even when it is not activated.
+    bin_dir = Path(sys.executable).parent
+    if (bin_dir / "ansible-playbook").exists():
+        env["PATH"] = os.pathsep.join([str(bin_dir), os.environ.get("PATH", os.defpath)])
+    return env
+
+
+def _new_ident() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ") + "-" + pysecrets.token_hex(3)
+
+
+def _generated_operation_id(operation: str) -> str:
+    return f"{operation}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{pysecrets.token_hex(4)}"
+
+
+class _Secrets:
+    """The run's secret extra vars file: created 0600, deleted at first event and at the end."""
+
+    def __init__(self, directory: Path, values: Mapping[str, Any]) -> None:
+        self.path: Path | None = None
+        _private_dir(directory)
+        for stale in directory.glob("extravars-*.json"):  # left by a run that crashed
+            stale.unlink(missing_ok=True)
+        if not values:
+            return
+        self.path = directory / f"extravars-{pysecrets.token_hex(8)}.json"
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(dict(values), fh)
+
+    @property
+    def cmdline(self) -> str | None:
+        return f"-e @{shlex.quote(str(self.path))}" if self.path else None
+
+    def delete(self) -> None:
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
+
+def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook: str | Path,
+                 extravars: Mapping[str, Any], inventory: Mapping[str, Any] | str | Path | None,
+                 state_root: Path, prepare_only: bool = False, timing_sink: TimingTarget = None,
+                 progress: bool | None = None, cancel_event: threading.Event | None = None,
+                 envvars: Mapping[str, str] | None = None, secret_extravars: Mapping[str, Any] | None = None,
+                 verbosity: int = 0, keep_artifacts: int = 10,
+                 progress_stream: IO[str] | None = None) -> OperationResult:
+    """Run ``playbook`` for ``operation`` and write receipt format 2 (also when it fails or is cancelled).
+
+    ``playbook``: FQCN (``coldsnap.fleet.capture``), an absolute path or a path
+    relative to the collection (``playbooks/capture.yml``). ``inventory``: a
+    path or an inventory dict; None builds one from the request's placement.
+    ``extravars`` top-level keys with secret-looking names, and every key of
+    ``secret_extravars``, travel through the secret channel (see module doc).
+    ``envvars`` are added to the run's environment; secret-named ones are never
+    written to ``env/envvars`` and are redacted everywhere they would be stored.
+    ``progress``: None = only when stderr is a terminal. ``timing_sink``: see
+    :mod:`coldsnap.runner.timing_stream`. Errors a user can fix before anything
+    runs (unknown playbook, busy operation) raise ColdSnapError.
+    """
+    try:
+        import ansible_runner
+    except ImportError:
+        raise ColdSnapError("the controller needs ansible-runner, which is not installed",
+                            fix="pip install ansible-runner (it is a dependency of the coldsnap package)") from None
+    if operation not in OPERATIONS:
+        raise ColdSnapError(f"unknown operation {operation!r}", fix=f"use one of {', '.join(OPERATIONS)}")
+    if prepare_only and operation not in PREPARE_ONLY_OPERATIONS:
+        raise ColdSnapError(f"--prepare-only does not apply to operation {operation!r}",
+                            fix=f"use it with {' or '.join(PREPARE_ONLY_OPERATIONS)}")
+    if request is not None and request.get("operation") != operation:
+        raise ColdSnapError(f"the request is for operation {request.get('operation')!r}, not {operation!r}",
+                            fix=f"run 'coldsnap {request.get('operation')}', or change the request's operation")
+    operation_id = str(request["id"]) if request is not None else _generated_operation_id(operation)
+    if not OPERATION_ID_RE.match(operation_id):
+        raise ColdSnapError(f"operation id {operation_id!r} cannot name a run directory",
+                            fix="use letters, digits, '.', '_' and '-'")
+    if inventory is None and request is None:
+        raise ColdSnapError("no inventory and no request to build one from", fix="pass an inventory")
+    playbook_path = resolve_playbook(playbook)
+
+    public_vars = {k: v for k, v in extravars.items() if not is_secret_name(str(k))}
+    secret_vars = {k: v for k, v in extravars.items() if is_secret_name(str(k))}
+    for key, value in (secret_extravars or {}).items():
+        if key in public_vars:
+            raise ColdSnapError(f"extra var {key!r} is given both as public and as secret",
+                                fix="pass it once, as a secret")
+        secret_vars[key] = value
+    caller_env = {str(k): str(v) for k, v in (envvars or {}).items()}
+
+    redactor = Redactor()
+    redactor.add_secret_named(dict(os.environ))  # ansible-runner hands the whole environment on
+    redactor.add_secret_named(caller_env)
+    redactor.add(secret_vars)
+    if isinstance(inventory, Mapping):
+        redactor.add_secret_named(inventory)
+
+    state_root = Path(state_root)
+    state_root.mkdir(parents=True, exist_ok=True)
+    run_dir = _private_dir(_private_dir(state_root / "runs") / operation_id)
+    try:
+        lock = file_lock(run_dir / ".lock", timeout=0)
+        lock.__enter__()
+    except TimeoutError:
+        raise ColdSnapError(f"operation {operation_id} is already running (lock {run_dir / '.lock'})",
+                            fix="wait for it to finish, or give this request a new id") from None
+    try:
+        return _run_locked(
+            ansible_runner=ansible_runner, operation=operation, operation_id=operation_id, request=request,
+            playbook_path=playbook_path, public_vars=public_vars, secret_vars=secret_vars,
+            inventory=inventory, run_dir=run_dir, prepare_only=prepare_only, timing_sink=timing_sink,
+            progress=progress, cancel_event=cancel_event, caller_env=caller_env, redactor=redactor,
+            verbosity=verbosity, keep_artifacts=keep_artifacts, progress_stream=progress_stream)
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _prepare_run_dir(run_dir: Path, *, public_vars: Mapping[str, Any], caller_env: Mapping[str, str],
+                     inventory: Mapping[str, Any] | str | Path | None,
+                     request: Mapping[str, Any] | None) -> tuple[str, dict[str, str]]:
+    """Write env/, inventory/ and project; return (inventory path, secret env for the runner kwarg)."""
+    env_dir = _private_dir(run_dir / "env")
+    for stale in ("cmdline", "passwords", "ssh_key"):  # we never use them; a stale one would change the run
+        (env_dir / stale).unlink(missing_ok=True)
+    _write_private_json(env_dir / "extravars", dict(public_vars))
+    _write_private_json(env_dir / "settings", RUNNER_SETTINGS)
+    public_env = _base_envvars()
+    if not shutil.which("ansible-playbook", path=public_env.get("PATH", os.environ.get("PATH"))):
+        raise ColdSnapError("ansible-playbook is not on PATH",
+                            fix="install ansible-core in the controller's environment (or activate it)")
+    secret_env: dict[str, str] = {}
+    for k, v in caller_env.items():
+        (secret_env if is_secret_name(k) else public_env)[k] = v
+    _write_private_json(env_dir / "envvars", public_env)
+
+    inv_dir = _private_dir(run_dir / "inventory")
+    for old in inv_dir.iterdir():
+        if old.is_file() or old.is_symlink():
+            old.unlink()
+    if inventory is None or isinstance(inventory, Mapping):
+        inv = dict(inventory) if inventory is not None else inventory_from_request(request or {})
+        inv_path = inv_dir / "hosts.json"
+        _write_private_json(inv_path, inv)
+        inventory_arg = str(inv_path)
+    else:
+        path = Path(inventory).expanduser()
+        if not path.exists():
+            raise ColdSnapError(f"inventory {path} does not exist", fix="give an inventory file or directory")
+        inventory_arg = str(path.resolve())
+
+    project = run_dir / "project"
+    target = collection_dir()
+    if project.is_symlink() and Path(os.readlink(project)) != target:
+        project.unlink()
+    if not project.exists():
+        project.symlink_to(target, target_is_directory=True)
+    return inventory_arg, secret_env
+
+
+def _run_locked(*, ansible_runner: Any, operation: str, operation_id: str, request: Mapping[str, Any] | None,
+                playbook_path: Path, public_vars: Mapping[str, Any], secret_vars: Mapping[str, Any],
+                inventory: Mapping[str, Any] | str | Path | None, run_dir: Path, prepare_only: bool,
+                timing_sink: TimingTarget, progress: bool | None, cancel_event: threading.Event | None,
+                caller_env: Mapping[str, str], redactor: Redactor, verbosity: int, keep_artifacts: int,
+                progress_stream: IO[str] | None) -> OperationResult:
+    inventory_arg, secret_env = _prepare_run_dir(run_dir, public_vars=public_vars, caller_env=caller_env,
+                                                 inventory=inventory, request=request)
+    ident = _new_ident()
+    artifact_dir = _private_dir(_private_dir(run_dir / "artifacts") / ident)
+    stream = progress_stream if progress_stream is not None else sys.stderr
+    if progress is None:
+        progress = bool(getattr(stream, "isatty", lambda: False)())
+    reporter = ProgressReporter(progress, stream=stream)
+    timing = TimingStream(timing_sink, mirror=artifact_dir / "timing.ndjson")
+    recorder = SpanRecorder("controller", sink=timing)
+    started_at = dt.datetime.now(dt.UTC)
+    t0 = time.monotonic()
+    op_span = recorder.start_span(f"coldsnap.{operation}", operation=operation, operation_id=operation_id,
+                                  prepare_only=prepare_only, playbook=playbook_path.name)
+    reporter.header(f"coldsnap {operation}{' --prepare-only' if prepare_only else ''} {operation_id}: "
+                    f"{playbook_path.name} (run dir {run_dir})")
+
+    secrets_file = _Secrets(run_dir / "secrets", secret_vars)
+    stdout_log = open(artifact_dir / "stdout", "w", encoding="utf-8")
+    os.chmod(artifact_dir / "stdout", 0o600)
+    collector = EventCollector(recorder, parent_span_id=op_span["span_id"], redactor=redactor,
+                               progress=reporter, stdout_log=stdout_log, on_first_event=secrets_file.delete)
+    cancel_state: dict[str, Any] = {"at": None, "terminated": 0}
+    starting: dict[str, Any] = {}
+    runner_status = {"status": "unstarted"}
+
+    def cancel_callback() -> bool:
+        if cancel_event is not None and cancel_event.is_set():
+            if cancel_state["at"] is None:
+                cancel_state["at"] = time.monotonic()
+                reporter.note("cancel requested: stopping ansible-playbook and the tasks it runs")
+                # Before ansible-runner kills ansible-playbook's group: its workers live in
+                # sessions of their own and would survive (see proctree).
+                pid = find_child(str(run_dir))
+                cancel_state["terminated"] = terminate_tree(pid) if pid else 0
+            return True
+        return False
+
+    def status_handler(data: dict, runner_config: Any = None) -> None:
+        status = str(data.get("status"))
+        runner_status["status"] = status
+        if status == "starting":
+            # The payload holds the whole environment: keep only a redacted copy.
+            starting.update({"command": redactor.scrub(list(data.get("command") or [])),
+                             "cwd": data.get("cwd"),
+                             "env": redactor.scrub(redact_env(dict(data.get("env") or {})))})
+        elif status == "running" and starting:
+            # ansible-runner wrote the full environment to artifacts/<ident>/command just before
+            # this status; replace it before ansible-playbook is even spawned.
+            _write_private_json(artifact_dir / "command", starting)
+
+    controller_error: str | None = None
+    rc: int | None = None
+    interrupted = False
+    try:
+        r = ansible_runner.run(
+            private_data_dir=str(run_dir), ident=ident, playbook=str(playbook_path), inventory=inventory_arg,
+            cmdline=secrets_file.cmdline, envvars=secret_env or None, settings=dict(RUNNER_SETTINGS),
+            suppress_env_files=True, quiet=True, fact_cache_type="memory", rotate_artifacts=keep_artifacts,
+            verbosity=verbosity or None, event_handler=collector, status_handler=status_handler,
+            cancel_callback=cancel_callback)
+        rc = r.rc
+        runner_status["status"] = r.status
+    except KeyboardInterrupt:
+        # An API caller without a cancel_event got SIGINT: stop the tree, write the receipt, re-raise below.
+        interrupted = True
+        cancel_state["at"] = time.monotonic()
+        pid = find_child(str(run_dir))
+        cancel_state["terminated"] = terminate_tree(pid) if pid else 0
+    except Exception as exc:  # the runner itself broke: still write a failed receipt
+        controller_error = redactor.text(f"{type(exc).__name__}: {exc}")
+    finally:
+        secrets_file.delete()
+        stdout_log.close()
+        _scrub_partial_events(artifact_dir / "job_events", redactor)
+        if starting:
+            # Belt and braces: the command artifact must hold the redacted environment only.
+            with contextlib.suppress(OSError):
+                _write_private_json(artifact_dir / "command", starting)
+
+    cancelled = cancel_state["at"] is not None or runner_status["status"] == "canceled"
+    in_flight = collector.close_open_tasks("cancelled" if cancelled else "incomplete")
+    succeeded = (controller_error is None and not cancelled and runner_status["status"] == "successful"
+                 and rc == 0)
+    error = None if succeeded else _error(collector, cancelled=cancelled, in_flight=in_flight,
+                                         controller_error=controller_error, runner_status=runner_status["status"],
+                                         rc=rc)
+    recorder.end_span(op_span, status="ok" if succeeded else ("cancelled" if cancelled else "failed"),
+                      runner_status=runner_status["status"], rc=rc)
+    completed_at = dt.datetime.now(dt.UTC)
+    duration = time.monotonic() - t0
+    envelope = recorder.finish(operation_id)  # the stream's last event
+    timing.close()
+
+    result = _result(collector, playbook_path=playbook_path, ident=ident, runner_status=runner_status["status"],
+                     rc=rc, cancelled=cancelled, in_flight=in_flight, timing_problems=timing.problems)
+    if cancelled:
+        result["runner"]["terminated_processes"] = cancel_state["terminated"]
+    receipt = build_receipt(operation_id=operation_id, operation=operation, prepare_only=prepare_only,
+                            succeeded=succeeded, request=request, started_at=started_at,
+                            completed_at=completed_at, duration_seconds=duration, timing=envelope,
+                            result=redactor.scrub(result), error=redactor.scrub(error))
+    write_receipt(artifact_dir / "receipt.json", receipt, mode=0o600)
+    receipt_path = write_receipt(run_dir / "receipt.json", receipt, mode=0o600)
+    reporter.header(f"coldsnap {operation} {operation_id}: {receipt['state']}"
+                    f"{' (cancelled)' if cancelled else ''} in {duration:.1f}s")
+    if interrupted:
+        raise KeyboardInterrupt
+    return OperationResult(operation_id=operation_id, operation=operation, succeeded=succeeded,
+                           cancelled=cancelled, receipt=receipt, receipt_path=receipt_path, run_dir=run_dir,
+                           artifact_dir=artifact_dir, runner_status=runner_status["status"], rc=rc)
+
+
+def _scrub_partial_events(job_events: Path, redactor: Redactor) -> None:
+    """Scrub event files the display callback left unprocessed (a killed run leaves ``*-partial.json``)."""
+    if not redactor or not job_events.is_dir():
+        return
+    for partial in job_events.glob("*-partial.json"):
+        try:
+            text = partial.read_text(encoding="utf-8", errors="replace")
+            try:
+                cleaned = json.dumps(redactor.scrub(json.loads(text)))
+            except ValueError:
+                cleaned = redactor.text(text)
+            atomic_write_bytes(partial, cleaned.encode(), mode=0o600)
+        except OSError:
+            partial.unlink(missing_ok=True)  # cannot clean it: do not keep it
+
+
+def _playbook_label(path: Path) -> str:
+    try:
+        return str(path.relative_to(collection_dir()))
+    except ValueError:
+        return str(path)
+
+
+def _result(collector: EventCollector, *, playbook_path: Path, ident: str, runner_status: str, rc: int | None,
+            cancelled: bool, in_flight: list[dict], timing_problems: list[str]) -> dict:
+    from coldsnap.runner.contract import STATS_RESULT_KEY
+
+    result: dict[str, Any] = {
+        "playbook": _playbook_label(playbook_path),
+        "runner": {"ident": ident, "status": runner_status, "rc": rc, "cancelled": cancelled},
+        "tasks": collector.sorted_tasks(),
+        "stats": collector.stats,
+        "unreachable_hosts": list(collector.unreachable_hosts),
+        "failed_hosts": collector.failed_hosts(),
+        "custom_stats": collector.custom_stats,
+        "operation": collector.custom_stats.get(STATS_RESULT_KEY),
+    }
+    if in_flight:
+        result["in_flight"] = in_flight
+    problems = collector.timing_problems + timing_problems + collector.handler_errors
+    if problems:
+        result["controller_warnings"] = problems[:50]
+    return result
+
+
+def _error(collector: EventCollector, *, cancelled: bool, in_flight: list[dict], controller_error: str | None,
+           runner_status: str, rc: int | None) -> dict:
+    if controller_error is not None:
+        return {"message": f"the controller could not run the playbook: {controller_error}",
+                "host": None, "task": None, "phase": "controller"}
+    if cancelled:
+        current = in_flight[0] if in_flight else None
+        if current is None and collector.last_started is not None:
+            last = collector.last_started
+            current = {"host": last.host, "task": last.task, "play": last.play}
+        hosts = sorted({t["host"] for t in in_flight})
+        where = (f" while task {current['task']!r} was running on {', '.join(hosts) or current['host']}"
+                 if current else " before any task started")
+        return {"message": f"operation cancelled{where}; ansible-playbook was stopped",
+                "host": current["host"] if current else None, "task": current["task"] if current else None,
+                "phase": current.get("play") if current else None}
+    failure = collector.fatal_failure()
+    if failure is not None:
+        if failure["status"] == "unreachable":
+            hosts = collector.unreachable_hosts or [failure["host"]]
+            message = (f"host{'s' if len(hosts) > 1 else ''} {', '.join(hosts)} unreachable "
+                       f"(task {failure['task']!r}): {failure['msg'] or 'no message'}")
+        else:
+            message = f"task {failure['task']!r} failed on {failure['host']}: {failure['msg'] or 'no message'}"
+        return {"message": message, "host": failure["host"], "task": failure["task"], "phase": failure["play"]}
+    tail = [line for line in collector.verbose_tail if line.strip()]
+    errors = [line for line in tail if "ERROR" in line or "error" in line.lower()]
+    detail = " / ".join((errors or tail)[-6:]) or "no task failed and no error output was seen"
+    return {"message": f"ansible-playbook ended with status {runner_status} (rc {rc}): {detail}"[:4000],
+            "host": None, "task": None, "phase": "playbook"}

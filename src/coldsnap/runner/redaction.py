@@ -1,0 +1,109 @@
+"""Keep credentials out of everything the controller stores or prints.
+
+Two complementary rules:
+
+* **by name**: in an environment mapping (the ``starting`` status payload, the
+  runner's ``command`` artifact) every variable whose name looks secret
+  (``*TOKEN*``, ``*PASSWORD*``, ``*SECRET*``, ``*KEY*`` ...) is replaced;
+* **by value**: the values of those variables, of secret extra vars and of
+  secret-named inventory variables are replaced wherever they appear in event
+  data, stdout, task messages and custom stats, so a task that echoes a
+  credential by mistake still stores only the placeholder.
+
+Values shorter than :data:`MIN_SCRUB_LENGTH` are redacted by name only: scrubbing
+"1" or "true" out of every event would destroy the record and protect nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+REDACTED = "<redacted>"
+MIN_SCRUB_LENGTH = 6
+
+# Names of variables that carry credentials. Deliberately broad: redacting a
+# harmless value (e.g. ANSIBLE_HOST_KEY_CHECKING) in a stored record costs
+# nothing, missing a credential costs a leak.
+SECRET_NAME_RE = re.compile(
+    r"TOKEN|PASSWORD|PASSWD|PASSPHRASE|SECRET|KEY|CREDENTIAL|PRIVATE|COOKIE|(?:^|_)PASS(?:$|_)|(?:^|_)AUTH(?:$|_)",
+    re.IGNORECASE,
+)
+
+
+def is_secret_name(name: str) -> bool:
+    """True when a variable called ``name`` must be treated as a credential."""
+    return bool(SECRET_NAME_RE.search(name))
+
+
+def redact_env(env: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of an environment mapping with secret-named values replaced."""
+    return {k: (REDACTED if is_secret_name(str(k)) else v) for k, v in env.items()}
+
+
+class Redactor:
+    """Replaces known secret values in strings and nested JSON-like data."""
+
+    def __init__(self, values: Iterable[str] = ()) -> None:
+        self._values: set[str] = set()
+        self._pattern: re.Pattern[str] | None = None
+        for v in values:
+            self.add(v)
+
+    def add(self, value: Any) -> None:
+        """Register a secret value (strings; nested lists/dicts register every string leaf)."""
+        if isinstance(value, Mapping):
+            for v in value.values():
+                self.add(v)
+        elif isinstance(value, list | tuple):
+            for v in value:
+                self.add(v)
+        elif isinstance(value, str | int | float) and not isinstance(value, bool):
+            text = str(value)
+            if len(text) >= MIN_SCRUB_LENGTH and text not in self._values:
+                self._values.add(text)
+                # Longest first so a secret containing another is replaced whole.
+                alternatives = sorted(self._values, key=len, reverse=True)
+                self._pattern = re.compile("|".join(re.escape(a) for a in alternatives))
+
+    def add_secret_named(self, mapping: Mapping[str, Any]) -> None:
+        """Register the values of every secret-named key of ``mapping`` (recursively)."""
+        for key, value in mapping.items():
+            if is_secret_name(str(key)):
+                self.add(value)
+            elif isinstance(value, Mapping):
+                self.add_secret_named(value)
+            elif isinstance(value, list):
+                for item in value:
+                    if isinstance(item, Mapping):
+                        self.add_secret_named(item)
+
+    def __bool__(self) -> bool:
+        return bool(self._values)
+
+    def text(self, value: str) -> str:
+        """``value`` with every known secret replaced."""
+        if self._pattern is None or not value:
+            return value
+        return self._pattern.sub(REDACTED, value)
+
+    def scrub(self, value: Any) -> Any:
+        """A copy of JSON-like data with every known secret replaced (keys too)."""
+        if self._pattern is None:
+            return value
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, Mapping):
+            return {self.text(k) if isinstance(k, str) else k: self.scrub(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [self.scrub(v) for v in value]
+        return value
+
+    def scrub_in_place(self, data: dict) -> None:
+        """Scrub a dict in place (the runner writes the very dict its event handler received)."""
+        if self._pattern is None:
+            return
+        cleaned = self.scrub(data)
+        data.clear()
+        data.update(cleaned)

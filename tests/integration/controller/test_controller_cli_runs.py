@@ -1,0 +1,105 @@
+"""`coldsnap <operation>` end to end: receipts on stdout or in a file, prepare-only, SIGTERM, timeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import load_receipt
+from controller_helpers import PLAYBOOKS, REQUEST, read_ndjson, request_for
+
+from coldsnap.timeline import timeline_model
+
+
+def _coldsnap(*argv: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coldsnap.cli", *argv], check=False, capture_output=True, text=True,
+                          timeout=120, **kwargs)
+
+
+def _request_file(tmp_path: Path, operation: str) -> Path:
+    path = tmp_path / f"request-{operation}.json"
+    path.write_text(json.dumps(request_for(operation)))
+    return path
+
+
+def test_capture_prints_the_receipt_on_stdout(tmp_path: Path) -> None:
+    p = _coldsnap("capture", "--request-json", str(REQUEST), "--playbook", str(PLAYBOOKS / "succeed.yml"),
+                  "--state-root", str(tmp_path / "state"), "--timing-ndjson", str(tmp_path / "t.ndjson"),
+                  "-e", "fixture_note=hello", "--quiet")
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""  # --quiet
+    receipt = load_receipt(p.stdout)
+    assert receipt["state"] == "succeeded"
+    assert receipt["replay_semantics"] == "conflict-on-existing-output" and receipt["prepare_only"] is False
+    assert read_ndjson(tmp_path / "t.ndjson")[-1]["attrs"]["sha256"] == canonical_sha256(receipt["timing"])
+    stored = json.loads((tmp_path / "state" / "runs" / receipt["operation_id"] / "env" / "extravars").read_text())
+    assert stored["fixture_note"] == "hello" and stored["coldsnap_prepare_only"] is False
+    assert stored["coldsnap_state_root"] == str(tmp_path / "state")
+    assert stored["coldsnap_request"]["operation"] == "capture"
+
+
+def test_restore_prepare_only_writes_the_receipt_file_and_a_timeline(tmp_path: Path) -> None:
+    out = tmp_path / "receipt.json"
+    p = _coldsnap("restore", "--prepare-only", "--request-json", str(_request_file(tmp_path, "restore")),
+                  "--playbook", str(PLAYBOOKS / "succeed.yml"), "--state-root", str(tmp_path / "state"),
+                  "--receipt-json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == ""
+    assert "coldsnap restore: succeeded" in p.stderr and str(out) in p.stderr
+    receipt = load_receipt(out.read_bytes())
+    assert receipt["replay_semantics"] == "safe-repeat" and receipt["prepare_only"] is True
+    assert receipt["result"]["operation"]["prepare_only"] is True  # the playbook saw coldsnap_prepare_only
+    png = tmp_path / "timeline.png"
+    t = _coldsnap("timeline", str(out), "-o", str(png))
+    assert t.returncode == 0, t.stderr
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    lanes = timeline_model(receipt).lanes
+    assert lanes[:2] == ("controller", "controller -> localhost") and "unit:unit-0 @ localhost" in lanes
+
+
+def test_failed_run_exits_1_with_the_error(tmp_path: Path) -> None:
+    p = _coldsnap("status", "--request-json", str(_request_file(tmp_path, "status")),
+                  "--playbook", str(PLAYBOOKS / "fail.yml"), "--state-root", str(tmp_path / "state"))
+    assert p.returncode == 1
+    receipt = load_receipt(p.stdout)
+    assert receipt["state"] == "failed" and receipt["replay_semantics"] == "convergent"
+    assert "the disk is on fire" in receipt["error"]["message"]
+    assert "coldsnap status: failed" in p.stderr
+
+
+def test_sigterm_cancels_and_still_writes_the_receipt(tmp_path: Path) -> None:
+    out, ndjson = tmp_path / "receipt.json", tmp_path / "t.ndjson"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coldsnap.cli", "sleep", "--request-json", str(_request_file(tmp_path, "sleep")),
+         "--playbook", str(PLAYBOOKS / "long.yml"), "--state-root", str(tmp_path / "state"),
+         "--receipt-json", str(out), "--timing-ndjson", str(ndjson), "--progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if ndjson.exists() and '"name":"Long task"' in ndjson.read_text():
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the long task never started")
+        time.sleep(0.3)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    receipt = load_receipt(out.read_bytes())
+    assert receipt["state"] == "failed" and receipt["error"]["task"] == "Long task"
+    assert "cancelled" in receipt["error"]["message"]
+    assert "CANCELLED" in stderr and "Long task" in stderr  # --progress lines
+    assert read_ndjson(ndjson)[-1]["event"] == "envelope"

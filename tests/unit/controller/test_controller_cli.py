@@ -1,0 +1,111 @@
+"""`coldsnap <operation>` argument and request checks that fail before any playbook runs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from coldsnap.cli import main
+from coldsnap.commands.operations import resolve_state_root
+from coldsnap.runner import contract, default_state_root
+
+
+def _write_request(tmp_path: Path, text: str, **changes) -> Path:
+    req = json.loads(text)
+    req.update(changes)
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(req))
+    return path
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_prepare_only_is_refused_for_capture(tmp_path, capsys, example_request_text) -> None:
+    req = _write_request(tmp_path, example_request_text)
+    rc, out, err = _run(capsys, "capture", "--request-json", str(req), "--prepare-only", "--state-root",
+                        str(tmp_path / "state"))
+    assert rc == 2 and out == ""
+    assert "--prepare-only does not apply to 'capture'" in err and "restore or warm" in err
+    assert not (tmp_path / "state").exists()  # nothing ran
+
+
+def test_operation_must_match_the_verb(tmp_path, capsys, example_request_text) -> None:
+    req = _write_request(tmp_path, example_request_text)
+    rc, _, err = _run(capsys, "restore", "--request-json", str(req), "--state-root", str(tmp_path / "state"))
+    assert rc == 2
+    assert "is for operation 'capture', not 'restore'" in err and "coldsnap capture" in err
+
+
+def test_invalid_request_fails_before_anything_runs(tmp_path, capsys, example_request_text) -> None:
+    req = _write_request(tmp_path, example_request_text, surprise=1)
+    rc, _, err = _run(capsys, "capture", "--request-json", str(req), "--state-root", str(tmp_path / "state"))
+    assert rc == 2 and "surprise" in err
+    assert not (tmp_path / "state").exists()
+
+
+def test_missing_collection_playbook_is_a_clear_error(tmp_path, capsys, example_request_text, monkeypatch) -> None:
+    # A collection tree without playbooks/ (as while the playbooks are being written).
+    monkeypatch.setattr(contract, "collection_dir", lambda: tmp_path / "collection")
+    req = _write_request(tmp_path, example_request_text)
+    rc, _, err = _run(capsys, "capture", "--request-json", str(req), "--state-root", str(tmp_path / "state"))
+    assert rc == 2
+    assert "playbooks/capture.yml does not exist" in err and "--playbook" in err
+
+
+def test_missing_explicit_playbook(tmp_path, capsys, example_request_text) -> None:
+    req = _write_request(tmp_path, example_request_text)
+    rc, _, err = _run(capsys, "capture", "--request-json", str(req), "--playbook", str(tmp_path / "nope.yml"),
+                      "--state-root", str(tmp_path / "state"))
+    assert rc == 2 and "nope.yml does not exist" in err
+
+
+@pytest.mark.parametrize(("arg", "message"), [
+    ("novalue", "is not KEY=VALUE"),
+    ("coldsnap_request=x", "is set by the controller"),
+    ("1bad=x", "is not KEY=VALUE"),
+])
+def test_bad_extra_vars(tmp_path, capsys, example_request_text, arg, message) -> None:
+    req = _write_request(tmp_path, example_request_text)
+    rc, _, err = _run(capsys, "capture", "--request-json", str(req), "-e", arg, "--state-root",
+                      str(tmp_path / "state"))
+    assert rc == 2 and message in err
+
+
+def test_secret_env_must_exist(tmp_path, capsys, example_request_text, monkeypatch) -> None:
+    monkeypatch.delenv("COLDSNAP_TEST_UNSET_VAR", raising=False)
+    req = _write_request(tmp_path, example_request_text)
+    rc, _, err = _run(capsys, "capture", "--request-json", str(req), "--secret-env",
+                      "registry_password=COLDSNAP_TEST_UNSET_VAR", "--state-root", str(tmp_path / "state"))
+    assert rc == 2 and "COLDSNAP_TEST_UNSET_VAR is not set" in err
+
+
+def test_state_root_precedence(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "from-env"))
+    assert resolve_state_root(None) == tmp_path / "from-env"
+    assert resolve_state_root(str(tmp_path / "flag")) == tmp_path / "flag"
+    monkeypatch.delenv("COLDSNAP_STATE_ROOT")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert default_state_root() == Path("/var/lib/coldsnap")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert default_state_root() == tmp_path / "xdg" / "coldsnap"
+    monkeypatch.delenv("XDG_STATE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_state_root() == tmp_path / "home" / ".local" / "state" / "coldsnap"
+
+
+def test_every_operation_has_a_verb(capsys) -> None:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import OPERATIONS
+
+    for op in OPERATIONS:
+        with pytest.raises(SystemExit) as exc:
+            main([op, "--help"])
+        assert exc.value.code == 0
+        assert f"playbooks/{op.replace('-', '_')}.yml" in capsys.readouterr().out
