@@ -144,7 +144,7 @@ def main() -> None:
                                     "driver match the artifact")
         if p["phase"] == "prepare":
             return ops.prepare_restore(req, art, host=p["host"], facts=p["facts"], state_root=state_root,
-                                       check_mode=module.check_mode)
+                                       check_mode=module.check_mode, python=p["python"])
         if p["phase"] == "evict":
             return ops.evict(req, host=p["host"], state_root=state_root, check_mode=module.check_mode)
         return ops.restore_units(req, art, host=p["host"], state_root=state_root,

@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "coordinator",
     "timeline",
     "environment",
+    "demo",
 )
 
 

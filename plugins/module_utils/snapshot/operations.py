@@ -55,11 +55,24 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
                             fix=f"remove {unit.capture_dir(state_root, capture_id)} or use a new operation id")
     if check_mode:
         return {"changed": True, "units": [], "msg": f"would capture {len(units)} unit(s) on {host}"}
+    require_environment(request, units, host=host, python=python)
     adir = activation.require_staged(state_root, activation_digest)
     specs = unit.build_specs(request, host=host, operation="capture", capture_id=capture_id, state_root=state_root,
                              python=python, coordinator_endpoint=coordinator_endpoint, timeouts=timeouts)
     evidence = unit.run_host_units(specs, activation_dir=adir, run_dir=Path(state_root) / "runs" / request["id"])
     return {"changed": True, "units": [_public(e) for e in evidence], "coldsnap_timing": _timing(evidence)}
+
+
+def require_environment(request: dict, units: list[dict], *, host: str, python: str | None) -> None:
+    """Runtime 'host': the unit's Python environment must be the pinned one."""
+    import sys
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import environment
+
+    if request["launch"]["runtime"] != "host":
+        return
+    for u in units:
+        environment.require(u["environment_digest"], python or sys.executable, unit=u["id"], host=host)
 
 
 def restore_unit_dir(state_root: Path, artifact: dict, unit_id: str) -> Path:
@@ -142,11 +155,13 @@ def plan_weights(request: dict, artifact: dict, *, host: str, state_root: Path) 
 
 
 def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, state_root: Path,
-                    check_mode: bool) -> dict:
+                    check_mode: bool, python: str | None = None) -> dict:
     """Everything restore needs on this host, checked without touching the running workload."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import ports
 
     units = units_on_host(request, host)
+    captured_units = {u["id"]: u for u in artifact["launch"]["units"]}
+    require_environment(artifact, [captured_units[u["id"]] for u in units], host=host, python=python)
     plans = []
     changed = False
     for u in units:

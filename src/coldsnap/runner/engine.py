@@ -141,6 +141,9 @@ def _base_envvars() -> dict[str, str]:
         "ANSIBLE_FORCE_COLOR": "0",
         "ANSIBLE_LOCALHOST_WARNING": "False",
         "ANSIBLE_INVENTORY_UNPARSED_WARNING": "False",
+        # ansible-playbook polls its workers every millisecond by default; on small hosts that
+        # busy loop competes with the units being restored (and inflates their start-up times).
+        "ANSIBLE_INTERNAL_POLL_INTERVAL": os.environ.get("ANSIBLE_INTERNAL_POLL_INTERVAL", "0.05"),
     }
     # ansible-playbook of the controller's own environment, even when it is not activated.
     bin_dir = Path(sys.executable).parent

@@ -1,0 +1,96 @@
+"""The environment digest that pins a runtime-``host`` unit's userspace.
+
+A restored process keeps running the code it had in memory, but it still maps
+shared libraries and may import more: the destination's Python environment must
+be the captured one. The digest covers the interpreter (version, implementation,
+architecture), every installed distribution (name, version and its RECORD file,
+which lists each installed file's hash) and the ColdSnap code that runs inside
+units (engine integrations and the collection's module_utils).
+
+Run as ``python -m ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.environment``
+with the unit's interpreter to print it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError, ColdSnapError
+
+
+def _tree(root: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        if "__pycache__" in f.parts:
+            continue
+        rel = f.relative_to(root).as_posix().encode()
+        h.update(len(rel).to_bytes(4, "big") + rel + hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def describe() -> dict:
+    """What the digest covers, for this interpreter."""
+    from importlib import metadata
+
+    dists = []
+    for d in metadata.distributions():
+        name = (d.metadata["Name"] or "").lower()
+        if not name:
+            continue
+        record = d.read_text("RECORD") or ""
+        dists.append([name, d.version, hashlib.sha256(record.encode()).hexdigest() if record else "-"])
+    dists.sort()
+    code = {}
+    here = Path(__file__).resolve().parents[1]  # plugins/module_utils
+    code["module_utils"] = _tree(here)
+    try:
+        import coldsnap_engines
+
+        code["engines"] = _tree(Path(next(iter(coldsnap_engines.__path__))))
+    except ImportError:
+        code["engines"] = None
+    return {
+        "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
+                   "machine": platform.machine()},
+        "distributions": dists,
+        "code": code,
+    }
+
+
+def compute() -> str:
+    """``sha256:<hex>`` of :func:`describe` (canonical JSON)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
+
+    return canonical_sha256(describe())
+
+
+def of_python(python: str) -> str:
+    """The environment digest of another interpreter on this host."""
+    try:
+        r = subprocess.run([python, "-m", __name__], capture_output=True, text=True, timeout=120)
+    except OSError as exc:
+        raise ColdSnapError(f"cannot run the unit's Python {python}: {exc.strerror}",
+                            fix="set coldsnap_python to the runtime environment's interpreter") from None
+    if r.returncode != 0:
+        raise ColdSnapError(f"{python} cannot compute its environment digest: {r.stderr.strip()[-300:]}",
+                            fix="install the coldsnap runtime environment (scripts/setup-venv.sh) on the host")
+    return r.stdout.strip()
+
+
+def require(expected: str, python: str, *, unit: str, host: str) -> None:
+    """Refuse a host whose runtime environment differs from the one the request/artifact pins."""
+    got = of_python(python)
+    if got != expected:
+        raise AdmissionError(
+            f"unit {unit} on {host}: runtime environment {got} differs from the pinned {expected}",
+            fix="install the exact captured environment on the host (same Python and packages), "
+                "or recapture with 'coldsnap environment-digest' of this environment")
+
+
+if __name__ == "__main__":
+    print(compute() if "--describe" not in sys.argv else json.dumps(describe(), indent=2))

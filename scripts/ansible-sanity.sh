@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# ansible-test needs to run from .../ansible_collections/<namespace>/<name> (a real path):
+# copy the tracked tree there and run the sanity tests with their own virtualenvs.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+venv=${COLDSNAP_VENV:-$here/.venv}
+work=${COLDSNAP_SANITY_DIR:-$here/tests/output/sanity-tree}
+dest="$work/ansible_collections/coldsnap/fleet"
+rm -rf "$dest"
+mkdir -p "$dest"
+(cd "$here" && git ls-files -z --cached --others --exclude-standard | xargs -0 -I{} cp --parents {} "$dest/")
+cd "$dest"
+git init -q . && git add -A >/dev/null 2>&1
+python=$("$venv/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+PATH="$venv/bin:$PATH" "$venv/bin/ansible-test" sanity --venv --python "$python" \
+  --exclude tests/output/ "${@}"
