@@ -137,8 +137,15 @@ def library_packages(binary: Path) -> list[str]:
 # ----------------------------------------------------------------------------- base image
 
 def find_labelled(client: Any, kind: str, inputs: str) -> Any | None:
+    """The image built from exactly these inputs, if any.
+
+    Labels are inherited by derived images, so a base must also be a single
+    imported layer (a child that forgot to relabel itself is never taken for it).
+    """
     images = client.images.list(filters={"label": [f"{LABEL_KIND}={kind}", f"{LABEL_INPUTS}={inputs}"]})
-    return images[0] if images else None
+    if kind == "base":
+        images = [i for i in images if len((i.attrs.get("RootFS") or {}).get("Layers") or []) == 1]
+    return sorted(images, key=lambda i: i.attrs.get("Created", ""))[0] if images else None
 
 
 def build_base(client: Any, *, cache: Path, suite: str, arch: str, packages: list[str], tag: str,

@@ -64,6 +64,29 @@ def _engine_env(spec: UnitSpec, worker: dict) -> dict[str, str]:
     return env
 
 
+def process_memory(pid: int) -> dict:
+    """What a snapshot of ``pid`` is about to carry: anonymous RSS and GPU memory in use."""
+    out: dict = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                key, value = line.split(":", 1)
+                out[key.lower() + "_kib"] = int(value.split()[0])
+    except OSError:
+        pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        import subprocess
+
+        r = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=30)
+        for line in r.stdout.splitlines():
+            parts = [x.strip() for x in line.split(",")]
+            if len(parts) == 2 and parts[0] == str(pid):
+                out["gpu_used_mib"] = int(parts[1])
+    return out
+
+
 def _import_engine_spans(rec: SpanRecorder, reply: dict, worker: str) -> None:
     for s in reply.get("spans", []):
         if s.get("end_ns"):
@@ -206,6 +229,7 @@ class Activation:
                 os.truncate(self.workload_dir / "target.log", 0)
             self.phases.wait("capture/released", spec.timeout("phase", 600))
             cuda_used = {}
+            memory = {h.worker["id"]: process_memory(h.pid) for h in self.handles}
             with self.rec.span("unit.cuda.checkpoint"):
                 for h in self.handles:
                     cuda_used[h.worker["id"]] = cuda_mod.uses_cuda(h.pid)
@@ -226,6 +250,7 @@ class Activation:
                 atomic_write_json(ctl_dir / f"{wid}.json", h.control_info(), mode=0o600)
                 workers.append({"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
                                 "listeners": [list(x) for x in listeners], "cuda": cuda_used[wid],
+                                "memory_at_checkpoint": memory[wid],
                                 "payload": payloads[wid], "criu": {"bytes": res.bytes, "dump_seconds": res.seconds}})
             self.phases.wait("capture/dumped", spec.timeout("phase", 600))
             acceptance = self.reply

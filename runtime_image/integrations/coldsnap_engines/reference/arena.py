@@ -76,11 +76,48 @@ class CpuArena:
         return ctypes.addressof(ctypes.c_char.from_buffer(self._mm))
 
 
-class _CudaArrayView:
-    """Minimal __cuda_array_interface__ exporter so torch can alias VMM memory."""
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
-    def __init__(self, ptr: int, nbytes: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+_KDL_CUDA, _KDL_UINT = 2, 1
+_DLPACK_KEEP: list = []  # the C structs must outlive the tensors that alias them
+
+
+def _alias_device_memory(ptr: int, nbytes: int, device_index: int):
+    """A uint8 CUDA tensor that aliases ``[ptr, ptr + nbytes)`` exactly (DLPack, zero copy).
+
+    ``torch.as_tensor`` on a ``__cuda_array_interface__`` object may copy memory it
+    does not recognise (VMM mappings), which would move the weights out of the
+    stable allocation; a DLPack capsule is always taken as is.
+    """
+    torch = _torch()
+    shape = (ctypes.c_int64 * 1)(nbytes)
+    managed = _DLManagedTensor()
+    managed.dl_tensor = _DLTensor(ctypes.c_void_p(ptr), _DLDevice(_KDL_CUDA, device_index), 1,
+                                  _DLDataType(_KDL_UINT, 8, 1), shape, None, 0)
+    managed.manager_ctx = None
+    managed.deleter = None
+    _DLPACK_KEEP.append((managed, shape))
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new_capsule(ctypes.addressof(managed), b"dltensor", None)
+    return torch.utils.dlpack.from_dlpack(capsule)
 
 
 def _check(result):
@@ -95,6 +132,14 @@ def _check(result):
     return None
 
 
+def _ensure_context(device_index: int) -> None:
+    """Make the device's primary context current in this thread (driver calls need it)."""
+    torch = _torch()
+    torch.cuda.set_device(device_index)
+    torch.cuda.current_stream(device_index)
+    torch.empty(1, device=f"cuda:{device_index}")
+
+
 class CudaArena:
     """A stable GPU allocation: CUDA VMM reservation + physical memory mapped at it."""
 
@@ -103,6 +148,7 @@ class CudaArena:
     def __init__(self, arena_id: str, size: int, device_index: int) -> None:
         from cuda.bindings import driver as cu
 
+        _ensure_context(device_index)
         self.id = arena_id
         self.device_index = device_index
         prop = cu.CUmemAllocationProp()
@@ -139,13 +185,14 @@ class CudaArena:
         for d in shape:
             numel *= d
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        raw = torch.as_tensor(_CudaArrayView(self.address + offset, nbytes), device=f"cuda:{self.device_index}")
+        raw = _alias_device_memory(self.address + offset, nbytes, self.device_index)
         return raw.view(dtype).view(shape)
 
     def read(self, offset: int, size: int) -> bytes:
         """Copy bytes to the host (capture-time export)."""
         from cuda.bindings import driver as cu
 
+        _ensure_context(self.device_index)
         buf = bytearray(size)
         c_buf = (ctypes.c_char * size).from_buffer(buf)
         _check(cu.cuMemcpyDtoH(ctypes.addressof(c_buf), self.address + offset, size))
@@ -155,6 +202,7 @@ class CudaArena:
         """Unmap and free the physical memory; keep the virtual reservation."""
         from cuda.bindings import driver as cu
 
+        _ensure_context(self.device_index)
         _check(cu.cuCtxSynchronize())
         _check(cu.cuMemUnmap(self.address, self.mapped_size))
         _check(cu.cuMemRelease(self._handle))
@@ -164,6 +212,7 @@ class CudaArena:
     def recreate(self) -> None:
         """Map new physical memory at the same address (after CUDA restore)."""
         if self._handle is None:
+            _ensure_context(self.device_index)
             self._map()
         self.resident = True
 

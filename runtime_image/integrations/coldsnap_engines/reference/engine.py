@@ -49,10 +49,14 @@ class Timing:
 
 
 def _malloc_trim() -> None:
+    """Give freed host (and cached GPU) memory back so the snapshot does not carry it."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
         pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 class Engine:
@@ -191,13 +195,20 @@ class Engine:
         from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
         from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.pack import write_worker_payload
 
+        from coldsnap_engines.reference import hydration
+
         with self.state_lock:
             self._expect("quiesced")
             cache = NodeCache(Path(state_root)) if (export_pack and state_root) else None
             with self.timing.span("engine.payload.export") as sp:
-                result = write_worker_payload(Path(out_dir), self.loaded.allocations(), self.loaded.extents,
-                                              self.loaded, export_pack=export_pack, cache=cache, model=model,
-                                              safetensors_dir=self.model_dir)
+                rd = hydration.reader(self.loaded)
+                try:
+                    result = write_worker_payload(Path(out_dir), self.loaded.allocations(), self.loaded.extents,
+                                                  rd, export_pack=export_pack, cache=cache, model=model,
+                                                  safetensors_dir=self.model_dir)
+                finally:
+                    if rd is not self.loaded:
+                        hydration.close(rd)
                 sp["attrs"]["model_bytes"] = result.model_bytes
             return {"payload": _payload_json(result), "spans": self.timing.spans}
 

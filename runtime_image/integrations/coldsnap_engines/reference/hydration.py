@@ -15,7 +15,27 @@ def _sink(loaded: LoadedWeights):
     first = next(iter(arenas.values()))
     if first.device == "cpu":
         return hy.MemorySink({a.id: a.view() for a in arenas.values()})
-    return hy.CudaSink({a.id: a.address for a in arenas.values()}, first.device_index)
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda import CudaSink
+
+    return CudaSink({a.id: a.address for a in arenas.values()}, first.device_index,
+                    sizes={a.id: a.size for a in arenas.values()})
+
+
+def reader(loaded: LoadedWeights):
+    """AllocationReader for the payload writer: the arenas themselves (CPU) or pinned D2H copies (GPU)."""
+    first = next(iter(loaded.arenas.values()))
+    if first.device == "cpu":
+        return loaded
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda import CudaReader
+
+    return CudaReader({a.id: a.address for a in loaded.arenas.values()}, first.device_index)
+
+
+def close(obj) -> None:
+    """Free staging buffers (pinned host memory must not end up in a snapshot)."""
+    fn = getattr(obj, "close", None)
+    if callable(fn):
+        fn()
 
 
 def hydrate(loaded: LoadedWeights, spec: dict) -> dict:
@@ -33,14 +53,18 @@ def hydrate(loaded: LoadedWeights, spec: dict) -> dict:
                 f"the restored process", fix="restore the capsule that belongs to this manifest")
     sink = _sink(loaded)
     provider = spec["provider"]
-    if provider == "native":
-        pack = spec["pack"]
-        with PayloadVerifier().verify(Path(pack["path"]), pack["sha256"], pack["size"]) as verified:
-            stats = hy.hydrate_native(manifest, verified, Path(spec["residual"]), sink)
-    elif provider == "recovery":
-        stats = hy.hydrate_recovery(manifest, Path(spec["replay"]), Path(spec["model_dir"]), Path(spec["residual"]), sink)
-    else:
-        raise ValueError(f"unknown weight provider {provider!r}")
+    try:
+        if provider == "native":
+            pack = spec["pack"]
+            with PayloadVerifier().verify(Path(pack["path"]), pack["sha256"], pack["size"]) as verified:
+                stats = hy.hydrate_native(manifest, verified, Path(spec["residual"]), sink)
+        elif provider == "recovery":
+            stats = hy.hydrate_recovery(manifest, Path(spec["replay"]), Path(spec["model_dir"]),
+                                        Path(spec["residual"]), sink)
+        else:
+            raise ValueError(f"unknown weight provider {provider!r}")
+    finally:
+        close(sink)
     out = stats.as_dict() if hasattr(stats, "as_dict") else dict(vars(stats))
     out["provider"] = provider
     return out
@@ -53,5 +77,10 @@ def materialize(loaded: LoadedWeights, spec: dict) -> dict:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.pack import write_pack_from_resident
 
     manifest = hy.load_manifest(Path(spec["manifest"]))
-    ref = write_pack_from_resident(manifest, loaded, NodeCache(Path(spec["state_root"])))
+    rd = reader(loaded)
+    try:
+        ref = write_pack_from_resident(manifest, rd, NodeCache(Path(spec["state_root"])))
+    finally:
+        if rd is not loaded:
+            close(rd)
     return {"sha256": ref.sha256, "size": ref.size, "path": ref.path}

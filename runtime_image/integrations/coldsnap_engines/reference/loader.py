@@ -127,6 +127,11 @@ def load(model_dir: Path, config: ModelConfig, *, rank: int, world: int, device:
                 if src.dtype != dtype:
                     raise ValueError(f"{p.name}: checkpoint dtype {src.dtype} differs from config dtype {dtype}")
                 dest = arenas["params"].tensor(p.offset, p.shape, dtype)
+                if dest.data_ptr() != arenas["params"].address + p.offset:
+                    # A framework that copied instead of aliasing would keep the weights outside the
+                    # stable allocation: the snapshot would carry them and hydration would miss them.
+                    raise RuntimeError(f"{p.name}: tensor does not alias its stable allocation "
+                                       f"({dest.data_ptr():#x} != {arenas['params'].address + p.offset:#x})")
                 dest.copy_(src.contiguous())
                 weights[p.name] = dest
                 if observe:

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""Restore-to-first-token vs cold-start-to-first-token of the reference engine on a GPU.
+
+Standalone (plain ``python3`` with torch + cuda-python, as root, with CRIU available as
+``$COLDSNAP_CRIU`` or on PATH): makes the library importable itself, generates a reference
+model, then drives the same per-host code the ``unit_capture`` / ``unit_restore`` modules
+run (the activation runtime, CRIU, the CUDA driver checkpoint API, payload hydration):
+
+1. capture: cold start (measured from unit start: TTR port-open, TTR HTTP-ready, TTFT),
+   exact validation, quiesce, export (pack + residual), release of the VMM weight memory,
+   CUDA checkpoint, CRIU dump;
+2. restore with the native pack, twice; restore with the recovery (safetensors) provider;
+3. baselines in the same run: pinned host->device copy of the model bytes, and
+   safetensors ``load_file(device="cuda")`` of the checkpoint.
+
+Prints one JSON document (and writes it to --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def setup_paths() -> Path:
+    coll = Path(tempfile.mkdtemp(prefix="coldsnap-coll-"))
+    link = coll / "ansible_collections" / "coldsnap"
+    link.mkdir(parents=True)
+    (link / "fleet").symlink_to(REPO)
+    extra = [str(coll), str(REPO / "runtime_image" / "integrations")]
+    sys.path[:0] = extra
+    os.environ["PYTHONPATH"] = os.pathsep.join(extra + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return coll
+
+
+def dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def pinned_h2d_gbps(nbytes: int, repeat: int = 3) -> float:
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    best = 1e9
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del host, dev
+    torch.cuda.empty_cache()
+    return nbytes / best / 1e9
+
+
+def safetensors_load_s(model_dir: Path) -> float:
+    import torch
+    from safetensors.torch import load_file
+
+    best = 1e9
+    for _ in range(2):
+        t = time.perf_counter()
+        out = {}
+        for f in sorted(model_dir.glob("*.safetensors")):
+            out.update(load_file(str(f), device="cuda"))
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+        del out
+        torch.cuda.empty_cache()
+    return best
+
+
+def kill_pid(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    for _ in range(200):
+        try:
+            os.kill(pid, 0)
+            time.sleep(0.05)
+        except ProcessLookupError:
+            return
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="2g-bf16")
+    ap.add_argument("--work", default="/tmp/coldsnap-gpu")
+    ap.add_argument("--port", type=int, default=18200)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--restores", type=int, default=2)
+    args = ap.parse_args()
+    setup_paths()
+    from coldsnap_engines.reference.config import PRESETS
+    from coldsnap_engines.reference.weights import make_model
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.facts import gather
+
+    work = Path(args.work)
+    state = work / "state"
+    model_dir = work / f"model-{args.preset}"
+    t = time.time()
+    ident = make_model(model_dir, PRESETS[args.preset], model_id=f"coldsnap/reference-{args.preset}")
+    result: dict = {"preset": args.preset, "model_generate_s": round(time.time() - t, 2), "model": ident}
+    facts = gather(check_criu=True)
+    result["host"] = {k: facts[k] for k in ("kernel", "nvidia_driver", "gpus", "criu")}
+    env = {"OMP_NUM_THREADS": "8", "PYTHONPATH": os.environ["PYTHONPATH"]}
+    req = validate_request({
+        "format": 4, "kind": "coldsnap-operation-request", "operation": "capture", "id": "gpu-capture",
+        "snapshot_driver": {"id": "n610"}, "output": {"artifact_dir": str(work / "artifact")},
+        "launch": {"engine": "reference", "runtime": "host",
+                   "model": {"id": ident["id"], "revision": ident["revision"],
+                             "source": {"kind": "local-safetensors", "path": str(model_dir)}},
+                   "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": [0],
+                              "command": [sys.executable, "-m", "coldsnap_engines.reference.server", "--model",
+                                          str(model_dir), "--port", str(args.port), "--device", "cuda"],
+                              "environment": env, "environment_digest": "sha256:" + "0" * 64,
+                              "mounts": [{"source": str(model_dir), "target": str(model_dir)}]}],
+                   "execution": {"workers": [{"id": "worker-0", "unit": "unit-0", "rank": 0, "device_slot": 0}],
+                                 "services": [{"id": "api", "unit": "unit-0", "port": args.port}],
+                                 "adapter": {"schema": "reference-v1", "digest": "sha256:" + "1" * 64}}},
+        "policy": {"process": {"backend": "cuda-criu"}, "weights": {"native": {"materialize": "off"}}},
+        "validation": {"prompt": "ColdSnap says:", "max_tokens": 16},
+        "workload": {"recipe": "gpu-bench"},
+    })
+    digest, adir, _ = activation.stage(REPO / "runtime_image" / "activation", state)
+    specs = unit.build_specs(req, host="localhost", operation="capture", capture_id="gpu-cap", state_root=state)
+    t = time.time()
+    cap = unit.run_host_units(specs, activation_dir=adir, run_dir=state / "runs" / "capture")[0]
+    result["capture_wall_s"] = round(time.time() - t, 2)
+    result["cold"] = cap["readiness"]
+    result["capture_spans"] = {s["name"]: round((s["end_ns"] - s["start_ns"]) / 1e9, 4) for s in cap["timing"]["spans"]}
+    udir = unit.unit_dir(state, "gpu-cap", "unit-0")
+    w = cap["workers"][0]
+    result["criu_image_bytes"] = w["criu"]["bytes"]
+    result["memory_at_checkpoint"] = w.get("memory_at_checkpoint")
+    result["capsule_bytes"] = dir_bytes(udir)
+    result["model_bytes"] = w["payload"]["model_bytes"]
+    result["residual_bytes"] = w["payload"]["residual_bytes"]
+    pack = w["payload"]["pack"]
+    expected = cap["acceptance_reply"]
+    result["reply"] = expected
+    restores = []
+    for i, provider in enumerate(["native"] * args.restores + ["recovery"]):
+        weights = {"model_dir": str(model_dir), "materialize": "off",
+                   "workers": {"worker-0": {"provider": provider, "pack": (
+                       {"path": str(state / pack["path"]), "sha256": pack["sha256"], "size": pack["size"]}
+                       if provider == "native" else None)}}}
+        rreq = dict(req)
+        rreq["id"] = f"gpu-restore-{i}"
+        specs = unit.build_specs(rreq, host="localhost", operation="restore", capture_id="gpu-cap", state_root=state,
+                                 weights=weights, validation={**req["validation"], "expected": expected})
+        t = time.time()
+        ev = unit.run_host_units(specs, activation_dir=adir, run_dir=state / "runs" / f"restore-{i}")[0]
+        restores.append({"provider": provider, "wall_s": round(time.time() - t, 2), "readiness": ev["readiness"],
+                         "reply_ok": ev["reply"] == expected,
+                         "spans": {s["name"]: round((s["end_ns"] - s["start_ns"]) / 1e9, 4)
+                                   for s in ev["timing"]["spans"]}})
+        kill_pid(ev["workers"][0]["pid"])
+        time.sleep(0.5)
+    result["restores"] = restores
+    result["pinned_h2d_gbps"] = round(pinned_h2d_gbps(result["model_bytes"]), 2)
+    result["safetensors_load_cuda_s"] = round(safetensors_load_s(model_dir), 3)
+    best = min(restores[: args.restores], key=lambda r: r["readiness"]["ttft_s"])
+    hyd = best["spans"].get("engine.hydrate")
+    result["summary"] = {
+        "cold_ttft_s": result["cold"]["ttft_s"],
+        "restore_ttft_s": best["readiness"]["ttft_s"],
+        "restore_over_cold_ttft": round(best["readiness"]["ttft_s"] / result["cold"]["ttft_s"], 4),
+        "restore_over_cold_http_ready": round(best["readiness"]["ttr_http_ready_s"] / result["cold"]["ttr_http_ready_s"], 4),
+        "capsule_over_model_bytes": round(result["capsule_bytes"] / result["model_bytes"], 4),
+        "hydration_gbps": round(result["model_bytes"] / hyd / 1e9, 2) if hyd else None,
+        "hydration_over_pinned": round(result["model_bytes"] / hyd / 1e9 / result["pinned_h2d_gbps"], 3) if hyd else None,
+        "recovery_ttft_s": restores[-1]["readiness"]["ttft_s"],
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

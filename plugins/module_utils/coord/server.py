@@ -1,0 +1,810 @@
+"""The CSKV v1 coordinator server: one activation's authenticated key-value rendezvous.
+
+Design (stdlib only, one thread):
+
+* a ``selectors`` event loop owns every socket and the whole store, so ``add`` and
+  ``append`` are atomic without locks and a blocked ``get`` costs no thread;
+* at most ``max_connections`` connections are open at once (a *slot* each); when
+  all slots are taken the listener stops accepting and new clients wait in the
+  kernel's accept backlog until a slot frees (backpressure, not an error);
+* every connection has a deadline: the whole request (header + body) must arrive
+  within ``read_timeout`` of the accept, a reply must drain within
+  ``write_timeout``; a stalled client is closed without a reply and its slot freed;
+* header checks run in protocol order before the body is read: ``invalid``, then
+  ``too-large`` (decided from the header alone, so no buffer is ever sized from
+  an unauthenticated length), then the token (<= 1 KiB) is read and compared in
+  constant time; only an authenticated request gets a key/value buffer.
+
+Memory policy (bounded, documented in docs/coordinator.md):
+
+* stored bytes (sum of key + value + ``ENTRY_OVERHEAD`` per key) never exceed
+  ``max_store_bytes``: a ``set``/``append``/``add`` that would cross it is refused
+  with ``too-large`` and changes nothing; an ``append`` whose result would exceed
+  the 16 MiB value cap is ``too-large`` too;
+* bytes buffered for request bodies being received never exceed
+  ``max_inflight_bytes``: a request that does not fit right now gets ``internal``
+  (transient: retry later) before its body is read;
+* unexpected failures while handling one request answer ``internal`` and close
+  that connection only.
+
+Shutdown: :meth:`CoordinatorServer.shutdown` stops accepting at once, answers
+every blocked ``get`` with ``internal`` (the key never appeared; the server is
+going away), lets requests already being received finish for up to
+``shutdown_grace`` seconds, then closes what is left.
+
+Run as a process: ``python -m ansible_collections.coldsnap.fleet.plugins.module_utils.coord.server
+--endpoint-file F --scope S [--address A] [--port P]`` (see :func:`main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import heapq
+import hmac
+import itertools
+import json
+import os
+import resource
+import selectors
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_bytes
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import protocol as p
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint import (
+    EndpointDescriptor,
+    check_address,
+    new_token,
+    read_endpoint,
+    write_endpoint,
+)
+
+ENTRY_OVERHEAD = 64  # bytes charged per stored key on top of its key and value
+DEFAULT_ADDRESS = "127.0.0.1"
+_SCRATCH_SIZE = 64 * 1024
+_LISTEN_BACKLOG = 128
+_DRAIN_LIMIT = p.MAX_TOKEN + p.MAX_KEY + p.MAX_VALUE + p.REQUEST_HEADER_SIZE
+
+# Connection phases.
+_HEADER, _TOKEN, _BODY, _WAIT, _WRITE, _DRAIN = range(6)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Every bound the server enforces (slots, deadlines, memory)."""
+
+    max_connections: int = 512
+    read_timeout: float = 10.0
+    write_timeout: float = 10.0
+    drain_timeout: float = 1.0
+    shutdown_grace: float = 2.0
+    max_store_bytes: int = 256 * 1024 * 1024
+    max_inflight_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ColdSnapError("coordinator max_connections must be >= 1", fix="give a positive slot count")
+        if min(self.read_timeout, self.write_timeout, self.drain_timeout) <= 0:
+            raise ColdSnapError("coordinator timeouts must be > 0", fix="give positive seconds")
+        if self.max_inflight_bytes < p.MAX_KEY + p.MAX_VALUE:
+            raise ColdSnapError(
+                f"coordinator max_inflight_bytes {self.max_inflight_bytes} cannot hold one maximal request",
+                fix=f"give at least {p.MAX_KEY + p.MAX_VALUE} bytes",
+            )
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    """A snapshot of the server's counters (no keys, no values, no token)."""
+
+    connections: int
+    peak_connections: int
+    waiting_gets: int
+    keys: int
+    stored_bytes: int
+    inflight_bytes: int
+    requests: int
+    statuses: dict[str, int]
+    deadline_closes: int
+
+
+@dataclass(eq=False)
+class _Conn:
+    sock: socket.socket
+    phase: int = _HEADER
+    buf: bytearray = field(default_factory=lambda: bytearray(p.REQUEST_HEADER_SIZE))
+    got: int = 0
+    header: p.RequestHeader | None = None
+    token: bytes = b""
+    reserved: int = 0
+    out: list[memoryview] = field(default_factory=list)
+    request_complete: bool = False
+    wait_key: bytes | None = None
+    deadline: float = 0.0
+    timer_gen: int = 0
+    drained: int = 0
+    events: int = 0
+
+
+class CoordinatorServer:
+    """A CSKV v1 server bound at construction (so its port is known before serving)."""
+
+    def __init__(
+        self,
+        token: str | bytes,
+        *,
+        address: str = DEFAULT_ADDRESS,
+        port: int = 0,
+        limits: ServerLimits | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        token_b = token.encode("ascii") if isinstance(token, str) else bytes(token)
+        if len(token_b) < p.MIN_TOKEN or len(token_b) > p.MAX_TOKEN:
+            raise ColdSnapError(
+                f"coordinator token must be {p.MIN_TOKEN}..{p.MAX_TOKEN} bytes",
+                fix="use endpoint.new_token() (64 hex characters)",
+            )
+        self._token = token_b
+        self.limits = limits or ServerLimits()
+        self._max_conns = _clamp_to_fd_limit(self.limits.max_connections)
+        self._log = log or (lambda _msg: None)
+        address = check_address(address)
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ColdSnapError(f"coordinator port {port!r} is not 0..65535", fix="give 0 for an ephemeral port")
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind((address, port))
+            self._listener.listen(_LISTEN_BACKLOG)
+        except OSError as exc:
+            self._listener.close()
+            raise ColdSnapError(
+                f"coordinator cannot listen on {address}:{port}: {exc.strerror or exc}",
+                fix="choose a free port (0 picks one) and an address of this host",
+            ) from None
+        self._listener.setblocking(False)
+        self._bound: tuple[str, int] = self._listener.getsockname()[:2]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._accepting = True
+        self._conns: set[_Conn] = set()
+        self._waiters: dict[bytes, list[_Conn]] = {}
+        self._store: dict[bytes, bytes] = {}
+        self._stored_bytes = 0
+        self._inflight = 0
+        self._timers: list[tuple[float, int, int, _Conn]] = []
+        self._seq = itertools.count()
+        self._scratch = memoryview(bytearray(_SCRATCH_SIZE))
+        self._stop_requested = False
+        self._stopping_since: float | None = None
+        self._serving = threading.Event()
+        self._stopped = threading.Event()
+        self._closed = False
+        self._loop_thread: int | None = None
+        self._requests = 0
+        self._peak = 0
+        self._deadline_closes = 0
+        self._statuses = dict.fromkeys((s.label for s in p.Status), 0)
+
+    # -- public -------------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The address the listening socket is bound to (from getsockname at bind time)."""
+        return self._bound[0]
+
+    @property
+    def port(self) -> int:
+        """The TCP port the listening socket is bound to."""
+        return self._bound[1]
+
+    @property
+    def max_connections(self) -> int:
+        """The slot count actually used (the configured one, clamped to the fd limit)."""
+        return self._max_conns
+
+    def stats(self) -> ServerStats:
+        """Counters for tests, benchmarks and status (never keys, values or the token)."""
+        return ServerStats(
+            connections=len(self._conns),
+            peak_connections=self._peak,
+            waiting_gets=sum(len(w) for w in list(self._waiters.values())),  # list(): one atomic copy
+            keys=len(self._store),
+            stored_bytes=self._stored_bytes,
+            inflight_bytes=self._inflight,
+            requests=self._requests,
+            statuses=dict(self._statuses),
+            deadline_closes=self._deadline_closes,
+        )
+
+    def serve_forever(self) -> None:
+        """Run the event loop until :meth:`shutdown`; then close every socket."""
+        if self._closed:
+            raise ColdSnapError("coordinator server is already closed", fix="create a new CoordinatorServer")
+        self._loop_thread = threading.get_ident()
+        self._serving.set()
+        try:
+            while not self._loop_once():
+                pass
+        finally:
+            self._close_all()
+            self._stopped.set()
+
+    def start_thread(self) -> threading.Thread:
+        """Serve in a daemon thread (tests, benchmarks, in-process use); returns the thread."""
+        thread = threading.Thread(target=self.serve_forever, name=f"cskv-{self.port}", daemon=True)
+        thread.start()
+        self._serving.wait()
+        return thread
+
+    def shutdown(self, *, wait: bool = True, timeout: float | None = None) -> None:
+        """Stop gracefully (see the module doc). Safe from another thread or a signal handler."""
+        self._stop_requested = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        if not wait:
+            return
+        if not self._serving.is_set():
+            self._close_all()  # never served: nothing to drain
+        elif threading.get_ident() != self._loop_thread:
+            self._stopped.wait(timeout)
+
+    def __enter__(self) -> CoordinatorServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- event loop ---------------------------------------------------------------------------
+
+    def _loop_once(self) -> bool:
+        """One select round; True when the loop is finished."""
+        now = time.monotonic()
+        if self._stop_requested and self._stopping_since is None:
+            self._begin_stop(now)
+        if self._stopping_since is not None:
+            if not self._conns or now - self._stopping_since >= self.limits.shutdown_grace:
+                return True
+        timeout = self._next_timeout(now)
+        for key, mask in self._sel.select(timeout):
+            if key.data == "listen":
+                self._accept()
+            elif key.data == "wake":
+                with contextlib.suppress(OSError):
+                    self._wake_r.recv(4096)
+            else:
+                conn = key.data
+                if conn not in self._conns:
+                    continue  # closed earlier in this round (its fd may already be reused)
+                try:
+                    if mask & selectors.EVENT_READ:
+                        self._on_readable(conn)
+                    if mask & selectors.EVENT_WRITE and conn in self._conns:
+                        self._flush(conn)
+                except Exception as exc:
+                    self._fail(conn, exc)
+        self._fire_timers(time.monotonic())
+        return False
+
+    def _next_timeout(self, now: float) -> float | None:
+        while self._timers and self._timers[0][2] != self._timers[0][3].timer_gen:
+            heapq.heappop(self._timers)
+        candidates = []
+        if self._timers:
+            candidates.append(max(0.0, self._timers[0][0] - now))
+        if self._stopping_since is not None:
+            candidates.append(max(0.0, self._stopping_since + self.limits.shutdown_grace - now))
+        return min(candidates) if candidates else None
+
+    def _begin_stop(self, now: float) -> None:
+        self._stopping_since = now
+        if self._accepting:
+            self._sel.unregister(self._listener)
+            self._accepting = False
+        self._listener.close()  # new clients get "connection refused" at once
+        for waiters in list(self._waiters.values()):
+            for conn in list(waiters):
+                self._unwait(conn)
+                self._reply(conn, p.Status.INTERNAL)
+        self._log("coordinator shutting down")
+
+    def _accept(self) -> None:
+        while len(self._conns) < self._max_conns:
+            try:
+                sock, _addr = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                # EMFILE and friends: keep serving the connections we have.
+                self._log(f"coordinator accept failed: {exc.strerror or exc}")
+                return
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock)
+            self._conns.add(conn)
+            self._peak = max(self._peak, len(self._conns))
+            self._watch(conn, selectors.EVENT_READ)
+            self._set_deadline(conn, time.monotonic() + self.limits.read_timeout)
+        if self._accepting:
+            # Every slot is taken: leave new clients in the backlog until one frees.
+            self._sel.unregister(self._listener)
+            self._accepting = False
+
+    def _watch(self, conn: _Conn, events: int) -> None:
+        if conn.events == events:
+            return
+        if conn.events == 0:
+            self._sel.register(conn.sock, events, conn)
+        elif events == 0:
+            self._sel.unregister(conn.sock)
+        else:
+            self._sel.modify(conn.sock, events, conn)
+        conn.events = events
+
+    def _set_deadline(self, conn: _Conn, deadline: float) -> None:
+        conn.timer_gen += 1
+        conn.deadline = deadline
+        heapq.heappush(self._timers, (deadline, next(self._seq), conn.timer_gen, conn))
+        if len(self._timers) > 4 * len(self._conns) + 1024:
+            # Superseded deadlines linger until they expire; drop them so the heap
+            # stays proportional to the open connections, not to the request rate.
+            self._timers = [t for t in self._timers if t[2] == t[3].timer_gen and t[3] in self._conns]
+            heapq.heapify(self._timers)
+
+    def _fire_timers(self, now: float) -> None:
+        while self._timers and self._timers[0][0] <= now:
+            _deadline, _seq, gen, conn = heapq.heappop(self._timers)
+            if gen != conn.timer_gen or conn not in self._conns:
+                continue
+            if conn.phase == _WAIT:
+                self._unwait(conn)
+                self._reply(conn, p.Status.TIMEOUT)
+            else:
+                # Stalled reader, writer that does not read, or drain done: free the slot.
+                if conn.phase in (_HEADER, _TOKEN, _BODY, _WRITE):
+                    self._deadline_closes += 1
+                self._close(conn)
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def _on_readable(self, conn: _Conn) -> None:
+        if conn.phase == _DRAIN:
+            self._drain(conn)
+            return
+        if conn.phase == _WAIT:
+            # EOF may be a half-close (a client that shut down its sending side and
+            # still reads): keep waiting, stop watching. A reset means the waiter is
+            # gone; more bytes break "one request per connection". Both free the slot.
+            try:
+                n = conn.sock.recv_into(self._scratch, 1)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                n = -1
+            if n == 0:
+                self._watch(conn, 0)
+                return
+            self._unwait(conn)
+            self._close(conn)
+            return
+        # Keep reading while the request's next part is already here: one select
+        # wake-up usually carries header, token and body together.
+        while conn.phase in (_HEADER, _TOKEN, _BODY) and conn in self._conns:
+            want = len(conn.buf) - conn.got
+            if want:
+                try:
+                    n = conn.sock.recv_into(memoryview(conn.buf)[conn.got:], want)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    self._close(conn)
+                    return
+                if n == 0:
+                    self._close(conn)  # the client gave up before sending a whole request
+                    return
+                conn.got += n
+                if conn.got < len(conn.buf):
+                    return
+            if conn.phase == _HEADER:
+                self._header_done(conn)
+            elif conn.phase == _TOKEN:
+                self._token_done(conn)
+            else:
+                self._body_done(conn)
+
+    def _header_done(self, conn: _Conn) -> None:
+        header = p.decode_request_header(conn.buf)
+        conn.header = header
+        problem = p.check_request_header(header)
+        if problem is not None:
+            self._reply(conn, problem)
+            return
+        self._start_phase(conn, _TOKEN, header.token_len)
+
+    def _start_phase(self, conn: _Conn, phase: int, size: int) -> None:
+        # An empty part (no token, no key and value) completes at once in the read loop.
+        conn.phase = phase
+        conn.buf = bytearray(size)
+        conn.got = 0
+
+    def _token_done(self, conn: _Conn) -> None:
+        token = bytes(conn.buf)
+        # compare_digest runs in time independent of where the bytes differ.
+        if len(token) < p.MIN_TOKEN or not hmac.compare_digest(token, self._token):
+            self._reply(conn, p.Status.UNAUTHORIZED)
+            return
+        header = conn.header
+        assert header is not None
+        size = header.key_len + header.value_len
+        if self._inflight + size > self.limits.max_inflight_bytes:
+            self._reply(conn, p.Status.INTERNAL)  # transient: other bodies hold the budget
+            return
+        conn.reserved = size
+        self._inflight += size
+        self._start_phase(conn, _BODY, size)
+
+    def _body_done(self, conn: _Conn) -> None:
+        header = conn.header
+        assert header is not None
+        body = bytes(conn.buf)
+        conn.buf = bytearray()
+        self._release(conn)
+        conn.request_complete = True
+        key, value = body[: header.key_len], body[header.key_len :]
+        self._requests += 1
+        self._dispatch(conn, p.Op(header.op), key, value, header.timeout_ms)
+
+    def _release(self, conn: _Conn) -> None:
+        self._inflight -= conn.reserved
+        conn.reserved = 0
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def _dispatch(self, conn: _Conn, op: p.Op, key: bytes, value: bytes, timeout_ms: int) -> None:
+        if op == p.Op.HEALTH:
+            status = p.Status.OK if not key and not value else p.Status.INVALID
+            self._reply(conn, status)
+        elif op == p.Op.GET:
+            self._op_get(conn, key, value, timeout_ms)
+        elif op == p.Op.SET:
+            self._reply(conn, self._store_value(key, value))
+        elif op == p.Op.DELETE:
+            if value:
+                self._reply(conn, p.Status.INVALID)
+            elif key in self._store:
+                self._stored_bytes -= _entry_size(key, self._store.pop(key))
+                self._reply(conn, p.Status.OK)
+            else:
+                self._reply(conn, p.Status.NOT_FOUND)
+        elif op == p.Op.ADD:
+            self._op_add(conn, key, value)
+        elif op == p.Op.APPEND:
+            old = self._store.get(key, b"")
+            if len(old) + len(value) > p.MAX_VALUE:
+                self._reply(conn, p.Status.TOO_LARGE)
+            else:
+                self._reply(conn, self._store_value(key, old + value))
+
+    def _op_get(self, conn: _Conn, key: bytes, value: bytes, timeout_ms: int) -> None:
+        if value:
+            self._reply(conn, p.Status.INVALID)
+            return
+        found = self._store.get(key)
+        if found is not None:
+            self._reply(conn, p.Status.OK, found)
+        elif timeout_ms == 0:
+            self._reply(conn, p.Status.NOT_FOUND)
+        elif self._stopping_since is not None:
+            self._reply(conn, p.Status.INTERNAL)
+        else:
+            conn.phase = _WAIT
+            conn.wait_key = key
+            self._waiters.setdefault(key, []).append(conn)
+            self._watch(conn, selectors.EVENT_READ)  # to notice a waiter that hangs up
+            self._set_deadline(conn, time.monotonic() + timeout_ms / 1000.0)
+
+    def _op_add(self, conn: _Conn, key: bytes, value: bytes) -> None:
+        delta = p.parse_int64(value)
+        current_raw = self._store.get(key)
+        current = 0 if current_raw is None else p.parse_int64(current_raw)
+        if delta is None or current is None:
+            self._reply(conn, p.Status.INVALID)
+            return
+        total = current + delta
+        if not p.INT64_MIN <= total <= p.INT64_MAX:
+            self._reply(conn, p.Status.INVALID)  # overflow: refused, the stored value is unchanged
+            return
+        new = p.format_int64(total)
+        status = self._store_value(key, new)
+        self._reply(conn, status, new if status == p.Status.OK else b"")
+
+    def _store_value(self, key: bytes, value: bytes) -> p.Status:
+        old = self._store.get(key)
+        new_total = self._stored_bytes + _entry_size(key, value)
+        if old is not None:
+            new_total -= _entry_size(key, old)
+        if new_total > self.limits.max_store_bytes:
+            return p.Status.TOO_LARGE
+        self._store[key] = value
+        self._stored_bytes = new_total
+        for waiter in self._waiters.pop(key, ()):
+            waiter.wait_key = None
+            self._reply(waiter, p.Status.OK, value)
+        return p.Status.OK
+
+    def _unwait(self, conn: _Conn) -> None:
+        key = conn.wait_key
+        if key is None:
+            return
+        conn.wait_key = None
+        waiters = self._waiters.get(key)
+        if waiters and conn in waiters:
+            waiters.remove(conn)
+            if not waiters:
+                del self._waiters[key]
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def _reply(self, conn: _Conn, status: p.Status, value: bytes = b"") -> None:
+        self._statuses[status.label] += 1
+        self._release(conn)
+        conn.buf = bytearray()
+        conn.phase = _WRITE
+        header = p.encode_response_header(status, len(value))
+        # Small replies go out in one segment; large values are sent from the stored bytes.
+        conn.out = [memoryview(header + value)] if len(value) <= _SCRATCH_SIZE else [
+            memoryview(header), memoryview(value)]
+        self._set_deadline(conn, time.monotonic() + self.limits.write_timeout)
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        while conn.out:
+            try:
+                sent = conn.sock.send(conn.out[0])
+            except (BlockingIOError, InterruptedError):
+                self._watch(conn, selectors.EVENT_WRITE)
+                return
+            except OSError:
+                self._close(conn)
+                return
+            if sent < len(conn.out[0]):
+                conn.out[0] = conn.out[0][sent:]
+            else:
+                conn.out.pop(0)
+        self._reply_sent(conn)
+
+    def _reply_sent(self, conn: _Conn) -> None:
+        if conn.request_complete and not self._unread_bytes(conn):
+            self._close(conn)
+            return
+        # We answered before reading the whole request (invalid, too-large,
+        # unauthorized...), or the client sent more than one request. Closing now
+        # with unread bytes would send a RST that can destroy the reply in flight,
+        # so half-close and discard what still comes, into a shared scratch
+        # buffer, for a bounded time and byte count.
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_WR)
+        conn.phase = _DRAIN
+        conn.drained = 0
+        self._watch(conn, selectors.EVENT_READ)
+        self._set_deadline(conn, time.monotonic() + self.limits.drain_timeout)
+
+    def _unread_bytes(self, conn: _Conn) -> bool:
+        try:
+            return bool(conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:  # EAGAIN: nothing pending; anything else: closing is all that is left
+            return False
+
+    def _drain(self, conn: _Conn) -> None:
+        try:
+            n = conn.sock.recv_into(self._scratch)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            n = 0
+        conn.drained += n
+        if n == 0 or conn.drained > _DRAIN_LIMIT:
+            self._close(conn)
+
+    # -- closing ------------------------------------------------------------------------------
+
+    def _fail(self, conn: _Conn, exc: Exception) -> None:
+        self._log(f"coordinator request failed: {type(exc).__name__}")
+        if conn not in self._conns:
+            return
+        self._unwait(conn)
+        if conn.phase in (_HEADER, _TOKEN, _BODY, _WAIT):
+            try:
+                self._reply(conn, p.Status.INTERNAL)
+                return
+            except Exception:
+                pass
+        self._close(conn)
+
+    def _close(self, conn: _Conn) -> None:
+        if conn not in self._conns:
+            return
+        self._conns.discard(conn)
+        self._release(conn)
+        self._unwait(conn)
+        conn.timer_gen += 1
+        conn.out = []
+        conn.buf = bytearray()
+        if conn.events:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(conn.sock)
+            conn.events = 0
+        conn.sock.close()
+        if not self._accepting and self._stopping_since is None and len(self._conns) < self._max_conns:
+            self._sel.register(self._listener, selectors.EVENT_READ, "listen")
+            self._accepting = True
+
+    def _close_all(self) -> None:
+        if self._closed:
+            return
+        self._stopping_since = self._stopping_since or time.monotonic()
+        for conn in list(self._conns):
+            self._close(conn)
+        self._timers.clear()
+        self._waiters.clear()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        self._store.clear()
+        self._stored_bytes = 0
+        self._closed = True
+
+
+def _entry_size(key: bytes, value: bytes) -> int:
+    return len(key) + len(value) + ENTRY_OVERHEAD
+
+
+def _clamp_to_fd_limit(wanted: int) -> int:
+    """Leave room under RLIMIT_NOFILE for the listener, the wake pair and the log."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, soft - 32))
+
+
+# -- process entry point (daemon and `coldsnap coordinator serve`) ---------------------------
+
+
+def _stderr_log(msg: str) -> None:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    print(f"{stamp} [{os.getpid()}] {msg}", file=sys.stderr, flush=True)
+
+
+def run_server_process(
+    endpoint_file: Path,
+    *,
+    scope: str,
+    address: str = DEFAULT_ADDRESS,
+    port: int = 0,
+    pid_file: Path | None = None,
+    limits: ServerLimits | None = None,
+    on_ready: Callable[[EndpointDescriptor], None] | None = None,
+    log: Callable[[str], None] = _stderr_log,
+) -> int:
+    """Serve one activation in this process until SIGTERM/SIGINT; returns an exit code.
+
+    Binds, writes the 0600 endpoint descriptor with a fresh token (and the pid
+    file), calls ``on_ready`` with the descriptor, serves, and on a graceful stop
+    removes both files when they still describe this process.
+    """
+    endpoint_file = Path(endpoint_file).absolute()
+    token = new_token()
+    server = CoordinatorServer(token, address=address, port=port, limits=limits, log=log)
+    descriptor = EndpointDescriptor(address=server.address, port=server.port, scope=scope, token=token)
+    write_endpoint(endpoint_file, descriptor)
+    if pid_file is not None:
+        atomic_write_bytes(Path(pid_file), f"{os.getpid()}\n".encode(), mode=0o600)
+
+    def _stop(signum: int, _frame: object) -> None:
+        server.shutdown(wait=False)
+
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    log(f"coordinator listening on {server.address}:{server.port} for scope {scope} "
+        f"(slots {server.max_connections}, endpoint {endpoint_file})")
+    try:
+        if on_ready is not None:
+            on_ready(descriptor)
+        server.serve_forever()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _remove_own_files(endpoint_file, token, pid_file)
+        log("coordinator stopped")
+    return 0
+
+
+def _remove_own_files(endpoint_file: Path, token: str, pid_file: Path | None) -> None:
+    """Remove the descriptor and pid file only if they are still ours (not a successor's)."""
+    with contextlib.suppress(OSError, ColdSnapError):
+        if hmac.compare_digest(read_endpoint(endpoint_file).token, token):
+            endpoint_file.unlink()
+    if pid_file is not None:
+        with contextlib.suppress(OSError, ValueError):
+            if int(Path(pid_file).read_text().strip()) == os.getpid():
+                Path(pid_file).unlink()
+
+
+def _daemonize() -> None:
+    """Fork once more so the server is not the starter's child (it cannot turn zombie there)."""
+    if os.fork() > 0:
+        os._exit(0)
+    os.chdir("/")
+
+
+def _ready_writer(fd: int | None) -> Callable[[dict], None]:
+    def write(message: dict) -> None:
+        if fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(fd, (json.dumps(message) + "\n").encode())
+            os.close(fd)
+
+    return write
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ...coord.server``: serve one activation (the daemon the module starts)."""
+    parser = argparse.ArgumentParser(prog="coldsnap-coordinator", description=__doc__.splitlines()[0])
+    parser.add_argument("--endpoint-file", required=True, type=Path)
+    parser.add_argument("--scope", required=True)
+    parser.add_argument("--address", default=DEFAULT_ADDRESS)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--pid-file", type=Path)
+    parser.add_argument("--ready-fd", type=int, help="write one JSON status line here once listening")
+    parser.add_argument("--daemonize", action="store_true", help="fork into the background first")
+    parser.add_argument("--max-connections", type=int, default=ServerLimits.max_connections)
+    parser.add_argument("--read-timeout", type=float, default=ServerLimits.read_timeout)
+    parser.add_argument("--max-store-bytes", type=int, default=ServerLimits.max_store_bytes)
+    args = parser.parse_args(argv)
+    os.umask(0o077)
+    if args.daemonize:
+        _daemonize()
+    ready = _ready_writer(args.ready_fd)
+    try:
+        limits = ServerLimits(
+            max_connections=args.max_connections,
+            read_timeout=args.read_timeout,
+            max_store_bytes=args.max_store_bytes,
+        )
+        return run_server_process(
+            args.endpoint_file,
+            scope=args.scope,
+            address=args.address,
+            port=args.port,
+            pid_file=args.pid_file,
+            limits=limits,
+            on_ready=lambda d: ready({"ok": True, "pid": os.getpid(), **d.public()}),
+        )
+    except ColdSnapError as exc:
+        ready({"ok": False, "error": str(exc)})
+        _stderr_log(f"coordinator failed to start: {exc}")
+        return 2
+    except OSError as exc:
+        ready({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+        _stderr_log(f"coordinator failed: {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

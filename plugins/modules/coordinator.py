@@ -1,0 +1,193 @@
+#!/usr/bin/python
+# Copyright: ColdSnap maintainers
+# Apache License 2.0 (see LICENSE)
+"""Ansible module coldsnap.fleet.coordinator: the activation-scoped CSKV coordinator."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: coordinator
+short_description: Start, stop or inspect the activation-scoped CSKV coordinator
+version_added: "0.1.0"
+description:
+  - Runs one CSKV v1 coordinator per activation on the chosen host as a detached background process.
+    Ranks use it for barriers (CRIU, CUDA, process release) and to exchange fresh transport endpoints.
+  - The server writes an endpoint descriptor (address, port, scope, random token) with mode 0600 to
+    O(endpoint_file). Only processes of the same user can read the token; it is generated inside the
+    server process and never returned, logged or passed on a command line.
+  - A pid file (C(<endpoint_file>.pid)) and the server's log (C(<endpoint_file>.log)) live beside it.
+options:
+  state:
+    description:
+      - V(started) ensures a coordinator for O(scope) is running and healthy.
+      - V(stopped) stops it (SIGTERM, then SIGKILL after a timeout) and removes its files.
+      - V(status) only reports.
+    type: str
+    choices: [started, stopped, status]
+    default: started
+  endpoint_file:
+    description:
+      - Path of the endpoint descriptor. Its directory is created with mode 0700 when missing.
+    type: path
+    required: true
+  address:
+    description:
+      - IP address to listen on. The default is loopback only; give V(0.0.0.0) or an interface address
+        only when ranks on other hosts must reach the coordinator.
+    type: str
+    default: 127.0.0.1
+  port:
+    description:
+      - TCP port; V(0) picks a free ephemeral port (read it from RV(endpoint.port)).
+    type: int
+    default: 0
+  scope:
+    description:
+      - The operation id of the activation. Required when O(state=started). Starting again with the same
+        scope is a no-op; a coordinator of another scope on the same O(endpoint_file) is an error.
+    type: str
+  python:
+    description:
+      - Python (>= 3.11) that runs the server on the host. Defaults to the interpreter running this module.
+    type: path
+  timeout:
+    description:
+      - Seconds to wait for the server to become ready (start) or to exit after SIGTERM (stop).
+    type: float
+    default: 15
+attributes:
+  check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
+    support: full
+  diff_mode:
+    description: Will return details on what has changed when in diff mode.
+    support: none
+  idempotent:
+    description: A second run with the same arguments reports no change.
+    support: full
+notes:
+  - The token never leaves the 0600 endpoint file; consumers on the host read that file.
+  - See docs/coordinator.md in the collection for the CSKV v1 wire format.
+author:
+  - ColdSnap maintainers
+"""
+
+EXAMPLES = r"""
+- name: Start the coordinator for this activation
+  coldsnap.fleet.coordinator:
+    state: started
+    endpoint_file: "{{ coldsnap_state_root }}/runs/{{ operation_id }}/coordinator.json"
+    scope: "{{ operation_id }}"
+  register: coord
+  run_once: true
+  delegate_to: "{{ groups['coldsnap_units'][0] }}"
+
+- name: Show where ranks connect
+  ansible.builtin.debug:
+    msg: "coordinator at {{ coord.endpoint.address }}:{{ coord.endpoint.port }}"
+
+- name: Stop it when the activation is done
+  coldsnap.fleet.coordinator:
+    state: stopped
+    endpoint_file: "{{ coldsnap_state_root }}/runs/{{ operation_id }}/coordinator.json"
+"""
+
+RETURN = r"""
+endpoint:
+  description: Where the coordinator listens (never the token). Null when it is not running.
+  returned: always
+  type: dict
+  sample:
+    address: 127.0.0.1
+    port: 40123
+    scope: op-20261129-0001
+    endpoint_file: /var/lib/coldsnap/runs/op-20261129-0001/coordinator.json
+running:
+  description: Whether the coordinator process runs (after the task).
+  returned: always
+  type: bool
+  sample: true
+healthy:
+  description: Whether it answered a CSKV health request.
+  returned: always
+  type: bool
+  sample: true
+pid:
+  description: Process id of the server, or null.
+  returned: always
+  type: int
+  sample: 4242
+state:
+  description: The requested state.
+  returned: always
+  type: str
+  sample: started
+msg:
+  description: What was found or done.
+  returned: always
+  type: str
+  sample: "started, running, pid 4242, coordinator 127.0.0.1:40123 (scope op-1)"
+"""
+
+import traceback
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.daemon import (
+    coordinator_status,
+    start_coordinator,
+    stop_coordinator,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint import read_endpoint
+
+
+def run_module(params: dict, check_mode: bool):
+    """Dispatch on state; returns the daemon state (no token)."""
+    state = params["state"]
+    if state == "started":
+        return start_coordinator(
+            params["endpoint_file"],
+            scope=params["scope"],
+            address=params["address"],
+            port=params["port"],
+            python=params["python"],
+            check_mode=check_mode,
+            startup_timeout=params["timeout"],
+        )
+    if state == "stopped":
+        return stop_coordinator(params["endpoint_file"], check_mode=check_mode, timeout=params["timeout"])
+    return coordinator_status(params["endpoint_file"])
+
+
+def main() -> None:
+    module = AnsibleModule(
+        argument_spec={
+            "state": {"type": "str", "choices": ["started", "stopped", "status"], "default": "started"},
+            "endpoint_file": {"type": "path", "required": True},
+            "address": {"type": "str", "default": "127.0.0.1"},
+            "port": {"type": "int", "default": 0},
+            "scope": {"type": "str"},
+            "python": {"type": "path"},
+            "timeout": {"type": "float", "default": 15.0},
+        },
+        required_if=[("state", "started", ["scope"])],
+        supports_check_mode=True,
+    )
+    try:
+        result = run_module(module.params, module.check_mode)
+    except ColdSnapError as exc:
+        module.fail_json(msg=str(exc))
+    except Exception as exc:  # an unexpected bug: keep the traceback for the report
+        module.fail_json(msg=f"coordinator: unexpected {type(exc).__name__}: {exc}",
+                         exception=traceback.format_exc())
+    # Belt and braces: should any future field carry the token, Ansible masks it.
+    try:
+        module.no_log_values.add(read_endpoint(module.params["endpoint_file"]).token)
+    except (ColdSnapError, OSError):
+        pass
+    module.exit_json(state=module.params["state"], **result.as_dict())
+
+
+if __name__ == "__main__":
+    main()
