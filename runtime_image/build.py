@@ -115,23 +115,26 @@ def find_criu(explicit: str | None) -> tuple[Path, str]:
 
 
 def library_packages(binary: Path) -> list[str]:
-    """The Debian packages holding the shared libraries ``binary`` links against."""
+    """The Debian packages holding the shared libraries ``binary`` links against (one dpkg query)."""
     out = subprocess.run(["ldd", str(binary)], check=True, capture_output=True, text=True).stdout
     libs = [m.group(1) for m in re.finditer(r"=>\s+(/\S+)", out)]
-    pkgs: set[str] = set()
-    for lib in libs:
-        found = None
-        for candidate in (lib, os.path.realpath(lib)):
-            r = subprocess.run(["dpkg", "-S", candidate], check=False, capture_output=True, text=True)
-            if r.returncode == 0:
-                found = r.stdout.split(":", 1)[0].split(",")[0].strip()
-                break
-        if not found:
+    candidates = {lib: [lib, os.path.realpath(lib)] for lib in libs}
+    query = sorted({c for cs in candidates.values() for c in cs})
+    r = subprocess.run(["dpkg", "-S", *query], check=False, capture_output=True, text=True)
+    owner: dict[str, str] = {}
+    for line in r.stdout.splitlines():
+        pkgs, sep, path = line.partition(": ")
+        if sep:
+            owner[path.strip()] = pkgs.split(",")[0].split(":")[0].strip()
+    found: set[str] = set()
+    for lib, cands in candidates.items():
+        pkg = next((owner[c] for c in cands if c in owner), None)
+        if pkg is None:
             raise ColdSnapError(f"{binary} links {lib}, which no Debian package provides",
                                 fix="use a CRIU built against Debian packages (scripts/install-system.sh)")
-        pkgs.add(found)
-    pkgs.discard("libc6")  # always in minbase
-    return sorted(pkgs)
+        found.add(pkg)
+    found.discard("libc6")  # always in minbase
+    return sorted(found)
 
 
 # ----------------------------------------------------------------------------- base image
@@ -296,6 +299,22 @@ def runtime_build(client: Any, *, base: Any, cache: Path, criu: Path, criu_versi
     return client.images.get(image_id), False, inputs
 
 
+def prune(client: Any, *, keep: str, name: str) -> list[str]:
+    """Remove this name's other runtime images (shared layers stay); images in use are kept."""
+    docker = dockerapi.docker_module()
+    used = {c.image.id for c in client.containers.list(all=True) if c.image is not None}
+    removed = []
+    for image in client.images.list(name=name, filters={"label": f"{LABEL_KIND}=runtime"}):
+        if image.id == keep or image.id in used:
+            continue
+        try:
+            client.images.remove(image.id, force=False, noprune=False)
+            removed.append(image.id)
+        except docker.errors.APIError as exc:
+            log(f"kept {image.id[:19]}: {exc.explanation or exc}")
+    return removed
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--criu", default=None, help="CRIU binary to bake in (default: the one on PATH)")
     ap.add_argument("--suite", default=None, help="Debian suite of the base (default: this host's)")
     ap.add_argument("--output", type=Path, default=None, help="also write the JSON result to this file")
+    ap.add_argument("--prune", action="store_true",
+                    help="remove older runtime images of this name that no container uses")
     args = ap.parse_args(argv)
 
     t_start = time.monotonic()
@@ -340,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                 timings["runtime_s"] = round(time.monotonic() - t0, 2)
                 result.update({"runtime_image": dockerapi.pinned_ref(args.tag, image.id), "image_id": image.id,
                                "inputs": inputs, "cached": cached, "size_bytes": int(image.attrs.get("Size") or 0)})
+                if args.prune:
+                    result["pruned"] = prune(client, keep=image.id, name=args.tag)
     except ColdSnapError as exc:
         print(f"runtime_image/build.py: {exc}", file=sys.stderr)
         return 2

@@ -210,16 +210,13 @@ def evict(request: dict, *, host: str, state_root: Path, check_mode: bool) -> di
         if check_mode:
             continue
         os.kill(pid, signal.SIGKILL)
+        # Wait until the pid is gone, not just dead: the restore needs it free again.
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-                stat = Path(f"/proc/{pid}/stat").read_text()
-                if stat.split(")")[-1].split()[0] == "Z":
-                    break
-            except (OSError, ValueError):
-                break
-            time.sleep(0.05)
+        while Path(f"/proc/{pid}").exists():
+            if time.monotonic() > deadline:
+                raise ColdSnapError(f"unit {u['id']}: engine pid {pid} was killed but not reaped within 30 s",
+                                    fix="its parent does not reap children; restart the unit's keeper or host init")
+            time.sleep(0.02)
     return {"changed": bool(stopped), "stopped": stopped}
 
 

@@ -8,6 +8,17 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["keeper"]:
+        k = argparse.ArgumentParser(prog="coldsnap_activation keeper")
+        k.add_argument("--images", required=True, type=Path)
+        k.add_argument("--result", required=True, type=Path)
+        k.add_argument("--leave-stopped", action="store_true")
+        k.add_argument("--criu", default=None)
+        ka = k.parse_args(argv[1:])
+        from coldsnap_activation.keeper import run
+
+        return run(ka.images, ka.result, leave_stopped=ka.leave_stopped, criu_binary=ka.criu)
     p = argparse.ArgumentParser(prog="coldsnap_activation")
     p.add_argument("operation", choices=("capture", "restore", "warm", "sleep", "wake", "status", "finish-warm"))
     p.add_argument("--spec", required=True, type=Path, help="unit spec JSON written by the module")

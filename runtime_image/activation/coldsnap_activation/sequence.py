@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+from coldsnap_activation import keeper
 from coldsnap_activation.engine_handle import EngineHandle
 from coldsnap_activation.probes import PortProbe, reply_digest, stream_completion, wait_http_ready
 from coldsnap_activation.spec import UnitSpec
@@ -292,12 +293,19 @@ class Activation:
                     cw = by_worker[wid]
                     control = json.loads((self.unit_dir / "control" / f"{wid}.json").read_text())
                     atomic_write_json(h.control_file, control, mode=0o600)
-                    res = criu_mod.restore(criu, self.unit_dir / "criu" / wid, leave_stopped=True,
-                                           sibling=spec.supervise)
-                    h.adopt(res.pid, control)
+                    images = self.unit_dir / "criu" / wid
+                    if spec.supervise:  # we are the container's PID 1: the tree becomes our child
+                        pid = criu_mod.restore(criu, images, leave_stopped=True, sibling=True).pid
+                    else:
+                        kept = keeper.start(images, leave_stopped=True, criu_binary=criu.binary,
+                                            log_path=self.workload_dir / "keeper.log")
+                        if not kept["ok"]:
+                            raise UnitError(f"unit {spec.unit_id}: {kept['error']}")
+                        pid = kept["pid"]
+                    h.adopt(pid, control)
                     restored.append(h)
-                    if res.pid != cw["pid"]:
-                        raise UnitError(f"unit {spec.unit_id}: CRIU restored pid {res.pid}, captured {cw['pid']}")
+                    if pid != cw["pid"]:
+                        raise UnitError(f"unit {spec.unit_id}: CRIU restored pid {pid}, captured {cw['pid']}")
             self.phases.wait("restore/criu", spec.timeout("phase", 600))
             with self.rec.span("unit.cuda.restore"):
                 for h in self.handles:

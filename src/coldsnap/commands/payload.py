@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-from coldsnap.commands._io import print_json, read_input
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import (
@@ -44,6 +43,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.manifest im
     load_replay_plan,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
+
+from coldsnap.commands._io import print_json, read_input
 
 BUILD_SCHEMA = Obj({
     "model": Field(MODEL),

@@ -1,0 +1,233 @@
+"""Staging: put exactly one worker's payload into its host's node cache, then verify it.
+
+Sources: a local file (a path on the data-owning host), or a Hugging Face
+repository through ``huggingface_hub.hf_hub_download`` with ``revision``
+pinned to an immutable commit id. Either way the bytes reach the final name
+only after their SHA-256 matched, under the per-digest lock, so duplicate
+workers on one host converge on one object and never see torn bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsutil
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    ColdSnapError,
+    IntegrityError,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import (
+    DEFAULT_LOCK_TIMEOUT,
+    NodeCache,
+    PackWriter,
+    remove_tree_quietly,
+    write_settled_record,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import pack_relpath
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import (
+    Progress,
+    _pipelined,
+    hash_fd,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
+
+SOURCE_KINDS = ("local", "huggingface")
+HF_FILENAME = r"[A-Za-z0-9_][A-Za-z0-9._-]*(?:/[A-Za-z0-9_][A-Za-z0-9._-]*)*"
+
+
+@dataclass(frozen=True)
+class StageSource:
+    """Where a payload comes from. ``token`` never appears in repr, results or messages."""
+
+    kind: str
+    path: Path | None = None
+    repository: str | None = None
+    revision: str | None = None
+    filename: str | None = None
+    token: str | None = field(default=None, repr=False)
+    endpoint: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StageSource:
+        """Build and check a source from module/CLI options."""
+        kind = d.get("kind")
+        if kind not in SOURCE_KINDS:
+            raise ColdSnapError(f"payload source kind {kind!r} is not one of {', '.join(SOURCE_KINDS)}",
+                                fix="set source.kind to 'local' or 'huggingface'")
+        src = cls(kind, Path(d["path"]) if d.get("path") else None, d.get("repository"), d.get("revision"),
+                  d.get("filename"), d.get("token"), d.get("endpoint"))
+        src.check()
+        return src
+
+    def check(self) -> None:
+        if self.kind == "local":
+            if self.path is None:
+                raise ColdSnapError("a local payload source needs 'path'", fix="set source.path to the pack file")
+            return
+        if not self.repository or not re.fullmatch(ids.MODEL_ID, self.repository):
+            raise ColdSnapError(f"Hugging Face repository {self.repository!r} is not 'org/name'",
+                                fix="set source.repository to the repository that holds the payloads")
+        if not self.revision or not re.fullmatch(ids.COMMIT, self.revision):
+            raise ColdSnapError(f"Hugging Face revision {self.revision!r} is not an immutable commit id",
+                                fix=ids.COMMIT_FIX)
+        if self.filename is not None and (not re.fullmatch(HF_FILENAME, self.filename) or any(
+                p in (".", "..") for p in self.filename.split("/"))):
+            raise ColdSnapError(f"Hugging Face filename {self.filename!r} is not a relative path",
+                                fix="leave it unset: payloads live at model-payloads/sha256/<hex>.pack")
+
+    def describe(self) -> str:
+        if self.kind == "local":
+            return f"local file {self.path}"
+        return f"huggingface {self.repository}@{self.revision}"
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """Outcome of staging one payload."""
+
+    changed: bool
+    path: Path
+    sha256: str
+    size: int
+    record_reused: bool
+    bytes_hashed: int
+    bytes_copied: int
+    source: str
+    quarantined: str | None = None
+
+    def as_result(self) -> dict:
+        return {"changed": self.changed, "path": str(self.path), "sha256": self.sha256, "size": self.size,
+                "verified": True, "record_reused": self.record_reused, "bytes_hashed": self.bytes_hashed,
+                "bytes_copied": self.bytes_copied, "source": self.source, "quarantined": self.quarantined}
+
+
+def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageSource, *, check_mode: bool = False,
+                  progress: Progress | None = None,
+                  lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT) -> StageResult:
+    """Make ``<state_root>/model-payloads/sha256/<hex>.pack`` present and verified; idempotent.
+
+    Already present and verified -> ``changed=False``. In check mode nothing is
+    written (no lock, record, quarantine or copy) and ``changed`` says whether
+    a real run would stage.
+    """
+    hexd = parse_digest(sha256, what="model payload digest")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ColdSnapError(f"payload size {size!r} is not a non-negative integer", fix="give the size in bytes")
+    source.check()
+    cache = NodeCache(state_root)
+    final = cache.path_for(sha256)
+    verifier = PayloadVerifier(lock_timeout=lock_timeout)
+    if check_mode:
+        if os.path.lexists(final):
+            try:
+                with verifier.verify(final, sha256, size, write_record=False) as v:
+                    return StageResult(False, final, sha256, size, v.reused_record, v.bytes_hashed, 0, source.describe())
+            except IntegrityError:
+                pass
+        return StageResult(True, final, sha256, size, False, 0, 0, source.describe())
+
+    with cache.lock(sha256, timeout=lock_timeout):
+        cache.clean_stale_temps(sha256)
+        _clean_downloads(cache, hexd)
+        quarantined = None
+        if os.path.lexists(final):
+            try:
+                with verifier.verify_locked(final, sha256, size, progress=progress) as v:
+                    return StageResult(False, final, sha256, size, v.reused_record, v.bytes_hashed, 0,
+                                       source.describe())
+            except IntegrityError as exc:
+                quarantined = exc.details.get("quarantined")
+        if source.kind == "local":
+            copied = _stage_local(cache, hexd, size, source, progress)
+        else:
+            copied = _stage_huggingface(cache, hexd, size, source, progress)
+        return StageResult(True, final, sha256, size, False, size, copied, source.describe(), quarantined)
+
+
+def _stage_local(cache: NodeCache, hexd: str, size: int, source: StageSource, progress: Progress | None) -> int:
+    assert source.path is not None
+    try:
+        src_fd = os.open(source.path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ColdSnapError(f"payload source {source.path} does not exist",
+                            fix="give the path of the pack on this host") from None
+    try:
+        st = os.fstat(src_fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ColdSnapError(f"payload source {source.path} is not a regular file", fix="give the pack file")
+        if st.st_size != size:
+            raise IntegrityError(f"payload source {source.path} has {st.st_size} bytes, sha256:{hexd} has {size}",
+                                 fix="the source is not this payload; check the path or the artifact")
+        with PackWriter(cache, expected_sha256=f"sha256:{hexd}", size=size, lock_held=True,
+                        what=f"model payload sha256:{hexd} from {source.path}") as w:
+            _pipelined(src_fd, size, 0, w.write, progress, what=f"payload source {source.path}")
+            w.commit()
+        return size
+    finally:
+        os.close(src_fd)
+
+
+def _clean_downloads(cache: NodeCache, hexd: str) -> None:
+    if cache.downloads.is_dir():
+        for entry in cache.downloads.iterdir():
+            if entry.name.startswith(f"{hexd}-"):
+                remove_tree_quietly(entry)
+
+
+def _scrub(text: str, token: str | None) -> str:
+    return text.replace(token, "********") if token else text
+
+
+def _stage_huggingface(cache: NodeCache, hexd: str, size: int, source: StageSource,
+                       progress: Progress | None) -> int:
+    try:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.utils import disable_progress_bars
+    except ImportError:
+        raise ColdSnapError("staging from Hugging Face needs the huggingface_hub library on this host",
+                            fix="pip install huggingface_hub (or stage from a local path)") from None
+    disable_progress_bars()  # module stdout must stay JSON; progress goes through our callback
+    filename = source.filename or pack_relpath(hexd)
+    where = cache.downloads / f"{hexd}-{secrets.token_hex(4)}"
+    where.mkdir(parents=True, mode=0o700)
+    try:
+        try:
+            got = hf_hub_download(repo_id=source.repository, filename=filename, revision=source.revision,
+                                  token=source.token, endpoint=source.endpoint, local_dir=where)
+        except Exception as exc:  # the library raises many types; all mean "not staged"
+            msg = _scrub(f"{type(exc).__name__}: {exc}", source.token).splitlines()[0]
+            raise ColdSnapError(f"could not download {filename} from {source.describe()}: {msg}",
+                                fix="check the repository, the pinned revision, the token and the endpoint, or "
+                                    "restore with weights mode 'recovery'") from None
+        fd = os.open(got, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            if st.st_size != size:
+                raise IntegrityError(f"{filename} from {source.describe()} has {st.st_size} bytes, expected {size}",
+                                     fix="the repository does not hold this payload at that revision")
+            actual = hash_fd(fd, size, progress=progress, what=f"downloaded {filename}")
+            if actual != hexd:
+                raise IntegrityError(f"{filename} from {source.describe()} hashes to sha256:{actual}, "
+                                     f"expected sha256:{hexd}",
+                                     fix="the repository does not hold this payload at that revision")
+            os.fsync(fd)
+            os.fchmod(fd, 0o444)
+            cache.ensure_dirs()
+            final = cache.objects / f"{hexd}.pack"
+            os.rename(got, final)  # same file system: atomic, and only after the digest matched
+            fsutil.fsync_dir(final.parent)
+            write_settled_record(fd, final, hexd, size)
+        finally:
+            os.close(fd)
+        return size
+    finally:
+        with contextlib.suppress(OSError):
+            remove_tree_quietly(where)

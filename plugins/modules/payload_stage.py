@@ -1,0 +1,196 @@
+#!/usr/bin/python
+# Copyright: ColdSnap maintainers
+# Apache License 2.0 (see LICENSE)
+"""Ansible module coldsnap.fleet.payload_stage."""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: payload_stage
+short_description: Stage one worker's model payload into the host's node cache and verify it
+version_added: "0.1.0"
+description:
+  - Puts exactly one payload, C(<state_root>/model-payloads/sha256/<hex>.pack), on the host that owns
+    the worker, from a local file or from a Hugging Face repository pinned to an immutable commit, and
+    verifies it (full SHA-256) before it becomes visible under its final name.
+  - Holds the payload's per-digest lock, so duplicate workers on one host converge on one object; the
+    second waits and reuses the first's result.
+  - A payload that is already present and verified is left alone (C(changed=false)); one that fails
+    verification is quarantined and staged again.
+  - Partial writes live under a temporary name; leftovers of a killed writer are removed on the next run.
+author:
+  - ColdSnap maintainers
+extends_documentation_fragment:
+  - coldsnap.fleet.state
+options:
+  sha256:
+    description: Digest of the payload, C(sha256:<64 lower-case hex>).
+    type: str
+    required: true
+  size:
+    description: Size of the payload in bytes.
+    type: int
+    required: true
+  source:
+    description: Where the payload comes from.
+    type: dict
+    required: true
+    suboptions:
+      kind:
+        description: C(local) reads O(source.path) on the host; C(huggingface) downloads with huggingface_hub.
+        type: str
+        required: true
+        choices: [local, huggingface]
+      path:
+        description: Pack file on the host (kind C(local)).
+        type: path
+      repository:
+        description: Hugging Face repository C(org/name) that holds the payloads (kind C(huggingface)).
+        type: str
+      revision:
+        description: Immutable 40-hex commit id of that repository (branch and tag names are refused).
+        type: str
+      filename:
+        description: File inside the repository; defaults to C(model-payloads/sha256/<hex>.pack).
+        type: str
+      token:
+        description: Hugging Face access token; never logged or returned.
+        type: str
+      endpoint:
+        description: Hub endpoint URL (a mirror); defaults to the library's (C(HF_ENDPOINT) or the public Hub).
+        type: str
+  lock_timeout:
+    description: Seconds to wait for another worker holding the payload's lock.
+    type: float
+    default: 1800
+attributes:
+  check_mode:
+    support: full
+    description: Can run in check mode and report what would change.
+    details: Verifies an existing payload without writing anything and reports whether a real run would stage.
+  diff_mode:
+    support: none
+    description: No diff output.
+  idempotent:
+    support: full
+    description: A second run with the same arguments reports C(changed=false).
+requirements:
+  - huggingface_hub on the host for O(source.kind=huggingface)
+"""
+
+EXAMPLES = r"""
+- name: Stage from a file the data-owning host already has
+  coldsnap.fleet.payload_stage:
+    state_root: /var/lib/coldsnap
+    sha256: "{{ worker.payload.sha256 }}"
+    size: "{{ worker.payload.size }}"
+    source:
+      kind: local
+      path: /srv/exports/model-weights.pack
+
+- name: Stage from the pinned Hugging Face repository
+  coldsnap.fleet.payload_stage:
+    state_root: /var/lib/coldsnap
+    sha256: "{{ worker.payload.sha256 }}"
+    size: "{{ worker.payload.size }}"
+    source:
+      kind: huggingface
+      repository: my-org/llama-payloads
+      revision: 0123456789abcdef0123456789abcdef01234567
+      token: "{{ hf_token }}"
+"""
+
+RETURN = r"""
+path:
+  description: Path of the staged, verified pack.
+  returned: success
+  type: str
+  sample: /var/lib/coldsnap/model-payloads/sha256/6d3421ea50b46ddbdd2bee6af7f19d59c2b08fcd4717960983309346adc2dddc.pack
+verified:
+  description: The payload is present and passed verification (in check mode, when it was already present).
+  returned: success
+  type: bool
+  sample: true
+record_reused:
+  description: An existing validation record let the verifier skip the hash.
+  returned: success
+  type: bool
+  sample: true
+bytes_hashed:
+  description: Bytes hashed by this run.
+  returned: success
+  type: int
+  sample: 0
+bytes_copied:
+  description: Bytes copied or downloaded by this run.
+  returned: success
+  type: int
+  sample: 0
+source:
+  description: The source, described without credentials.
+  returned: success
+  type: str
+  sample: huggingface my-org/llama-payloads@0123456789abcdef0123456789abcdef01234567
+quarantined:
+  description: Where a previously present but corrupt copy was moved before staging.
+  returned: success
+  type: str
+  sample: null
+"""
+
+import traceback
+
+from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.stage import StageSource, stage_payload
+
+
+def run_module() -> None:
+    module = AnsibleModule(
+        argument_spec=dict(
+            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            sha256=dict(type="str", required=True),
+            size=dict(type="int", required=True),
+            lock_timeout=dict(type="float", default=1800.0),
+            source=dict(
+                type="dict",
+                required=True,
+                options=dict(
+                    kind=dict(type="str", required=True, choices=["local", "huggingface"]),
+                    path=dict(type="path"),
+                    repository=dict(type="str"),
+                    revision=dict(type="str"),
+                    filename=dict(type="str"),
+                    token=dict(type="str", no_log=True),
+                    endpoint=dict(type="str"),
+                ),
+                required_if=[
+                    ("kind", "local", ("path",)),
+                    ("kind", "huggingface", ("repository", "revision")),
+                ],
+            ),
+        ),
+        supports_check_mode=True,
+    )
+    p = module.params
+    try:
+        source = StageSource.from_dict(p["source"])
+        result = stage_payload(p["state_root"], p["sha256"], p["size"], source, check_mode=module.check_mode,
+                               lock_timeout=p["lock_timeout"])
+        out = result.as_result()
+        if module.check_mode and result.changed:
+            out["verified"] = False
+        module.exit_json(**out)
+    except ColdSnapError as exc:
+        module.fail_json(msg=str(exc), quarantined=exc.details.get("quarantined"))
+    except Exception as exc:  # unexpected: keep the traceback for -vvv
+        module.fail_json(msg=f"payload_stage failed unexpectedly: {exc}", exception=traceback.format_exc())
+
+
+def main() -> None:
+    run_module()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Capture and restore of the reference engine with real CRIU, TP1 and TP2, native and recovery."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import Workload, units_of
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
+
+
+def capture(wl: Workload) -> tuple[Path, dict]:
+    req = wl.request("capture")
+    res = wl.run(req)
+    assert res.succeeded, res.receipt["error"]
+    validate_receipt(res.receipt)
+    assert res.receipt["replay_semantics"] == "conflict-on-existing-output"
+    artifact = Path(res.receipt["result"]["operation"]["artifact"])
+    art = load_artifact(artifact.read_bytes())
+    assert not wl.engines(), "capture must leave no engine running (CRIU dump stops it)"
+    return artifact, art
+
+
+def restore(wl: Workload, artifact: Path, *, mode: str) -> dict:
+    def set_mode(req):
+        req["policy"]["weights"]["mode"] = mode
+
+    res = wl.run(wl.request("restore", artifact=artifact, mutate=set_mode))
+    assert res.succeeded, res.receipt["error"]
+    validate_receipt(res.receipt)
+    assert res.receipt["replay_semantics"] == "reconcile-replace"
+    return res.receipt
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_capture_then_restore_native_and_recovery(tp, state_root, tiny_model, env_digest):
+    wl = Workload(state_root, tiny_model, env_digest, tp=tp, name=f"tp{tp}")
+    try:
+        artifact, art = capture(wl)
+        accepted = art["acceptance"]["reply"]
+        assert len(accepted) == 16
+        assert len(art["weights"]["workers"]) == tp
+        for w in art["weights"]["workers"]:
+            assert w["payload"] is not None and w["model_bytes"] > 0 and w["residual_bytes"] > 0
+        # The model bytes are outside the capsule: each capsule is far smaller than process + weights.
+        for c in art["capsule"]["units"]:
+            assert c["layout"] == "oci-layout"
+
+        native = restore(wl, artifact, mode="native")
+        unit0 = next(u for u in units_of(native) if u["unit"] == "unit-0")
+        assert unit0["reply"] == accepted
+        assert unit0["readiness"]["ttft_s"] > 0
+        # A live request after the restore gives the same greedy reply.
+        assert wl.complete() == accepted
+        log = (state_root / "workloads" / wl.name / "unit-0" / "target.log").read_text().splitlines()
+        marker = json.loads(log[0])
+        assert marker["coldsnap"] == "restore-boundary" and marker["provider"] == "native"
+
+        recovery = restore(wl, artifact, mode="recovery")  # evicts the native restore first
+        unit0 = next(u for u in units_of(recovery) if u["unit"] == "unit-0")
+        assert unit0["reply"] == accepted
+        log = (state_root / "workloads" / wl.name / "unit-0" / "target.log").read_text().splitlines()
+        assert json.loads(log[0])["provider"] == "recovery"
+        assert len(wl.engines()) == tp
+    finally:
+        wl.stop()
+
+
+def test_prepare_only_touches_nothing(state_root, tiny_model, env_digest):
+    wl = Workload(state_root, tiny_model, env_digest, tp=1, name="prep")
+    try:
+        artifact, _ = capture(wl)
+        first = restore(wl, artifact, mode="auto")
+        running = wl.engines()
+        assert len(running) == 1
+        res = wl.run(wl.request("restore", artifact=artifact), prepare_only=True)
+        assert res.succeeded, res.receipt["error"]
+        assert res.receipt["replay_semantics"] == "safe-repeat"
+        assert res.receipt["prepare_only"] is True
+        assert wl.engines() == running, "prepare-only must not evict or restart the workload"
+        assert first["state"] == "succeeded"
+    finally:
+        wl.stop()

@@ -1,0 +1,244 @@
+"""The verifier: records, racy/stale evidence, quarantine, digest and path rules (FAULTS 4, 5, 7, 9)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    ColdSnapError,
+    IntegrityError,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import records
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import MemorySink, hydrate_native
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.stage import StageSource, stage_payload
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
+from payload_testlib import BAD_DIGESTS, anon_views, capture, make_worker, write_pack_file
+
+
+@pytest.fixture
+def staged(tmp_path):
+    """A pack placed by hand (no record yet), old enough not to be racy."""
+    cache = NodeCache(tmp_path / "state")
+    data = os.urandom(3 * 4096 + 17)
+    digest = write_pack_file(tmp_path / "src.pack", data)
+    path = cache.path_for(digest)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data)
+    old = time.time_ns() - 10_000_000_000
+    os.utime(path, ns=(old, old))
+    return cache, digest, len(data), path
+
+
+def _hash_first_then_reuse(cache, digest, size):
+    v1 = PayloadVerifier().verify(cache, digest, size)
+    v1.close()
+    return v1
+
+
+def test_absent_record_means_full_hash_then_reuse(staged):
+    cache, digest, size, path = staged
+    v1 = _hash_first_then_reuse(cache, digest, size)
+    assert (v1.reused_record, v1.bytes_hashed, v1.record_written, v1.record_status) == (False, size, True, "absent")
+    rec = records.record_path_for(path)
+    assert rec.stat().st_mode & 0o777 == 0o600
+    doc = json.loads(rec.read_text())
+    assert doc["format"] == 1 and doc["kind"] == "coldsnap-payload-validation" and doc["sha256"] == digest
+    assert set(doc["identity"]) == {"st_dev", "st_ino", "st_size", "st_mtime_ns", "st_ctime_ns"}
+    with PayloadVerifier().verify(cache, digest, size) as v2:
+        assert (v2.reused_record, v2.bytes_hashed) == (True, 0)
+
+
+def test_racy_record_is_rechecked(staged):
+    cache, digest, size, path = staged
+    _hash_first_then_reuse(cache, digest, size)
+    rec = records.record_path_for(path)
+    doc = json.loads(rec.read_text())
+    # observed in the same tick as the file's last change: proves nothing
+    doc["observed_at_ns"] = max(doc["identity"]["st_mtime_ns"], doc["identity"]["st_ctime_ns"]) + 1000
+    rec.write_text(json.dumps(doc))
+    os.chmod(rec, 0o600)
+    with PayloadVerifier().verify(cache, digest, size) as v:
+        assert (v.record_status, v.reused_record, v.bytes_hashed) == ("racy", False, size)
+    with PayloadVerifier().verify(cache, digest, size) as v:
+        assert v.reused_record
+
+
+@pytest.mark.parametrize("damage", ["mode", "malformed", "other-digest", "duplicate-key"])
+def test_untrusted_or_malformed_record_means_rehash(staged, damage):
+    cache, digest, size, path = staged
+    _hash_first_then_reuse(cache, digest, size)
+    rec = records.record_path_for(path)
+    if damage == "mode":
+        os.chmod(rec, 0o644)
+    elif damage == "malformed":
+        rec.write_text("{not json")
+    elif damage == "other-digest":
+        doc = json.loads(rec.read_text())
+        doc["sha256"] = "sha256:" + "0" * 64
+        rec.write_text(json.dumps(doc))
+    else:
+        rec.write_text(rec.read_text().replace('"format": 1', '"format": 1, "format": 1'))
+    with PayloadVerifier().verify(cache, digest, size) as v:
+        assert not v.reused_record and v.bytes_hashed == size
+
+
+def test_byte_flip_with_mtime_put_back_is_caught_and_quarantined(staged):
+    """FAULTS 4: ctime binding changes, full re-hash finds the flip, the file is quarantined."""
+    cache, digest, size, path = staged
+    _hash_first_then_reuse(cache, digest, size)
+    ref = path.with_name("ref")
+    subprocess.run(["touch", "-r", str(path), str(ref)], check=True)
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as fh:
+        fh.seek(5000)
+        b = fh.read(1)
+        fh.seek(5000)
+        fh.write(bytes([b[0] ^ 0x01]))
+    subprocess.run(["touch", "-r", str(ref), str(path)], check=True)
+    assert path.stat().st_mtime_ns == ref.stat().st_mtime_ns
+    assert records.check_record(records.record_path_for(path), digest[7:], size,
+                                records.FileIdentity.of(path.stat())).status == "stale"
+    with pytest.raises(IntegrityError) as err:
+        PayloadVerifier().verify(cache, digest, size)
+    moved = err.value.details["quarantined"]
+    assert moved and str(moved) in str(err.value) and "quarantine" in str(err.value)
+    assert not path.exists() and Path(moved).exists() and not records.record_path_for(path).exists()
+    assert Path(moved).parent == cache.quarantine_dir
+
+
+def test_new_inode_with_same_size_and_mtime_is_rehashed(staged):
+    """FAULTS 5."""
+    cache, digest, size, path = staged
+    _hash_first_then_reuse(cache, digest, size)
+    st = path.stat()
+    twin = path.with_name("twin")
+    twin.write_bytes(path.read_bytes())
+    os.utime(twin, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.rename(twin, path)
+    assert path.stat().st_mtime_ns == st.st_mtime_ns and path.stat().st_ino != st.st_ino
+    with PayloadVerifier().verify(cache, digest, size) as v:
+        assert (v.reused_record, v.bytes_hashed, v.record_status) == (False, size, "stale")
+
+
+def test_wrong_size_fails_before_hashing_and_quarantines(staged):
+    cache, digest, size, path = staged
+    seen = []
+    with pytest.raises(IntegrityError, match=f"has {size} bytes"):
+        PayloadVerifier().verify(cache, digest, size + 1, progress=lambda d, t: seen.append(d))
+    assert seen == [] and not path.exists() and cache.quarantined()
+
+
+def test_read_only_verification_writes_nothing(staged, tmp_path):
+    cache, digest, size, path = staged
+    before = sorted(p.name for p in cache.root.rglob("*"))
+    with PayloadVerifier().verify(cache, digest, size, write_record=False) as v:
+        assert not v.record_written and v.bytes_hashed == size
+    assert sorted(p.name for p in cache.root.rglob("*")) == before
+    with open(path, "r+b") as fh:
+        fh.write(b"\0")
+    with pytest.raises(IntegrityError, match="not quarantined"):
+        PayloadVerifier().verify(cache, digest, size, write_record=False)
+    assert path.exists()
+
+
+def test_progress_is_reported_while_hashing(staged):
+    cache, digest, size, _path = staged
+    seen = []
+    with PayloadVerifier().verify(cache, digest, size, progress=lambda d, t: seen.append((d, t))):
+        pass
+    assert seen and seen[-1] == (size, size)
+
+
+def test_path_must_match_the_digest(staged, tmp_path):
+    cache, digest, size, path = staged
+    elsewhere = tmp_path / "x" / "model-weights.pack"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(path.read_bytes())
+    with pytest.raises(IntegrityError, match="does not match its digest"):
+        PayloadVerifier().verify(elsewhere, digest, size)
+    other = cache.objects / ("0" * 64 + ".pack")
+    os.link(path, other)
+    with pytest.raises(IntegrityError, match="does not match its digest"):
+        PayloadVerifier().verify(other, digest, size)
+
+
+def test_symlinked_pack_is_refused(staged, tmp_path):
+    cache, digest, size, path = staged
+    real = tmp_path / "real.pack"
+    os.rename(path, real)
+    path.symlink_to(real)
+    with pytest.raises(IntegrityError, match="symbolic link"):
+        PayloadVerifier().verify(cache, digest, size)
+
+
+def test_missing_pack_names_the_fix(tmp_path):
+    with pytest.raises(ColdSnapError, match="not present"):
+        PayloadVerifier().verify(NodeCache(tmp_path), "sha256:" + "a" * 64, 10)
+
+
+@pytest.mark.parametrize("bad", BAD_DIGESTS)
+def test_malformed_digests_are_refused_before_any_path_is_built(tmp_path, bad, monkeypatch):
+    """FAULTS 7: through the cache, the verifier and the stager; nothing is created on disk."""
+    import pathlib
+
+    root = tmp_path / "state"
+    built: list[str] = []
+    real_truediv = pathlib.PurePath.__truediv__
+
+    def spy(self, other):
+        if isinstance(other, str) and (other.endswith((".pack", ".lock", ".json")) or bad in other):
+            built.append(other)
+        return real_truediv(self, other)
+
+    monkeypatch.setattr(pathlib.PurePath, "__truediv__", spy)
+    with pytest.raises(ColdSnapError):
+        NodeCache(root).path_for(bad)
+    with pytest.raises(ColdSnapError):
+        PayloadVerifier().verify(NodeCache(root), bad, 10)
+    with pytest.raises(ColdSnapError):
+        stage_payload(root, bad, 10, StageSource("local", path=tmp_path / "x"))
+    with pytest.raises(ColdSnapError):
+        NodeCache(root).lock(bad).__enter__()
+    assert built == [] and not root.exists()
+
+
+def test_payload_swapped_after_verification_hydrates_the_verified_bytes(tmp_path):
+    """FAULTS 9: hydration reads the verified fd; an in-place change is caught before memory is touched."""
+    w = make_worker(tmp_path)
+    wp, out, cache = capture(tmp_path, w)
+    path = cache.path_for(wp.pack.sha256)
+    original = path.read_bytes()
+    v = PayloadVerifier().verify(cache, wp.pack.sha256, wp.pack.size)
+    # swap: a new file with other bytes (same size) renamed over the verified name
+    evil = path.with_name("evil")
+    evil.write_bytes(bytes(b ^ 0xFF for b in original))
+    os.rename(evil, path)
+    views = anon_views(w)
+    hydrate_native(out / "native-manifest.json", v, out / "weights.blob", MemorySink(views))
+    for a in w.allocations:
+        assert views[a.id][:] == bytes(w.buffers[a.id])
+    v.close()
+
+
+def test_payload_rewritten_in_place_after_verification_is_refused(tmp_path):
+    w = make_worker(tmp_path)
+    wp, out, cache = capture(tmp_path, w)
+    path = cache.path_for(wp.pack.sha256)
+    ref = path.with_name("ref")
+    subprocess.run(["touch", "-r", str(path), str(ref)], check=True)
+    v = PayloadVerifier().verify(cache, wp.pack.sha256, wp.pack.size)
+    os.chmod(path, 0o644)
+    with open(path, "r+b") as fh:
+        fh.write(b"\x00")
+    subprocess.run(["touch", "-r", str(ref), str(path)], check=True)  # even with the mtime put back
+    views = anon_views(w)
+    with pytest.raises(IntegrityError, match="changed after it was verified"):
+        hydrate_native(out / "native-manifest.json", v, out / "weights.blob", MemorySink(views))
+    assert all(views[a.id][:] == bytes([0xA5]) * a.size for a in w.allocations)
+    v.close()
