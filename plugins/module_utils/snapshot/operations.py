@@ -184,16 +184,40 @@ def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, st
 
 
 def _running_pid(state_root: Path, request: dict, unit_id: str) -> int | None:
-    """The pid of this workload's engine currently running on the host, if any."""
+    """The pid of this workload's engine currently running on the host, if any.
+
+    A pid alone proves nothing (it may have been reused): the engine must answer
+    on its loopback control API with the token from its 0600 control file.
+    """
     wdir = unit.workload_dir(state_root, request["workload"]["recipe"], unit_id)
     for f in wdir.glob("control-*.json"):
         try:
-            pid = json.loads(f.read_text())["pid"]
-            os.kill(pid, 0)
-            return pid
+            info = json.loads(f.read_text())
+            if engine_answers(info):
+                return int(info["pid"])
         except (OSError, ValueError, KeyError):
             continue
     return None
+
+
+def engine_answers(control: dict, timeout: float = 5.0) -> bool:
+    """True when the process behind ``control`` (port, token, pid) is our engine and alive."""
+    import http.client
+
+    try:
+        os.kill(int(control["pid"]), 0)
+    except (OSError, ValueError, KeyError):
+        return False
+    conn = http.client.HTTPConnection("127.0.0.1", int(control["port"]), timeout=timeout)
+    try:
+        conn.request("GET", "/status", headers={"Authorization": f"Bearer {control['token']}", "Connection": "close"})
+        resp = conn.getresponse()
+        body = json.loads(resp.read() or b"{}")
+        return resp.status == 200 and int(body.get("pid", -1)) == int(control["pid"])
+    except (OSError, ValueError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
 
 
 def evict(request: dict, *, host: str, state_root: Path, check_mode: bool) -> dict:

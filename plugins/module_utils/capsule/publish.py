@@ -1,0 +1,362 @@
+"""Capsule publication: explicit push after acceptance, and pull-by-digest with full verification.
+
+Push (on the capture host): the local capsule must be exactly the recorded one
+(image id / manifest digest), then it goes to ``policy.capsule.repository``:
+docker capsules with the Docker SDK, OCI-layout capsules with the stdlib client
+in :mod:`.registry`. The result is an immutable ``repo@sha256:<manifest digest>``,
+read back from the registry and checked before it is returned.
+
+Pull (on a restore host): only the capsule assigned to the unit, by digest.
+Docker verifies every layer digest itself; we then require the local image id to
+equal the recorded one. OCI-layout pulls hash every blob as it arrives, write
+into a temporary directory and move it into place only when everything matched:
+a registry returning wrong bytes fails the pull and leaves nothing cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import archive, oci
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import (
+    LABEL_CAPTURE,
+    LABEL_KIND,
+    LABEL_UNIT,
+    CapsuleRef,
+    inspect_capsule,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import (
+    RegistryClient,
+    RegistryError,
+    parse_repository,
+    split_repository_digest,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    ColdSnapError,
+    IntegrityError,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir, temp_path_for
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
+
+Progress = Callable[[dict[str, Any]], None]
+MANIFEST_ACCEPT = (oci.MEDIA_MANIFEST, oci.DOCKER_MANIFEST)
+
+
+class PublishError(ColdSnapError):
+    """A push or pull that did not complete; nothing was recorded."""
+
+
+def publish_tag(ref: CapsuleRef, capture_id: str | None) -> str:
+    """The human-readable tag a capsule is pushed under (the digest stays the identity)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.dockerapi import sanitize_tag
+
+    return sanitize_tag(f"{capture_id or 'capsule'}.{ref.unit}")
+
+
+def _docker_auth(auth: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not auth:
+        return None
+    keys = ("username", "password", "email", "serveraddress", "identitytoken", "registrytoken")
+    return {k: v for k, v in auth.items() if k in keys and v}
+
+
+# ----------------------------------------------------------------------------- push
+
+def push_capsule(ref: CapsuleRef, repository: str, *, auth: dict[str, Any] | None = None,
+                 progress: Progress | None = None, client: Any = None, insecure: bool | None = None) -> str:
+    """Push a verified local capsule; return ``repository@sha256:<manifest digest>``.
+
+    Raises PublishError (a registry refusal, with the registry's reason) or
+    IntegrityError (the local capsule is not the recorded one).
+    """
+    parse_repository(repository)
+    details = inspect_capsule(ref, verify=True, client=client)
+    tag = publish_tag(ref, details.get("capture_id"))
+    if ref.layout == "docker":
+        digest = _push_docker(ref, repository, tag, auth=auth, progress=progress, client=client)
+    else:
+        digest = _push_oci(ref, repository, tag, auth=auth, progress=progress, insecure=insecure)
+    return f"{repository}@{digest}"
+
+
+def _push_docker(ref: CapsuleRef, repository: str, tag: str, *, auth: dict[str, Any] | None,
+                 progress: Progress | None, client: Any) -> str:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import dockerapi
+
+    docker = dockerapi.docker_module()
+    client = dockerapi.docker_client(client)
+    image = client.images.get(ref.image_id)
+    if not image.tag(repository, tag):
+        raise PublishError(f"could not tag capsule {ref.image_id} of unit {ref.unit!r} as {repository}:{tag}",
+                           fix="check the Docker daemon")
+    digest = None
+    error = None
+    try:
+        for ev in client.api.push(repository, tag=tag, stream=True, decode=True, auth_config=_docker_auth(auth)):
+            if progress is not None:
+                progress({"unit": ref.unit, "status": ev.get("status"), "id": ev.get("id")})
+            if "error" in ev or "errorDetail" in ev:
+                error = str(ev.get("error") or (ev.get("errorDetail") or {}).get("message"))
+            aux = ev.get("aux")
+            if isinstance(aux, dict) and aux.get("Digest"):
+                digest = aux["Digest"]
+    except docker.errors.APIError as exc:
+        error = str(exc.explanation or exc)
+    finally:
+        # The publish tag is a convenience on the registry side only; keep the local store as it was.
+        try:
+            client.images.remove(f"{repository}:{tag}", noprune=True)
+        except docker.errors.APIError:
+            pass
+    if error:
+        raise PublishError(f"registry refused the push of capsule {ref.image_id} (unit {ref.unit!r}) to "
+                           f"{repository}: {error}",
+                           fix="check that the registry accepts pushes (not read-only) and the credentials; "
+                               "nothing was recorded")
+    if not digest or not ids.is_digest(digest):
+        raise PublishError(f"push of capsule of unit {ref.unit!r} to {repository} reported no manifest digest",
+                           fix="check the Docker daemon's logs; nothing was recorded")
+    _verify_remote_manifest(repository, digest, auth=auth, what=f"capsule of unit {ref.unit!r}",
+                            expected_config=ref.image_id)
+    return digest
+
+
+def _push_oci(ref: CapsuleRef, repository: str, tag: str, *, auth: dict[str, Any] | None,
+              progress: Progress | None, insecure: bool | None) -> str:
+    img = oci.open_layout(Path(ref.location), expected_manifest=ref.image_id, verify_layers=False,
+                          what=f"capsule of unit {ref.unit!r}")
+    reg = RegistryClient(repository, auth=auth, insecure=insecure)
+    what = f"capsule of unit {ref.unit!r}"
+    for desc in (img.config_desc, *img.layers):
+        if reg.blob_exists(desc.digest, desc.size):
+            if progress:
+                progress({"unit": ref.unit, "status": "exists", "digest": desc.digest})
+            continue
+        path = oci.blob_path(img.layout, desc.digest)
+        reg.upload_blob(desc.digest, desc.size, lambda p=path: open(p, "rb"),
+                        what=f"blob {desc.digest} of {what}")
+        if progress:
+            progress({"unit": ref.unit, "status": "pushed", "digest": desc.digest, "bytes": desc.size})
+    mbytes = oci.blob_path(img.layout, ref.image_id).read_bytes()
+    got = reg.put_manifest(tag, mbytes, img.manifest_desc.media_type, what=what)
+    if got and got != ref.image_id:
+        raise PublishError(f"registry stored the manifest of {what} as {got}, expected {ref.image_id}",
+                           fix="the registry rewrote the manifest; use another registry")
+    _verify_remote_manifest(repository, ref.image_id, auth=auth, what=what, insecure=insecure,
+                            blobs=[(d.digest, d.size) for d in (img.config_desc, *img.layers)])
+    return ref.image_id
+
+
+def _verify_remote_manifest(repository: str, digest: str, *, auth: dict[str, Any] | None, what: str,
+                            expected_config: str | None = None, blobs: list[tuple[str, int]] | None = None,
+                            insecure: bool | None = None) -> None:
+    """GET the manifest back by digest, check its bytes, its config and that every blob is there."""
+    reg = RegistryClient(repository, auth=auth, insecure=insecure)
+    data = reg.get_manifest(digest, MANIFEST_ACCEPT, what=what)
+    if oci.digest_bytes(data) != digest:
+        raise PublishError(f"registry {repository} returns a manifest for {digest} whose bytes hash to "
+                           f"{oci.digest_bytes(data)} ({what})",
+                           fix="the registry does not preserve content; do not record this publication")
+    manifest = json.loads(data)
+    config, layers = oci.parse_manifest(manifest, what=f"published manifest of {what}", compressed_ok=True)
+    if expected_config is not None and config.digest != expected_config:
+        raise PublishError(f"published manifest of {what} names config {config.digest}, expected {expected_config}",
+                           fix="the pushed image is not the recorded capsule; nothing was recorded")
+    for d in [config, *layers] if blobs is None else [oci.Descriptor("", dg, sz) for dg, sz in blobs]:
+        if not reg.blob_exists(d.digest, d.size):
+            raise PublishError(f"registry {repository} lacks blob {d.digest} of {what} after the push",
+                               fix="retry the publication; nothing was recorded")
+
+
+# ----------------------------------------------------------------------------- pull
+
+def pull_capsule(repository_digest: str, *, expected_image_id: str, layout: str, oci_root: Path | None = None,
+                 auth: dict[str, Any] | None = None, unit: str | None = None, client: Any = None,
+                 insecure: bool | None = None, progress: Progress | None = None) -> CapsuleRef:
+    """Fetch exactly one published capsule by digest and verify it; return the local capsule.
+
+    Already present and verified: nothing is fetched. Any mismatch raises
+    IntegrityError and leaves nothing behind.
+    """
+    repo, digest = split_repository_digest(repository_digest)
+    ids.parse_digest(expected_image_id, what="expected capsule image id")
+    if layout == "oci-layout":
+        if expected_image_id != digest:
+            raise IntegrityError(f"OCI capsule {repository_digest}: the recorded id {expected_image_id} is not its "
+                                 "manifest digest",
+                                 fix="the descriptor is inconsistent; re-publish the capture")
+        if oci_root is None:
+            raise ColdSnapError("pulling an OCI-layout capsule needs oci_root", fix="pass <state_root>/capsules")
+        return _pull_oci(repo, digest, Path(oci_root), auth=auth, unit=unit, insecure=insecure, progress=progress,
+                         repository_digest=repository_digest)
+    if layout != "docker":
+        raise ColdSnapError(f"capsule layout {layout!r} is unknown", fix="use 'docker' or 'oci-layout'")
+    return _pull_docker(repository_digest, expected_image_id, auth=auth, unit=unit, client=client,
+                        progress=progress)
+
+
+def _pull_docker(repository_digest: str, expected_image_id: str, *, auth: dict[str, Any] | None,
+                 unit: str | None, client: Any, progress: Progress | None) -> CapsuleRef:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import dockerapi
+
+    docker = dockerapi.docker_module()
+    client = dockerapi.docker_client(client)
+    repo, digest = repository_digest.split("@", 1)
+    had_before = _docker_has(client, expected_image_id)
+    error = None
+    try:
+        for ev in client.api.pull(repo, tag=digest, stream=True, decode=True, auth_config=_docker_auth(auth)):
+            if progress is not None:
+                progress({"unit": unit, "status": ev.get("status"), "id": ev.get("id")})
+            if "error" in ev or "errorDetail" in ev:
+                error = str(ev.get("error") or (ev.get("errorDetail") or {}).get("message"))
+    except docker.errors.APIError as exc:
+        error = str(exc.explanation or exc)
+    if error:
+        raise IntegrityError(f"pull of capsule {repository_digest} failed: {error}",
+                             fix="the registry is unreachable or returned bytes that do not match their digest; "
+                                 "nothing was cached")
+    try:
+        image = client.images.get(repository_digest)
+    except docker.errors.ImageNotFound:
+        raise IntegrityError(f"pull of capsule {repository_digest} reported success but no image is present",
+                             fix="check the Docker daemon") from None
+    if image.id != expected_image_id:
+        if not had_before:
+            # Leave nothing cached: the registry served a different (self-consistent) image.
+            try:
+                client.images.remove(image.id, force=True)
+            except docker.errors.APIError:
+                pass
+        raise IntegrityError(f"capsule {repository_digest} is image {image.id}, the descriptor records "
+                             f"{expected_image_id}",
+                             fix="the descriptor and the registry disagree; re-publish the capture")
+    labels = dockerapi.image_labels(image)
+    if labels.get(LABEL_KIND) != "capsule" or (unit is not None and labels.get(LABEL_UNIT) != unit):
+        raise IntegrityError(f"image {repository_digest} is not the capsule of unit {unit!r}",
+                             fix="pull only the capsule assigned to this unit")
+    bytes_ = int(image.attrs.get("Size") or 0)
+    return CapsuleRef(labels.get(LABEL_UNIT, unit or ""), "docker", image.id, repository_digest, bytes_,
+                      repository_digest)
+
+
+def _docker_has(client: Any, image_id: str) -> bool:
+    try:
+        client.images.get(image_id)
+        return True
+    except Exception:
+        return False
+
+
+def _pull_oci(repo: str, digest: str, root: Path, *, auth: dict[str, Any] | None, unit: str | None,
+              insecure: bool | None, progress: Progress | None, repository_digest: str) -> CapsuleRef:
+    root = Path(os.path.abspath(root))
+    final = oci.layout_dir(root, digest)
+    what = f"capsule {repository_digest}"
+    if final.exists():
+        try:
+            img = oci.open_layout(final, expected_manifest=digest, what=what)
+            return _oci_ref(img, final, unit, repository_digest)
+        except ColdSnapError:
+            archive._rmtree(final)  # a damaged cache entry is replaced by a verified pull
+    reg = RegistryClient(repo, auth=auth, insecure=insecure)
+    mbytes = reg.get_manifest(digest, MANIFEST_ACCEPT, what=what)
+    if oci.digest_bytes(mbytes) != digest:
+        raise IntegrityError(f"registry returned a manifest for {repository_digest} whose bytes hash to "
+                             f"{oci.digest_bytes(mbytes)}",
+                             fix="the registry (or something between) corrupts content; nothing was cached")
+    try:
+        manifest = json.loads(mbytes)
+    except ValueError as exc:
+        raise IntegrityError(f"manifest of {what} is not JSON", fix="re-publish the capture") from exc
+    config, layers = oci.parse_manifest(manifest, what=f"manifest of {what}")
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path_for(root / "pull")
+    os.mkdir(tmp, 0o755)
+    try:
+        for desc in (config, *layers):
+            _fetch_blob(reg, tmp, desc, what=what, progress=progress, unit=unit)
+        mtype = manifest.get("mediaType", oci.MEDIA_MANIFEST)
+        oci.write_blob_bytes(tmp, mbytes, mtype)
+        oci.write_layout_files(tmp, oci.Descriptor(mtype, digest, len(mbytes)))
+        img = oci.open_layout(tmp, expected_manifest=digest, verify_layers=False, what=what)
+        labels = img.labels
+        if labels.get(LABEL_KIND) != "capsule" or (unit is not None and labels.get(LABEL_UNIT) != unit):
+            raise IntegrityError(f"{what} is not the capsule of unit {unit!r}",
+                                 fix="pull only the capsule assigned to this unit")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    img = oci.open_layout(final, expected_manifest=digest, verify_layers=False, what=what)
+    return _oci_ref(img, final, unit, repository_digest)
+
+
+def _fetch_blob(reg: RegistryClient, layout: Path, desc: oci.Descriptor, *, what: str,
+                progress: Progress | None, unit: str | None) -> None:
+    blobs = layout / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+    part = temp_path_for(blobs / "blob")
+    reader = reg.open_blob(desc.digest, what=f"blob {desc.digest} of {what}")
+    try:
+        with reader, open(part, "xb") as out:
+            hashing = archive.HashingReader(reader)
+            while True:
+                chunk = hashing.read(archive.CHUNK)
+                if not chunk:
+                    break
+                if hashing.size > desc.size:
+                    break
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if hashing.size != desc.size or hashing.digest != desc.digest:
+            raise IntegrityError(f"registry returned {hashing.size} bytes hashing to {hashing.digest} for blob "
+                                 f"{desc.digest} ({desc.size} bytes) of {what}",
+                                 fix="the registry (or something between) corrupts content; nothing was cached")
+        os.replace(part, oci.blob_path(layout, desc.digest))
+    finally:
+        part.unlink(missing_ok=True)
+    if progress:
+        progress({"unit": unit, "status": "pulled", "digest": desc.digest, "bytes": desc.size})
+
+
+def _oci_ref(img: oci.Image, final: Path, unit: str | None, repository_digest: str) -> CapsuleRef:
+    return CapsuleRef(img.labels.get(LABEL_UNIT, unit or ""), "oci-layout", img.manifest_desc.digest, str(final),
+                      img.bytes, repository_digest)
+
+
+# ----------------------------------------------------------------------------- descriptor helpers
+
+def local_capsules(artifact: dict[str, Any], *, host: str | None = None,
+                   units: list[str] | None = None) -> list[tuple[dict[str, Any], CapsuleRef]]:
+    """The artifact's capsule entries for one capture host (or the named units)."""
+    out = []
+    for entry in artifact["capsule"]["units"]:
+        if host is not None and entry["host"] != host:
+            continue
+        if units is not None and entry["unit"] not in units:
+            continue
+        out.append((entry, CapsuleRef.from_dict(entry)))
+    return out
+
+
+def remote_has(repository_digest: str, *, auth: dict[str, Any] | None = None, insecure: bool | None = None) -> bool:
+    """True when the registry already serves this manifest digest (publish is content-idempotent)."""
+    repo, digest = split_repository_digest(repository_digest)
+    try:
+        return RegistryClient(repo, auth=auth, insecure=insecure).manifest_exists(digest, MANIFEST_ACCEPT)
+    except RegistryError:
+        return False
+
+
+def capture_id_of(ref: CapsuleRef, client: Any = None) -> str | None:
+    """The capture id a local capsule is labelled with."""
+    return inspect_capsule(ref, verify=False, client=client)["labels"].get(LABEL_CAPTURE)

@@ -1,0 +1,280 @@
+"""A small OCI distribution client (push and pull by digest) on the standard library only.
+
+Used for OCI-layout capsules, which live on hosts that may have no Docker: blob
+HEAD, monolithic upload (POST then PUT ``?digest=``), manifest PUT and GET, blob
+GET. Every byte that comes back is hashed against the digest that named it.
+
+Authentication follows the registry's ``WWW-Authenticate`` challenge: Basic
+with username/password, or Bearer with a token fetched from the named realm (with
+the same credentials, or a given identity/registry token). Credentials are never
+logged, never put into an exception message, and never written to disk.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import json
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import IO, Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
+
+USER_AGENT = "coldsnap-capsule-client/1"
+ERROR_BODY_LIMIT = 4096
+
+
+class RegistryError(ColdSnapError):
+    """The registry refused or failed a request (status, registry error code, message)."""
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None,
+                 fix: str | None = None) -> None:
+        self.status = status
+        self.code = code
+        super().__init__(message, fix=fix)
+
+
+@dataclass(frozen=True)
+class Repository:
+    """``host[:port]/path`` split into its registry and its repository name."""
+
+    registry: str
+    name: str
+
+    @property
+    def full(self) -> str:
+        return f"{self.registry}/{self.name}"
+
+
+def parse_repository(repository: str) -> Repository:
+    """Split a repository reference; the registry host must be explicit (nothing defaults to a public hub)."""
+    if not isinstance(repository, str) or not re.fullmatch(ids.REPOSITORY, repository):
+        raise ColdSnapError(f"capsule repository {repository!r} is not a valid repository reference",
+                            fix="write it as 'registry.example:5000/coldsnap/capsules' (no tag, no digest)")
+    head, sep, rest = repository.partition("/")
+    if not sep or not ("." in head or ":" in head or head == "localhost"):
+        raise ColdSnapError(f"capsule repository {repository!r} does not name its registry host",
+                            fix="prefix the registry, e.g. 'registry.example:5000/" + repository + "'")
+    return Repository(head, rest)
+
+
+def split_repository_digest(value: str) -> tuple[str, str]:
+    """``repo@sha256:<hex>`` -> (repo, digest); tags are refused (they are mutable)."""
+    repo, sep, digest = (value or "").partition("@")
+    if not sep:
+        raise ColdSnapError(f"capsule reference {value!r} is not pinned by digest", fix=ids.IMAGE_REF_FIX)
+    ids.parse_digest(digest, what=f"digest of {value!r}")
+    last = repo.rsplit("/", 1)[-1]
+    if ":" in last:
+        raise ColdSnapError(f"capsule reference {value!r} carries a tag besides its digest",
+                            fix="use 'repository@sha256:<hex>' only")
+    parse_repository(repo)
+    return repo, digest
+
+
+def _is_loopback(host: str) -> bool:
+    name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:].split("]", maxsplit=1)[0]
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
+    scheme, _, rest = header.strip().partition(" ")
+    params = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+    return scheme.lower(), params
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Uploads must not be replayed elsewhere by urllib (a PUT body is a stream)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: PLR0917 - urllib's signature
+        if req.get_method() in ("GET", "HEAD"):
+            new = super().redirect_request(req, fp, code, msg, headers, newurl)
+            if new is not None and urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
+                # Storage redirects (signed URLs) must not receive the registry's credentials.
+                new.remove_header("Authorization")
+            return new
+        return None
+
+
+class RegistryClient:
+    """One repository on one registry."""
+
+    def __init__(self, repository: str, *, auth: dict[str, Any] | None = None, insecure: bool | None = None,
+                 timeout: float = 120.0) -> None:
+        self.repo = parse_repository(repository)
+        plain = _is_loopback(self.repo.registry) if insecure is None else insecure
+        self.base = f"{'http' if plain else 'https'}://{self.repo.registry}"
+        self._auth = dict(auth or {})
+        self._authorization: str | None = None
+        self.timeout = timeout
+        self._opener = urllib.request.build_opener(_NoRedirect())
+
+    # ------------------------------------------------------------------ plumbing
+    def _url(self, path: str) -> str:
+        if path.startswith(("http://", "https://")):
+            return path
+        return self.base + path
+
+    def request(self, method: str, path: str, *, headers: dict[str, str] | None = None,
+                body: Callable[[], IO[bytes] | bytes] | None = None, expect: tuple[int, ...] = (200,),
+                what: str, scope: str = "pull") -> Any:
+        """Send one request (re-sent once after an auth challenge); return the open response."""
+        for attempt in range(2):
+            req = urllib.request.Request(self._url(path), method=method, data=body() if body else None)
+            req.add_header("User-Agent", USER_AGENT)
+            for k, v in (headers or {}).items():
+                req.add_header(k, v)
+            if self._authorization:
+                req.add_header("Authorization", self._authorization)
+            try:
+                resp = self._opener.open(req, timeout=self.timeout)
+            except urllib.error.HTTPError as exc:
+                if exc.code == 401 and attempt == 0 and self._answer_challenge(exc.headers, scope):
+                    exc.close()
+                    continue
+                if exc.code in expect:
+                    return exc
+                raise self._error(exc, method, what) from None
+            except (urllib.error.URLError, OSError) as exc:
+                reason = getattr(exc, "reason", exc)
+                raise RegistryError(f"registry {self.repo.registry} is unreachable while {what} ({reason})",
+                                    fix="check the registry address and that it is running") from None
+            if resp.status not in expect:
+                resp.close()
+                raise RegistryError(f"registry {self.repo.registry} answered {resp.status} while {what}",
+                                    status=resp.status, fix="check the registry's logs")
+            return resp
+        raise RegistryError(f"registry {self.repo.registry} refused the credentials while {what}",
+                            status=401, code="UNAUTHORIZED",
+                            fix="check the registry credentials (they are never logged)")
+
+    def _answer_challenge(self, headers: Any, scope: str) -> bool:
+        challenge = headers.get("WWW-Authenticate") if headers else None
+        if not challenge:
+            return False
+        scheme, params = _parse_challenge(challenge)
+        user, password = self._auth.get("username"), self._auth.get("password")
+        if scheme == "basic":
+            if not (user and password):
+                return False
+            self._authorization = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+            return True
+        if scheme != "bearer" or "realm" not in params:
+            return False
+        direct = self._auth.get("registrytoken") or self._auth.get("token")
+        if direct:
+            self._authorization = f"Bearer {direct}"
+            return True
+        query = {"service": params.get("service", "")}
+        wanted = params.get("scope") or f"repository:{self.repo.name}:{scope}"
+        query["scope"] = wanted
+        req = urllib.request.Request(params["realm"] + "?" + urllib.parse.urlencode(query))
+        req.add_header("User-Agent", USER_AGENT)
+        if user and password:
+            req.add_header("Authorization", "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode())
+        elif self._auth.get("identitytoken"):
+            req = urllib.request.Request(params["realm"], method="POST", data=urllib.parse.urlencode({
+                "grant_type": "refresh_token", "refresh_token": self._auth["identitytoken"],
+                "service": query["service"], "scope": wanted, "client_id": "coldsnap"}).encode())
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                doc = json.loads(resp.read(1 << 20))
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+        token = doc.get("token") or doc.get("access_token")
+        if not token:
+            return False
+        self._authorization = f"Bearer {token}"
+        return True
+
+    def _error(self, exc: urllib.error.HTTPError, method: str, what: str) -> RegistryError:
+        code = message = None
+        try:
+            doc = json.loads(exc.read(ERROR_BODY_LIMIT) or b"{}")
+            first = (doc.get("errors") or [{}])[0]
+            code, message = first.get("code"), first.get("message")
+        except (ValueError, AttributeError, OSError):
+            pass
+        finally:
+            exc.close()
+        detail = f"{exc.code} {code or exc.reason}" + (f": {message}" if message else "")
+        if exc.code in (401, 403):
+            fix = "supply credentials that may push/pull this repository (registry auth options; never logged)"
+        elif exc.code == 405 or code == "UNSUPPORTED":
+            fix = "the registry does not accept this operation (read-only or maintenance mode?); ask its operator"
+        elif exc.code == 404:
+            fix = "check the repository name and that the capsule was published there"
+        else:
+            fix = "check the registry's logs and retry"
+        return RegistryError(f"registry {self.repo.registry} refused {method} while {what}: {detail}",
+                             status=exc.code, code=code, fix=fix)
+
+    # ------------------------------------------------------------------ operations
+    def blob_exists(self, digest: str, size: int | None = None) -> bool:
+        ids.parse_digest(digest, what="blob digest")
+        resp = self.request("HEAD", f"/v2/{self.repo.name}/blobs/{digest}", expect=(200, 404),
+                            what=f"checking blob {digest}")
+        with resp:
+            if resp.status == 404:
+                return False
+            length = resp.headers.get("Content-Length")
+            return size is None or length is None or int(length) == size
+
+    def upload_blob(self, digest: str, size: int, opener: Callable[[], IO[bytes] | bytes], *, what: str) -> None:
+        """Monolithic upload: POST an upload session, then PUT the whole blob with ``?digest=``."""
+        ids.parse_digest(digest, what="blob digest")
+        resp = self.request("POST", f"/v2/{self.repo.name}/blobs/uploads/", expect=(202,),
+                            headers={"Content-Length": "0"}, body=lambda: b"", what=f"starting upload of {what}",
+                            scope="pull,push")
+        with resp:
+            location = resp.headers.get("Location")
+        if not location:
+            raise RegistryError(f"registry {self.repo.registry} gave no upload location for {what}",
+                                fix="the registry does not speak the OCI distribution API")
+        location = urllib.parse.urljoin(self.base + "/", location)
+        sep = "&" if "?" in location else "?"
+        resp = self.request("PUT", f"{location}{sep}digest={urllib.parse.quote(digest)}", expect=(201,),
+                            headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+                            body=opener, what=f"uploading {what}", scope="pull,push")
+        with resp:
+            got = resp.headers.get("Docker-Content-Digest")
+        if got and got != digest:
+            raise RegistryError(f"registry {self.repo.registry} stored {what} as {got}, expected {digest}",
+                                fix="the registry altered the bytes; do not use it")
+
+    def put_manifest(self, reference: str, data: bytes, media_type: str, *, what: str) -> str:
+        resp = self.request("PUT", f"/v2/{self.repo.name}/manifests/{urllib.parse.quote(reference, safe=':')}",
+                            expect=(201,), headers={"Content-Type": media_type, "Content-Length": str(len(data))},
+                            body=lambda: data, what=f"storing the manifest of {what}", scope="pull,push")
+        with resp:
+            return resp.headers.get("Docker-Content-Digest") or ""
+
+    def get_manifest(self, reference: str, accept: tuple[str, ...], *, what: str, limit: int = 4 << 20) -> bytes:
+        resp = self.request("GET", f"/v2/{self.repo.name}/manifests/{urllib.parse.quote(reference, safe=':')}",
+                            headers={"Accept": ", ".join(accept)}, what=f"fetching the manifest of {what}")
+        with resp:
+            data = resp.read(limit + 1)
+        if len(data) > limit:
+            raise RegistryError(f"manifest of {what} is larger than {limit} bytes", fix="this is not a capsule")
+        return data
+
+    def manifest_exists(self, digest: str, accept: tuple[str, ...]) -> bool:
+        resp = self.request("HEAD", f"/v2/{self.repo.name}/manifests/{digest}", headers={"Accept": ", ".join(accept)},
+                            expect=(200, 404), what=f"checking manifest {digest}")
+        with resp:
+            return resp.status == 200
+
+    def open_blob(self, digest: str, *, what: str) -> Any:
+        ids.parse_digest(digest, what="blob digest")
+        return self.request("GET", f"/v2/{self.repo.name}/blobs/{digest}", what=f"downloading {what}")

@@ -1,0 +1,196 @@
+"""Capsule publication against a real registry (Debian's docker-registry on loopback).
+
+Round trips push -> pull -> verify for both layouts, a push the registry rejects
+(read-only maintenance mode), and pulls whose bytes are corrupted in flight by a
+proxy: those fail and leave nothing cached (FAULTS.md 11).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import (
+    build_capsule,
+    extract_capsule,
+    inspect_capsule,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.publish import (
+    PublishError,
+    pull_capsule,
+    push_capsule,
+    remote_has,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import RegistryError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
+from capsule_helpers import CorruptingProxy, make_state
+
+pytestmark = [pytest.mark.docker, pytest.mark.registry, pytest.mark.slow]
+
+TARGET = "/var/lib/coldsnap/captures/p/units/unit-0"
+
+
+def _oci(tmp_path: Path, capture_id: str, unit: str = "unit-0"):
+    state = make_state(tmp_path / unit)
+    return build_capsule(unit=unit, capture_id=capture_id, files=state, state_target=TARGET, cache_paths=[],
+                         forbidden_paths=["/models"], layout="oci-layout", base_image=None,
+                         oci_root=tmp_path / "capsules", labels={"org.coldsnap.recipe": "r"})
+
+
+def _docker(tmp_path: Path, capture_id: str, base: str, unit: str = "unit-0"):
+    state = make_state(tmp_path / unit)
+    return build_capsule(unit=unit, capture_id=capture_id, files=state, state_target=TARGET, cache_paths=[],
+                         forbidden_paths=["/models"], layout="docker", base_image=base, oci_root=None,
+                         labels={"org.coldsnap.recipe": "r"})
+
+
+def _leftovers(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+# ----------------------------------------------------------------------------- OCI layout
+
+def test_oci_capsule_round_trip(tmp_path, capture_id, registry, docker_client):
+    ref = _oci(tmp_path, capture_id)
+    repo = f"{registry}/coldsnap/capsules"
+    events = []
+    published = push_capsule(ref, repo, progress=events.append)
+    assert published == f"{repo}@{ref.image_id}", "an OCI capsule's id is its manifest digest"
+    assert {e["status"] for e in events} == {"pushed"}
+    assert remote_has(published)
+    # Content-idempotent: a second push uploads nothing.
+    events.clear()
+    assert push_capsule(ref, repo, progress=events.append) == published
+    assert {e["status"] for e in events} == {"exists"}
+
+    elsewhere = tmp_path / "restore-host" / "capsules"
+    pulled = pull_capsule(published, expected_image_id=ref.image_id, layout="oci-layout", oci_root=elsewhere,
+                          unit="unit-0")
+    assert pulled.image_id == ref.image_id and pulled.repository_digest == published
+    assert Path(pulled.location) == elsewhere / "sha256" / ref.image_id.split(":")[1]
+    assert inspect_capsule(pulled)["capture_id"] == capture_id
+    extract_capsule(pulled, tmp_path / "restored")
+    original = tmp_path / "unit-0" / "state"
+    for name in ("weights.blob", "criu/pages-1.img", "replay-plan.json"):
+        assert (tmp_path / "restored" / name).read_bytes() == (original / name).read_bytes()
+    assert not list((tmp_path / "restored").glob("*.pack"))
+    # Pulling again finds the verified copy.
+    assert pull_capsule(published, expected_image_id=ref.image_id, layout="oci-layout", oci_root=elsewhere) \
+        == pulled
+    # A damaged local copy is not trusted: it is replaced by a verified pull.
+    layer = max((Path(pulled.location) / "blobs" / "sha256").iterdir(), key=lambda p: p.stat().st_size)
+    data = bytearray(layer.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    layer.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError):
+        inspect_capsule(pulled)
+    assert pull_capsule(published, expected_image_id=ref.image_id, layout="oci-layout", oci_root=elsewhere) \
+        == pulled
+    assert inspect_capsule(pulled)["verified"] is True
+
+
+def test_only_the_assigned_capsule_is_pulled(tmp_path, capture_id, registry):
+    a = _oci(tmp_path, capture_id, "unit-0")
+    b = _oci(tmp_path, capture_id, "unit-1")
+    repo = f"{registry}/coldsnap/capsules"
+    push_capsule(a, repo)
+    pb = push_capsule(b, repo)
+    root = tmp_path / "host-1"
+    pull_capsule(pb, expected_image_id=b.image_id, layout="oci-layout", oci_root=root, unit="unit-1")
+    assert sorted(os.listdir(root / "sha256")) == [b.image_id.split(":")[1]]
+    with pytest.raises(IntegrityError, match="not the capsule of unit 'unit-0'"):
+        pull_capsule(pb, expected_image_id=b.image_id, layout="oci-layout", oci_root=tmp_path / "h2", unit="unit-0")
+    assert _leftovers(tmp_path / "h2") == []
+    with pytest.raises(IntegrityError, match="not its manifest digest"):
+        pull_capsule(pb, expected_image_id=a.image_id, layout="oci-layout", oci_root=tmp_path / "h3")
+
+
+def test_oci_push_rejected_by_a_read_only_registry(tmp_path, capture_id, readonly_registry):
+    ref = _oci(tmp_path, capture_id)
+    with pytest.raises(RegistryError) as err:
+        push_capsule(ref, f"{readonly_registry}/coldsnap/capsules")
+    msg = str(err.value)
+    assert err.value.status == 405 and "refused" in msg and "read-only" in msg
+    assert not remote_has(f"{readonly_registry}/coldsnap/capsules@{ref.image_id}")
+
+
+CORRUPTED = pytest.mark.parametrize("min_bytes", [0, 4096], ids=["config-blob", "layer-blob"])
+
+
+@CORRUPTED
+def test_oci_pull_of_corrupted_bytes_fails_and_caches_nothing(tmp_path, capture_id, registry, min_bytes):
+    ref = _oci(tmp_path, capture_id)
+    push_capsule(ref, f"{registry}/coldsnap/capsules")
+    root = tmp_path / "restore-host"
+    with CorruptingProxy(registry, min_bytes=min_bytes) as proxy:
+        via_proxy = f"{proxy.address}/coldsnap/capsules@{ref.image_id}"
+        with pytest.raises(IntegrityError, match="corrupts content"):
+            pull_capsule(via_proxy, expected_image_id=ref.image_id, layout="oci-layout", oci_root=root)
+        assert proxy.corrupted, "the proxy served at least one (corrupted) blob"
+    assert _leftovers(root) == [], "no layout, no blob, no temporary directory may remain"
+
+
+def test_a_corrupted_local_layout_is_refused_before_push(tmp_path, capture_id, registry):
+    ref = _oci(tmp_path, capture_id)
+    blobs = Path(ref.location) / "blobs" / "sha256"
+    biggest = max(blobs.iterdir(), key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 1
+    biggest.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="corrupt"):
+        push_capsule(ref, f"{registry}/coldsnap/capsules")
+    assert not remote_has(f"{registry}/coldsnap/capsules@{ref.image_id}")
+
+
+# ----------------------------------------------------------------------------- docker
+
+def test_docker_capsule_round_trip(tmp_path, capture_id, registry, base_image, docker_client):
+    ref = _docker(tmp_path, capture_id, base_image["base_image"])
+    repo = f"{registry}/coldsnap/docker-capsules"
+    published = push_capsule(ref, repo)
+    assert published.startswith(repo + "@sha256:")
+    assert remote_has(published)
+    # The restore host does not have it: remove it, pull by digest, get the very same image id.
+    docker_client.images.remove(ref.image_id, force=True)
+    pulled = pull_capsule(published, expected_image_id=ref.image_id, layout="docker", unit="unit-0")
+    assert pulled.image_id == ref.image_id and pulled.location == published
+    info = inspect_capsule(pulled)
+    assert published in info["repo_digests"]
+    assert info["capture_id"] == capture_id
+    dest = tmp_path / "restored"
+    extract_capsule(pulled, dest)
+    assert (dest / "weights.blob").read_bytes() == (tmp_path / "unit-0" / "state" / "weights.blob").read_bytes()
+    # A descriptor that records another id is refused (and the pulled image is not left behind).
+    docker_client.images.remove(ref.image_id, force=True)
+    with pytest.raises(IntegrityError, match="descriptor records"):
+        pull_capsule(published, expected_image_id="sha256:" + "0" * 64, layout="docker")
+    with pytest.raises(Exception, match=r"No such image|not found"):
+        docker_client.images.get(ref.image_id)
+
+
+def test_docker_push_rejected_by_a_read_only_registry(tmp_path, capture_id, readonly_registry, base_image,
+                                                     docker_client):
+    ref = _docker(tmp_path, capture_id, base_image["base_image"])
+    repo = f"{readonly_registry}/coldsnap/docker-capsules"
+    with pytest.raises(PublishError, match="registry refused the push") as err:
+        push_capsule(ref, repo)
+    assert "nothing was recorded" in str(err.value)
+    tags = docker_client.images.get(ref.image_id).tags
+    assert not any(t.startswith(readonly_registry) for t in tags), "the publish tag is not left behind"
+
+
+@CORRUPTED
+def test_docker_pull_of_corrupted_bytes_fails_and_caches_nothing(tmp_path, capture_id, registry, *, base_image,
+                                                                docker_client, min_bytes):
+    ref = _docker(tmp_path, capture_id, base_image["base_image"])
+    repo_path = "coldsnap/docker-capsules"
+    published = push_capsule(ref, f"{registry}/{repo_path}")
+    digest = published.split("@", 1)[1]
+    docker_client.images.remove(ref.image_id, force=True)
+    with CorruptingProxy(registry, min_bytes=min_bytes) as proxy:
+        with pytest.raises(IntegrityError, match="verification failed"):
+            pull_capsule(f"{proxy.address}/{repo_path}@{digest}", expected_image_id=ref.image_id, layout="docker")
+        assert proxy.corrupted
+    with pytest.raises(Exception, match=r"No such image|not found"):
+        docker_client.images.get(ref.image_id)

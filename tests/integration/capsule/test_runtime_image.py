@@ -1,0 +1,55 @@
+"""The runtime image: a locally produced, digest-pinned base plus the capture-sensitive runtime."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from capsule_helpers import build_runtime_image
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+
+def _run(client, image_id: str, script: str) -> str:
+    out = client.containers.run(image_id, ["sh", "-c", script], remove=True, network_mode="none")
+    return out.decode()
+
+
+def test_runtime_image_carries_the_pinned_runtime_and_not_the_activation_runtime(runtime_image, docker_client):
+    image = docker_client.images.get(runtime_image["image_id"])
+    labels = image.labels
+    assert labels["org.coldsnap.kind"] == "runtime"
+    assert labels["org.coldsnap.inputs"] == runtime_image["inputs"]
+    assert labels["org.coldsnap.base"] == runtime_image["base_image_id"]
+    assert labels["org.coldsnap.criu.version"] == runtime_image["criu_version"]
+    assert runtime_image["runtime_image"] == "coldsnap-runtime@" + image.id
+
+    base = docker_client.images.get(runtime_image["base_image_id"])
+    assert len(base.attrs["RootFS"]["Layers"]) == 1, "the base is one imported debootstrap layer"
+    assert base.labels["org.coldsnap.kind"] == "base"
+
+    out = _run(docker_client, image.id, (
+        "criu --version | head -1; "
+        "python3 -c 'import torch, numpy, safetensors; print(torch.__version__, numpy.__version__, "
+        "safetensors.__version__)'; "
+        "python3 -c 'import ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build as b; "
+        "print(b.__file__)'; "
+        "ls -A /opt/coldsnap/activation | wc -l; cat /opt/coldsnap/runtime.json"))
+    lines = out.splitlines()
+    assert lines[0] == f"Version: {runtime_image['criu_version']}"
+    assert lines[1].startswith("2.13.0+cpu ")
+    assert lines[2] == "/opt/coldsnap/site/ansible_collections/coldsnap/fleet/plugins/module_utils/capsule/build.py"
+    assert lines[3] == "0", "the activation runtime is mounted per host, never baked in"
+    manifest = json.loads("\n".join(lines[4:]))
+    assert manifest["inputs"] == runtime_image["inputs"]
+    assert manifest["criu"]["sha256"] == labels["org.coldsnap.criu.sha256"]
+    assert any(r.startswith("torch==2.13.0+cpu --hash=sha256:") for r in manifest["requirements"])
+
+
+def test_unchanged_inputs_rebuild_from_cache(runtime_image):
+    again = build_runtime_image()
+    if again["inputs"] != runtime_image["inputs"]:
+        pytest.skip("the working tree changed between the two builds (another edit landed meanwhile)")
+    assert again["cached"] is True and again["base_cached"] is True
+    assert again["image_id"] == runtime_image["image_id"]
+    assert "runtime_build_s" not in again["timings"] and "debootstrap_s" not in again["timings"]

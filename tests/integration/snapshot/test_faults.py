@@ -1,0 +1,164 @@
+"""FAULTS.md 18-23 on CPU: a restore or capture that cannot proceed fails fast and clearly,
+evicts nothing it should not, commits nothing, and leaves no half-restored process."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Workload
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
+
+
+def tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        h.update(f.relative_to(path).as_posix().encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def captured(state_root, tiny_model, env_digest):
+    wl = Workload(state_root, tiny_model, env_digest, tp=1, name="faults")
+    res = wl.run(wl.request("capture"))
+    assert res.succeeded, res.receipt["error"]
+    artifact = Path(res.receipt["result"]["operation"]["artifact"])
+    art = json.loads(artifact.read_text())
+    yield wl, artifact, art
+    wl.stop()
+
+
+def capsule_dir(art: dict) -> Path:
+    return Path(art["capsule"]["units"][0]["location"])
+
+
+def captured_worker(state_root: Path, art: dict) -> dict:
+    ev = json.loads((state_root / "captures" / art["capture_id"] / "units" / "unit-0" / "evidence.json").read_text())
+    return ev["workers"][0]
+
+
+def failed(res, *, phase_word: str) -> dict:
+    assert not res.succeeded
+    err = res.receipt["error"]
+    assert res.receipt["state"] == "failed"
+    assert phase_word in err["phase"], err
+    return err
+
+
+def test_fault18_port_taken_fails_in_prepare(captured, state_root):
+    wl, artifact, art = captured
+    before = tree_digest(capsule_dir(art))
+    port = next(p for _a, p in captured_worker(state_root, art)["listeners"] if p == wl.port)
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", port))
+    squatter.listen()
+    try:
+        err = failed(wl.run(wl.request("restore", artifact=artifact)), phase_word="prepare")
+        assert f"127.0.0.1:{port}" in err["message"] and "taken" in err["message"]
+        assert "python" in err["message"] or "pid" in err["message"]
+    finally:
+        squatter.close()
+    assert tree_digest(capsule_dir(art)) == before, "the capsule must stay intact"
+    assert not wl.engines()
+
+
+def _spawn_with_pid(pid: int) -> subprocess.Popen:
+    """Start a sleeper that gets exactly ``pid`` (root: steer the kernel's next pid)."""
+    for _ in range(50):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        p = subprocess.Popen(["sleep", "120"])
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    pytest.fail(f"could not obtain pid {pid} for the test")
+
+
+def test_fault18_pid_taken_fails_in_prepare(captured, state_root):
+    wl, artifact, art = captured
+    pid = captured_worker(state_root, art)["pid"]
+    assert not Path(f"/proc/{pid}").exists()
+    squatter = _spawn_with_pid(pid)
+    try:
+        err = failed(wl.run(wl.request("restore", artifact=artifact)), phase_word="prepare")
+        assert f"captured pid {pid} is in use" in err["message"]
+        assert "sleep" in err["message"]
+    finally:
+        squatter.kill()
+        squatter.wait()
+    assert not wl.engines()
+
+
+def test_fault19_other_architecture_refused_before_eviction(captured, state_root, tmp_path):
+    wl, artifact, art = captured
+    other = dict(art)
+    other["compatibility"] = {"units": [{**art["compatibility"]["units"][0], "arch": "aarch64"}]}
+    path = tmp_path / "artifact-aarch64.json"
+    path.write_text(json.dumps(other))
+    # A workload is running: the failed prepare must leave it alone.
+    ok = wl.run(wl.request("restore", artifact=artifact))
+    assert ok.succeeded, ok.receipt["error"]
+    running = wl.engines()
+    err = failed(wl.run(wl.request("restore", artifact=path)), phase_word="prepare")
+    assert "aarch64" in err["message"] and "architecture" in err["message"]
+    assert wl.engines() == running, "admission failure must not evict the running workload"
+    wl.stop()
+
+
+def test_fault23_engine_dies_during_capture(state_root, tiny_model, env_digest, tmp_path):
+    wl = Workload(state_root, tiny_model, env_digest, tp=1, name="dies")
+
+    def broken(req):
+        req["launch"]["units"][0]["command"] = ["coldsnap-reference-engine", "--model", str(tmp_path / "missing"),
+                                                "--port", str(wl.port)]
+
+    req = wl.request("capture", mutate=broken)
+    res = wl.run(req)
+    err = failed(res, phase_word="capture")
+    assert "exited during start-up" in err["message"] or "exited" in err["message"]
+    assert "last engine log lines" in err["message"]
+    assert "missing" in err["message"], "the engine's own error must reach the user"
+    assert not (Path(req["output"]["artifact_dir"]) / "artifact.json").exists(), "nothing may be committed"
+    assert not wl.engines()
+
+
+def test_corrupt_residual_fails_closed_and_leaves_no_process(captured, state_root):
+    wl, artifact, art = captured
+    blob = state_root / "captures" / art["capture_id"] / "units" / "unit-0" / "workers" / "worker-0" / "weights.blob"
+    original = blob.read_bytes()
+    try:
+        data = bytearray(original)
+        data[len(data) // 2] ^= 0xFF
+        blob.write_bytes(bytes(data))
+        res = wl.run(wl.request("restore", artifact=artifact))
+        err = failed(res, phase_word="activate")
+        assert "residual" in err["message"] or "weights.blob" in err["message"] or "sha256" in err["message"].lower()
+        deadline = time.monotonic() + 20
+        while wl.engines() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not wl.engines(), "a restore that failed after CRIU must not leave the process behind"
+    finally:
+        blob.write_bytes(original)
+
+
+def test_capture_never_replaces_an_artifact(captured):
+    wl, artifact, art = captured
+    before = artifact.read_bytes()
+
+    def same_output(req):
+        req["output"]["artifact_dir"] = str(artifact.parent)
+
+    res = wl.run(wl.request("capture", mutate=same_output))
+    err = failed(res, phase_word="commit")
+    assert "never replaces" in err["message"]
+    assert artifact.read_bytes() == before
+    wl.stop()

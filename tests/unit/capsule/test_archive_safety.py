@@ -1,0 +1,177 @@
+"""FAULTS.md 10: layer extraction refuses anything that could write outside its root.
+
+Every case builds a real tar with the standard library, extracts it with
+``safe_extract`` into ``tmp/dest`` and checks that nothing was written: not the
+destination, not a temporary directory, and not the outside sentinel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import stat
+import tarfile
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import archive
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.archive import ArchiveError, safe_extract
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
+
+
+def _tar(members: list[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                tar.addfile(info)
+    return buf.getvalue()
+
+
+def _file(name: str, data: bytes = b"x", mode: int = 0o644) -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.mode = mode
+    return info, data
+
+
+def _dir(name: str, mode: int = 0o755) -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.DIRTYPE
+    info.mode = mode
+    return info, None
+
+
+def _link(name: str, target: str, *, hard: bool = False) -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.LNKTYPE if hard else tarfile.SYMTYPE
+    info.linkname = target
+    return info, None
+
+
+def _special(name: str, kind: bytes) -> tuple[tarfile.TarInfo, None]:
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    info.devmajor, info.devminor = 1, 3
+    return info, None
+
+
+@pytest.fixture
+def sandbox(tmp_path: Path) -> Path:
+    """tmp/work is the extraction parent; tmp/outside.txt is a sentinel that must never change."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "outside.txt").write_text("untouched")
+    return tmp_path
+
+
+def _assert_nothing_written(sandbox: Path) -> None:
+    assert sorted(os.listdir(sandbox / "work")) == [], "no destination and no temporary directory may remain"
+    assert (sandbox / "outside.txt").read_text() == "untouched"
+    assert sorted(os.listdir(sandbox)) == ["outside.txt", "work"]
+
+
+UNSAFE = {
+    "dotdot": [_file("ok.txt"), _file("../outside.txt", b"pwned")],
+    "dotdot-nested": [_dir("a"), _file("a/../../outside.txt", b"pwned")],
+    "absolute": [_file("/tmp/coldsnap-test-absolute-member", b"pwned")],
+    "symlink-out-relative": [_link("escape", "../outside.txt")],
+    "symlink-out-absolute": [_link("escape", "/etc/passwd")],
+    "symlink-then-write-through": [_dir("sub"), _link("via", "sub"), _file("via/file.txt", b"x")],
+    "symlink-dir-escape-then-write": [_link("up", ".."), _file("up/outside.txt", b"pwned")],
+    "hardlink-outside": [_link("h", "../outside.txt", hard=True)],
+    "hardlink-absolute": [_link("h", "/etc/passwd", hard=True)],
+    "hardlink-unknown": [_link("h", "never-extracted.txt", hard=True)],
+    "char-device": [_special("null", tarfile.CHRTYPE)],
+    "block-device": [_special("sda", tarfile.BLKTYPE)],
+    "fifo": [_special("pipe", tarfile.FIFOTYPE)],
+    "duplicate": [_file("a.txt", b"1"), _file("a.txt", b"2")],
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNSAFE))
+def test_unsafe_archive_is_refused_and_nothing_is_written(sandbox: Path, case: str) -> None:
+    data = _tar(UNSAFE[case])
+    with pytest.raises(ArchiveError) as err:
+        safe_extract(io.BytesIO(data), sandbox / "work" / "dest", what="test layer")
+    assert "test layer" in str(err.value)
+    assert "fix" not in str(err.value) or ";" in str(err.value)
+    _assert_nothing_written(sandbox)
+    assert not Path("/tmp/coldsnap-test-absolute-member").exists()
+
+
+def test_a_good_archive_extracts_with_modes_links_and_setuid(sandbox: Path) -> None:
+    data = _tar([_dir("img", 0o750), _file("img/pages-1.img", b"pages", 0o600), _file("tool", b"#!", 0o4755),
+                 _link("img/latest", "pages-1.img"), _link("img/hard", "img/pages-1.img", hard=True),
+                 _link("up-and-in", "img/../tool")])
+    dest = sandbox / "work" / "dest"
+    written = safe_extract(io.BytesIO(data), dest, expected_digest="sha256:" + hashlib.sha256(data).hexdigest())
+    assert "img/pages-1.img" in written
+    assert (dest / "img" / "pages-1.img").read_bytes() == b"pages"
+    assert stat.S_IMODE(os.stat(dest / "img").st_mode) == 0o750
+    assert stat.S_IMODE(os.stat(dest / "img" / "pages-1.img").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(dest / "tool").st_mode) == 0o4755
+    assert os.readlink(dest / "img" / "latest") == "pages-1.img"
+    assert os.stat(dest / "img" / "hard").st_ino == os.stat(dest / "img" / "pages-1.img").st_ino
+    assert sorted(os.listdir(sandbox / "work")) == ["dest"]
+
+
+def test_digest_mismatch_leaves_nothing(sandbox: Path) -> None:
+    data = _tar([_file("a.txt", b"hello")])
+    with pytest.raises(IntegrityError, match="expected sha256:0000"):
+        safe_extract(io.BytesIO(data), sandbox / "work" / "dest", expected_digest="sha256:" + "0" * 64)
+    _assert_nothing_written(sandbox)
+
+
+def test_truncated_archive_is_refused(sandbox: Path) -> None:
+    data = _tar([_file("a.txt", b"x" * 5000)])
+    with pytest.raises(ArchiveError, match="not a readable tar"):
+        safe_extract(io.BytesIO(data[:1500]), sandbox / "work" / "dest")
+    _assert_nothing_written(sandbox)
+
+
+def test_existing_destination_is_not_overwritten_unless_asked(sandbox: Path) -> None:
+    dest = sandbox / "work" / "dest"
+    dest.mkdir()
+    (dest / "old").write_text("old")
+    data = _tar([_file("new", b"new")])
+    with pytest.raises(ArchiveError, match="already exists"):
+        safe_extract(io.BytesIO(data), dest)
+    safe_extract(io.BytesIO(data), dest, replace=True)
+    assert sorted(os.listdir(dest)) == ["new"]
+    assert sorted(os.listdir(sandbox / "work")) == ["dest"]
+
+
+def test_collect_tree_refuses_escaping_symlink_and_fifo(tmp_path: Path) -> None:
+    src = tmp_path / "state"
+    src.mkdir()
+    (src / "ok").write_text("ok")
+    (src / "inside").symlink_to("ok")
+    entries, _ = archive.collect_tree(src, "var/lib/state")
+    assert [e.arcname for e in entries] == ["var/lib/state", "var/lib/state/inside", "var/lib/state/ok"]
+    (src / "out").symlink_to("../elsewhere")
+    with pytest.raises(ArchiveError, match="points outside"):
+        archive.collect_tree(src, "var/lib/state")
+    (src / "out").unlink()
+    os.mkfifo(src / "fifo")
+    with pytest.raises(ArchiveError, match="special file"):
+        archive.collect_tree(src, "var/lib/state")
+
+
+def test_written_layers_are_deterministic_and_round_trip(tmp_path: Path) -> None:
+    src = tmp_path / "state"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "f").write_bytes(b"abc")
+    os.link(src / "d" / "f", src / "g")
+    entries, _ = archive.collect_tree(src, "s")
+    out1, out2 = io.BytesIO(), io.BytesIO()
+    d1 = archive.write_layer(entries, out1)
+    d2 = archive.write_layer(entries, out2)
+    assert d1 == d2 and out1.getvalue() == out2.getvalue()
+    assert archive.write_layer(entries, None) == d1  # hash-only pass gives the same identity
+    dest = tmp_path / "x"
+    safe_extract(io.BytesIO(out1.getvalue()), dest, expected_digest=d1[0])
+    assert (dest / "s" / "g").read_bytes() == b"abc"
+    assert os.stat(dest / "s" / "g").st_ino == os.stat(dest / "s" / "d" / "f").st_ino

@@ -1,0 +1,232 @@
+"""OCI-layout capsules (runtime ``host``): built with the standard library only, content-addressed,
+never carrying a model pack, a model mount or a Hugging Face cache, and extracted safely."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+import tarfile
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import oci
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.archive import ArchiveError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import (
+    CapsuleRef,
+    build_capsule,
+    build_capsule_detailed,
+    extract_capsule,
+    inspect_capsule,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    ColdSnapError,
+    IntegrityError,
+)
+
+TARGET = "/var/lib/coldsnap/captures/cap-1/units/unit-0"
+MODEL_MOUNT = "/var/lib/coldsnap/models/reference-tiny"
+PACK = "b" * 64 + ".pack"
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    s = tmp_path / "state"
+    (s / "criu").mkdir(parents=True)
+    (s / "criu" / "pages-1.img").write_bytes(b"\x00" * 8192 + b"pages")
+    (s / "weights.blob").write_bytes(b"residual")
+    (s / "native-manifest.json").write_text("{}")
+    (s / "replay-plan.json").write_text("{}")
+    (s / "capture.log").write_text("log\n")
+    (s / "tool").write_text("#!/bin/sh\n")
+    os.chmod(s / "tool", 0o4750)
+    (s / PACK).write_bytes(b"MODELBYTES")
+    (s / (PACK + ".coldsnap-validation.json")).write_text("{}")
+    (s / "criu" / "latest").symlink_to("pages-1.img")
+    return s
+
+
+def _build(state: Path, root: Path, **over) -> object:
+    kw = dict(unit="unit-0", capture_id="cap-1", files=state, state_target=TARGET, cache_paths=[],
+              forbidden_paths=[MODEL_MOUNT], layout="oci-layout", base_image=None, oci_root=root,
+              labels={"org.coldsnap.recipe": "reference-tiny-local"})
+    kw.update(over)
+    return build_capsule_detailed(**kw)
+
+
+def _layer_names(ref: CapsuleRef) -> list[str]:
+    img = oci.open_layout(Path(ref.location))
+    with open(oci.blob_path(img.layout, img.layers[0].digest), "rb") as fh, tarfile.open(fileobj=fh) as tar:
+        return tar.getnames()
+
+
+def test_build_is_content_addressed_idempotent_and_leaves_the_pack_out(state: Path, tmp_path: Path) -> None:
+    root = tmp_path / "capsules"
+    first = _build(state, root)
+    ref = first.ref
+    assert first.changed and ref.layout == "oci-layout"
+    assert Path(ref.location) == root / "sha256" / ref.image_id.split(":")[1]
+    assert sorted(first.excluded) == sorted([PACK, PACK + ".coldsnap-validation.json"])
+    names = _layer_names(ref)
+    assert f"{TARGET.lstrip('/')}/weights.blob" in names
+    assert not any(n.endswith(".pack") or ".pack." in n for n in names)
+    # Layout files per the image-layout spec.
+    assert json.loads((Path(ref.location) / "oci-layout").read_text()) == {"imageLayoutVersion": "1.0.0"}
+    index = json.loads((Path(ref.location) / "index.json").read_text())
+    assert index["manifests"][0]["digest"] == ref.image_id
+    assert ref.bytes == sum(p.stat().st_size for p in (Path(ref.location) / "blobs" / "sha256").iterdir())
+
+    dry = _build(state, root, dry_run=True)
+    assert dry.dry_run and not dry.changed and dry.ref.image_id == ref.image_id
+    again = _build(state, root)
+    assert not again.changed and again.ref == ref
+    assert sorted(os.listdir(root)) == ["sha256"], "no temporary directory may remain"
+
+    (state / "capture.log").write_text("log, changed\n")
+    changed = _build(state, root, dry_run=True)
+    assert changed.changed and changed.ref.image_id != ref.image_id
+
+
+def test_labels_and_inspect(state: Path, tmp_path: Path) -> None:
+    ref = _build(state, tmp_path / "c").ref
+    info = inspect_capsule(ref)
+    assert info["capture_id"] == "cap-1" and info["state_target"] == TARGET and info["cache_paths"] == []
+    assert info["labels"]["org.coldsnap.recipe"] == "reference-tiny-local"
+    assert info["labels"]["org.coldsnap.kind"] == "capsule"
+    wrong_unit = CapsuleRef("unit-9", ref.layout, ref.image_id, ref.location, ref.bytes)
+    with pytest.raises(IntegrityError, match="unit-9"):
+        inspect_capsule(wrong_unit)
+
+
+def test_extract_state_and_all_preserve_modes(state: Path, tmp_path: Path) -> None:
+    ref = _build(state, tmp_path / "c").ref
+    dest = tmp_path / "restored"
+    extract_capsule(ref, dest)
+    assert (dest / "weights.blob").read_bytes() == b"residual"
+    assert (dest / "criu" / "pages-1.img").read_bytes() == (state / "criu" / "pages-1.img").read_bytes()
+    assert os.readlink(dest / "criu" / "latest") == "pages-1.img"
+    assert stat.S_IMODE(os.stat(dest / "tool").st_mode) == 0o4750
+    assert not (dest / PACK).exists()
+    everything = tmp_path / "all"
+    extract_capsule(ref.as_dict(), everything, part="all")
+    assert (everything / TARGET.lstrip("/") / "capture.log").read_text() == "log\n"
+
+
+def test_cache_paths_are_copied_to_their_absolute_paths(state: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "staged-cache"
+    (cache / "triton").mkdir(parents=True)
+    (cache / "triton" / "kernel.cubin").write_bytes(b"cubin")
+    (cache / "stale.pack").write_bytes(b"no")
+    res = _build(state, tmp_path / "c", cache_paths=["/root/.cache/vllm", "/root/.cache/absent"],
+                 cache_sources={"/root/.cache/vllm": cache})
+    assert res.absent_caches == ("/root/.cache/absent",)
+    assert "/root/.cache/vllm/stale.pack" in res.excluded
+    names = _layer_names(res.ref)
+    assert "root/.cache/vllm/triton/kernel.cubin" in names
+    assert inspect_capsule(res.ref)["cache_paths"] == ["/root/.cache/vllm"]
+
+
+@pytest.mark.parametrize(("cache_path", "message"), [
+    (MODEL_MOUNT, "overlaps the unit's mount"),
+    (MODEL_MOUNT + "/derived", "overlaps the unit's mount"),
+    ("/var/lib/coldsnap/models", "overlaps the unit's mount"),
+    ("/root/.cache/huggingface", "Hugging Face"),
+    ("/data/hf/hub", "Hugging Face"),
+    ("/data/cache/models--org--name", "Hugging Face"),
+    (TARGET + "/cache", "overlaps the state target"),
+    ("/usr", "system directory"),
+    ("/proc/sys", "system directory"),
+    ("relative/path", "not an absolute path"),
+    ("/root/../etc", "'..'"),
+])
+def test_forbidden_cache_paths_are_refused_before_anything_is_written(
+        state: Path, tmp_path: Path, cache_path: str, message: str) -> None:
+    root = tmp_path / "c"
+    with pytest.raises(ColdSnapError, match=message):
+        _build(state, root, cache_paths=[cache_path], cache_sources={cache_path: tmp_path})
+    assert not root.exists()
+
+
+def test_model_data_in_a_cache_or_the_state_is_refused(state: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(ColdSnapError, match="model data"):
+        _build(state, tmp_path / "c", cache_paths=["/root/.cache/x"], cache_sources={"/root/.cache/x": cache})
+    (state / "copy.safetensors").write_bytes(b"weights")
+    with pytest.raises(ColdSnapError, match="model data"):
+        _build(state, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_declared_pack_is_refused(state: Path, tmp_path: Path) -> None:
+    files = {"weights.blob": state / "weights.blob", "model-weights.pack": state / PACK}
+    with pytest.raises(ColdSnapError, match="model pack"):
+        _build(state, tmp_path / "c", files=files)
+    ok = _build(state, tmp_path / "c", files={"weights.blob": state / "weights.blob", "criu": state / "criu"})
+    assert f"{TARGET.lstrip('/')}/criu/pages-1.img" in _layer_names(ok.ref)
+
+
+def test_state_target_must_not_overlap_a_mount(state: Path, tmp_path: Path) -> None:
+    with pytest.raises(ColdSnapError, match="overlaps the unit's mount"):
+        _build(state, tmp_path / "c", state_target=MODEL_MOUNT + "/state")
+
+
+def test_state_with_an_escaping_symlink_is_refused(state: Path, tmp_path: Path) -> None:
+    (state / "escape").symlink_to("/etc/passwd")
+    with pytest.raises(ArchiveError, match="points outside"):
+        _build(state, tmp_path / "c")
+
+
+def test_a_corrupted_blob_is_detected_and_extraction_writes_nothing(state: Path, tmp_path: Path) -> None:
+    ref = build_capsule(unit="unit-0", capture_id="cap-1", files=state, state_target=TARGET, cache_paths=[],
+                        forbidden_paths=[], layout="oci-layout", base_image=None, oci_root=tmp_path / "c",
+                        labels={})
+    img = oci.open_layout(Path(ref.location))
+    blob = oci.blob_path(img.layout, img.layers[0].digest)
+    data = bytearray(blob.read_bytes())
+    data[600] ^= 0x01
+    blob.chmod(0o644)
+    blob.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="corrupt"):
+        inspect_capsule(ref)
+    with pytest.raises(IntegrityError):
+        extract_capsule(ref, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+def test_a_malicious_layer_is_refused_on_extraction(tmp_path: Path) -> None:
+    """A hand-made layout whose layer writes ../ : extraction refuses it and writes nothing outside."""
+    layout = tmp_path / "evil"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("var/lib/state/../../../../escaped.txt")
+        info.size = 4
+        tar.addfile(info, io.BytesIO(b"evil"))
+    layer = oci.write_blob_bytes(layout, buf.getvalue(), oci.MEDIA_LAYER_TAR)
+    config = {"architecture": "amd64", "os": "linux",
+              "config": {"Labels": {"org.coldsnap.kind": "capsule", "org.coldsnap.unit": "u",
+                                    "org.coldsnap.capsule.state-target": "/var/lib/state"}},
+              "rootfs": {"type": "layers", "diff_ids": [layer.digest]}}
+    cdesc = oci.write_blob_bytes(layout, oci.json_bytes(config), oci.MEDIA_CONFIG)
+    manifest = {"schemaVersion": 2, "mediaType": oci.MEDIA_MANIFEST, "config": cdesc.as_dict(),
+                "layers": [layer.as_dict()]}
+    mdesc = oci.write_blob_bytes(layout, oci.json_bytes(manifest), oci.MEDIA_MANIFEST)
+    oci.write_layout_files(layout, mdesc)
+    ref = CapsuleRef("u", "oci-layout", mdesc.digest, str(layout), 0)
+    for part in ("state", "all"):
+        with pytest.raises(ArchiveError, match=r"'\.\.'"):
+            extract_capsule(ref, tmp_path / "dest" / "x", part=part)
+    assert not (tmp_path / "escaped.txt").exists() and not Path("/escaped.txt").exists()
+    assert not (tmp_path / "dest" / "x").exists()
+
+
+def test_capsule_ref_validates_its_fields() -> None:
+    with pytest.raises(ColdSnapError, match="layout"):
+        CapsuleRef("u", "zip", "sha256:" + "0" * 64, "x", 0)
+    with pytest.raises(ColdSnapError, match="64 hex"):
+        CapsuleRef("u", "docker", "sha256:abc", "x", 0)
+    ref = CapsuleRef("u", "docker", "sha256:" + "0" * 64, "x", 1)
+    assert CapsuleRef.from_dict({**ref.as_dict(), "host": "h"}) == ref

@@ -1,0 +1,116 @@
+"""The stdlib OCI distribution client: references, auth challenges, and credentials that never leak."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import (
+    RegistryClient,
+    RegistryError,
+    parse_repository,
+    split_repository_digest,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+DIGEST = "sha256:" + "c" * 64
+PASSWORD = "pw-9f8e7d6c5b4a"
+TOKEN = "tok-0123456789abcdef"
+
+
+def test_repository_references() -> None:
+    r = parse_repository("127.0.0.1:5000/coldsnap/capsules")
+    assert (r.registry, r.name) == ("127.0.0.1:5000", "coldsnap/capsules")
+    assert parse_repository("registry.example/a").registry == "registry.example"
+    for bad in ("coldsnap/capsules", "capsules", "Registry:5000/x", "127.0.0.1:5000/x:tag", ""):
+        with pytest.raises(ColdSnapError):
+            parse_repository(bad)
+    assert split_repository_digest(f"127.0.0.1:5000/c@{DIGEST}") == ("127.0.0.1:5000/c", DIGEST)
+    for bad in ("127.0.0.1:5000/c:latest", f"127.0.0.1:5000/c:tag@{DIGEST}", "127.0.0.1:5000/c@sha256:abc"):
+        with pytest.raises(ColdSnapError):
+            split_repository_digest(bad)
+
+
+class _AuthRegistry(BaseHTTPRequestHandler):
+    """Bearer-protected /v2 with a Basic-protected token realm; or Basic-protected /v2 (scheme='basic')."""
+
+    scheme = "bearer"
+    seen_auth: list[str] = []
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def _reply(self, code: int, body: bytes = b"", headers: dict[str, str] | None = None) -> None:
+        self.send_response(code)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/token"):
+            good = "Basic " + base64.b64encode(f"alice:{PASSWORD}".encode()).decode()
+            if self.headers.get("Authorization") != good:
+                self._reply(401, b'{"errors":[{"code":"UNAUTHORIZED","message":"bad credentials"}]}')
+                return
+            assert "scope=repository%3Acoldsnap%2Fcapsules%3Apull" in self.path
+            self._reply(200, json.dumps({"token": TOKEN}).encode())
+            return
+        self.do_HEAD()
+
+    def do_HEAD(self) -> None:
+        auth = self.headers.get("Authorization") or ""
+        self.seen_auth.append(auth)
+        ok = auth == f"Bearer {TOKEN}" if self.scheme == "bearer" else \
+            auth == "Basic " + base64.b64encode(f"alice:{PASSWORD}".encode()).decode()
+        if not ok:
+            host = self.headers.get("Host")
+            challenge = (f'Bearer realm="http://{host}/token",service="test"' if self.scheme == "bearer"
+                         else 'Basic realm="test"')
+            self._reply(401, b'{"errors":[{"code":"UNAUTHORIZED","message":"authentication required"}]}',
+                        {"WWW-Authenticate": challenge})
+            return
+        self._reply(404, b'{"errors":[{"code":"BLOB_UNKNOWN","message":"blob unknown"}]}')
+
+
+@pytest.fixture(params=["bearer", "basic"])
+def auth_registry(request: pytest.FixtureRequest) -> Iterator[str]:
+    handler = type("H", (_AuthRegistry,), {"scheme": request.param, "seen_auth": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_auth_challenge_is_answered_with_the_given_credentials(auth_registry: str) -> None:
+    client = RegistryClient(f"{auth_registry}/coldsnap/capsules", auth={"username": "alice", "password": PASSWORD})
+    assert client.blob_exists(DIGEST) is False
+
+
+def test_refused_credentials_are_reported_without_the_secret(auth_registry: str) -> None:
+    client = RegistryClient(f"{auth_registry}/coldsnap/capsules", auth={"username": "alice", "password": "wrong-pw"})
+    with pytest.raises(RegistryError) as err:
+        client.blob_exists(DIGEST)
+    assert err.value.status == 401
+    assert "wrong-pw" not in str(err.value) and "credentials" in str(err.value)
+    anonymous = RegistryClient(f"{auth_registry}/coldsnap/capsules")
+    with pytest.raises(RegistryError, match="401"):
+        anonymous.blob_exists(DIGEST)
+
+
+def test_unreachable_registry_is_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(RegistryError, match="unreachable"):
+        RegistryClient(f"127.0.0.1:{port}/x", timeout=2).blob_exists(DIGEST)
