@@ -1,0 +1,225 @@
+"""Request format 4: every rejection class names the JSON path and the fix; round trips hold."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+import coldsnap  # noqa: F401
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import engine_issues
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
+    identity,
+    load_request,
+    request_sha256,
+    validate_request,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
+
+
+@pytest.fixture
+def base(example_request_text) -> dict:
+    return json.loads(example_request_text)
+
+
+def problems(value) -> dict[str, str]:
+    """{json path: message + fix} of a rejected request."""
+    with pytest.raises(FormatError) as exc:
+        validate_request(strict_loads(json.dumps(value)) if not isinstance(value, str) else strict_loads(value))
+    return {i.path: f"{i.message} | {i.fix}" for i in exc.value.issues}
+
+
+def test_reference_request_and_shared_example_are_accepted(base, example_request_text):
+    from conftest import SHARED_EXAMPLES
+
+    req = load_request(example_request_text)
+    assert req["launch"]["units"][0]["id"] == "unit-0"
+    shared = SHARED_EXAMPLES / "request-capture-reference.json"
+    if shared.exists():  # the shape the project promises to keep valid
+        load_request(shared.read_text())
+
+
+def test_normalization_fills_driver_and_engine_defaults(base):
+    del base["policy"]
+    req = validate_request(base)
+    assert req["policy"]["process"]["backend"] == "cuda-criu"  # n610's contract row
+    assert req["policy"]["weights"]["mode"] == "auto"
+    assert req["policy"]["weights"]["native"]["materialize"] == "async"  # reference engine default
+    assert req["policy"]["weights"]["recovery"]["source"] == "local-safetensors"
+    assert req["policy"]["retention"]["generations"] == 3
+    # Normalized output is a fixed point.
+    assert validate_request(copy.deepcopy(req)) == req
+
+
+def test_round_trip_and_digest_are_stable(base):
+    a = validate_request(base)
+    b = load_request(json.dumps(base, indent=4, sort_keys=True))
+    assert a == b
+    assert request_sha256(a) == request_sha256(b)
+    assert canonical_json(a) == canonical_json(b)
+    assert identity(a).startswith("sha256:")
+
+
+def test_unknown_fields_at_any_depth(base):
+    base["surprise"] = 1
+    base["launch"]["units"][0]["mounts"][0]["propagation"] = "rshared"
+    base["policy"]["weights"]["native"]["exprot"] = True
+    p = problems(base)
+    assert "unknown field 'surprise'" in p["$.surprise"]
+    assert "$.launch.units[0].mounts[0].propagation" in p
+    assert "did you mean 'export'" in p["$.policy.weights.native.exprot"]
+    assert "remove it" in p["$.surprise"]
+
+
+def test_duplicate_keys_are_reported_at_their_path(example_request_text):
+    text = example_request_text.replace('"OMP_NUM_THREADS": "2"', '"OMP_NUM_THREADS": "2", "OMP_NUM_THREADS": "4"')
+    p = problems(text)
+    assert "duplicate key 'OMP_NUM_THREADS'" in p["$.launch.units[0].environment.OMP_NUM_THREADS"]
+
+
+def test_trailing_data_is_refused(example_request_text):
+    with pytest.raises(FormatError) as exc:
+        load_request(example_request_text + "\n{}")
+    assert "trailing data" in str(exc.value)
+    with pytest.raises(FormatError):
+        load_request(example_request_text + " garbage")
+    load_request(example_request_text + "\n\n  ")  # whitespace is fine
+
+
+def test_wrong_types_and_missing_required(base):
+    base["launch"]["units"][0]["index"] = "0"
+    base["validation"]["max_tokens"] = True
+    del base["launch"]["model"]["revision"]
+    del base["workload"]
+    p = problems(base)
+    assert "expected an integer, got string" in p["$.launch.units[0].index"]
+    assert "expected an integer, got boolean" in p["$.validation.max_tokens"]
+    assert "missing required field 'revision'" in p["$.launch.model.revision"]
+    assert "add 'workload'" in p["$.workload"]
+
+
+def test_non_finite_numbers_and_invalid_json():
+    with pytest.raises(FormatError, match="non-finite"):
+        load_request('{"format": NaN}')
+    with pytest.raises(FormatError, match="line 1"):
+        load_request('{"format": 4,}')
+
+
+@pytest.mark.parametrize("image", ["registry.example/coldsnap/runtime:latest", "runtime", "runtime@sha256:abc",
+                                   "runtime@sha256:" + "A" * 64, "runtime@md5:" + "a" * 32])
+def test_mutable_image_references_are_refused(base, image):
+    base["launch"]["runtime"] = "docker"
+    unit = base["launch"]["units"][0]
+    del unit["environment_digest"]
+    unit["image"] = image
+    p = problems(base)
+    assert "pin the image by digest" in p["$.launch.units[0].image"]
+
+
+def test_digest_pinned_image_is_accepted(base):
+    base["launch"]["runtime"] = "docker"
+    unit = base["launch"]["units"][0]
+    del unit["environment_digest"]
+    unit["image"] = "registry.example:5000/coldsnap/runtime:1.0@sha256:" + "ab" * 32
+    assert validate_request(base)["launch"]["units"][0]["image"].endswith("ab" * 32)
+
+
+@pytest.mark.parametrize("rev", ["main", "v1.0", "6f1c2b7", "6F1C2B7D9E0A4C3B8F5E1D2A7C9B0E4F3A6D8C1B"])
+def test_model_revision_must_be_an_immutable_commit(base, rev):
+    base["launch"]["model"]["revision"] = rev
+    p = problems(base)
+    assert "immutable" in p["$.launch.model.revision"]
+
+
+def test_worker_on_undeclared_unit(base):
+    base["launch"]["execution"]["workers"][0]["unit"] = "unit-9"
+    p = problems(base)
+    assert "undeclared unit 'unit-9'" in p["$.launch.execution.workers[0].unit"]
+
+
+def test_duplicate_ids(base):
+    units = base["launch"]["units"]
+    units.append(copy.deepcopy(units[0]))
+    units[1]["index"] = 1
+    workers = base["launch"]["execution"]["workers"]
+    workers.append({**workers[0], "rank": 1})
+    p = problems(base)
+    assert "duplicate unit id 'unit-0'" in p["$.launch.units[1].id"]
+    assert "duplicate worker id 'worker-0'" in p["$.launch.execution.workers[1].id"]
+
+
+def test_device_slot_out_of_range_and_missing(base):
+    unit = base["launch"]["units"][0]
+    unit["devices"] = [0]
+    base["launch"]["execution"]["workers"][0]["device_slot"] = 1
+    p = problems(base)
+    assert "slot 1 is out of range" in p["$.launch.execution.workers[0].device_slot"]
+    base["launch"]["execution"]["workers"][0]["device_slot"] = None
+    p = problems(base)
+    assert "has GPUs but the worker has no device slot" in p["$.launch.execution.workers[0].device_slot"]
+
+
+def test_ranks_indexes_groups_services(base):
+    base["launch"]["execution"]["workers"][0]["rank"] = 3
+    base["launch"]["units"][0]["index"] = 2
+    base["launch"]["execution"]["groups"][0]["workers"].append("ghost")
+    base["launch"]["execution"]["services"][0]["unit"] = "nowhere"
+    p = problems(base)
+    assert "not 0..0" in p["$.launch.execution.workers"]
+    assert "position 0" in p["$.launch.units[0].index"]
+    assert "unknown worker 'ghost'" in p["$.launch.execution.groups[0].workers[1]"]
+    assert "undeclared unit 'nowhere'" in p["$.launch.execution.services[0].unit"]
+
+
+def test_operation_needs(base):
+    del base["output"]
+    p = problems(base)
+    assert "capture needs an output directory" in p["$.output"]
+    base = json.loads(json.dumps(base))
+    base["operation"] = "restore"
+    p = problems(base)
+    assert "needs the committed artifact" in p["$.artifact"]
+
+
+def test_cache_paths_never_overlap_model_mounts(base):
+    base["policy"]["cache"]["paths"] = ["/var/lib/coldsnap/models/reference-tiny/cache", "/root/.cache/huggingface"]
+    p = problems(base)
+    assert "overlaps mount" in p["$.policy.cache.paths[0]"]
+    assert "Hugging Face cache" in p["$.policy.cache.paths[1]"]
+
+
+def test_runtime_specific_pins(base):
+    del base["launch"]["units"][0]["environment_digest"]
+    p = problems(base)
+    assert "environment_digest" in p["$.launch.units[0].environment_digest"]
+
+
+def test_warm_refused_for_the_driver_without_that_boundary(base):
+    base["operation"] = "warm"
+    base["snapshot_driver"]["id"] = "n580"
+    base["policy"]["process"]["backend"] = "criu"
+    del base["output"]
+    base["artifact"] = {"path": "/var/lib/coldsnap/artifacts/x/artifact.json"}
+    p = problems(base)
+    assert "no warm-restore boundary" in p["$.operation"]
+
+
+def test_engine_rules_live_in_the_registry(base):
+    req = validate_request(base)
+    req["launch"]["engine"] = "sglang"
+    req["launch"]["execution"]["adapter"]["schema"] = "sglang-v1"
+    req["policy"]["weights"]["native"]["materialize"] = "async"
+    issues = {i.path: i.message for i in engine_issues(req)}
+    assert "no canonical model-payload writer" in issues["$.policy.weights.native.materialize"]
+
+
+def test_every_problem_is_reported_at_once(base):
+    base["format"] = 3
+    base["kind"] = "request"
+    base["launch"]["engine"] = "vlm"
+    p = problems(base)
+    assert {"$.format", "$.kind", "$.launch.engine"} <= set(p)
+    assert "did you mean 'vllm'" in p["$.launch.engine"]

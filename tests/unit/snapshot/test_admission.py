@@ -1,0 +1,97 @@
+"""Admission (FAULTS 19, 20) and the snapshot-driver contract table, as pure decisions on facts."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+import coldsnap  # noqa: F401
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import admit_driver
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import admit_unit
+
+H200 = {"index": 0, "model": "NVIDIA H200", "compute_capability": "9.0", "nvidia_driver": "580.159.04",
+        "memory_mib": 143771}
+
+
+@pytest.fixture
+def gpu_artifact(fixtures_dir) -> dict:
+    art = json.loads((fixtures_dir / "artifacts" / "reference-tiny-n610.json").read_text())
+    art["launch"]["units"][0]["devices"] = [0]
+    art["launch"]["execution"]["workers"][0]["device_slot"] = 0
+    art["compatibility"]["units"][0]["gpus"] = [{k: H200[k] for k in ("model", "compute_capability",
+                                                                      "nvidia_driver", "memory_mib")}]
+    art["snapshot_driver"]["captured_nvidia_driver"] = "580.159.04"
+    return art
+
+
+def facts(**over) -> dict:
+    f = {"arch": "x86_64", "kernel": "6.18.44", "gpus": [dict(H200)], "nvidia_driver": "580.159.04",
+         "criu": {"installed": True, "version": "4.1.1", "check": True, "check_output": "Looks good."}}
+    f.update(over)
+    return f
+
+
+def admit(art, f, devices=(0,)):
+    return admit_unit(artifact=art, unit_id="unit-0", facts=f, devices=list(devices), host="gpu-7")
+
+
+def test_same_platform_is_admitted_by_the_qualified_exception(gpu_artifact):
+    rec = admit(gpu_artifact, facts(kernel="6.8.0-other"))  # kernel differs: criu check decides
+    assert rec["row"] == "n610-single-process-r580"
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"arch": "aarch64"}, "CPU architecture aarch64"),
+    ({"gpus": [{**H200, "model": "NVIDIA H100 80GB HBM3"}]}, "GPU 0 is NVIDIA H100"),
+    ({"gpus": [{**H200, "compute_capability": "8.0"}]}, "compute capability 8.0"),
+    ({"gpus": []}, "does not exist on the host"),
+    ({"nvidia_driver": "575.51.02", "gpus": [{**H200, "nvidia_driver": "575.51.02"}]}, "older than the captured floor"),
+    ({"criu": {"installed": True, "version": "4.1.1", "check": False,
+               "check_output": "Error (criu/cr-check.c:1234): UFFD is not supported"}}, "UFFD is not supported"),
+    ({"criu": {"installed": False}}, "CRIU is not installed"),
+])
+def test_refusals_name_the_problem(gpu_artifact, change, needle):
+    with pytest.raises(AdmissionError) as exc:
+        admit(gpu_artifact, facts(**change))
+    assert needle in str(exc.value)
+    assert "gpu-7" in str(exc.value) and "unit-0" in str(exc.value)
+
+
+def test_gpu_count_must_match(gpu_artifact):
+    with pytest.raises(AdmissionError, match="2 GPU"):
+        admit(gpu_artifact, facts(gpus=[dict(H200), {**H200, "index": 1}]), devices=(0, 1))
+
+
+def test_driver_floor_can_be_relaxed_but_not_the_contract_minimum(gpu_artifact):
+    art = copy.deepcopy(gpu_artifact)
+    art["snapshot_driver"]["captured_nvidia_driver"] = "590.10"
+    art["policy"]["compatibility"]["enforce_captured_driver_floor"] = False
+    assert admit(art, facts())["row"] == "n610-single-process-r580"
+    with pytest.raises(AdmissionError, match="older than snapshot driver n610's minimum"):
+        admit(art, facts(nvidia_driver="570.1", gpus=[{**H200, "nvidia_driver": "570.1"}]))
+
+
+def test_exact_kernel_policy(gpu_artifact):
+    art = copy.deepcopy(gpu_artifact)
+    art["policy"]["compatibility"]["kernel"] = "exact"
+    with pytest.raises(AdmissionError, match="kernel 6.1.0 differs"):
+        admit(art, facts(kernel="6.1.0"))
+
+
+def test_host_runtime_pins_the_criu_version(gpu_artifact):
+    with pytest.raises(AdmissionError, match="CRIU 4.2 differs"):
+        admit(gpu_artifact, facts(criu={"installed": True, "version": "4.2", "check": True}))
+
+
+def test_contract_rows():
+    assert admit_driver("n610", nvidia_driver=None, gpu_workers_per_unit=0).row == "n610-cpu"
+    assert admit_driver("n610", nvidia_driver="615.2", gpu_workers_per_unit=2).row == "n610"
+    assert admit_driver("n610", nvidia_driver="580.159", gpu_workers_per_unit=1).row == "n610-single-process-r580"
+    with pytest.raises(AdmissionError, match="minimum 610"):
+        admit_driver("n610", nvidia_driver="580.159", gpu_workers_per_unit=2)
+    assert admit_driver("n580", nvidia_driver="580.1", gpu_workers_per_unit=4).row == "n580"
+    with pytest.raises(AdmissionError, match="needs an NVIDIA driver"):
+        admit_driver("n580", nvidia_driver=None, gpu_workers_per_unit=1)
