@@ -25,16 +25,16 @@ sys.path.insert(0, str(REPO / "tests"))
 
 @functools.cache
 def criu_problem() -> str | None:
-    criu = shutil.which("criu")
+    criu = os.environ.get("COLDSNAP_CRIU") or shutil.which("criu")
     if not criu:
         return "criu is not installed (run scripts/install-system.sh as root)"
-    out = subprocess.run([criu, "--version"], capture_output=True, text=True).stdout
+    out = subprocess.run([criu, "--version"], check=False, capture_output=True, text=True).stdout
     version = next((line.split()[1] for line in out.splitlines() if line.startswith("Version:")), "0")
     if int(version.split(".")[0]) < 4:
         return f"criu {version} is too old (need >= 4)"
     if os.geteuid() != 0:
         return "CRIU tests need root"
-    chk = subprocess.run([criu, "check"], capture_output=True, text=True)
+    chk = subprocess.run([criu, "check"], check=False, capture_output=True, text=True)
     if chk.returncode != 0:
         return f"criu check failed: {chk.stdout.strip()} {chk.stderr.strip()}"[:300]
     return None
@@ -44,7 +44,8 @@ def criu_problem() -> str | None:
 def docker_problem() -> str | None:
     if not shutil.which("docker"):
         return "docker CLI missing (run scripts/install-system.sh)"
-    r = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True)
+    r = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], check=False, capture_output=True,
+                       text=True)
     if r.returncode != 0:
         return "dockerd is not running (run scripts/install-system.sh)"
     return None

@@ -37,7 +37,8 @@ def state(pid: int) -> str:
     cu = _driver()
     _init(cu)
     st = _call(cu, f"cuCheckpointProcessGetState({pid})", cu.cuCheckpointProcessGetState(pid))
-    return str(st).rsplit("_", 1)[-1].lower()
+    name = getattr(st, "name", str(st))  # CU_PROCESS_STATE_RUNNING -> running
+    return name.rsplit("_", 1)[-1].lower()
 
 
 def uses_cuda(pid: int) -> bool:

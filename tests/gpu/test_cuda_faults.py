@@ -1,0 +1,80 @@
+"""FAULTS.md 21 and 22 with the real CUDA driver checkpoint API (GPU only)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+HERE = Path(__file__).parent
+
+
+def child(mode: str, gib: float) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, str(HERE / "gpu_child.py"), mode, str(gib)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def test_fault21_lock_timeout_leaves_the_process_unlocked_and_running():
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
+
+    p = child("busy", 0.25)
+    try:
+        time.sleep(0.5)
+        with pytest.raises(ColdSnapError) as exc:
+            cuda.checkpoint(p.pid, lock_timeout_ms=50)
+        assert "cuCheckpointProcess" in str(exc.value)
+        assert cuda.state(p.pid) == "running"
+        assert p.poll() is None, "the process must be left running"
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_fault22_cuda_restore_failure_is_reported():
+    """Restore into a GPU without room for the checkpointed state fails clearly."""
+    import torch
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
+
+    p = child("hold", 8)
+    filler = None
+    try:
+        cuda.checkpoint(p.pid)
+        assert cuda.state(p.pid) == "checkpointed"
+        free, _total = torch.cuda.mem_get_info()
+        filler = torch.empty(free - (1 << 30), dtype=torch.uint8, device="cuda")  # leave 1 GiB: too little
+        with pytest.raises(ColdSnapError) as exc:
+            cuda.restore(p.pid)
+        assert "cuCheckpointProcessRestore" in str(exc.value)
+        del filler
+        filler = None
+        torch.cuda.empty_cache()
+    finally:
+        del filler
+        p.kill()
+        p.wait()
+
+
+def test_checkpoint_restore_keeps_the_bytes():
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
+
+    p = child("hold", 1)
+    try:
+        cuda.checkpoint(p.pid)
+        assert cuda.state(p.pid) == "checkpointed"
+        cuda.restore(p.pid)
+        cuda.unlock(p.pid)
+        assert cuda.state(p.pid) == "running"
+        time.sleep(0.3)
+        assert p.poll() is None
+    finally:
+        p.kill()
+        out = p.communicate()[0]
+    assert "corrupted" not in out

@@ -1,0 +1,79 @@
+"""Capture and restore of the reference engine on a GPU: CUDA VMM weights released before the
+CUDA checkpoint and CRIU dump, re-mapped at the same address and hydrated on restore."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.criu]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("provider", ["native", "recovery"])
+def test_gpu_capture_restore(tmp_path, provider):
+    from coldsnap_engines.reference.config import PRESETS
+    from coldsnap_engines.reference.weights import make_model
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
+
+    model_dir = tmp_path / "model"
+    ident = make_model(model_dir, PRESETS["small"], model_id="coldsnap/reference-small")
+    state = tmp_path / "state"
+    port = _port()
+    req = validate_request({
+        "format": 4, "kind": "coldsnap-operation-request", "operation": "capture", "id": "gpu-test",
+        "snapshot_driver": {"id": "n610"}, "output": {"artifact_dir": str(tmp_path / "artifact")},
+        "launch": {"engine": "reference", "runtime": "host",
+                   "model": {"id": ident["id"], "revision": ident["revision"],
+                             "source": {"kind": "local-safetensors", "path": str(model_dir)}},
+                   "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": [0],
+                              "command": [sys.executable, "-m", "coldsnap_engines.reference.server", "--model",
+                                          str(model_dir), "--port", str(port), "--device", "cuda"],
+                              "environment": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+                              "environment_digest": "sha256:" + "0" * 64,
+                              "mounts": [{"source": str(model_dir), "target": str(model_dir)}]}],
+                   "execution": {"workers": [{"id": "worker-0", "unit": "unit-0", "rank": 0, "device_slot": 0}],
+                                 "services": [{"id": "api", "unit": "unit-0", "port": port}],
+                                 "adapter": {"schema": "reference-v1", "digest": "sha256:" + "1" * 64}}},
+        "policy": {"weights": {"native": {"materialize": "off"}}},
+        "validation": {"prompt": "ColdSnap says:", "max_tokens": 8},
+        "workload": {"recipe": "gpu-test"},
+    })
+    _d, adir, _c = activation.stage(Path(__file__).resolve().parents[2] / "runtime_image" / "activation", state)
+    cap = unit.run_host_units(unit.build_specs(req, host="localhost", operation="capture", capture_id="c",
+                                               state_root=state), activation_dir=adir, run_dir=state / "runs" / "c")[0]
+    w = cap["workers"][0]
+    assert w["cuda"] is True
+    # The weights were released before the checkpoint: GPU memory in use is far below the model + context.
+    assert w["memory_at_checkpoint"]["gpu_used_mib"] * (1 << 20) < 2 * (1 << 30)
+    pack = w["payload"]["pack"]
+    weights = {"model_dir": str(model_dir), "materialize": "off", "workers": {"worker-0": {
+        "provider": provider,
+        "pack": {"path": str(state / pack["path"]), "sha256": pack["sha256"], "size": pack["size"]}
+        if provider == "native" else None}}}
+    rreq = {**req, "id": f"gpu-test-{provider}"}
+    ev = unit.run_host_units(unit.build_specs(rreq, host="localhost", operation="restore", capture_id="c",
+                                              state_root=state, weights=weights,
+                                              validation={**req["validation"], "expected": cap["acceptance_reply"]}),
+                             activation_dir=adir, run_dir=state / "runs" / provider)[0]
+    try:
+        assert ev["reply"] == cap["acceptance_reply"]
+        log = (state / "workloads" / "gpu-test" / "unit-0" / "target.log").read_text().splitlines()
+        assert json.loads(log[0])["provider"] == provider
+    finally:
+        os.kill(ev["workers"][0]["pid"], signal.SIGKILL)
+        time.sleep(0.5)
