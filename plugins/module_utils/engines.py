@@ -1,14 +1,35 @@
-"""Engine integrations by name: what each engine supports, as data.
+"""Engine integrations by name: what each engine supports and requires, as data.
 
-The formats only know the names; engine-specific rules (load formats, writers,
-sleep support) live here so the coordinator and the artifact code stay neutral.
+The formats only know the names; engine-specific rules (load formats, plugin
+switches, writers, sleep support, command normalization) live here so the
+coordinator, the artifact code and the in-unit runtime stay engine-neutral.
+The controller (``engine_issues`` before any host is touched), the request
+(``launch.engine``) and the in-unit runtime (``EngineSpec.integration``) all
+select an integration through ``ENGINES``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatIssue
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, FormatIssue
+
+MATERIALIZE_ALL = ("off", "async", "required")
+
+
+@dataclass(frozen=True)
+class EnvList:
+    """An environment variable holding a comma-separated allow-list that must name ``item``.
+
+    ``required``: the variable must be set (vLLM loads endpoint plugins only when
+    ``VLLM_PLUGINS`` names them); otherwise only a set variable must include it
+    (SGLang loads every general plugin when ``SGLANG_PLUGINS`` is unset).
+    """
+
+    variable: str
+    item: str
+    required: bool
 
 
 @dataclass(frozen=True)
@@ -24,6 +45,20 @@ class EngineSpec:
     integration: str
     required_args: tuple[str, ...] = ()
     qualified: str = ""
+    # Command rules (capture): options that must carry an exact value, flags that must be absent.
+    required_options: tuple[tuple[str, str], ...] = ()
+    forbidden_args: tuple[str, ...] = ()
+    plugin_env: tuple[EnvList, ...] = ()
+    # Load formats: the option, what capture accepts (absent option = the engine's default,
+    # which must be safetensors-backed), what capture prefers when installed, what restore uses.
+    load_format_flag: str = ""
+    capture_load_formats: tuple[str, ...] = ()
+    loader_preference: tuple[str, ...] = ()
+    restore_load_format: str = ""
+    materialize_modes: tuple[str, ...] = MATERIALIZE_ALL
+    # Workers one activation may hold while the integration cannot release the transport (0 = any).
+    max_workers: int = 0
+    max_workers_reason: str = ""
 
     def as_capability(self) -> dict:
         return {
@@ -37,6 +72,8 @@ class EngineSpec:
         }
 
 
+VLLM_WORKER_EXTENSION = "coldsnap_engines.vllm.worker.ColdSnapWorkerExtension"
+
 ENGINES: dict[str, EngineSpec] = {
     "reference": EngineSpec(
         name="reference", adapter_schema="reference-v1", canonical_writer=True, default_materialize="async",
@@ -47,14 +84,156 @@ ENGINES: dict[str, EngineSpec] = {
         name="vllm", adapter_schema="vllm-v1", canonical_writer=True, default_materialize="async",
         sleep_wake=True, warm_restore=True, integration="coldsnap_engines.vllm",
         required_args=("--enable-sleep-mode",),
-        qualified="written to vLLM's plugin API; not qualified on these machines",
+        required_options=(("--sleep-mode-backend", "coldsnap"), ("--worker-extension-cls", VLLM_WORKER_EXTENSION)),
+        plugin_env=(EnvList("VLLM_PLUGINS", "coldsnap", required=True),),
+        load_format_flag="--load-format",
+        capture_load_formats=("auto", "safetensors", "fastsafetensors", "instanttensor"),
+        loader_preference=("instanttensor", "fastsafetensors"),
+        restore_load_format="coldsnap",
+        qualified="written to vLLM 0.33.0's plugin API (import-tested on CPU); not qualified on a GPU here",
     ),
     "sglang": EngineSpec(
         name="sglang", adapter_schema="sglang-v1", canonical_writer=False, default_materialize="off",
         sleep_wake=True, warm_restore=True, integration="coldsnap_engines.sglang",
-        qualified="written to SGLang's API; not qualified on these machines",
+        required_args=("--enable-memory-saver",),
+        # A CPU backup of the weights would put them into the process snapshot.
+        forbidden_args=("--enable-weights-cpu-backup",),
+        plugin_env=(EnvList("SGLANG_PLUGINS", "coldsnap", required=False),),
+        load_format_flag="--load-format",
+        capture_load_formats=("auto", "safetensors", "fastsafetensors", "instanttensor"),
+        materialize_modes=("off",),
+        max_workers=1,
+        max_workers_reason="the SGLang integration does not yet release and rebuild NCCL communicators",
+        qualified="written to SGLang 0.5.23's plugin API (checked against its source); not qualified on a GPU here",
     ),
 }
+
+
+def engine_spec(name: str) -> EngineSpec:
+    """The registry entry for ``name``, or a ColdSnapError naming the known engines."""
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise ColdSnapError(f"engine {name!r} has no ColdSnap integration",
+                            fix=f"use one of {', '.join(sorted(ENGINES))}") from None
+
+
+# --------------------------------------------------------------------- commands
+def _flag_name(token: str) -> str:
+    """``--load_format=x`` -> ``--load-format`` (vLLM and SGLang accept either spelling)."""
+    name = token.split("=", 1)[0]
+    return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
+
+
+def _positions(command: Sequence[str], flag: str) -> list[int]:
+    return [i for i, tok in enumerate(command) if tok.startswith("--") and _flag_name(tok) == flag]
+
+
+def has_flag(command: Sequence[str], flag: str) -> bool:
+    """Whether ``flag`` appears (alone or as ``flag=value``)."""
+    return bool(_positions(command, flag))
+
+
+def command_option(command: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` (``--flag v`` or ``--flag=v``; the last one wins, as in argparse)."""
+    value = None
+    for i in _positions(command, flag):
+        tok = command[i]
+        if "=" in tok:
+            value = tok.split("=", 1)[1]
+        elif i + 1 < len(command) and not command[i + 1].startswith("--"):
+            value = command[i + 1]
+        else:
+            value = ""
+    return value
+
+
+def set_command_option(command: Sequence[str], flag: str, value: str) -> list[str]:
+    """A copy of ``command`` where ``flag`` appears once, with ``value``, at its first position
+    (appended when absent); other occurrences are removed."""
+    out: list[str] = []
+    placed = False
+    i = 0
+    while i < len(command):
+        tok = command[i]
+        if tok.startswith("--") and _flag_name(tok) == flag:
+            takes_next = "=" not in tok and i + 1 < len(command) and not command[i + 1].startswith("--")
+            if not placed:
+                out += [flag, value]
+                placed = True
+            i += 2 if takes_next else 1
+            continue
+        out.append(tok)
+        i += 1
+    if not placed:
+        out += [flag, value]
+    return out
+
+
+def normalize_restore_command(engine: str, command: Sequence[str]) -> list[str]:
+    """The unit command a restore (or a template re-exec) runs: for vLLM the live load format is
+    ``coldsnap`` (the recovery-capable loader), whatever loader the capture used. Idempotent;
+    engines without a restore load format get the command unchanged."""
+    spec = engine_spec(engine)
+    if not spec.restore_load_format:
+        return list(command)
+    return set_command_option(command, spec.load_format_flag, spec.restore_load_format)
+
+
+def semantic_command(engine: str, command: Sequence[str]) -> list[str]:
+    """The form in which capture and restore commands compare equal (admission, identity)."""
+    return normalize_restore_command(engine, command)
+
+
+def preferred_load_format(engine: str, configured: str | None, installed: Iterable[str]) -> str | None:
+    """The load format capture runs: the configured one if it names a specific fast loader,
+    else the first installed entry of the engine's preference (instanttensor, fastsafetensors),
+    else the configured auto/safetensors fallback."""
+    spec = engine_spec(engine)
+    if configured not in (None, "", "auto", "safetensors") or not spec.loader_preference:
+        return configured
+    have = set(installed)
+    for fmt in spec.loader_preference:
+        if fmt in have:
+            return fmt
+    return configured or "auto"
+
+
+def command_issues(engine: str, command: Sequence[str], environment: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """Capture-time rules for one unit: ``[(field, problem, fix)]`` with field 'command' or 'environment'."""
+    spec = engine_spec(engine)
+    out: list[tuple[str, str, str]] = []
+    for arg in spec.required_args:
+        if not has_flag(command, arg):
+            out.append(("command", f"engine {spec.name!r} capture needs {arg} in the serve command",
+                        f"add {arg} to the command"))
+    for flag, value in spec.required_options:
+        got = command_option(command, flag)
+        if got != value:
+            now = "it is missing" if got is None else f"it is {got!r}"
+            out.append(("command", f"engine {spec.name!r} capture needs {flag} {value} ({now})",
+                        f"add {flag} {value} to the command"))
+    for arg in spec.forbidden_args:
+        if has_flag(command, arg):
+            out.append(("command", f"engine {spec.name!r} capture cannot use {arg}",
+                        f"remove {arg} from the command"))
+    if spec.load_format_flag and spec.capture_load_formats:
+        fmt = command_option(command, spec.load_format_flag)
+        if fmt is not None and fmt not in spec.capture_load_formats:
+            out.append(("command", f"engine {spec.name!r} capture needs a safetensors-backed load format, "
+                                   f"the command sets {spec.load_format_flag} {fmt!r}",
+                        f"use one of {', '.join(spec.capture_load_formats)} (or leave the option out)"))
+    for rule in spec.plugin_env:
+        raw = environment.get(rule.variable)
+        names = {x.strip() for x in (raw or "").split(",") if x.strip()}
+        if raw is None and rule.required:
+            out.append(("environment", f"engine {spec.name!r} loads the ColdSnap plugin only when "
+                                       f"{rule.variable} names {rule.item!r}; it is unset",
+                        f"set {rule.variable}={rule.item} in the unit environment (comma-separate other plugins)"))
+        elif raw is not None and rule.item not in names:
+            out.append(("environment", f"{rule.variable}={raw!r} does not name the ColdSnap plugin {rule.item!r}",
+                        f"add {rule.item} to {rule.variable}"))
+    return out
 
 
 def engine_issues(request: dict) -> list[FormatIssue]:
@@ -63,12 +242,18 @@ def engine_issues(request: dict) -> list[FormatIssue]:
     spec = ENGINES[launch["engine"]]
     issues: list[FormatIssue] = []
     native = request["policy"]["weights"]["native"]
-    if native.get("materialize") in ("async", "required") and not spec.canonical_writer:
+    mat = native.get("materialize")
+    if mat in ("async", "required") and not spec.canonical_writer:
         issues.append(FormatIssue(
             "$.policy.weights.native.materialize",
-            f"engine {spec.name!r} has no canonical model-payload writer, so materialize={native['materialize']!r} "
-            "cannot be honoured",
+            f"engine {spec.name!r} has no canonical model-payload writer, so materialize={mat!r} cannot be honoured",
             "set materialize to 'off' (an already published native payload can still be restored)",
+        ))
+    elif mat is not None and mat not in spec.materialize_modes:
+        issues.append(FormatIssue(
+            "$.policy.weights.native.materialize",
+            f"engine {spec.name!r} does not support materialize={mat!r}",
+            f"use one of {', '.join(spec.materialize_modes)}",
         ))
     adapter = launch["execution"]["adapter"]
     if adapter["schema"] != spec.adapter_schema:
@@ -77,13 +262,16 @@ def engine_issues(request: dict) -> list[FormatIssue]:
             f"{adapter['schema']!r} does not belong to engine {spec.name!r}",
             f"use {spec.adapter_schema!r}",
         ))
+    workers = launch["execution"]["workers"]
+    if spec.max_workers and len(workers) > spec.max_workers:
+        issues.append(FormatIssue(
+            "$.launch.execution.workers",
+            f"engine {spec.name!r} supports at most {spec.max_workers} worker(s) per activation, the request has "
+            f"{len(workers)}: {spec.max_workers_reason}",
+            "run one worker (tensor parallel size 1), or use an engine whose integration releases the transport",
+        ))
     if request["operation"] == "capture":
         for i, unit in enumerate(launch["units"]):
-            for arg in spec.required_args:
-                if arg not in unit["command"]:
-                    issues.append(FormatIssue(
-                        f"$.launch.units[{i}].command",
-                        f"engine {spec.name!r} capture needs {arg} in the serve command",
-                        f"add {arg} to the command",
-                    ))
+            for where, problem, fix in command_issues(spec.name, unit["command"], unit.get("environment", {})):
+                issues.append(FormatIssue(f"$.launch.units[{i}].{where}", problem, fix))
     return issues

@@ -17,8 +17,12 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import normalize_restore_command
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host, workers_of_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
+    units_on_host,
+    workers_of_unit,
+)
 
 SPEC_KIND = "coldsnap-unit-spec"
 TRANSPORT_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "UCX_", "TP_SOCKET_IFNAME")
@@ -62,7 +66,11 @@ def build_specs(request: dict, *, host: str, operation: str, capture_id: str, st
         specs.append({
             "format": 1, "kind": SPEC_KIND, "operation": operation, "operation_id": request["id"],
             "capture_id": capture_id, "host": host,
-            "unit": {**unit, "environment": ident_env},
+            # A restore never runs the captured command again (CRIU brings the process back), but a
+            # re-exec (template restore) must use the engine's restore form, e.g. vLLM's coldsnap loader.
+            "unit": {**unit, "environment": ident_env,
+                     "command": (unit["command"] if operation == "capture"
+                                 else normalize_restore_command(launch["engine"], unit["command"]))},
             "workers": [{"id": w["id"], "rank": w["rank"], "device_slot": w["device_slot"]}
                         for w in workers_of_unit(request, unit["id"])],
             "world_size": len(workers_all), "unit_count": len(launch["units"]),
@@ -97,21 +105,21 @@ def run_host_units(specs: list[dict], *, activation_dir: Path, run_dir: Path, ti
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     procs = []
-    for spec in specs:
-        uid = spec["unit"]["id"]
-        spec = {**spec, "t0_ns": time.monotonic_ns()}
+    for base_spec in specs:
+        uid = base_spec["unit"]["id"]
+        spec = {**base_spec, "t0_ns": time.monotonic_ns()}
         spec_path = run_dir / f"spec-{spec['operation']}-{uid}.json"
         ev_path = run_dir / f"evidence-{spec['operation']}-{uid}.json"
         ev_path.unlink(missing_ok=True)
         atomic_write_json(spec_path, spec, mode=0o600)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(activation_dir)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
-        log = open(run_dir / f"activation-{spec['operation']}-{uid}.log", "ab")  # noqa: SIM115
+        log = open(run_dir / f"activation-{spec['operation']}-{uid}.log", "ab")
         p = subprocess.Popen([spec["python"], "-m", "coldsnap_activation", spec["operation"], "--spec", str(spec_path),
                               "--evidence", str(ev_path)], stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
                              cwd="/")
         procs.append((uid, p, ev_path, log))
-    results: list[dict] = [{} for _ in procs]
+    results: list[dict] = [{} for _proc in procs]
 
     def wait(i: int, uid: str, p: subprocess.Popen, ev_path: Path, log) -> None:
         try:

@@ -1,0 +1,169 @@
+"""The loopback control API every engine integration serves inside the engine process.
+
+Wire contract (the activation runtime's ``EngineHandle`` speaks it, whatever the
+engine): HTTP/1.0 on 127.0.0.1, ``Authorization: Bearer <token>``; GET /status;
+POST /quiesce /export /release /resume /finish-warm /sleep /wake with a JSON
+object body; replies ``{"ok": true, "state": ..., ...}``, 409 for a wrong
+state, 500 with ``error`` otherwise. Where to connect is the 0600 JSON file
+named by ``COLDSNAP_CONTROL_FILE``: ``{"port", "token", "pid"}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from coldsnap_engines.common.lifecycle import EngineStateError, Lifecycle
+
+CONTROL_ENV = "COLDSNAP_CONTROL_FILE"
+MAX_BODY = 1 << 20
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 64
+
+
+def _reply(handler: BaseHTTPRequestHandler, code: int, obj: dict) -> None:
+    body = json.dumps(obj, default=str).encode()
+    handler.send_response(code)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.send_header("Connection", "close")
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def _json_body(handler: BaseHTTPRequestHandler) -> dict:
+    length = int(handler.headers.get("Content-Length") or 0)
+    if length > MAX_BODY:
+        raise ValueError("request body too large")
+    raw = handler.rfile.read(length) if length else b"{}"
+    data = json.loads(raw or b"{}")
+    if not isinstance(data, dict):
+        raise ValueError("request body must be a JSON object")
+    return data
+
+
+def make_handler(lifecycle: Lifecycle, token: str, extra_status: dict):
+    routes = {
+        "/quiesce": lifecycle.quiesce,
+        "/export": lifecycle.export,
+        "/release": lifecycle.release,
+        "/resume": lifecycle.resume,
+        "/finish-warm": lifecycle.finish_warm,
+        "/sleep": lifecycle.sleep,
+        "/wake": lifecycle.wake,
+    }
+    expected = f"Bearer {token}".encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+        server_version = "coldsnap-control"
+
+        def log_message(self, fmt, *args):  # the workload log is for the engine
+            pass
+
+        def _authorized(self) -> bool:
+            got = self.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(got, expected):
+                _reply(self, 401, {"ok": False, "error": "unauthorized"})
+                return False
+            return True
+
+        def do_GET(self):
+            if not self._authorized():
+                return
+            if self.path != "/status":
+                _reply(self, 404, {"ok": False, "error": f"no route {self.path}"})
+                return
+            try:
+                _reply(self, 200, {"ok": True, **lifecycle.status(), "pid": os.getpid(), **extra_status})
+            except Exception as exc:
+                _reply(self, 500, {"ok": False, "error": f"{type(exc).__name__}: {exc}", "state": lifecycle.state})
+
+        def do_POST(self):
+            if not self._authorized():
+                return
+            fn = routes.get(self.path)
+            if fn is None:
+                _reply(self, 404, {"ok": False, "error": f"no route {self.path}"})
+                return
+            try:
+                body = _json_body(self)
+            except (ValueError, json.JSONDecodeError) as exc:
+                _reply(self, 400, {"ok": False, "error": str(exc), "state": lifecycle.state})
+                return
+            try:
+                result = fn(body)
+                _reply(self, 200, {"ok": True, "state": lifecycle.state, **(result or {})})
+            except EngineStateError as exc:
+                _reply(self, 409, {"ok": False, "error": str(exc), "state": lifecycle.state})
+            except Exception as exc:
+                lifecycle.last_error = f"{type(exc).__name__}: {exc}"
+                print(f"[coldsnap] control {self.path} failed: {lifecycle.last_error}", file=sys.stderr, flush=True)
+                _reply(self, 500, {"ok": False, "error": lifecycle.last_error, "state": lifecycle.state})
+
+    return Handler
+
+
+def write_control_file(path: Path, port: int, token: str) -> None:
+    """Where (and how) the activation runtime reaches this engine; mode 0600, atomic."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"port": port, "token": token, "pid": os.getpid()}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class ControlServer:
+    """A running control endpoint (thread + socket on 127.0.0.1)."""
+
+    def __init__(self, lifecycle: Lifecycle, *, control_file: Path | None, extra_status: dict | None = None) -> None:
+        self.lifecycle = lifecycle
+        self.token = secrets.token_hex(32)
+        self.httpd = _Server(("127.0.0.1", 0), make_handler(lifecycle, self.token, dict(extra_status or {})))
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="coldsnap-control", daemon=True)
+        self.thread.start()
+        self.control_file = Path(control_file) if control_file else None
+        if self.control_file is not None:
+            write_control_file(self.control_file, self.port, self.token)
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def control_file_for(rank: int, local_ranks: int, env: dict | None = None) -> Path | None:
+    """The control file this process serves: ``COLDSNAP_CONTROL_FILE`` as is for one endpoint per unit,
+    or with ``.rank<N>`` before the suffix when several local workers each serve one."""
+    env = os.environ if env is None else env
+    base = env.get(CONTROL_ENV)
+    if not base:
+        return None
+    p = Path(base)
+    if local_ranks <= 1:
+        return p
+    return p.with_name(f"{p.stem}.rank{rank}{p.suffix}")
+
+
+def start_from_env(lifecycle: Lifecycle, *, rank: int = 0, local_ranks: int = 1,
+                   extra_status: dict | None = None) -> ControlServer | None:
+    """Serve the control API if this process runs under ColdSnap (``COLDSNAP_CONTROL_FILE`` set)."""
+    path = control_file_for(rank, local_ranks)
+    if path is None:
+        return None
+    return ControlServer(lifecycle, control_file=path,
+                         extra_status={"unit": os.environ.get("COLDSNAP_UNIT"), **(extra_status or {})})

@@ -1,0 +1,222 @@
+"""The engine lifecycle behind the control API, for engines ColdSnap does not own.
+
+States (the same names the reference engine reports, so the activation runtime
+stays engine-neutral):
+
+    loading -> ready -> quiesced -> released -> [snapshot] -> (warm ->) ready
+    ready <-> sleeping
+
+``quiesce`` stops serving, releases the distributed transport and discards
+the KV cache; ``export`` writes the worker payloads while the weights are
+resident; ``release`` frees the weight memory (addresses kept) and switches the
+live load config to the ``coldsnap`` loader; ``resume`` re-creates memory at the
+captured addresses, rebuilds the transport from the restore activation's
+coordinator and (unless warm) hydrates weights and re-zeros the KV cache.
+
+Engine specifics sit behind :class:`EngineControl`; an engine may run its
+workers in other processes (vLLM's collective RPC, SGLang's scheduler loop).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from typing import Protocol
+
+
+class EngineStateError(RuntimeError):
+    """The engine is not in a state that allows the requested transition (HTTP 409)."""
+
+
+class EngineControl(Protocol):
+    """What an engine integration provides to the lifecycle (all calls are blocking)."""
+
+    def describe(self) -> dict: ...
+    def pause_serving(self) -> None: ...
+    def resume_serving(self) -> None: ...
+    def release_transport(self) -> None: ...
+    def rebuild_transport(self, spec: dict) -> None: ...
+    def discard_kv(self) -> None: ...
+    def export(self, body: dict) -> dict: ...
+    def release_weights(self) -> None: ...
+    def recreate_memory(self) -> None: ...
+    def hydrate(self, spec: dict) -> dict: ...
+    def zero_kv(self) -> None: ...
+    def materialize(self, spec: dict) -> dict: ...
+    def sleep(self) -> None: ...
+    def wake(self, spec: dict) -> dict: ...
+    def allocations(self) -> dict: ...
+
+
+class Timing:
+    """Spans on this host's monotonic clock, returned to the activation runtime."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict] = []
+
+    def span(self, name: str):
+        rec = {"name": name, "start_ns": time.monotonic_ns(), "end_ns": None, "attrs": {}}
+        self.spans.append(rec)
+
+        class _Ctx:
+            def __enter__(self):
+                return rec
+
+            def __exit__(self, *exc):
+                rec["end_ns"] = time.monotonic_ns()
+                return False
+
+        return _Ctx()
+
+
+class Lifecycle:
+    """The control-plane state machine of one engine instance (one control endpoint)."""
+
+    def __init__(self, control: EngineControl, *, materialize_modes: tuple[str, ...] = ("off", "async", "required"),
+                 log=None) -> None:
+        self.control = control
+        self.materialize_modes = materialize_modes
+        self.state = "loading"
+        self.lock = threading.RLock()
+        self.timing = Timing()
+        self.restores = 0
+        self.last_error: str | None = None
+        self.materialized: dict | None = None
+        self._log = log or (lambda msg: print(f"[coldsnap] {msg}", file=sys.stderr, flush=True))
+
+    def mark_ready(self) -> None:
+        """The engine finished its own start-up (called once by the integration)."""
+        with self.lock:
+            if self.state == "loading":
+                self.state = "ready"
+
+    def _expect(self, *states: str) -> None:
+        if self.state not in states:
+            raise EngineStateError(f"engine is {self.state!r}; this step needs {' or '.join(states)}")
+
+    def status(self) -> dict:
+        return {"state": self.state, **self.control.describe(), "arenas": self.control.allocations(),
+                "restores": self.restores, "last_error": self.last_error}
+
+    # --------------------------------------------------------------- capture
+    def quiesce(self, body: dict | None = None) -> dict:
+        with self.lock:
+            self._expect("ready")
+            self.timing = Timing()
+            self.state = "quiescing"
+            try:
+                with self.timing.span("engine.serving.pause"):
+                    self.control.pause_serving()
+                with self.timing.span("engine.transport.release"):
+                    self.control.release_transport()
+                with self.timing.span("engine.kv.discard"):
+                    self.control.discard_kv()
+            except BaseException:
+                self.state = "ready"
+                raise
+            self.state = "quiesced"
+            return {"spans": self.timing.spans}
+
+    def export(self, body: dict) -> dict:
+        with self.lock:
+            self._expect("quiesced")
+            with self.timing.span("engine.payload.export") as sp:
+                payload = self.control.export(body)
+                sp["attrs"]["model_bytes"] = payload.get("model_bytes")
+            return {"payload": payload, "spans": self.timing.spans}
+
+    def release(self, body: dict | None = None) -> dict:
+        with self.lock:
+            self._expect("quiesced")
+            with self.timing.span("engine.weights.release"):
+                self.control.release_weights()
+            self.state = "released"
+            return {"spans": self.timing.spans, "arenas": self.control.allocations()}
+
+    # --------------------------------------------------------------- restore
+    def resume(self, spec: dict) -> dict:
+        with self.lock:
+            self._expect("released")
+            self._check_materialize(spec)
+            self.timing = Timing()
+            self.restores += 1
+            # The workload log was reset before CRIU ran: this marker is its first line.
+            print(json.dumps({"coldsnap": "restore-boundary", "operation_id": spec.get("operation_id"),
+                              "restores": self.restores, "provider": spec.get("provider"),
+                              "warm": bool(spec.get("warm")), "wall_unix": time.time()}),
+                  file=sys.stderr, flush=True)
+            with self.timing.span("engine.arenas.recreate"):
+                self.control.recreate_memory()
+            with self.timing.span("engine.transport.rebuild"):
+                self.control.rebuild_transport(spec)
+            if spec.get("warm"):
+                self.state = "warm"
+                return {"spans": self.timing.spans}
+            return self._hydrate_and_open(spec)
+
+    def finish_warm(self, spec: dict) -> dict:
+        with self.lock:
+            self._expect("warm")
+            self._check_materialize(spec)
+            self.timing = Timing()
+            return self._hydrate_and_open(spec)
+
+    def _check_materialize(self, spec: dict) -> None:
+        mat = spec.get("materialize", "off")
+        if mat not in self.materialize_modes:
+            raise EngineStateError(f"materialize={mat!r} is not supported by this engine integration "
+                                   f"(supported: {', '.join(self.materialize_modes)})")
+
+    def _hydrate_and_open(self, spec: dict) -> dict:
+        with self.timing.span("engine.hydrate") as sp:
+            stats = self.control.hydrate(spec)
+            sp["attrs"].update({k: v for k, v in stats.items() if isinstance(v, (int, float, str))})
+        with self.timing.span("engine.kv.zero"):
+            self.control.zero_kv()
+        with self.timing.span("engine.serving.resume"):
+            self.control.resume_serving()
+        self.state = "ready"
+        mat = spec.get("materialize", "off")
+        if spec.get("provider") == "recovery" and mat in ("async", "required"):
+            if mat == "required":
+                with self.timing.span("engine.materialize"):
+                    stats["materialized"] = self.control.materialize(spec)
+            else:
+                threading.Thread(target=self._materialize_bg, args=(spec,), daemon=True,
+                                 name="coldsnap-materialize").start()
+        return {"spans": self.timing.spans, "hydration": stats}
+
+    def _materialize_bg(self, spec: dict) -> None:
+        try:
+            self.materialized = self.control.materialize(spec)
+        except Exception as exc:
+            self.last_error = f"materialize: {exc}"
+            self._log(self.last_error)
+
+    # ------------------------------------------------------------ sleep/wake
+    def sleep(self, body: dict | None = None) -> dict:
+        """Level-1 sleep: KV discarded, weight memory released; process and transport stay."""
+        with self.lock:
+            self._expect("ready")
+            self.timing = Timing()
+            with self.timing.span("engine.sleep"):
+                self.control.sleep()
+            self.state = "sleeping"
+            return {"spans": self.timing.spans}
+
+    def wake(self, spec: dict) -> dict:
+        """Re-create memory, restore weights (the engine's wake, or hydration), zero KV, serve."""
+        with self.lock:
+            self._expect("sleeping")
+            self.timing = Timing()
+            with self.timing.span("engine.wake") as sp:
+                stats = self.control.wake(spec)
+                sp["attrs"].update({k: v for k, v in stats.items() if isinstance(v, (int, float, str))})
+            with self.timing.span("engine.kv.zero"):
+                self.control.zero_kv()
+            with self.timing.span("engine.serving.resume"):
+                self.control.resume_serving()
+            self.state = "ready"
+            return {"spans": self.timing.spans, "hydration": stats}

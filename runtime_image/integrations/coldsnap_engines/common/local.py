@@ -1,0 +1,134 @@
+"""An :class:`EngineControl` for one worker that lives in the control server's own
+process (SGLang's scheduler process; CPU tests over real mmap arenas).
+
+Subclasses supply the memory operations of their allocator (pause/resume with
+the address kept) and, where the engine has them, serving and transport hooks.
+The payload work (export, hydrate, materialize) is :mod:`coldsnap_engines.common.worker`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coldsnap_engines.common import worker
+from coldsnap_engines.common.allocations import AllocationTable, zero
+
+
+class LocalControl:
+    """Template for a single in-process worker; override the ``_`` hooks."""
+
+    engine = "local"
+
+    def __init__(self, *, rank: int = 0, world: int = 1, device: str = "cpu", relocatable: bool = False) -> None:
+        self.rank = rank
+        self.world = world
+        self.device = device
+        self.relocatable = relocatable
+        self.extents: list = []
+        self.model_dir: Path | None = None
+        self.hydration_spec: dict | None = None
+        self._alloc_view: dict | None = None
+
+    # ---- hooks for subclasses -------------------------------------------
+    def weights_table(self) -> AllocationTable:
+        raise NotImplementedError
+
+    def kv_table(self) -> AllocationTable | None:
+        return None
+
+    def named_tensors(self):
+        return ()
+
+    def _pause_serving(self) -> None:
+        pass
+
+    def _resume_serving(self) -> None:
+        pass
+
+    def _release_transport(self) -> None:
+        pass
+
+    def _rebuild_transport(self, spec: dict) -> None:
+        pass
+
+    def _release(self, tags: tuple[str, ...]) -> None:
+        """Free the memory of these tags ('weights', 'kv_cache'), keeping the addresses."""
+        raise NotImplementedError
+
+    def _recreate(self, tags: tuple[str, ...]) -> None:
+        """Map fresh memory at the kept addresses (contents undefined)."""
+        raise NotImplementedError
+
+    def _switch_load_format(self) -> None:
+        """Point later reloads at the recovery-capable ``coldsnap`` loader."""
+
+    # ---- EngineControl ----------------------------------------------------
+    def describe(self) -> dict:
+        return {"engine": self.engine, "rank": self.rank, "world": self.world, "device": self.device}
+
+    def allocations(self) -> dict:
+        """The status view of the weight allocations (computed once: addresses are stable by design)."""
+        if self._alloc_view is None:
+            try:
+                table = self.weights_table()
+            except Exception:
+                return {}
+            self._alloc_view = {a.id: {"address": a.address, "size": a.size, "device": a.device}
+                                for a in table.allocations}
+        return self._alloc_view
+
+    def pause_serving(self) -> None:
+        self._pause_serving()
+
+    def resume_serving(self) -> None:
+        self._resume_serving()
+
+    def release_transport(self) -> None:
+        self._release_transport()
+
+    def rebuild_transport(self, spec: dict) -> None:
+        self._rebuild_transport(spec)
+
+    def discard_kv(self) -> None:
+        if self.kv_table() is not None:
+            self._release(("kv_cache",))
+
+    def export(self, body: dict) -> dict:
+        table = self.weights_table()
+        layout = None
+        tensors = list(self.named_tensors())
+        if tensors:
+            layout = {"engine": self.engine, "tensors": worker.tensor_layout(tensors, table)}
+        return worker.export(table, self.extents, Path(body["out_dir"]),
+                             export_pack=bool(body.get("export_pack", True)), state_root=body.get("state_root"),
+                             model=body["model"], model_dir=self.model_dir,
+                             verify=bool(body.get("verify_extents", True)), layout=layout)
+
+    def release_weights(self) -> None:
+        self._release(("weights",))
+        self._switch_load_format()
+
+    def recreate_memory(self) -> None:
+        tags = ("weights", "kv_cache") if self.kv_table() is not None else ("weights",)
+        self._recreate(tags)
+
+    def hydrate(self, spec: dict) -> dict:
+        self.hydration_spec = dict(spec)
+        return worker.hydrate(self.weights_table(), spec, relocatable=self.relocatable)
+
+    def zero_kv(self) -> None:
+        kv = self.kv_table()
+        if kv is not None and len(kv):
+            zero(kv)
+
+    def materialize(self, spec: dict) -> dict:
+        return worker.materialize(self.weights_table(), spec)
+
+    def sleep(self) -> None:
+        self._pause_serving()
+        tags = ("weights", "kv_cache") if self.kv_table() is not None else ("weights",)
+        self._release(tags)
+
+    def wake(self, spec: dict) -> dict:
+        self.recreate_memory()
+        return self.hydrate(spec)

@@ -1,0 +1,97 @@
+"""Worker-side collective-RPC methods (``--worker-extension-cls
+coldsnap_engines.vllm.worker.ColdSnapWorkerExtension``).
+
+vLLM mixes this class into its GPU ``Worker`` and refuses attribute clashes,
+so every method is prefixed ``coldsnap_``. The control plane reaches them with
+``EngineClient.collective_rpc("coldsnap_<name>", kwargs=...)``; each runs in
+every worker process, between engine steps.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from coldsnap_engines.common import worker as payload_worker
+from coldsnap_engines.vllm.loader import LOAD_FORMAT, named_tensors, weights_table
+from coldsnap_engines.vllm.state import STATE
+
+TRANSPORT_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "UCX_", "TP_SOCKET_IFNAME")
+
+
+def for_rank(spec: dict | None, rank: int) -> dict | None:
+    """A worker's part of a request: ``spec['workers'][rank]`` when the unit holds several workers."""
+    if spec and "workers" in spec:
+        return {**{k: v for k, v in spec.items() if k != "workers"}, **spec["workers"][rank]}
+    return spec
+
+
+class ColdSnapWorkerExtension:
+    """Methods vLLM adds to each worker for ColdSnap."""
+
+    def _coldsnap_model(self):
+        return self.model_runner.model  # type: ignore[attr-defined]
+
+    def coldsnap_describe(self) -> dict:
+        """Rank, device and the stable weight allocations of this worker."""
+        table = weights_table(self._coldsnap_model())
+        return {"rank": int(self.rank), "local_rank": int(self.local_rank),  # type: ignore[attr-defined]
+                "device": table.device, "load_format": STATE.load_format,
+                "allocations": {a.id: {"address": a.address, "size": a.size, "device": a.device}
+                                for a in table.allocations}}
+
+    def coldsnap_export(self, body: dict) -> dict:
+        """Write this worker's residual, manifest, replay plan (and pack) while the weights are resident.
+
+        ``body['out_dirs']`` (one per global rank) or ``body['out_dir']`` (one worker).
+        """
+        rank = int(self.rank)  # type: ignore[attr-defined]
+        out_dirs = body.get("out_dirs")
+        out_dir = Path(out_dirs[rank]) if out_dirs else Path(body["out_dir"])
+        model = self._coldsnap_model()
+        table = weights_table(model)
+        observer = STATE.observer
+        if observer is None:
+            from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+            raise ColdSnapError("this vLLM worker loaded its weights without the ColdSnap observer",
+                                fix="start vLLM under ColdSnap (COLDSNAP_CONTROL_FILE) with VLLM_PLUGINS naming "
+                                    "coldsnap and a safetensors-backed --load-format")
+        extents = observer.resolve(table)
+        layout = {"engine": "vllm", "tensors": payload_worker.tensor_layout(named_tensors(model), table)}
+        out = payload_worker.export(table, extents, out_dir, export_pack=bool(body.get("export_pack", True)),
+                                    state_root=body.get("state_root"), model=body["model"],
+                                    model_dir=STATE.model_dir, verify=bool(body.get("verify_extents", True)),
+                                    layout=layout)
+        out["rank"] = rank
+        out["observer"] = dict(observer.stats)
+        return out
+
+    def coldsnap_arm(self, spec: dict | None) -> None:
+        """Hydrate from ``spec`` on the next weights wake (restore, or reload after level 2)."""
+        STATE.last_hydration = None
+        STATE.arm(for_rank(spec, int(self.rank)))  # type: ignore[attr-defined]
+
+    def coldsnap_transport_env(self, env: dict) -> None:
+        """Replace the captured transport variables (NCCL/UCX/interface) with the destination's."""
+        for name in [n for n in os.environ if n.startswith(TRANSPORT_PREFIXES)]:
+            if name not in env:
+                del os.environ[name]
+        os.environ.update({str(k): str(v) for k, v in env.items()})
+
+    def coldsnap_last_hydration(self) -> dict | None:
+        return STATE.last_hydration
+
+    def coldsnap_switch_load_format(self) -> str:
+        """Point the live load config at the recovery-capable ``coldsnap`` loader (before checkpoint)."""
+        cfg = self.vllm_config.load_config  # type: ignore[attr-defined]
+        cfg.load_format = LOAD_FORMAT
+        runner_cfg = getattr(self.model_runner, "load_config", None)  # type: ignore[attr-defined]
+        if runner_cfg is not None and runner_cfg is not cfg:
+            runner_cfg.load_format = LOAD_FORMAT
+        return cfg.load_format
+
+    def coldsnap_materialize(self, spec: dict) -> dict:
+        """Write the resident model bytes into the node cache (recovery read-through cache)."""
+        mine = for_rank(spec, int(self.rank))  # type: ignore[attr-defined]
+        return payload_worker.materialize(weights_table(self._coldsnap_model()), mine or {})

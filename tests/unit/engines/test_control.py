@@ -1,0 +1,229 @@
+"""The shared control API and lifecycle, driven by the activation runtime's own client
+(``EngineHandle``) over a real loopback socket, on an in-process worker whose stable
+allocations are the reference engine's mmap arenas (release = MADV_DONTNEED)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError  # noqa: E402
+from coldsnap_engines.common.allocations import AllocationTable, LiveAllocation  # noqa: E402
+from coldsnap_engines.common.control import ControlServer, control_file_for  # noqa: E402
+from coldsnap_engines.common.lifecycle import Lifecycle  # noqa: E402
+from coldsnap_engines.common.local import LocalControl  # noqa: E402
+from coldsnap_engines.common.observer import LoadObserver  # noqa: E402
+from engines_testlib import (  # noqa: E402
+    REPO,
+    arenas_for,
+    make_reference_model,
+    model_identity,
+    safetensors_iter,
+    table_of,
+    vllm_style_load,
+)
+
+sys.path.insert(0, str(REPO / "runtime_image" / "activation"))
+from coldsnap_activation.engine_handle import EngineHandle  # noqa: E402
+
+
+class ArenaControl(LocalControl):
+    """A CPU worker over reference arenas: weights ('params', 'derived') and a KV arena."""
+
+    engine = "cpu-test"
+
+    def __init__(self, arenas: dict, kv, extents: list, model_dir: Path) -> None:
+        super().__init__()
+        self.arenas, self.kv = arenas, kv
+        self.extents, self.model_dir = extents, model_dir
+        self.events: list[str] = []
+
+    def weights_table(self) -> AllocationTable:
+        return table_of(self.arenas)
+
+    def kv_table(self):
+        return AllocationTable([LiveAllocation("kv_cache.0", "cpu", self.kv.address, self.kv.size, self.kv.view())])
+
+    def _pause_serving(self):
+        self.events.append("pause")
+
+    def _resume_serving(self):
+        self.events.append("resume")
+
+    def _release_transport(self):
+        self.events.append("transport-release")
+
+    def _rebuild_transport(self, spec):
+        self.events.append(f"transport-rebuild:{spec.get('generation')}")
+
+    def _release(self, tags):
+        for tag in tags:
+            for a in ([self.kv] if tag == "kv_cache" else self.arenas.values()):
+                a.release()
+
+    def _recreate(self, tags):
+        for a in [*self.arenas.values(), self.kv]:
+            a.recreate()
+
+    def _switch_load_format(self):
+        self.events.append("load-format:coldsnap")
+
+
+def _snapshot(arenas) -> dict:
+    return {k: bytes(a.view()) for k, a in arenas.items()}
+
+
+@pytest.fixture
+def rig(tmp_path):
+    from coldsnap_engines.reference.arena import CpuArena
+
+    model_dir = tmp_path / "model"
+    ident = make_reference_model(model_dir)
+    cfg, plan, arenas = arenas_for(model_dir, 1, 2)
+    obs = LoadObserver()
+    vllm_style_load(model_dir, safetensors_iter(model_dir), plan, arenas, getattr(torch, cfg.dtype), observer=obs)
+    arenas["derived"].view()[:] = os.urandom(arenas["derived"].size)  # residual-only bytes
+    kv = CpuArena("kv", 8192)
+    kv.view()[:] = b"\xab" * kv.size
+    control = ArenaControl(arenas, kv, obs.resolve(table_of(arenas)), model_dir)
+    life = Lifecycle(control)
+    life.mark_ready()
+    handle = EngineHandle(unit="unit-0", worker={"id": "worker-0"}, workload_dir=tmp_path / "wl")
+    server = ControlServer(life, control_file=handle.control_file, extra_status={"unit": "unit-0"})
+    try:
+        yield {"control": control, "handle": handle, "server": server, "arenas": arenas, "kv": kv,
+               "model": model_identity(ident), "model_dir": model_dir, "tmp": tmp_path, "life": life}
+    finally:
+        server.close()
+
+
+def _capture(rig) -> tuple[dict, dict, Path]:
+    h = rig["handle"]
+    before = _snapshot(rig["arenas"])
+    assert h.call("POST", "/quiesce")["state"] == "quiesced"
+    assert bytes(rig["kv"].view()) == bytes(rig["kv"].size), "quiesce discards the KV cache"
+    out = rig["tmp"] / "unit" / "workers" / "worker-0"
+    state_root = rig["tmp"] / "state"
+    r = h.call("POST", "/export", {"out_dir": str(out), "export_pack": True, "state_root": str(state_root),
+                                   "model": rig["model"]})
+    payload = r["payload"]
+    assert payload["model_bytes"] == sum(e.size for e in rig["control"].extents) > 0
+    assert payload["demoted_extents"] == 0
+    assert (out / "engine-layout.json").exists() is False  # no named tensors in this rig
+    rel = h.call("POST", "/release")
+    assert rel["state"] == "released"
+    assert all(b == 0 for b in rig["arenas"]["params"].view()[:4096]), "released weights leave the process image"
+    return before, payload, out
+
+
+def _spec(rig, out: Path, payload: dict, provider: str, **extra) -> dict:
+    pack = payload["pack"]
+    return {"provider": provider, "manifest": str(out / "native-manifest.json"), "residual": str(out / "weights.blob"),
+            "replay": str(out / "replay-plan.json"), "model_dir": str(rig["model_dir"]),
+            "pack": {"path": str(rig["tmp"] / "state" / pack["path"]), "sha256": pack["sha256"], "size": pack["size"]},
+            "state_root": str(rig["tmp"] / "state"), "generation": "g1", **extra}
+
+
+def test_control_file_is_private_and_names_this_process(rig):
+    path = rig["handle"].control_file
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    info = json.loads(path.read_text())
+    assert info["pid"] == os.getpid() and info["port"] == rig["server"].port
+    rig["handle"].adopt(info["pid"], info)  # as the runtime does for a restored process
+    st = rig["handle"].wait_control(10)
+    assert st["state"] == "ready" and st["engine"] == "cpu-test" and st["unit"] == "unit-0"
+    assert set(st["arenas"]) == {"params", "derived"}
+
+
+def test_capture_then_native_restore_reproduces_every_byte(rig):
+    before, payload, out = _capture(rig)
+    r = rig["handle"].call("POST", "/resume", _spec(rig, out, payload, "native", operation_id="op-1"))
+    assert r["state"] == "ready" and r["hydration"]["provider"] == "native"
+    assert _snapshot(rig["arenas"]) == before
+    assert bytes(rig["kv"].view()) == bytes(rig["kv"].size), "KV comes back zeroed"
+    names = [s["name"] for s in r["spans"]]
+    assert names[:3] == ["engine.arenas.recreate", "engine.transport.rebuild", "engine.hydrate"]
+    assert rig["control"].events == ["pause", "transport-release", "load-format:coldsnap", "transport-rebuild:g1",
+                                     "resume"]
+
+
+def test_recovery_restore_then_sleep_and_wake(rig):
+    before, payload, out = _capture(rig)
+    r = rig["handle"].call("POST", "/resume", _spec(rig, out, payload, "recovery", materialize="required"))
+    assert _snapshot(rig["arenas"]) == before
+    assert r["hydration"]["materialized"]["sha256"] == payload["pack"]["sha256"], "canonical writer, same object"
+    assert rig["handle"].call("POST", "/sleep")["state"] == "sleeping"
+    assert not any(rig["arenas"]["params"].view()[:4096])
+    r = rig["handle"].call("POST", "/wake", _spec(rig, out, payload, "recovery"))
+    assert r["state"] == "ready" and _snapshot(rig["arenas"]) == before
+
+
+def test_warm_restore_stops_before_hydration(rig):
+    before, payload, out = _capture(rig)
+    assert rig["handle"].call("POST", "/resume", _spec(rig, out, payload, "native", warm=True))["state"] == "warm"
+    assert rig["handle"].call("POST", "/finish-warm", _spec(rig, out, payload, "native"))["state"] == "ready"
+    assert _snapshot(rig["arenas"]) == before
+
+
+def test_wrong_state_is_refused_with_409(rig):
+    rig["handle"].call("POST", "/quiesce")
+    with pytest.raises(UnitError, match="engine refused /quiesce: engine is 'quiesced'"):
+        rig["handle"].call("POST", "/quiesce")
+    conn = http.client.HTTPConnection("127.0.0.1", rig["server"].port, timeout=5)
+    conn.request("POST", "/sleep", body=b"{}", headers={"Authorization": f"Bearer {rig['server'].token}"})
+    assert conn.getresponse().status == 409
+
+
+def test_a_wrong_token_is_unauthorized(rig):
+    conn = http.client.HTTPConnection("127.0.0.1", rig["server"].port, timeout=5)
+    conn.request("GET", "/status", headers={"Authorization": "Bearer " + "0" * 64})
+    resp = conn.getresponse()
+    assert resp.status == 401 and json.loads(resp.read())["error"] == "unauthorized"
+
+
+def test_an_engine_without_a_canonical_writer_refuses_materialization(rig):
+    _before, payload, out = _capture(rig)
+    rig["life"].materialize_modes = ("off",)
+    with pytest.raises(UnitError, match="materialize='async' is not supported"):
+        rig["handle"].call("POST", "/resume", _spec(rig, out, payload, "recovery", materialize="async"))
+    assert rig["handle"].call("GET", "/status")["state"] == "released"
+
+
+def test_a_tampered_manifest_fails_closed_before_any_byte(rig):
+    _before, payload, out = _capture(rig)
+    man = json.loads((out / "native-manifest.json").read_text())
+    man["allocations"][0]["size"] += 4096
+    (out / "native-manifest.json").write_text(json.dumps(man))
+    with pytest.raises(UnitError, match="engine refused /resume"):
+        rig["handle"].call("POST", "/resume", _spec(rig, out, payload, "native"))
+
+
+def test_control_file_names_per_rank(tmp_path):
+    env = {"COLDSNAP_CONTROL_FILE": str(tmp_path / "control-worker-0.json")}
+    assert control_file_for(0, 1, env) == tmp_path / "control-worker-0.json"
+    assert control_file_for(1, 2, env) == tmp_path / "control-worker-0.rank1.json"
+    assert control_file_for(0, 1, {}) is None
+
+
+def test_bytes_changed_behind_the_observer_are_demoted_to_the_residual(rig):
+    victim = rig["control"].extents[0]
+    view = rig["arenas"][victim.allocation].view()
+    view[victim.offset] = (view[victim.offset] + 1) % 256  # a raw write no dispatch mode sees
+    before = _snapshot(rig["arenas"])
+    rig["handle"].call("POST", "/quiesce")
+    out = rig["tmp"] / "w"
+    payload = rig["handle"].call("POST", "/export", {"out_dir": str(out), "export_pack": True,
+                                                     "state_root": str(rig["tmp"] / "state"),
+                                                     "model": rig["model"]})["payload"]
+    assert payload["demoted_extents"] == 1 and payload["demoted_bytes"] == victim.size
+    rig["handle"].call("POST", "/release")
+    rig["handle"].call("POST", "/resume", _spec(rig, out, payload, "recovery"))
+    assert _snapshot(rig["arenas"]) == before, "recovery replays only verified bytes; the rest is residual"

@@ -1,0 +1,147 @@
+"""Engine rules as data: capture requirements, restore-command normalization, load-format choice."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import (
+    ENGINES,
+    VLLM_WORKER_EXTENSION,
+    command_issues,
+    command_option,
+    engine_issues,
+    engine_spec,
+    normalize_restore_command,
+    preferred_load_format,
+    semantic_command,
+    set_command_option,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+
+VLLM_OK = ["vllm", "serve", "/models/m", "--port", "8000", "--enable-sleep-mode", "--sleep-mode-backend", "coldsnap",
+           "--worker-extension-cls", VLLM_WORKER_EXTENSION, "--load-format", "instanttensor"]
+VLLM_ENV = {"VLLM_PLUGINS": "coldsnap"}
+
+
+def test_option_parsing_accepts_both_spellings_and_the_last_wins():
+    cmd = ["vllm", "serve", "m", "--load_format=pt", "--load-format", "safetensors"]
+    assert command_option(cmd, "--load-format") == "safetensors"
+    assert command_option(["x", "--load-format=auto"], "--load-format") == "auto"
+    assert command_option(["x"], "--load-format") is None
+    assert set_command_option(cmd, "--load-format", "coldsnap") == ["vllm", "serve", "m", "--load-format", "coldsnap"]
+
+
+@pytest.mark.parametrize("cmd", [
+    ["vllm", "serve", "m", "--load-format", "instanttensor", "--port", "8000"],
+    ["vllm", "serve", "m", "--load_format=fastsafetensors", "--port", "8000"],
+    ["vllm", "serve", "m", "--port", "8000"],
+])
+def test_vllm_restore_commands_are_normalized_to_the_coldsnap_loader(cmd):
+    out = normalize_restore_command("vllm", cmd)
+    assert command_option(out, "--load-format") == "coldsnap"
+    assert out.count("--load-format") == 1 and "--port" in out and out[:3] == cmd[:3]
+    assert normalize_restore_command("vllm", out) == out, "idempotent"
+    assert semantic_command("vllm", cmd) == semantic_command("vllm", out), "capture and restore compare equal"
+
+
+def test_other_engines_keep_their_command():
+    cmd = ["coldsnap-reference-engine", "--model", "/m"]
+    assert normalize_restore_command("reference", cmd) == cmd
+    assert normalize_restore_command("sglang", ["python", "-m", "sglang.launch_server"]) == \
+        ["python", "-m", "sglang.launch_server"]
+    with pytest.raises(ColdSnapError, match="no ColdSnap integration"):
+        engine_spec("tgi")
+
+
+@pytest.mark.parametrize(("configured", "installed", "want"), [
+    ("auto", ["fastsafetensors", "instanttensor"], "instanttensor"),
+    (None, ["fastsafetensors"], "fastsafetensors"),
+    ("safetensors", [], "safetensors"),
+    (None, [], "auto"),
+    ("fastsafetensors", ["instanttensor"], "fastsafetensors"),  # an explicit fast loader is respected
+])
+def test_capture_prefers_installed_fast_loaders(configured, installed, want):
+    assert preferred_load_format("vllm", configured, installed) == want
+
+
+def test_a_complete_vllm_capture_command_has_no_issues():
+    assert command_issues("vllm", VLLM_OK, VLLM_ENV) == []
+    assert command_issues("vllm", VLLM_OK, {"VLLM_PLUGINS": "lora_filesystem_resolver,coldsnap"}) == []
+
+
+@pytest.mark.parametrize(("drop", "needle"), [
+    ("--enable-sleep-mode", "needs --enable-sleep-mode"),
+    ("--sleep-mode-backend", "needs --sleep-mode-backend coldsnap"),
+    ("--worker-extension-cls", f"needs --worker-extension-cls {VLLM_WORKER_EXTENSION}"),
+])
+def test_vllm_capture_requirements(drop, needle):
+    cmd = list(VLLM_OK)
+    i = cmd.index(drop)
+    del cmd[i: i + (1 if drop == "--enable-sleep-mode" else 2)]
+    issues = command_issues("vllm", cmd, VLLM_ENV)
+    assert len(issues) == 1 and needle in issues[0][1]
+
+
+def test_vllm_capture_needs_a_safetensors_format_and_the_plugin_allow_list():
+    cmd = set_command_option(VLLM_OK, "--load-format", "pt")
+    assert "safetensors-backed load format" in command_issues("vllm", cmd, VLLM_ENV)[0][1]
+    cmd = set_command_option(VLLM_OK, "--load-format", "coldsnap")
+    assert command_issues("vllm", cmd, VLLM_ENV), "capture cannot start from the hydrating loader"
+    (field, problem, fix), = command_issues("vllm", VLLM_OK, {})
+    assert field == "environment" and "VLLM_PLUGINS" in problem and fix.startswith("set VLLM_PLUGINS=coldsnap")
+    (issue,) = command_issues("vllm", VLLM_OK, {"VLLM_PLUGINS": "other"})
+    problem = issue[1]
+    assert "does not name the ColdSnap plugin" in problem
+
+
+def test_sglang_rules():
+    ok = ["python", "-m", "sglang.launch_server", "--model-path", "/m", "--enable-memory-saver"]
+    assert command_issues("sglang", ok, {}) == []  # SGLANG_PLUGINS unset loads every plugin
+    assert "SGLANG_PLUGINS" in command_issues("sglang", ok, {"SGLANG_PLUGINS": "x"})[0][1]
+    issues = command_issues("sglang", [*ok, "--enable-weights-cpu-backup"], {})
+    assert "cannot use --enable-weights-cpu-backup" in issues[0][1]
+    assert "--enable-memory-saver" in command_issues("sglang", ok[:-1], {})[0][1]
+    assert ENGINES["sglang"].materialize_modes == ("off",) and not ENGINES["sglang"].canonical_writer
+
+
+@pytest.fixture
+def reference_request(example_request_text):
+    return validate_request(json.loads(example_request_text))
+
+
+def _as_engine(req: dict, engine: str, command: list[str], env: dict) -> dict:
+    req = copy.deepcopy(req)
+    req["launch"]["engine"] = engine
+    req["launch"]["execution"]["adapter"]["schema"] = ENGINES[engine].adapter_schema
+    req["launch"]["units"][0]["command"] = command
+    req["launch"]["units"][0]["environment"] = env
+    req["policy"]["weights"]["native"]["materialize"] = ENGINES[engine].default_materialize
+    return req
+
+
+def test_engine_issues_point_at_the_unit(reference_request):
+    req = _as_engine(reference_request, "vllm", VLLM_OK, VLLM_ENV)
+    assert engine_issues(req) == []
+    req["launch"]["units"][0]["environment"] = {}
+    paths = [i.path for i in engine_issues(req)]
+    assert paths == ["$.launch.units[0].environment"]
+    req["operation"] = "restore"  # the rules are capture rules
+    assert engine_issues(req) == []
+
+
+def test_sglang_refuses_materialization_and_more_workers(reference_request):
+    cmd = ["python", "-m", "sglang.launch_server", "--enable-memory-saver"]
+    req = _as_engine(reference_request, "sglang", cmd, {})
+    assert engine_issues(req) == []
+    for mode in ("async", "required"):
+        req["policy"]["weights"]["native"]["materialize"] = mode
+        assert "no canonical model-payload writer" in {i.path: i.message for i in engine_issues(req)}[
+            "$.policy.weights.native.materialize"]
+    req["policy"]["weights"]["native"]["materialize"] = "off"
+    w = req["launch"]["execution"]["workers"]
+    w.append({**w[0], "id": "worker-1", "rank": 1})
+    msgs = {i.path: i.message for i in engine_issues(req)}
+    assert "at most 1 worker" in msgs["$.launch.execution.workers"]
