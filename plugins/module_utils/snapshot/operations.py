@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, docker_runtime, unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import admit_unit
 
 EVIDENCE = "evidence.json"
@@ -36,7 +36,7 @@ def _public(ev: dict) -> dict:
 
 def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path, activation_digest: str,
                   coordinator_endpoint: str | None, python: str | None, check_mode: bool,
-                  timeouts: dict | None = None) -> dict:
+                  timeouts: dict | None = None, owner: dict | str | None = None) -> dict:
     """Capture every unit of ``request`` placed on ``host``; idempotent per capture id."""
     units = units_on_host(request, host)
     if not units:
@@ -59,7 +59,12 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
     adir = activation.require_staged(state_root, activation_digest)
     specs = unit.build_specs(request, host=host, operation="capture", capture_id=capture_id, state_root=state_root,
                              python=python, coordinator_endpoint=coordinator_endpoint, timeouts=timeouts)
-    evidence = unit.run_host_units(specs, activation_dir=adir, run_dir=Path(state_root) / "runs" / request["id"])
+    if docker_runtime.is_docker(request):  # the same specs, each run in its unit's rank container
+        evidence = docker_runtime.run_capture(request, specs, state_root=Path(state_root),
+                                              activation_digest=activation_digest,
+                                              owner=docker_runtime.parse_owner(owner))
+    else:
+        evidence = unit.run_host_units(specs, activation_dir=adir, run_dir=Path(state_root) / "runs" / request["id"])
     return {"changed": True, "units": [_public(e) for e in evidence], "coldsnap_timing": _timing(evidence)}
 
 
@@ -159,6 +164,9 @@ def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, st
     """Everything restore needs on this host, checked without touching the running workload."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import ports
 
+    if docker_runtime.is_docker(request):  # capsule images, container pid namespaces: see docker_runtime
+        return docker_runtime.prepare(request, artifact, host=host, facts=facts, state_root=Path(state_root),
+                                      check_mode=check_mode)
     units = units_on_host(request, host)
     captured_units = {u["id"]: u for u in artifact["launch"]["units"]}
     require_environment(artifact, [captured_units[u["id"]] for u in units], host=host, python=python)
@@ -225,6 +233,8 @@ def evict(request: dict, *, host: str, state_root: Path, check_mode: bool) -> di
     import signal
     import time
 
+    if docker_runtime.is_docker(request):  # never signal a host pid read from a container's control file
+        return docker_runtime.evict(request, host=host, check_mode=check_mode)
     stopped = []
     for u in units_on_host(request, host):
         pid = _running_pid(state_root, request, u["id"])
@@ -246,7 +256,7 @@ def evict(request: dict, *, host: str, state_root: Path, check_mode: bool) -> di
 
 def restore_units(request: dict, artifact: dict, *, host: str, state_root: Path, activation_digest: str,
                   coordinator_endpoint: str | None, python: str | None, warm: bool,
-                  check_mode: bool, timeouts: dict | None = None) -> dict:
+                  check_mode: bool, timeouts: dict | None = None, owner: dict | str | None = None) -> dict:
     """Activate this host's units from their captured state."""
     units = units_on_host(request, host)
     if not units:
@@ -264,7 +274,12 @@ def restore_units(request: dict, artifact: dict, *, host: str, state_root: Path,
                              unit_dirs=unit_dirs, warm=warm, timeouts=timeouts)
     for s in specs:
         s["operation"] = "restore" if not warm else "warm"
-    evidence = unit.run_host_units(specs, activation_dir=adir, run_dir=Path(state_root) / "runs" / request["id"])
+    if docker_runtime.is_docker(request):  # a fresh container per unit from its capsule image
+        evidence = docker_runtime.run_restore(request, artifact, specs, state_root=Path(state_root),
+                                              activation_digest=activation_digest,
+                                              owner=docker_runtime.parse_owner(owner))
+    else:
+        evidence = unit.run_host_units(specs, activation_dir=adir, run_dir=Path(state_root) / "runs" / request["id"])
     return {"changed": True, "units": [_public(e) for e in evidence], "coldsnap_timing": _timing(evidence)}
 
 
@@ -284,7 +299,10 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
     op = "status" if check_mode else action
     specs = unit.build_specs(request, host=host, operation=op, capture_id=capture_id, state_root=state_root,
                              python=python, weights=weights, validation=validation, unit_dirs=unit_dirs)
-    evidence = unit.run_host_units(specs, activation_dir=adir, run_dir=Path(state_root) / "runs" / request["id"])
+    if docker_runtime.is_docker(request):  # inside each unit's running container
+        evidence = docker_runtime.exec_units(request, specs, owner=None)
+    else:
+        evidence = unit.run_host_units(specs, activation_dir=adir, run_dir=Path(state_root) / "runs" / request["id"])
     if check_mode:
         would = any(_would_change(action, w.get("state")) for e in evidence for w in e.get("workers", []))
         return {"changed": would, "units": [_public(e) for e in evidence]}
@@ -295,3 +313,68 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
 def _would_change(action: str, state: str | None) -> bool:
     return (action == "sleep" and state == "ready") or (action in ("wake", "finish-warm")
                                                         and state in ("sleeping", "warm"))
+
+
+# ---------------------------------------------------------------- target-local overlay (lifecycle)
+
+def capture_running_units(request: dict, artifact: dict, *, host: str, capture_id: str, state_root: Path,
+                          activation_digest: str, coordinator_endpoint: str | None, python: str | None,
+                          check_mode: bool, payload_wait: float = 600.0, timeouts: dict | None = None) -> dict:
+    """Capture this host's running (restored) units in place, for a target-local overlay.
+
+    Every worker's model payload must be in this host's node cache with a
+    valid record first (an async materialization is waited for up to
+    ``payload_wait`` seconds): the overlay shares the payload and the engine is
+    resumed from it. Idempotent per capture id.
+    """
+    import time
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.native import payload_state
+
+    units = units_on_host(request, host)
+    if not units:
+        return {"changed": False, "units": [], "capture_id": capture_id,
+                "msg": f"no unit of this request is placed on {host}"}
+    if docker_runtime.is_docker(request):
+        raise ColdSnapError("target-local overlays are captured from runtime 'host' units only: a docker unit's "
+                            "running rank container has no writable capture directory for an in-place dump",
+                            fix="restore without -e coldsnap_capture_overlay (the portable artifact is used)")
+    existing = [json.loads(p.read_text()) for u in units
+                if (p := unit.unit_dir(state_root, capture_id, u["id"]) / EVIDENCE).exists()]
+    if len(existing) == len(units):
+        return {"changed": False, "units": [_public(e) for e in existing], "coldsnap_timing": _timing(existing),
+                "capture_id": capture_id, "msg": f"overlay capture {capture_id} already complete on {host}"}
+    if existing:
+        raise ColdSnapError(f"overlay capture {capture_id} is partially present on {host}",
+                            fix=f"remove {unit.capture_dir(state_root, capture_id)} and capture the overlay again")
+    host_units = {u["id"] for u in units}
+    wanted = [w for w in artifact["weights"]["workers"] if w["unit"] in host_units]
+    if any(w["payload"] is None for w in wanted):
+        raise ColdSnapError("a target-local overlay shares the native model payload, but this capture has none",
+                            fix="capture the portable artifact with policy.weights.native.export enabled")
+    deadline = time.monotonic() + payload_wait
+    while True:
+        states = {w["worker"]: payload_state(state_root, w["payload"]["sha256"], w["payload"]["size"])
+                  for w in wanted}
+        if all(s == "verified" for s, _why in states.values()) or check_mode or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    if check_mode:
+        return {"changed": True, "units": [], "capture_id": capture_id,
+                "msg": f"would capture {len(units)} running unit(s) on {host}"}
+    bad = {wid: f"{s} ({why})" for wid, (s, why) in states.items() if s != "verified"}
+    if bad:
+        raise ColdSnapError(f"the model payload is not materialized and verified on {host}: {bad}",
+                            fix="restore with policy.weights.native.materialize 'required' (or 'async' and wait), "
+                                "or stage the payload, before capturing an overlay")
+    native_policy = {**request["policy"], "weights": {**request["policy"]["weights"], "mode": "native"}}
+    plan = plan_weights({**request, "policy": native_policy}, artifact, host=host, state_root=state_root)
+    adir = activation.require_staged(state_root, activation_digest)
+    validation = {**request["validation"], "expected": request["validation"].get("expected")
+                  or artifact["acceptance"]["reply"]}
+    specs = unit.build_specs(request, host=host, operation="capture-running", capture_id=capture_id,
+                             state_root=state_root, python=python, coordinator_endpoint=coordinator_endpoint,
+                             weights=plan, validation=validation, timeouts=timeouts)
+    evidence = unit.run_host_units(specs, activation_dir=adir, run_dir=Path(state_root) / "runs" / request["id"])
+    return {"changed": True, "units": [_public(e) for e in evidence], "coldsnap_timing": _timing(evidence),
+            "capture_id": capture_id}

@@ -1,4 +1,4 @@
-"""``python -m coldsnap_activation {capture,restore,warm,sleep,wake,status,finish-warm} --spec FILE``."""
+"""``python -m coldsnap_activation {capture,capture-running,restore,warm,sleep,wake,status,finish-warm} --spec FILE``."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(ka.images, ka.result, leave_stopped=ka.leave_stopped, criu_binary=ka.criu)
     p = argparse.ArgumentParser(prog="coldsnap_activation")
-    p.add_argument("operation", choices=("capture", "restore", "warm", "sleep", "wake", "status", "finish-warm"))
+    p.add_argument("operation", choices=("capture", "capture-running", "restore", "warm", "sleep", "wake", "status",
+                                         "finish-warm"))
     p.add_argument("--spec", required=True, type=Path, help="unit spec JSON written by the module")
     p.add_argument("--evidence", type=Path, default=None, help="write evidence JSON here (default stdout)")
     args = p.parse_args(argv)

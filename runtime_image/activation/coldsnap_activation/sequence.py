@@ -21,19 +21,22 @@ import threading
 import time
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
+    EVIDENCE_FORMAT,
+    EVIDENCE_KIND,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import criu as criu_mod
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda as cuda_mod
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import ports
+
 from coldsnap_activation import keeper
 from coldsnap_activation.engine_handle import EngineHandle
 from coldsnap_activation.probes import PortProbe, reply_digest, stream_completion, wait_http_ready
 from coldsnap_activation.spec import UnitSpec
 from coldsnap_activation.sync import Phases
-
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import EVIDENCE_FORMAT, EVIDENCE_KIND
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import criu as criu_mod
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda as cuda_mod
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import ports
 
 EVIDENCE_FILE = "evidence.json"
 
@@ -80,7 +83,7 @@ def process_memory(pid: int) -> dict:
         import subprocess
 
         r = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                           capture_output=True, text=True, timeout=30)
+                           check=False, capture_output=True, text=True, timeout=30)
         for line in r.stdout.splitlines():
             parts = [x.strip() for x in line.split(",")]
             if len(parts) == 2 and parts[0] == str(pid):
@@ -140,7 +143,10 @@ class Activation:
         val = self.spec.validation
         if not svc:
             return
-        alive = lambda: all(h.alive() for h in self.handles)  # noqa: E731
+
+        def alive() -> bool:
+            return all(h.alive() for h in self.handles)
+
         with self.rec.span("unit.http.ready"):
             try:
                 ready_ns = wait_http_ready(svc["address"], svc["port"], val["health_path"],
@@ -268,6 +274,97 @@ class Activation:
         finally:
             if probe is not None:
                 probe.stop()
+
+    # ----------------------------------------------- capture in place (overlay)
+    def capture_running(self) -> dict:
+        """Capture the unit's running (restored) engine in place: a target-local overlay.
+
+        Nothing is started: the running engine is adopted and validated, then
+        quiesced, exported (its pack converges on the object already in the node
+        cache), released, and dumped with CRIU leaving it running. The same
+        engine is then resumed in place (native hydration from the now-present
+        pack) and validated again, so the workload keeps serving. The workload
+        log is reset before the dump, as at capture, so the resumed engine's
+        restore-boundary marker is its first line.
+        """
+        spec = self.spec
+        criu = criu_mod.find_criu(spec.criu_binary)
+        handles = self._running_handles()
+        states = [h.call("GET", "/status", timeout=30)["state"] for h in handles]
+        if any(s != "ready" for s in states):
+            raise UnitError(f"unit {spec.unit_id}: engines are {states}; an overlay is captured from a ready engine",
+                            fix="wake or restore the workload first")
+        self.unit_dir.mkdir(parents=True, exist_ok=True)
+        expected = (spec.validation or {}).get("expected")
+        try:
+            self._validate(None, expected=expected)
+            self.phases.wait("overlay/validated", spec.timeout("phase", 600))
+            with self.rec.span("unit.quiesce"):
+                for h, r in zip(handles, _parallel(handles, lambda h: h.call("POST", "/quiesce")), strict=True):
+                    _import_engine_spans(self.rec, r, h.worker["id"])
+            self.phases.wait("overlay/quiesced", spec.timeout("phase", 600))
+            payloads = {}
+            with self.rec.span("unit.export"):
+                for h in handles:
+                    r = h.call("POST", "/export", {
+                        "out_dir": str(self.unit_dir / "workers" / h.worker["id"]), "export_pack": True,
+                        "state_root": spec.state_root, "model": spec.model})
+                    payloads[h.worker["id"]] = r["payload"]
+            with self.rec.span("unit.release"):
+                for h in handles:
+                    h.call("POST", "/release")
+                logs = self.unit_dir / "logs"
+                logs.mkdir(exist_ok=True)
+                shutil.copyfile(self.workload_dir / "target.log", logs / "capture.log")
+                os.truncate(self.workload_dir / "target.log", 0)
+            self.phases.wait("overlay/released", spec.timeout("phase", 600))
+            workers = []
+            for h in handles:
+                wid = h.worker["id"]
+                cuda = cuda_mod.uses_cuda(h.pid)
+                memory = process_memory(h.pid)
+                if cuda:
+                    cuda_mod.checkpoint(h.pid, lock_timeout_ms=int(spec.timeout("cuda_lock", 30) * 1000))
+                tids, listeners = ports.tids_of(h.pid), ports.listeners_of(h.pid)
+                with self.rec.span("unit.criu.dump", worker=wid, leave_running=True) as sp:
+                    res = criu_mod.dump(criu, h.pid, self.unit_dir / "criu" / wid, leave_running=True)
+                    sp["attrs"]["bytes"] = res.bytes
+                if cuda:
+                    cuda_mod.restore(h.pid)
+                    cuda_mod.unlock(h.pid)
+                ctl_dir = self.unit_dir / "control"
+                ctl_dir.mkdir(mode=0o700, exist_ok=True)
+                atomic_write_json(ctl_dir / f"{wid}.json", h.control_info(), mode=0o600)
+                workers.append({"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
+                                "listeners": [list(x) for x in listeners], "cuda": cuda,
+                                "memory_at_checkpoint": memory, "payload": payloads[wid],
+                                "criu": {"bytes": res.bytes, "dump_seconds": res.seconds}})
+            self.phases.wait("overlay/dumped", spec.timeout("phase", 600))
+            with self.rec.span("unit.resume"):
+                def resume(h: EngineHandle) -> dict:
+                    wid = h.worker["id"]
+                    wdir = self.unit_dir / "workers" / wid
+                    w = spec.weights.get("workers", {}).get(wid, {})
+                    return h.call("POST", "/resume", {
+                        "operation_id": spec.operation_id,
+                        "coordinator_endpoint": spec.coordinator["endpoint_file"] if spec.coordinator else None,
+                        "generation": f"{spec.operation_id}.overlay", "transport_env": spec.transport_env,
+                        "provider": w.get("provider", "native"), "manifest": str(wdir / "native-manifest.json"),
+                        "residual": str(wdir / "weights.blob"), "replay": str(wdir / "replay-plan.json"),
+                        "pack": w.get("pack"), "model_dir": spec.weights.get("model_dir"),
+                        "state_root": spec.state_root, "materialize": "off", "warm": False})
+                for h, r in zip(handles, _parallel(handles, resume), strict=True):
+                    _import_engine_spans(self.rec, r, h.worker["id"])
+            self.phases.wait("overlay/resumed", spec.timeout("phase", 600))
+            self._validate(None, expected=expected)
+            self.phases.wait("overlay/validated-again", spec.timeout("phase", 600))
+            ev = self._evidence(workers, {"criu_version": criu.version, "acceptance_reply": self.reply,
+                                          "in_place": True})
+            atomic_write_json(self.unit_dir / EVIDENCE_FILE, ev)
+            return ev
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     # ------------------------------------------------------------- restore
     def restore(self) -> dict:
@@ -408,6 +505,8 @@ def main_run(spec: UnitSpec, evidence_out: Path | None) -> int:
     try:
         if spec.operation == "capture":
             ev = act.capture()
+        elif spec.operation == "capture-running":
+            ev = act.capture_running()
         elif spec.operation in ("restore", "warm"):
             ev = act.restore()
         elif spec.operation in ("sleep", "wake", "status", "finish-warm"):

@@ -11,7 +11,10 @@ import time
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.barrier import barrier_key, missing_ranks
-from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import CoordinatorClient, CoordinatorTimeout
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import (
+    CoordinatorClient,
+    CoordinatorTimeout,
+)
 
 ABORT_KEY = "activation/abort"
 

@@ -1,0 +1,95 @@
+"""The lifecycle modules run by Ansible itself (AnsiballZ): check mode, changed, then not changed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from lifecycle_helpers import make_artifact, make_request, put_pack, write_artifact
+
+from coldsnap._collection import collection_root
+
+ANSIBLE = Path(sys.executable).parent / "ansible"
+
+pytestmark = pytest.mark.skipif(not ANSIBLE.exists() and not shutil.which("ansible"),
+                                reason="ansible-core is not installed in this environment")
+
+
+def run_module(module: str, args: dict, *extra: str) -> dict:
+    """``ansible localhost -m coldsnap.fleet.<module>``: the task result."""
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(collection_root()),
+           "ANSIBLE_PYTHON_INTERPRETER": sys.executable, "ANSIBLE_LOCALHOST_WARNING": "false",
+           "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false", "ANSIBLE_LOAD_CALLBACK_PLUGINS": "true",
+           "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json", "ANSIBLE_NOCOLOR": "1"}
+    proc = subprocess.run([str(ANSIBLE if ANSIBLE.exists() else shutil.which("ansible")), "localhost",
+                           "-m", f"coldsnap.fleet.{module}", "-a", json.dumps(args), *extra],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    text = proc.stdout
+    start = 0 if text.startswith("{") else text.index("\n{") + 1
+    return json.loads(text[start:])["plays"][0]["tasks"][0]["hosts"]["localhost"]
+
+
+def test_artifact_store_promoted_check_mode_then_idempotent(state_root, tmp_path):
+    req = make_request()
+    path = write_artifact(tmp_path / "out", make_artifact(req, capture_id="cap-1"))
+    args = {"state": "promoted", "request": req, "artifact_path": str(path), "state_root": str(state_root)}
+    dry = run_module("artifact_store", args, "--check")
+    assert dry["changed"] and dry["generation"]["generation"] == "000001", dry
+    assert not (state_root / "artifacts").exists()
+    first = run_module("artifact_store", args)
+    assert first["changed"] and Path(first["current"]).read_bytes() == path.read_bytes()
+    second = run_module("artifact_store", args)
+    assert not second["changed"] and not second.get("failed")
+    query = run_module("artifact_store", {"state": "query", "request": req, "artifact_path": str(path),
+                                          "state_root": str(state_root)})
+    assert not query["changed"] and [g["capture_id"] for g in query["generations"]] == ["cap-1"]
+
+
+def test_artifact_store_refusals_name_the_fix(state_root, tmp_path):
+    req = make_request()
+    other = make_request(recipe="other")
+    path = write_artifact(tmp_path / "out", make_artifact(other, capture_id="cap-9"))
+    res = run_module("artifact_store", {"state": "promoted", "request": req, "artifact_path": str(path),
+                                        "state_root": str(state_root)})
+    assert res["failed"] and "belongs to identity" in res["msg"] and "promote a descriptor" in res["msg"]
+    res = run_module("artifact_store", {"state": "absent", "request": req, "artifact_path": str(path),
+                                        "state_root": str(state_root)})
+    assert res["failed"] and "does not belong to recipe 'chat'" in res["msg"]
+    assert path.exists()
+
+
+def test_delete_then_local_artifacts_converge(state_root, tmp_path):
+    sha, size = put_pack(state_root, b"capture-local bytes")
+    req = make_request()
+    art = make_artifact(req, capture_id="cap-1", pack=(sha, size), state_root=state_root)
+    (state_root / "captures" / "cap-1" / "units" / "unit-0").mkdir(parents=True)
+    path = write_artifact(tmp_path / "out", art)
+    run_module("artifact_store", {"state": "promoted", "request": req, "artifact_path": str(path),
+                                  "state_root": str(state_root)})
+    delete = {"state": "absent", "request": make_request(operation="delete", artifact=path),
+              "artifact_path": str(path), "state_root": str(state_root)}
+    gone = run_module("artifact_store", delete)
+    assert gone["changed"] and gone["cleanup"][0]["capture_id"] == "cap-1" and sha not in gone["keep_payloads"]
+    local = {"refs": gone["cleanup"], "keep_payloads": gone["keep_payloads"], "host": "localhost",
+             "state_root": str(state_root)}
+    dry = run_module("local_artifacts", local, "--check")
+    assert dry["changed"] and (state_root / "captures" / "cap-1").exists()
+    first = run_module("local_artifacts", local)
+    assert first["changed"] and first["removed"]["payloads"][0]["sha256"] == sha
+    assert not (state_root / "captures" / "cap-1").exists()
+    assert not run_module("local_artifacts", local)["changed"]
+    assert not run_module("artifact_store", delete)["changed"]
+
+
+def test_native_status_module_reports_without_changing(state_root):
+    sha, size = put_pack(state_root, b"weights")
+    req = make_request(operation="native-status")
+    art = make_artifact(req, capture_id="c", pack=(sha, size))
+    res = run_module("native_status", {"request": req, "artifact": art, "host": "localhost",
+                                       "state_root": str(state_root)})
+    assert not res["changed"] and res["workers"][0]["state"] == "verified" and res["summary"] == {"verified": 1}
