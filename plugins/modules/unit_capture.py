@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Copyright: ColdSnap maintainers
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Ansible module coldsnap.fleet.unit_capture."""
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ options:
     description: Seconds for C(start), C(ready), C(phase) and C(cuda_lock).
     type: dict
     default: {}
+  owner:
+    description:
+      - Runtime C(docker) only. The invoking user, as C({uid, gid}) or C("uid:gid"). Every state path the
+        unit's rank container wrote (it runs as root) is given to this user afterwards, also when the run
+        failed; mode bits are kept. Omitted, the files stay as written.
+    type: raw
 attributes:
   check_mode:
     support: full
@@ -58,7 +65,7 @@ attributes:
 notes:
   - Needs root (CRIU) and CRIU >= 4 on the host.
 author:
-  - ColdSnap maintainers
+  - ColdSnap maintainers (@coldsnap)
 """
 
 EXAMPLES = r"""
@@ -95,7 +102,10 @@ coldsnap_timing:
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import checked_request, run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
+    checked_request,
+    run_guarded,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.operations import capture_units
 
 
@@ -110,6 +120,7 @@ def main() -> None:
             python=dict(type="path"),
             state_root=dict(type="path", default="/var/lib/coldsnap"),
             timeouts=dict(type="dict", default={}),
+            owner=dict(type="raw"),
         ),
         supports_check_mode=True,
     )
@@ -120,7 +131,7 @@ def main() -> None:
         return capture_units(req, host=p["host"], capture_id=p["capture_id"] or req["id"],
                              state_root=Path(p["state_root"]), activation_digest=p["activation_digest"],
                              coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
-                             check_mode=module.check_mode, timeouts=p["timeouts"])
+                             check_mode=module.check_mode, timeouts=p["timeouts"], owner=p["owner"])
 
     run_guarded(module, run, what="unit_capture")
 

@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Copyright: ColdSnap maintainers
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Ansible module coldsnap.fleet.unit_restore."""
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ options:
     description: Seconds for C(ready) and C(phase).
     type: dict
     default: {}
+  owner:
+    description:
+      - Runtime C(docker) only. The invoking user, as C({uid, gid}) or C("uid:gid"). Every state path the
+        unit's rank container wrote (it runs as root) is given to this user afterwards, also when the run
+        failed; mode bits are kept. Omitted, the files stay as written.
+    type: raw
 attributes:
   check_mode:
     support: full
@@ -68,10 +75,11 @@ attributes:
     support: none
     description: No diff.
   idempotent:
+    description: A second run with the same arguments reports no change.
     support: partial
     details: C(prepare) and C(evict) converge; C(activate) replaces (reconcile-replace semantics).
 author:
-  - ColdSnap maintainers
+  - ColdSnap maintainers (@coldsnap)
 """
 
 EXAMPLES = r"""
@@ -109,7 +117,10 @@ from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import checked_request, run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
+    checked_request,
+    run_guarded,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import operations as ops
 
@@ -128,6 +139,7 @@ def main() -> None:
             state_root=dict(type="path", default="/var/lib/coldsnap"),
             warm=dict(type="bool", default=False),
             timeouts=dict(type="dict", default={}),
+            owner=dict(type="raw"),
         ),
         required_if=[("phase", "prepare", ["facts"]), ("phase", "activate", ["activation_digest"])],
         supports_check_mode=True,
@@ -150,7 +162,8 @@ def main() -> None:
         return ops.restore_units(req, art, host=p["host"], state_root=state_root,
                                  activation_digest=p["activation_digest"],
                                  coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
-                                 warm=p["warm"], check_mode=module.check_mode, timeouts=p["timeouts"])
+                                 warm=p["warm"], check_mode=module.check_mode, timeouts=p["timeouts"],
+                                 owner=p["owner"])
 
     run_guarded(module, run, what="unit_restore")
 

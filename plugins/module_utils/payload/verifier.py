@@ -148,13 +148,13 @@ class PayloadVerifier:
             return self._verify(path, hexd, size, cache, write_record=write_record, progress=progress, rehash=rehash)
 
     def verify_locked(self, path: Path, sha256: str, size: int, *, write_record: bool = True,
-                      progress: Progress | None = None) -> VerifiedPayload:
+                      progress: Progress | None = None, rehash: bool = False) -> VerifiedPayload:
         """Like :meth:`verify` for a caller that already holds the digest's lock."""
         hexd = parse_digest(sha256, what="model payload digest")
         _check_size_arg(size)
         check_pack_path(Path(path), hexd)
         return self._verify(Path(path), hexd, size, NodeCache.for_pack_path(path), write_record=write_record,
-                            progress=progress)
+                            progress=progress, rehash=rehash)
 
     def inspect(self, path: Path, sha256: str, size: int) -> records.RecordCheck:
         """Record status of a pack without hashing it (what the next verify would do)."""

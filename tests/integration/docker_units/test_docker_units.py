@@ -1,0 +1,231 @@
+"""Runtime ``docker`` end to end with a real dockerd and CRIU: the reference engine is captured inside a
+rank container and restored in a fresh container from its capsule image, through the real controller.
+
+The controller runs as root here (CI does), so the invoking user is simulated: a throw-away
+unprivileged user is created with useradd and passed as ``coldsnap_owner``; every state path the
+(root) rank containers wrote must end up owned by it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import docker_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.docker_runtime import PID_FLOOR
+from docker_workload import DockerWorkload, not_owned, throwaway_user
+
+pytestmark = [pytest.mark.docker, pytest.mark.criu, pytest.mark.slow]
+
+RECIPE = "dockerunits"
+
+
+class Captured:
+    def __init__(self, wl: DockerWorkload, receipt: dict, user: throwaway_user) -> None:
+        self.wl = wl
+        self.receipt = receipt
+        self.user = user
+        self.path = Path(receipt["result"]["operation"]["artifact"])
+        self.artifact = load_artifact(self.path.read_bytes())
+        self.capture_id = self.artifact["capture_id"]
+
+    @property
+    def accepted(self) -> str:
+        return self.artifact["acceptance"]["reply"]
+
+    def state(self, *parts: str) -> Path:
+        return self.wl.state_root.joinpath(*parts)
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory, runtime_image, tiny_model, recipes) -> Iterator[Captured]:
+    recipes.append(RECIPE)
+    with throwaway_user() as user:
+        wl = DockerWorkload(tmp_path_factory.mktemp("docker-state"), tiny_model, runtime_image["runtime_image"],
+                            RECIPE, owner=(user.uid, user.gid))
+        res = wl.run(wl.request("capture"))
+        assert res.succeeded, res.receipt["error"]
+        validate_receipt(res.receipt)
+        yield Captured(wl, res.receipt, user)
+        wl.stop()
+
+
+def restore(cap: Captured, *, prepare_only: bool = False, mutate=None):
+    req = cap.wl.request("restore", artifact=cap.path, mutate=mutate)
+    return req, cap.wl.run(req, prepare_only=prepare_only)
+
+
+def test_capture_runs_in_a_rank_container_and_leaves_a_docker_capsule(captured, runtime_image):
+    import docker
+
+    art = captured.artifact
+    assert art["runtime"]["kind"] == "docker"
+    (cap,) = art["capsule"]["units"]
+    assert cap["layout"] == "docker"
+    client = docker.from_env()
+    image = client.images.get(cap["image_id"])
+    assert image.labels["org.coldsnap.kind"] == "capsule"
+    assert image.labels["org.coldsnap.capsule.base"] == runtime_image["image_id"], "capsule = runtime image + state"
+    target = image.labels["org.coldsnap.capsule.state-target"]
+    assert target == str(captured.state("captures", captured.capture_id, "units", "unit-0"))
+    # The capture container exited after the dump and is gone; nothing of this workload runs.
+    assert client.containers.list(all=True, filters={"label": f"org.coldsnap.recipe={RECIPE}"}) == []
+    evidence = json.loads((Path(target) / "evidence.json").read_text())
+    assert evidence["workers"][0]["pid"] > PID_FLOOR, "the captured engine's ids lie above the restore's own"
+    assert evidence["reply"] == art["acceptance"]["reply"] and len(art["acceptance"]["reply"]) == 16
+    # Every state path the root rank container wrote belongs to the invoking (unprivileged) user.
+    written = [captured.state("captures", captured.capture_id), captured.state("workloads", RECIPE),
+               captured.state("model-payloads"), captured.state("runs", captured.receipt["operation_id"], "units")]
+    assert all(p.exists() for p in written)
+    assert not_owned(written, captured.user.uid, captured.user.gid) == []
+    payload = art["weights"]["workers"][0]["payload"]
+    assert captured.state(payload["path"]).stat().st_uid == captured.user.uid
+
+
+def test_restore_starts_a_fresh_canonical_container_from_the_capsule(captured):
+    import docker
+
+    req, res = restore(captured)
+    assert res.succeeded, res.receipt["error"]
+    validate_receipt(res.receipt)
+    unit = res.receipt["result"]["operation"]["units"][0]
+    assert unit["reply"] == captured.accepted
+    assert captured.wl.complete() == captured.accepted, "the restored engine serves the same greedy reply"
+
+    client = docker.from_env()
+    name = docker_unit.canonical_container_name(RECIPE, "unit-0")
+    c = client.containers.get(name)
+    assert c.status == "running"
+    assert c.image.id == captured.artifact["capsule"]["units"][0]["image_id"]
+    log_path = captured.state("workloads", RECIPE, "unit-0", "target.log")
+    labels = c.labels
+    assert labels["org.coldsnap.unit"] == "unit-0" and labels["org.coldsnap.recipe"] == RECIPE
+    assert labels["org.coldsnap.capture-id"] == captured.capture_id
+    assert labels["org.coldsnap.operation-id"] == req["id"] and labels["org.coldsnap.role"] == "rank"
+    assert labels["org.coldsnap.log-path"] == str(log_path)
+    marker = json.loads(log_path.read_text().splitlines()[0])
+    assert marker["coldsnap"] == "restore-boundary" and marker["operation_id"] == req["id"]
+
+    # Only the rank container is privileged: exactly the host's rank policy, nothing else running.
+    policy = docker_unit.privilege_policy(client)
+    host = c.attrs["HostConfig"]
+    assert host["NetworkMode"] == "host"
+    if policy["privileged"]:
+        assert host["Privileged"] is True
+    else:
+        assert host["Privileged"] is False and host["CapAdd"] == ["ALL"]
+        assert sorted(host["CapDrop"] or []) == sorted(policy["cap_drop"])
+    others = [x.name for x in client.containers.list(filters={"label": f"org.coldsnap.recipe={RECIPE}"})]
+    assert others == [name]
+
+    # Mounts: model and activation runtime read-only, the unit state comes from the image (not bound).
+    mounts = {m["Destination"]: m for m in c.attrs["Mounts"]}
+    model_dir = str(captured.wl.model_dir)
+    assert mounts[model_dir]["RW"] is False
+    assert mounts[docker_unit.ACTIVATION_TARGET]["RW"] is False
+    assert mounts[str(captured.state("workloads", RECIPE, "unit-0"))]["RW"] is True
+    assert str(captured.state("captures", captured.capture_id, "units", "unit-0")) not in mounts
+    code, out = docker_unit.exec_in(c, ["sh", "-c", f"touch {model_dir}/written-by-unit"])
+    assert code != 0 and "Read-only file system" in out
+
+    # PID 1 is the rank controller; the restored engine kept its captured pid in the fresh namespace.
+    code, out = docker_unit.exec_in(c, ["sh", "-c", "cat /proc/1/cmdline | tr '\\0' ' '"])
+    assert "coldsnap_activation restore" in out
+    captured_pid = json.loads(captured.state("captures", captured.capture_id, "units", "unit-0",
+                                             "evidence.json").read_text())["workers"][0]["pid"]
+    assert unit["workers"][0]["pid"] == captured_pid
+
+    written = [captured.state("workloads", RECIPE), captured.state("model-payloads"),
+               captured.state("runs", req["id"], "units")]
+    assert not_owned(written, captured.user.uid, captured.user.gid) == []
+
+
+def test_prepare_only_keeps_the_container_and_restore_replaces_it(captured):
+    import docker
+
+    client = docker.from_env()
+    name = docker_unit.canonical_container_name(RECIPE, "unit-0")
+    try:
+        before = client.containers.get(name).id
+    except docker.errors.NotFound:
+        _req, res = restore(captured)
+        assert res.succeeded, res.receipt["error"]
+        before = client.containers.get(name).id
+    _req, res = restore(captured, prepare_only=True)
+    assert res.succeeded, res.receipt["error"]
+    assert res.receipt["replay_semantics"] == "safe-repeat"
+    prepared = res.receipt["result"]["operation"]["prepared"][0]["units"][0]
+    assert prepared["container"] == name and prepared["admission"]["criu"], "the capsule's own CRIU was checked"
+    after = client.containers.get(name)
+    assert after.id == before and after.status == "running", "prepare-only must not touch the running unit"
+
+    _req, res = restore(captured)
+    assert res.succeeded, res.receipt["error"]
+    assert res.receipt["replay_semantics"] == "reconcile-replace"
+    new = client.containers.get(name)
+    assert new.id != before and new.status == "running"
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(before)
+    assert captured.wl.complete() == captured.accepted
+
+
+def test_warm_restore_and_lifecycle_run_inside_the_unit_container(captured):
+    def run(operation: str) -> dict:
+        req = captured.wl.request(operation, artifact=captured.path)
+        res = captured.wl.run(req)
+        assert res.succeeded, res.receipt["error"]
+        return res.receipt["result"]["operation"]
+
+    warm = run("warm")
+    assert warm["units"][0]["warm"] is True and warm["units"][0]["reply"] is None
+    container = captured.wl.container()
+    assert container is not None and container.status == "running", "the warm unit's container keeps running"
+    assert run("status")["units"][0]["state"] == "warm"
+    woken = run("wake")["units"][0]
+    assert woken["reply"] == captured.accepted and woken["changed"] is True
+    assert run("sleep")["units"][0]["state"] == "sleeping"
+    assert run("wake")["units"][0]["state"] == "ready"
+    assert captured.wl.complete() == captured.accepted
+    assert captured.wl.container().id == container.id, "lifecycle operations never replace the container"
+
+
+def test_a_failed_restore_leaves_no_container_and_still_hands_state_back(captured):
+    import docker
+
+    def wrong_reply(req: dict) -> None:
+        req["validation"]["expected"] = "not what the engine answers"
+
+    req, res = restore(captured, mutate=wrong_reply)
+    assert not res.succeeded
+    assert "validation reply differs" in res.receipt["error"]["message"]
+    client = docker.from_env()
+    with pytest.raises(docker.errors.NotFound):
+        client.containers.get(docker_unit.canonical_container_name(RECIPE, "unit-0"))
+    log = captured.state("runs", req["id"], "units", "activation-restore-unit-0.log")
+    assert log.exists(), "the failed rank container's output is kept in the run directory"
+    written = [captured.state("workloads", RECIPE), captured.state("runs", req["id"], "units")]
+    assert not_owned(written, captured.user.uid, captured.user.gid) == []
+
+
+def test_prepare_refuses_a_foreign_container_under_the_canonical_name(captured, runtime_image):
+    import docker
+
+    client = docker.from_env()
+    name = docker_unit.canonical_container_name(RECIPE, "unit-0")
+    try:
+        client.containers.get(name).remove(force=True)
+    except docker.errors.NotFound:
+        pass
+    foreign = client.containers.create(runtime_image["image_id"], ["sleep", "600"], name=name,
+                                       labels={"org.coldsnap.recipe": RECIPE})
+    try:
+        _req, res = restore(captured)
+        assert not res.succeeded
+        assert "is not a ColdSnap unit container" in res.receipt["error"]["message"]
+        assert client.containers.get(name).id == foreign.id, "a container ColdSnap does not own is left alone"
+    finally:
+        foreign.remove(force=True)

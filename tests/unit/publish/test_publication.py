@@ -1,0 +1,172 @@
+"""Published descriptors, native payload objects and the docker-runtime helpers that need no daemon."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    ColdSnapError,
+    FormatError,
+    IntegrityError,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.publish import (
+    check_target,
+    payload_objects,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import docker_runtime as dr
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import publication as pub
+
+FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "artifacts" / "reference-tiny-n610.json"
+REPO = "127.0.0.1:5000/coldsnap/capsules"
+
+
+def source(tmp_path: Path, art: dict | None = None) -> tuple[Path, dict, str]:
+    art = art or json.loads(FIXTURE.read_text())
+    path = tmp_path / "accepted" / "artifact.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = (json.dumps(art, indent=2) + "\n").encode()
+    path.write_bytes(data)
+    return path, art, "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def pushed(art: dict, digest: str = "1" * 64) -> list[dict]:
+    return [{"unit": c["unit"], "image_id": c["image_id"], "repository_digest": f"{REPO}@sha256:{digest}"}
+            for c in art["capsule"]["units"]]
+
+
+def test_publishing_capsules_writes_a_separate_published_descriptor(tmp_path):
+    path, art, digest = source(tmp_path)
+    before = path.read_bytes()
+    out = pub.publish_descriptor(source=path, source_sha256=digest, artifact_dir=tmp_path / "published",
+                                 capsules=pushed(art), repository=REPO)
+    assert out["changed"] is True and out["parent"] == digest
+    assert path.read_bytes() == before, "the source is never rewritten"
+    doc = load_artifact(Path(out["path"]).read_bytes())
+    assert doc["state"] == "published" and doc["parent"] == digest
+    assert doc["capsule"]["units"][0]["repository_digest"] == f"{REPO}@sha256:{'1' * 64}"
+    assert out["sha256"] == pub.file_digest(Path(out["path"]))
+
+    # Everything else is the source's own content.
+    def keep(a: dict) -> dict:
+        return {k: v for k, v in a.items() if k not in ("capsule", "state", "parent", "created_at")}
+
+    assert keep(doc) == keep(art)
+
+
+def test_publication_is_content_idempotent_and_never_replaces(tmp_path):
+    path, art, digest = source(tmp_path)
+    kw = {"source": path, "source_sha256": digest, "artifact_dir": tmp_path / "published", "repository": REPO}
+    first = pub.publish_descriptor(capsules=pushed(art), **kw)
+    data = Path(first["path"]).read_bytes()
+    again = pub.publish_descriptor(capsules=pushed(art), **kw)
+    assert again["changed"] is False and Path(again["path"]).read_bytes() == data
+    with pytest.raises(ColdSnapError, match="never replaced"):
+        pub.publish_descriptor(capsules=pushed(art, "2" * 64), **kw)
+    with pytest.raises(ColdSnapError, match="separate one"):
+        pub.publish_descriptor(capsules=pushed(art), **{**kw, "artifact_dir": path.parent})
+
+
+def test_check_mode_commits_nothing(tmp_path):
+    path, art, digest = source(tmp_path)
+    out = pub.publish_descriptor(source=path, source_sha256=digest, artifact_dir=tmp_path / "p", capsules=pushed(art),
+                                 repository=REPO, check_mode=True)
+    assert out["changed"] is True and not (tmp_path / "p" / "artifact.json").exists()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda e: e.pop(), "was not pushed"),
+    (lambda e: e[0].update(image_id="sha256:" + "9" * 64), "descriptor records"),
+    (lambda e: e[0].update(repository_digest="127.0.0.1:5000/elsewhere@sha256:" + "1" * 64), "not an immutable"),
+    (lambda e: e.append({**e[0], "unit": "unit-9"}), "unknown units"),
+])
+def test_pushed_capsules_must_be_exactly_the_recorded_ones(tmp_path, bad, match):
+    path, art, digest = source(tmp_path)
+    entries = pushed(art)
+    bad(entries)
+    with pytest.raises(ColdSnapError, match=match):
+        pub.publish_descriptor(source=path, source_sha256=digest, artifact_dir=tmp_path / "p", capsules=entries,
+                               repository=REPO)
+    assert not (tmp_path / "p").exists()
+
+
+def test_the_native_provider_records_a_commit_never_a_branch(tmp_path):
+    path, _art, digest = source(tmp_path)
+    kw = {"source": path, "source_sha256": digest, "artifact_dir": tmp_path / "native"}
+    with pytest.raises(ColdSnapError, match="immutable commit"):
+        pub.publish_descriptor(native={"repository": "acme/payloads", "revision": "main"}, **kw)
+    out = pub.publish_descriptor(native={"repository": "acme/payloads", "revision": "c" * 40}, **kw)
+    doc = out["artifact"]
+    assert doc["weights"]["providers"]["native"] == {"repository": "acme/payloads", "revision": "c" * 40}
+    assert doc["state"] == "accepted", "native publication alone does not make the capsules registry-backed"
+
+
+def test_the_source_must_be_the_pinned_valid_descriptor_of_this_workload(tmp_path):
+    path, art, _digest = source(tmp_path)
+    with pytest.raises(IntegrityError, match="request pins"):
+        pub.load_source(path, expected_sha256="sha256:" + "0" * 64)
+    broken = copy.deepcopy(art)
+    broken["capsule"]["units"] = []
+    bad_path, _a, _d = source(tmp_path / "b", broken)
+    with pytest.raises(FormatError):
+        pub.load_source(bad_path)
+    with pytest.raises(ColdSnapError, match="does not exist"):
+        pub.load_source(tmp_path / "missing.json")
+    assert pub.capture_hosts(art) == ["localhost"]
+
+
+def test_payload_objects_are_distinct_digests_owned_by_the_first_workers_host():
+    art = json.loads(FIXTURE.read_text())
+    w0 = art["weights"]["workers"][0]
+    art["capsule"]["units"].append({**art["capsule"]["units"][0], "unit": "unit-1", "host": "hostb"})
+    art["weights"]["workers"].append({**copy.deepcopy(w0), "worker": "worker-1", "unit": "unit-1", "rank": 1})
+    (obj,) = payload_objects(art)
+    assert obj.workers == ("worker-0", "worker-1") and obj.hosts == ("localhost", "hostb")
+    assert obj.upload_host == "localhost" and obj.path == w0["payload"]["path"]
+    art["weights"]["workers"][1]["payload"] = None
+    assert payload_objects(art)[0].workers == ("worker-0",)
+    for repo, branch in (("no-slash", "main"), ("acme/x", "../main"), ("acme/x", "")):
+        with pytest.raises(ColdSnapError):
+            check_target(repo, branch)
+
+
+def test_owner_forms():
+    assert dr.parse_owner("1001:1002") == dr.Owner(1001, 1002)
+    assert dr.parse_owner({"uid": 5, "gid": "6"}) == dr.Owner(5, 6)
+    assert dr.parse_owner(None) is None and dr.parse_owner("") is None
+    for bad in ("1001", "a:b", {"uid": 1}, "-1:3"):
+        with pytest.raises(ColdSnapError):
+            dr.parse_owner(bad)
+
+
+def test_specs_are_made_valid_inside_the_container():
+    spec = {"python": "/usr/bin/python3.11", "criu_binary": "/opt/criu", "supervise": False, "unit_dir": "/s/u",
+            "unit": {"id": "unit-0", "devices": [3, 5]}}
+    out = dr.docker_spec(spec, unit_dir="/s/c/u", supervise=True)
+    assert out["python"] == dr.DOCKER_PYTHON and out["criu_binary"] is None and out["supervise"] is True
+    assert out["unit"]["devices"] == [0, 1], "GPUs handed to a container are numbered from 0 inside it"
+    assert out["unit_dir"] == "/s/c/u" and spec["unit"]["devices"] == [3, 5]
+    argv = dr._controller_argv("capture", Path("/r/spec.json"), Path("/r/ev.json"), raise_pids=True)
+    assert argv[:2] == ["/bin/sh", "-c"] and f"echo {dr.PID_FLOOR - 1} > /proc/sys/kernel/ns_last_pid" in argv[2]
+    assert argv[3:] == ["coldsnap-rank", dr.DOCKER_PYTHON, "-m", "coldsnap_activation", "capture", "--spec",
+                        "/r/spec.json", "--evidence", "/r/ev.json"], "exec keeps the controller as PID 1"
+    assert dr._controller_argv("restore", Path("/s"), Path("/e"), raise_pids=False)[0] == dr.DOCKER_PYTHON
+
+
+def test_model_mounts_are_read_only_and_the_recovery_source_is_visible(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    req = {"launch": {"model": {"source": {"kind": "local-safetensors", "path": str(model)}}}}
+    unit = {"id": "unit-0", "mounts": [{"source": str(model), "target": "/models/m", "read_only": True}]}
+    # The source path is not under any target: it is bound read-only at its own path as well.
+    mounts = dr.model_mounts(req, unit)
+    assert {(m["target"], m["read_only"], m["kind"]) for m in mounts} == {("/models/m", True, "model"),
+                                                                          (str(model), True, "model")}
+    unit["mounts"][0]["target"] = str(model)
+    unit["mounts"][0]["read_only"] = False
+    with pytest.raises(ColdSnapError, match="writable"):
+        dr.model_mounts(req, unit)
