@@ -57,11 +57,11 @@ def echo_server(port_file: str) -> None:
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, None)
     while True:
-        for key, _ in sel.select():
+        for key, _events in sel.select():
             if key.data is None:
                 while True:
                     try:
-                        conn, _ = listener.accept()
+                        conn, _addr = listener.accept()
                     except BlockingIOError:
                         break
                     conn.setblocking(False)
@@ -140,7 +140,7 @@ def run_load(kind: str, target: dict, clients: int, seconds: float) -> dict:
              for w in range(clients)]
     for proc in procs:
         proc.start()
-    results = [out.get(timeout=seconds + 60) for _ in procs]
+    results = [out.get(timeout=seconds + 60) for _proc in procs]
     for proc in procs:
         proc.join()
     wall = max(r[2] for r in results) - min(r[1] for r in results)
@@ -180,13 +180,13 @@ def run_barrier(endpoint: dict, world: int, reps: int) -> list[float]:
     for proc in procs:
         proc.start()
     per_rep: dict[int, list[tuple[float, float]]] = {}
-    for _ in range(world * reps):
+    for _i in range(world * reps):
         rep, t0, t1 = out.get(timeout=300)
         per_rep.setdefault(rep, []).append((t0, t1))
     for proc in procs:
         proc.join()
     # Completion: the first rank enters -> the last rank leaves.
-    return [max(t1 for _, t1 in v) - min(t0 for t0, _ in v) for _, v in sorted(per_rep.items())]
+    return [max(t1 for _t0, t1 in v) - min(t0 for t0, _t1 in v) for _rep, v in sorted(per_rep.items())]
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             targets = {"baseline": {"port": int(echo_port_file.read_text())}, "set": {"endpoint": endpoint},
                        "get": {"endpoint": endpoint}, "add": {"endpoint": endpoint}}
             phases: dict[str, list[dict]] = {kind: [] for kind in targets}
-            for _ in range(args.rounds):
+            for _i in range(args.rounds):
                 for kind, target in targets.items():
                     phases[kind].append(run_load(kind, target, args.clients, args.seconds))
             results["ops"] = {kind: summarize(ph) for kind, ph in phases.items()}

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Model-payload benchmarks: every figure is a ratio against a baseline measured in the same run.
 
 1. verify GB/s (PayloadVerifier full SHA-256 of a pack in the page cache) vs one-core hashlib over
@@ -54,7 +53,7 @@ MODEL = {"id": "coldsnap/bench", "revision": "0" * 40}
 
 def best(fn, repeat: int) -> float:
     times = []
-    for _ in range(repeat):
+    for _i in range(repeat):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)

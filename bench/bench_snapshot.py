@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Restore-to-first-token vs cold-start-to-first-token of the reference engine on this host.
 
 Runs the real controller path (strict requests, the collection's playbooks through
@@ -31,13 +30,13 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    import coldsnap  # noqa: F401
-    from coldsnap.demo import reference_request
-    from coldsnap.runner import operation_extravars, run_playbook
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import environment
     from coldsnap_engines.reference.config import PRESETS
     from coldsnap_engines.reference.weights import make_model
 
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import environment
+    import coldsnap  # noqa: F401  # pylint: disable=unused-import
+    from coldsnap.demo import reference_request
+    from coldsnap.runner import operation_extravars, run_playbook
 
     root = Path(args.state_root).absolute()
     model_dir = root / "models" / f"reference-{args.preset}"
@@ -92,8 +91,8 @@ def main() -> int:
         "preset": args.preset, "tp": args.tp, "cpus": os.cpu_count(), "model_bytes": model_bytes,
         "capsule_bytes": capsule_bytes, "capsule_over_model": round(capsule_bytes / model_bytes, 3),
         "cold": cold, "capture_operation_s": cap["duration_seconds"], "restores": restores,
-        "ratios": {k: round(best["readiness"][k] / cold[k], 3) for k in ("ttr_port_open_s", "ttr_http_ready_s",
-                                                                          "ttft_s")},
+        "ratios": {k: round(best["readiness"][k] / cold[k], 3)
+                   for k in ("ttr_port_open_s", "ttr_http_ready_s", "ttft_s")},
         "recovery_over_native_ttft": round(restores[-1]["readiness"]["ttft_s"] / best["readiness"]["ttft_s"], 3),
     }
     text = json.dumps(out, indent=2)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """GPU hydration benchmark: ColdSnap's CudaSink vs a pinned host->device copy of the same bytes.
 
 Standalone: plain ``python3 bench/gpu_hydration.py`` on a GPU host with torch (CUDA) and cuda-python.
@@ -154,7 +153,7 @@ def run(args, torch, scratch: Path) -> int:
     view.release()
     dst_one = torch.empty(moved, dtype=torch.uint8, device=dev)
     pinned_times = []
-    for _ in range(args.repeat + 1):
+    for _i in range(args.repeat + 1):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         dst_one.copy_(pinned, non_blocking=True)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Restore-to-first-token vs cold-start-to-first-token of the reference engine on a GPU.
 
 Standalone (plain ``python3`` with torch + cuda-python, as root, with CRIU available as
@@ -51,7 +50,7 @@ def pinned_h2d_gbps(nbytes: int, repeat: int = 3) -> float:
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     best = 1e9
-    for _ in range(repeat):
+    for _i in range(repeat):
         torch.cuda.synchronize()
         t = time.perf_counter()
         dev.copy_(host, non_blocking=True)
@@ -67,7 +66,7 @@ def safetensors_load_s(model_dir: Path) -> float:
     from safetensors.torch import load_file
 
     best = 1e9
-    for _ in range(2):
+    for _i in range(2):
         t = time.perf_counter()
         out = {}
         for f in sorted(model_dir.glob("*.safetensors")):
@@ -84,7 +83,7 @@ def kill_pid(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
-    for _ in range(200):
+    for _i in range(200):
         try:
             os.kill(pid, 0)
             time.sleep(0.05)
@@ -101,12 +100,11 @@ def main() -> int:
     ap.add_argument("--restores", type=int, default=2)
     args = ap.parse_args()
     setup_paths()
-    from coldsnap_engines.reference.config import PRESETS
-    from coldsnap_engines.reference.weights import make_model
-
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.facts import gather
+    from coldsnap_engines.reference.config import PRESETS
+    from coldsnap_engines.reference.weights import make_model
 
     work = Path(args.work)
     state = work / "state"
@@ -135,7 +133,7 @@ def main() -> int:
         "validation": {"prompt": "ColdSnap says:", "max_tokens": 16},
         "workload": {"recipe": "gpu-bench"},
     })
-    digest, adir, _ = activation.stage(REPO / "runtime_image" / "activation", state)
+    _digest, adir, _staged = activation.stage(REPO / "runtime_image" / "activation", state)
     specs = unit.build_specs(req, host="localhost", operation="capture", capture_id="gpu-cap", state_root=state)
     t = time.time()
     cap = unit.run_host_units(specs, activation_dir=adir, run_dir=state / "runs" / "capture")[0]

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Build the ColdSnap runtime image from a locally produced, digest-pinned base.
 
     python runtime_image/build.py [--base-only] [--tag NAME] [--base-tag NAME] [--cache-dir DIR] [--criu PATH]
@@ -222,14 +221,14 @@ def site_entries() -> list[archive.LayerEntry]:
     def skip(rel: str) -> bool:
         return "__pycache__" in rel.split("/") or rel.endswith((".pyc", ".pyo"))
 
-    entries, _ = archive.collect_tree(REPO / "plugins", "site/ansible_collections/coldsnap/fleet/plugins",
-                                      exclude=skip, what="collection plugins")
+    entries, _unused = archive.collect_tree(REPO / "plugins", "site/ansible_collections/coldsnap/fleet/plugins",
+                                            exclude=skip, what="collection plugins")
     for meta in ("galaxy.yml", "meta/runtime.yml"):
         if (REPO / meta).is_file():
             entries.append(archive.LayerEntry(f"site/ansible_collections/coldsnap/fleet/{meta}", REPO / meta))
     engines = HERE / "integrations" / "coldsnap_engines"
     if engines.is_dir():
-        more, _ = archive.collect_tree(engines, "site/coldsnap_engines", exclude=skip, what="engine integrations")
+        more, _unused = archive.collect_tree(engines, "site/coldsnap_engines", exclude=skip, what="engine integrations")
         entries += more
     return entries
 
@@ -239,7 +238,7 @@ def console_scripts() -> dict[str, bytes]:
     data = tomllib.loads((REPO / "pyproject.toml").read_text())
     out = {}
     for name, target in sorted(data.get("project", {}).get("scripts", {}).items()):
-        module, _, func = target.partition(":")
+        module, _sep, func = target.partition(":")
         if not module.startswith("coldsnap_engines"):
             continue
         out[name] = (f"#!/usr/bin/python3\nimport sys\nfrom {module} import {func}\n"
@@ -318,7 +317,7 @@ def prune(client: Any, *, keep: str, name: str) -> list[str]:
 # ----------------------------------------------------------------------------- main
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n", maxsplit=1)[0])
     ap.add_argument("--base-only", action="store_true", help="build (or find) the base image only")
     ap.add_argument("--tag", default=DEFAULT_TAG, help="runtime image repository name (default %(default)s)")
     ap.add_argument("--base-tag", default=DEFAULT_BASE_TAG, help="base image repository name (default %(default)s)")

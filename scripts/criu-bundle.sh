@@ -5,7 +5,6 @@
 # Run OUTDIR/criu ... exactly like criu; it starts the bundled loader with the bundled libs.
 set -euo pipefail
 out=${1:?usage: criu-bundle.sh OUTDIR}
-here=$(cd "$(dirname "$0")/.." && pwd)
 src=$(command -v criu || true)
 [ -n "$src" ] || { echo "criu not installed; run scripts/install-system.sh first" >&2; exit 1; }
 src=$(readlink -f "$src")
@@ -14,7 +13,7 @@ cp "$src" "$out/bin/criu"
 loader=""
 while read -r line; do
   lib=$(echo "$line" | awk '/=>/ {print $3} !/=>/ && /^\// {print $1}')
-  [ -n "$lib" ] && [ -f "$lib" ] || continue
+  if [ -z "$lib" ] || [ ! -f "$lib" ]; then continue; fi
   cp -L "$lib" "$out/lib/"
   case "$lib" in */ld-linux*) loader=$(basename "$lib");; esac
 done < <(ldd "$src" | sed 's/^\s*//')

@@ -74,7 +74,7 @@ def reference() -> str:
                   "| field | type | required | default | meaning |", "| --- | --- | --- | --- | --- |"]
         rows: list[str] = []
         _children(doc, "$", rows)
-        lines += rows + [""]
+        lines += [*rows, ""]
     return "\n".join(lines)
 
 

@@ -22,7 +22,9 @@ case "${VERSION_CODENAME:-}" in
 esac
 
 need_apt=()
-for pkg in docker.io docker-registry debootstrap iproute2 procps xz-utils ca-certificates; do
+# The shellcheck package: without it the ansible-test sanity test "shellcheck" is skipped.
+for pkg in docker.io docker-registry debootstrap iproute2 procps xz-utils ca-certificates openssh-server openssh-client util-linux \
+           shellcheck; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need_apt+=("$pkg")
 done
 
@@ -79,7 +81,8 @@ debian_uri() {
 }
 
 build_criu_from_trixie_source() {
-  local prefix="$CACHE_DIR/criu-$CRIU_VERSION-$(patch_id)"
+  local prefix
+  prefix="$CACHE_DIR/criu-$CRIU_VERSION-$(patch_id)"
   if [ -x "$prefix/criu" ] && [ "$(criu_major "$prefix/criu")" -ge 4 ] 2>/dev/null; then
     log "using cached CRIU build $prefix/criu"
   else

@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Copyright: ColdSnap maintainers
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Ansible module coldsnap.fleet.artifact_commit."""
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ attributes:
     support: full
     description: The same artifact committed twice reports no change.
 author:
-  - ColdSnap maintainers
+  - ColdSnap maintainers (@coldsnap)
 """
 
 EXAMPLES = r"""
@@ -87,8 +88,15 @@ import hashlib
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import checked_request, run_guarded
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.commit import build_artifact, by_unit, commit_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
+    checked_request,
+    run_guarded,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.commit import (
+    build_artifact,
+    by_unit,
+    commit_artifact,
+)
 
 
 def main() -> None:

@@ -1,4 +1,7 @@
 #!/usr/bin/python
+# Copyright: ColdSnap maintainers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Ansible module coldsnap.fleet.capsule_build: build one launch unit's capsule on its capture host."""
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ description:
     cache is refused, as is model data (C(*.safetensors)) found in the inputs.
   - Never pushes; publication is M(coldsnap.fleet.capsule_publish).
   - The capsule id (Docker image id, or the OCI manifest digest) is returned for the artifact.
-author: ColdSnap maintainers
+author: ColdSnap maintainers (@coldsnap)
 attributes:
   check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
     details: Reports whether a capsule would be built; nothing is written.
   diff_mode:
+    description: Will return details on what has changed when in diff mode.
     support: none
   idempotent:
+    description: A second run with the same arguments reports no change.
     support: full
     details: Unchanged inputs find the capsule already built (OCI layouts are content-addressed;
       docker capsules have a content-derived image id, so the same inputs give the same id).

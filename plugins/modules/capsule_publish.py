@@ -1,4 +1,7 @@
 #!/usr/bin/python
+# Copyright: ColdSnap maintainers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Ansible module coldsnap.fleet.capsule_publish: verify, push and pull capsules by digest."""
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ description:
     and verifies them (manifest and layer digests, and for Docker the local image id equals the
     recorded id). Bytes that do not match fail the task and nothing is cached.
   - I(state=verified) only checks the local capsules against the descriptor.
-author: ColdSnap maintainers
+author: ColdSnap maintainers (@coldsnap)
 attributes:
   check_mode:
+    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
     details: Reports what would be pushed or pulled; contacts the registry read-only.
   diff_mode:
+    description: Will return details on what has changed when in diff mode.
     support: none
   idempotent:
+    description: A second run with the same arguments reports no change.
     support: full
     details: Publication is content-idempotent; a capsule the registry already serves is not pushed again, and a
       capsule already present and verified is not pulled again.

@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Copyright: ColdSnap maintainers
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Ansible module coldsnap.fleet.coordinator: the activation-scoped CSKV coordinator."""
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ notes:
   - The token never leaves the 0600 endpoint file; consumers on the host read that file.
   - See docs/coordinator.md in the collection for the CSKV v1 wire format.
 author:
-  - ColdSnap maintainers
+  - ColdSnap maintainers (@coldsnap)
 """
 
 EXAMPLES = r"""
@@ -98,11 +99,23 @@ endpoint:
   description: Where the coordinator listens (never the token). Null when it is not running.
   returned: always
   type: dict
-  sample:
-    address: 127.0.0.1
-    port: 40123
-    scope: op-20261129-0001
-    endpoint_file: /var/lib/coldsnap/runs/op-20261129-0001/coordinator.json
+  contains:
+    address:
+      description: IP address the coordinator listens on.
+      type: str
+      sample: 127.0.0.1
+    port:
+      description: TCP port the coordinator listens on.
+      type: int
+      sample: 40123
+    scope:
+      description: The operation id the coordinator serves.
+      type: str
+      sample: op-20261129-0001
+    endpoint_file:
+      description: Path of the 0600 endpoint descriptor (which holds the token).
+      type: str
+      sample: /var/lib/coldsnap/runs/op-20261129-0001/coordinator.json
 running:
   description: Whether the coordinator process runs (after the task).
   returned: always

@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Copyright: ColdSnap maintainers
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Ansible module coldsnap.fleet.host_facts."""
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ attributes:
     support: full
     description: Never changes anything.
 author:
-  - ColdSnap maintainers
+  - ColdSnap maintainers (@coldsnap)
 """
 
 EXAMPLES = r"""

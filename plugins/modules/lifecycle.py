@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Copyright: ColdSnap maintainers
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Ansible module coldsnap.fleet.lifecycle."""
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ attributes:
     support: full
     description: A second run reports no change.
 author:
-  - ColdSnap maintainers
+  - ColdSnap maintainers (@coldsnap)
 """
 
 EXAMPLES = r"""
@@ -79,7 +80,10 @@ units:
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import checked_request, run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
+    checked_request,
+    run_guarded,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.operations import lifecycle_units
 

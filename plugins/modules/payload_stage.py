@@ -1,6 +1,7 @@
 #!/usr/bin/python
 # Copyright: ColdSnap maintainers
-# Apache License 2.0 (see LICENSE)
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
 """Ansible module coldsnap.fleet.payload_stage."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ description:
     verification is quarantined and staged again.
   - Partial writes live under a temporary name; leftovers of a killed writer are removed on the next run.
 author:
-  - ColdSnap maintainers
+  - ColdSnap maintainers (@coldsnap)
 extends_documentation_fragment:
   - coldsnap.fleet.state
 options:

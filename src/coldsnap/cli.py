@@ -11,8 +11,9 @@ import importlib
 import os
 import sys
 
-from coldsnap import __version__
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, FormatError
+
+from coldsnap import __version__
 
 COMMAND_MODULES = (
     "capabilities",

@@ -79,11 +79,14 @@ def _bytes(n: int) -> str:
 
 
 def run_demo(*, preset: str, state_root: Path, port: int, tp: int, keep_running: bool, out=sys.stdout) -> int:
-    from coldsnap.runner import operation_extravars, run_playbook
     from coldsnap_engines.reference.config import PRESETS
     from coldsnap_engines.reference.weights import make_model
 
-    say = lambda msg: print(f"==> {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    from coldsnap.runner import operation_extravars, run_playbook
+
+    def say(msg: str) -> None:
+        print(f"==> {msg}", file=sys.stderr, flush=True)
+
     model_dir = state_root / "models" / f"reference-{preset}"
     say(f"reference model '{preset}' in {model_dir}")
     ident = make_model(model_dir, PRESETS[preset], model_id=f"coldsnap/reference-{preset}")
@@ -160,4 +163,3 @@ def _default_root() -> Path:
     from coldsnap.runner import default_state_root
 
     return Path(default_state_root())
-

@@ -39,7 +39,6 @@ def test_fault21_lock_timeout_leaves_the_process_unlocked_and_running():
 def test_fault22_cuda_restore_failure_is_reported():
     """Restore into a GPU without room for the checkpointed state fails clearly."""
     import torch
-
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
 

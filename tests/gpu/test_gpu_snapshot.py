@@ -24,11 +24,10 @@ def _port() -> int:
 
 @pytest.mark.parametrize("provider", ["native", "recovery"])
 def test_gpu_capture_restore(tmp_path, provider):
-    from coldsnap_engines.reference.config import PRESETS
-    from coldsnap_engines.reference.weights import make_model
-
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
+    from coldsnap_engines.reference.config import PRESETS
+    from coldsnap_engines.reference.weights import make_model
 
     model_dir = tmp_path / "model"
     ident = make_model(model_dir, PRESETS["small"], model_id="coldsnap/reference-small")

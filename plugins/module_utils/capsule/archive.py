@@ -411,7 +411,8 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
                     src = tar.extractfile(info)
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                     with os.fdopen(fd, "wb") as out:
-                        assert src is not None
+                        if src is None:  # a regular file member always has a reader
+                            raise AssertionError(f"tar member {info.name} has no data reader")
                         shutil.copyfileobj(src, out, CHUNK)
                     os.chmod(path, info.mode & 0o7777)
                     os.utime(path, (info.mtime, info.mtime), follow_symlinks=False)

@@ -286,7 +286,8 @@ def build_capsule(*, unit: str, capture_id: str, files: dict[str, Path] | Path, 
                                     cache_paths=cache_paths, forbidden_paths=forbidden_paths, layout=layout,
                                     base_image=base_image, oci_root=oci_root, labels=labels,
                                     cache_sources=cache_sources, client=client)
-    assert result.ref is not None
+    if result.ref is None:
+        raise AssertionError(f"capsule build of unit {unit!r} returned no reference")
     return result.ref
 
 
@@ -329,7 +330,7 @@ def build_capsule_detailed(*, unit: str, capture_id: str, files: dict[str, Path]
 
 def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: dict[str, str], root: Path,
                excluded: list[str], absent: list[str], dry_run: bool) -> CapsuleBuild:
-    entries = [e for _, tree in trees for e in tree]
+    entries = [e for _name, tree in trees for e in tree]
     key = canonical_sha256({"format": CAPSULE_FORMAT, "labels": labels, "entries": archive.entry_fingerprint(entries)})
 
     def finish(layer: oci.Descriptor) -> tuple[bytes, bytes]:
@@ -397,7 +398,7 @@ def _build_docker(*, unit: str, capture_id: str, trees: list[tuple[str, list[Lay
     client = dockerapi.docker_client(client)
     base = dockerapi.resolve_image(client, base_image, what=f"capsule base image of unit {unit!r}")
     name = docker_capsule_name(unit, capture_id)
-    entries = [e for _, tree in trees for e in tree]
+    entries = [e for _name, tree in trees for e in tree]
     # An upper layer's directory entry shadows the base's: parents are written with the base's own metadata.
     names = {e.arcname for e in entries}
     entries += _base_parent_dirs(client, base, [d for d in archive.parent_dirs(names) if d not in names], unit=unit)
@@ -700,7 +701,7 @@ def _extract_docker_state(ref: CapsuleRef, dest: Path, *, replace: bool, client:
     container = client.containers.create(ref.image_id, ["true"], network_disabled=True,
                                          labels={LABEL_KIND: "capsule-extract"})
     try:
-        stream, _ = container.get_archive(target)
+        stream, _stat = container.get_archive(target)
         return archive.safe_extract(_ChunkReader(stream), dest, select=select, replace=replace,
                                     what=f"state of docker capsule {ref.image_id} (unit {ref.unit!r})")
     finally:

@@ -90,7 +90,7 @@ def pinned_ref(name: str, image_id: str) -> str:
     """``name@sha256:<hex>`` for a local image id; a tag on ``name`` is dropped (it is mutable)."""
     ids.parse_digest(image_id, what="image id")
     name = name.split("@", 1)[0]
-    head, _, last = name.rpartition("/")
+    head, _sep, last = name.rpartition("/")
     if ":" in last:
         last = last.split(":", 1)[0]
     return f"{head + '/' if head else ''}{last}@{image_id}"
@@ -247,4 +247,3 @@ def add_file(tar: tarfile.TarFile, name: str, path: str | os.PathLike, *, mode: 
 
 def image_labels(image: Any) -> dict[str, str]:
     return dict(((image.attrs.get("Config") or {}).get("Labels")) or {})
-

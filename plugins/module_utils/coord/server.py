@@ -448,7 +448,8 @@ class CoordinatorServer:
             self._reply(conn, p.Status.UNAUTHORIZED)
             return
         header = conn.header
-        assert header is not None
+        if header is None:  # an invariant: the header is parsed before any body byte is read
+            raise AssertionError("CSKV connection has a body but no header")
         size = header.key_len + header.value_len
         if self._inflight + size > self.limits.max_inflight_bytes:
             self._reply(conn, p.Status.INTERNAL)  # transient: other bodies hold the budget
@@ -459,7 +460,8 @@ class CoordinatorServer:
 
     def _body_done(self, conn: _Conn) -> None:
         header = conn.header
-        assert header is not None
+        if header is None:  # an invariant: the header is parsed before any body byte is read
+            raise AssertionError("CSKV connection has a body but no header")
         body = bytes(conn.buf)
         conn.buf = bytearray()
         self._release(conn)
@@ -688,7 +690,8 @@ def _clamp_to_fd_limit(wanted: int) -> int:
 
 def _stderr_log(msg: str) -> None:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    print(f"{stamp} [{os.getpid()}] {msg}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"{stamp} [{os.getpid()}] {msg}\n")
+    sys.stderr.flush()
 
 
 def run_server_process(
@@ -807,4 +810,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

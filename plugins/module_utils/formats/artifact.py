@@ -32,7 +32,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema impo
     validate_document,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import ARTIFACT_FORMAT, ARTIFACT_KIND
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
+    ARTIFACT_FORMAT,
+    ARTIFACT_KIND,
+)
 
 PAYLOAD_PATH = r"model-payloads/sha256/[0-9a-f]{64}\.pack"
 REL_PATH = r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*"

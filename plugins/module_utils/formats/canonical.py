@@ -105,7 +105,7 @@ def _shortest_digits(x: float) -> tuple[str, int]:
     """Shortest round-tripping decimal digits and exponent: x == int(digits) * 10**exp."""
     r = repr(x)
     if "e" in r or "E" in r:
-        mant, _, e = r.lower().partition("e")
+        mant, _sep, e = r.lower().partition("e")
         exp = int(e)
     else:
         mant, exp = r, 0

@@ -14,7 +14,8 @@ DIGEST = r"sha256:" + SHA256_HEX
 ID = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 HOSTNAME = r"[A-Za-z0-9_][A-Za-z0-9._:-]{0,252}"
 # A docker reference name (registry/repo path, optional tag) followed by an immutable digest.
-IMAGE_NAME = r"(?:[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"
+IMAGE_NAME = (r"(?:[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+              r"(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?")
 IMAGE_REF = IMAGE_NAME + "@" + DIGEST
 REPOSITORY = r"(?:[a-z0-9]+(?:[._-][a-z0-9]+)*(?::[0-9]+)?/)?[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"
 # An immutable revision: a git commit id (SHA-1, 40 hex) or a SHA-256 object id (64 hex).
@@ -51,7 +52,7 @@ def split_image_ref(ref: str) -> tuple[str, str]:
     """``name[:tag]@sha256:hex`` -> (name without tag, digest)."""
     if not re.fullmatch(IMAGE_REF, ref):
         raise ColdSnapError(f"image reference {ref!r} is not digest-pinned", fix=IMAGE_REF_FIX)
-    name, _, digest = ref.partition("@")
+    name, _sep, digest = ref.partition("@")
     last = name.rsplit("/", 1)[-1]
     if ":" in last:
         name = name[: len(name) - len(last)] + last.split(":", 1)[0]

@@ -17,7 +17,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema impo
     validate_document,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import RECEIPT_FORMAT, RECEIPT_KIND
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
+    RECEIPT_FORMAT,
+    RECEIPT_KIND,
+)
 
 REPLAY_SEMANTICS = {
     "capture": "conflict-on-existing-output",

@@ -32,7 +32,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema impo
     validate_document,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import REQUEST_FORMAT, REQUEST_KIND
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
+    REQUEST_FORMAT,
+    REQUEST_KIND,
+)
 
 OPERATIONS = ("capture", "restore", "warm", "publish", "publish-native", "sleep", "wake", "status",
               "native-status", "delete")
@@ -235,7 +238,10 @@ def validate_request(value: Any, *, document: str = "request") -> dict:
 def cross_check(req: dict) -> list[FormatIssue]:
     """Rules that span fields: inventories, references, operation needs."""
     issues: list[FormatIssue] = []
-    add = lambda p, m, f: issues.append(FormatIssue(p, m, f))  # noqa: E731
+
+    def add(path: str, message: str, fix: str) -> None:
+        issues.append(FormatIssue(path, message, fix))
+
     launch = req["launch"]
     op = req["operation"]
     units = launch["units"]

@@ -28,7 +28,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema impo
     validate_document,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import TIMING_FORMAT, TIMING_KIND
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
+    TIMING_FORMAT,
+    TIMING_KIND,
+)
 
 EVENTS = ("span-start", "span-end", "mark", "envelope")
 ENVELOPE_KIND = "coldsnap-timing-envelope"
@@ -88,7 +91,8 @@ class SpanRecorder:
         except Exception:  # a broken live stream must never change the operation's result
             self.sink_broken = True
 
-    def _event(self, kind: str, name: str, span_id: str | None, parent: str | None, t_ns: int, attrs: dict) -> dict:
+    def _event(self, kind: str, name: str, t_ns: int, attrs: dict, *, span_id: str | None = None,
+               parent: str | None = None) -> dict:
         return {
             "format": TIMING_FORMAT, "kind": TIMING_KIND, "event": kind, "span_id": span_id, "parent_id": parent,
             "name": name, "host": self.host, "unit": self.unit, "clock": self.clock, "t_ns": t_ns,
@@ -108,7 +112,7 @@ class SpanRecorder:
         record = {"span_id": span_id, "parent_id": parent, "name": name, "host": self.host, "unit": self.unit,
                   "clock": self.clock, "start_ns": start, "end_ns": None, "wall_start_unix_ns": time.time_ns(),
                   "status": "ok", "attrs": dict(attrs)}
-        self._emit(self._event("span-start", name, span_id, parent, start, dict(attrs)))
+        self._emit(self._event("span-start", name, start, dict(attrs), span_id=span_id, parent=parent))
         stack.append(span_id)
         try:
             yield record
@@ -121,9 +125,10 @@ class SpanRecorder:
             record["end_ns"] = time.monotonic_ns()
             with self._lock:
                 self.spans.append(record)
-            self._emit(self._event("span-end", name, span_id, parent, record["end_ns"],
+            self._emit(self._event("span-end", name, record["end_ns"],
                                    {**record["attrs"], "status": record["status"],
-                                    "duration_ns": record["end_ns"] - start}))
+                                    "duration_ns": record["end_ns"] - start},
+                                   span_id=span_id, parent=parent))
 
     def start_span(self, name: str, *, parent_id: str | None = None, **attrs: Any) -> dict:
         """Open a span that :meth:`end_span` closes later (begin and end seen in different callbacks)."""
@@ -133,7 +138,7 @@ class SpanRecorder:
         record = {"span_id": span_id, "parent_id": parent_id, "name": name, "host": self.host, "unit": self.unit,
                   "clock": self.clock, "start_ns": start, "end_ns": None, "wall_start_unix_ns": time.time_ns(),
                   "status": "ok", "attrs": dict(attrs)}
-        self._emit(self._event("span-start", name, span_id, parent_id, start, dict(attrs)))
+        self._emit(self._event("span-start", name, start, dict(attrs), span_id=span_id, parent=parent_id))
         return record
 
     def end_span(self, record: dict, *, status: str = "ok", **attrs: Any) -> None:
@@ -143,9 +148,10 @@ class SpanRecorder:
         record["attrs"].update(attrs)
         with self._lock:
             self.spans.append(record)
-        self._emit(self._event("span-end", record["name"], record["span_id"], record["parent_id"], record["end_ns"],
+        self._emit(self._event("span-end", record["name"], record["end_ns"],
                                {**record["attrs"], "status": status,
-                                "duration_ns": record["end_ns"] - record["start_ns"]}))
+                                "duration_ns": record["end_ns"] - record["start_ns"]},
+                               span_id=record["span_id"], parent=record["parent_id"]))
 
     def add_span(self, name: str, start_ns: int, end_ns: int, **attrs: Any) -> None:
         """Record a span measured elsewhere on this same clock."""
@@ -162,7 +168,7 @@ class SpanRecorder:
         with self._lock:
             self.marks.append({"name": name, "clock": self.clock, "host": self.host, "unit": self.unit,
                                "t_ns": t, "wall_unix_ns": time.time_ns(), "attrs": attrs})
-        self._emit(self._event("mark", name, None, None, t, attrs))
+        self._emit(self._event("mark", name, t, attrs))
 
     def import_spans(self, spans: list[dict], marks: list[dict] | None = None) -> None:
         """Adopt spans recorded on another clock (a unit's), keeping their clock."""
@@ -170,9 +176,10 @@ class SpanRecorder:
             self.spans.extend(spans)
             self.marks.extend(marks or [])
         for s in spans:
-            self._emit({**self._event("span-end", s["name"], s["span_id"], s.get("parent_id"), s["end_ns"] or 0,
+            self._emit({**self._event("span-end", s["name"], s["end_ns"] or 0,
                                       {**s.get("attrs", {}), "imported": True,
-                                       "duration_ns": (s["end_ns"] or 0) - s["start_ns"]}),
+                                       "duration_ns": (s["end_ns"] or 0) - s["start_ns"]},
+                                      span_id=s["span_id"], parent=s.get("parent_id")),
                         "host": s.get("host"), "unit": s.get("unit"), "clock": s["clock"]})
 
     def envelope(self, operation_id: str) -> dict:
@@ -186,7 +193,7 @@ class SpanRecorder:
     def finish(self, operation_id: str) -> dict:
         """Emit the closing envelope event and return the envelope."""
         env = self.envelope(operation_id)
-        self._emit(self._event("envelope", "envelope", None, None, time.monotonic_ns(),
+        self._emit(self._event("envelope", "envelope", time.monotonic_ns(),
                                {"sha256": canonical_sha256(env), "spans": len(env["spans"])}))
         return env
 

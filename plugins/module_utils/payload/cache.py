@@ -212,7 +212,7 @@ class PackWriter:
     def __enter__(self) -> PackWriter:
         self.cache.ensure_dirs()
         final = self.cache.objects / (f"{self.expected_hex}.pack" if self.expected_hex else INCOMING)
-        for _ in range(5):
+        for _i in range(5):
             tmp = fsutil.temp_path_for(final)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -255,7 +255,8 @@ class PackWriter:
 
     def commit(self) -> CommitResult:
         """fsync, check size/digest, then make the object visible under its digest name."""
-        assert self.tmp is not None
+        if self.tmp is None:
+            raise AssertionError("PackWriter.commit() without an open temp file (use it as a context manager, commit once)")
         if self.size is not None and self.written != self.size:
             raise IntegrityError(f"{self.what}: wrote {self.written} bytes, expected {self.size}",
                                  fix="the source changed size while it was copied; run again")

@@ -143,7 +143,7 @@ class _Lane:
         self.stream = check(drv.cuStreamCreate(flags), "cuStreamCreate")
         self.bufs = [_Pinned(drv, chunk), _Pinned(drv, chunk)]
         ev_flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
-        self.events = [check(drv.cuEventCreate(ev_flags), "cuEventCreate") for _ in self.bufs]
+        self.events = [check(drv.cuEventCreate(ev_flags), "cuEventCreate") for _buf in self.bufs]
         self.slot = 0
         self.registered: list[tuple[Any, int]] = []  # (event, host address) of in-place registered chunks
 
@@ -208,7 +208,7 @@ class CudaSink:
             return
         self.ctx.make_current()
         try:
-            for _ in range(self.threads):
+            for _i in range(self.threads):
                 self.lanes.append(_Lane(self.drv, self.chunk))
         except BaseException:
             self.close()

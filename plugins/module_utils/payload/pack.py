@@ -316,7 +316,8 @@ def write_worker_payload(out_dir: Path, allocations: list[Allocation], model_ext
     pack_ref = None
     reused = False
     if export_pack:
-        assert cache is not None
+        if cache is None:
+            raise AssertionError("export_pack needs a node cache")
         result = _write_canonical_pack(cache, ordered, reader, crcs=crcs, expected_sha256=None, prog=prog)
         pack_ref, reused = result.pack, result.reused_existing
 

@@ -153,7 +153,8 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
 
 
 def _stage_local(cache: NodeCache, hexd: str, size: int, source: StageSource, progress: Progress | None) -> int:
-    assert source.path is not None
+    if source.path is None:
+        raise AssertionError("a local stage source has no path")
     try:
         src_fd = os.open(source.path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:

@@ -71,7 +71,7 @@ def _pipelined(fd: int, size: int, offset: int, consume: Callable[[memoryview], 
         return
     free: queue.Queue = queue.Queue()
     full: queue.Queue = queue.Queue()
-    for _ in range(_RING):
+    for _i in range(_RING):
         free.put(bytearray(min(chunk, size)))
     stop = threading.Event()
 

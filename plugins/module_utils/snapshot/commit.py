@@ -19,7 +19,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
     temp_path_for,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS, admit_driver
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import (
+    SNAPSHOT_DRIVERS,
+    admit_driver,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import identity, request_sha256
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
     ACTIVATION_RUNTIME_ABI,
@@ -31,7 +34,7 @@ ARTIFACT_FILE = "artifact.json"
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
 def build_artifact(request: dict, *, capture_id: str, evidence: dict[str, dict], facts: dict[str, dict],
@@ -128,7 +131,9 @@ def _rel(ref: dict, prefix: str) -> dict:
 
 
 def _same_except_times(a: dict, b: dict) -> bool:
-    strip = lambda d: {**d, "created_at": "", "acceptance": {**d["acceptance"], "validated_at": ""}}  # noqa: E731
+    def strip(d: dict) -> dict:
+        return {**d, "created_at": "", "acceptance": {**d["acceptance"], "validated_at": ""}}
+
     return strip(a) == strip(b)
 
 

@@ -15,7 +15,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError, ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    AdmissionError,
+    ColdSnapError,
+)
 
 MIN_MAJOR = 4
 # CRIU prints this on hosts whose bounding set lacks CAP_SYS_RESOURCE; it is harmless.
@@ -42,7 +45,7 @@ def find_criu(binary: str | None = None) -> Criu:
         raise ColdSnapError("CRIU is not installed on this host",
                             fix="run scripts/install-system.sh (installs CRIU >= 4) or set COLDSNAP_CRIU")
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run([path, "--version"], check=False, capture_output=True, text=True, timeout=30).stdout
     except OSError as exc:
         raise ColdSnapError(f"cannot run CRIU at {path}: {exc}", fix="check the binary and its libraries") from exc
     m = re.search(r"^Version:\s*(\S+)", out, re.M)
@@ -64,7 +67,7 @@ class CheckResult:
 
 def criu_check(criu: Criu) -> CheckResult:
     """Run ``criu check``; name the failing features when it fails."""
-    r = subprocess.run([criu.binary, "check"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([criu.binary, "check"], check=False, capture_output=True, text=True, timeout=120)
     out = (r.stdout + r.stderr).strip()
     lines = [ln for ln in out.splitlines() if ln.strip() and not any(h in ln for h in HARMLESS)]
     ok = r.returncode == 0 and "Looks good" in out
@@ -93,7 +96,7 @@ def log_errors(log_path: Path, limit: int = 8) -> list[str]:
 
 def _run(criu: Criu, args: list[str], log_path: Path, what: str, timeout: float) -> float:
     t0 = time.monotonic()
-    r = subprocess.run([criu.binary, *args], capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([criu.binary, *args], check=False, capture_output=True, text=True, timeout=timeout)
     elapsed = time.monotonic() - t0
     if r.returncode != 0:
         errs = log_errors(log_path) or [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()][-5:]

@@ -20,7 +20,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError, ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    AdmissionError,
+    ColdSnapError,
+)
 
 
 def _tree(root: Path) -> str:
@@ -69,10 +72,12 @@ def compute() -> str:
     return canonical_sha256(describe())
 
 
-def of_python(python: str) -> str:
-    """The environment digest of another interpreter on this host."""
+def of_python(python: str, *, describe_it: bool = False) -> str:
+    """The environment digest (or, with ``describe_it``, the description JSON) of another interpreter."""
     try:
-        r = subprocess.run([python, "-m", __name__], capture_output=True, text=True, timeout=120)
+        # -P: never put the current directory first on sys.path (it must not change the answer).
+        r = subprocess.run([python, "-P", "-m", __name__, *(["--describe"] if describe_it else [])],
+                           check=False, capture_output=True, text=True, timeout=120, cwd="/")
     except OSError as exc:
         raise ColdSnapError(f"cannot run the unit's Python {python}: {exc.strerror}",
                             fix="set coldsnap_python to the runtime environment's interpreter") from None
@@ -86,11 +91,15 @@ def require(expected: str, python: str, *, unit: str, host: str) -> None:
     """Refuse a host whose runtime environment differs from the one the request/artifact pins."""
     got = of_python(python)
     if got != expected:
+        here = json.loads(of_python(python, describe_it=True))
+        summary = (f"python {here['python']['version']}, {len(here['distributions'])} distributions, "
+                   f"code module_utils {str(here['code']['module_utils'])[:12]} engines {str(here['code']['engines'])[:12]}")
         raise AdmissionError(
-            f"unit {unit} on {host}: runtime environment {got} differs from the pinned {expected}",
-            fix="install the exact captured environment on the host (same Python and packages), "
-                "or recapture with 'coldsnap environment-digest' of this environment")
+            f"unit {unit} on {host}: runtime environment {got} differs from the pinned {expected} "
+            f"(this host has {summary})",
+            fix="install the exact captured environment on the host (same Python, packages and ColdSnap code; "
+                "`coldsnap environment-digest --describe` lists what is covered), or recapture")
 
 
 if __name__ == "__main__":
-    print(compute() if "--describe" not in sys.argv else json.dumps(describe(), indent=2))
+    sys.stdout.write((compute() if "--describe" not in sys.argv else json.dumps(describe(), indent=2)) + "\n")

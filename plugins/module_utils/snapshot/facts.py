@@ -48,7 +48,7 @@ def gpus() -> tuple[list[dict], str | None, str]:
     smi = shutil.which("nvidia-smi")
     if smi:
         r = subprocess.run([smi, "--query-gpu=index,name,compute_cap,memory.total,uuid,driver_version",
-                            "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=60)
+                            "--format=csv,noheader,nounits"], check=False, capture_output=True, text=True, timeout=60)
         if r.returncode == 0:
             out = []
             driver = None

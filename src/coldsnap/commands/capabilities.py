@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from coldsnap.commands._io import print_json
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capabilities import capabilities
+
+from coldsnap.commands._io import print_json
 
 
 def register(sub) -> None:

@@ -2,4 +2,6 @@
 
 from __future__ import annotations
 
-from coldsnap.demo import register_cli as register  # noqa: F401
+from coldsnap.demo import register_cli as register
+
+__all__ = ["register"]

@@ -5,12 +5,22 @@ from __future__ import annotations
 import json
 import sys
 
-from coldsnap.commands._io import print_json, read_input
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import engine_issues
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import artifact_json_schema, load_artifact
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import load_receipt, receipt_json_schema
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import load_request, request_json_schema
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
+    artifact_json_schema,
+    load_artifact,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import (
+    load_receipt,
+    receipt_json_schema,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
+    load_request,
+    request_json_schema,
+)
+
+from coldsnap.commands._io import print_json, read_input
 
 SCHEMAS = {"request": request_json_schema, "artifact": artifact_json_schema, "receipt": receipt_json_schema}
 

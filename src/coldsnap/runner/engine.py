@@ -393,9 +393,9 @@ def _run_locked(*, ansible_runner: Any, operation: str, operation_id: str, reque
     in_flight = collector.close_open_tasks("cancelled" if cancelled else "incomplete")
     succeeded = (controller_error is None and not cancelled and runner_status["status"] == "successful"
                  and rc == 0)
-    error = None if succeeded else _error(collector, cancelled=cancelled, in_flight=in_flight,
-                                         controller_error=controller_error, runner_status=runner_status["status"],
-                                         rc=rc)
+    error = None if succeeded else _error(
+        collector, cancelled=cancelled, in_flight=in_flight, controller_error=controller_error,
+        runner_status=runner_status["status"], rc=rc)
     recorder.end_span(op_span, status="ok" if succeeded else ("cancelled" if cancelled else "failed"),
                       runner_status=runner_status["status"], rc=rc)
     completed_at = dt.datetime.now(dt.UTC)

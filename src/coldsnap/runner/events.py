@@ -292,7 +292,7 @@ class EventCollector:
     def _stats(self, ed: Mapping[str, Any]) -> None:
         self.stats_seen = True
         hosts: set[str] = set()
-        for key, _ in (*STAT_KEYS, ("processed", "processed")):
+        for key, _label in (*STAT_KEYS, ("processed", "processed")):
             if isinstance(ed.get(key), Mapping):
                 hosts.update(ed[key])
         self.stats = {h: {out: int((ed.get(key) or {}).get(h, 0)) for key, out in STAT_KEYS} for h in sorted(hosts)}

@@ -54,10 +54,9 @@ def test_docker_capsule_holds_state_and_caches_but_never_the_pack(tmp_path, capt
     assert ref.bytes > 64 * 1024
     assert image.attrs["Config"]["Cmd"] == docker_client.images.get(runtime_image["image_id"]).attrs["Config"]["Cmd"]
 
-    out = docker_client.containers.run(ref.image_id, ["sh", "-c",
-                                       f"cd {TARGET} && find . | sort && stat -c %a tool.sh && "
-                                       "cat /root/.cache/vllm/torch_compile_cache/inductor/graph.py && "
-                                       "stat -c %a /root"], remove=True, network_mode="none").decode()
+    script = (f"cd {TARGET} && find . | sort && stat -c %a tool.sh && "
+              "cat /root/.cache/vllm/torch_compile_cache/inductor/graph.py && stat -c %a /root")
+    out = docker_client.containers.run(ref.image_id, ["sh", "-c", script], remove=True, network_mode="none").decode()
     listed = out.splitlines()
     assert "./criu/pages-1.img" in listed and "./weights.blob" in listed and "./replay-plan.json" in listed
     assert not any(x.endswith(".pack") for x in listed)
@@ -85,7 +84,7 @@ def test_docker_capsule_holds_state_and_caches_but_never_the_pack(tmp_path, capt
     ("/root/.cache/huggingface/hub", "Hugging Face"),
 ])
 def test_model_mounts_and_hf_caches_are_refused_before_docker_is_touched(tmp_path, capture_id, runtime_image, *,
-                                                                        docker_client, cache_path, message):
+                                                                         docker_client, cache_path, message):
     with pytest.raises(ColdSnapError, match=message):
         _build(tmp_path, capture_id, runtime_image["runtime_image"], cache_paths=[cache_path],
                cache_sources={cache_path: tmp_path})

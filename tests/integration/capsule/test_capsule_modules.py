@@ -25,21 +25,21 @@ def _build_args(tmp_path: Path, capture_id: str) -> dict:
 def test_capsule_build_module_check_mode_then_idempotent(tmp_path, capture_id):
     make_state(tmp_path)
     args = _build_args(tmp_path, capture_id)
-    checked, _ = run_module("capsule_build", args, "--check")
+    checked, _unused = run_module("capsule_build", args, "--check")
     assert checked["changed"] is True and not (tmp_path / "capsules").exists(), "check mode writes nothing"
-    first, _ = run_module("capsule_build", args)
+    first, _unused = run_module("capsule_build", args)
     assert first["changed"] is True and first["capsule"]["image_id"] == checked["capsule"]["image_id"]
     assert first["excluded"] == ["a" * 64 + ".pack"]
-    second, _ = run_module("capsule_build", args)
+    second, _unused = run_module("capsule_build", args)
     assert second["changed"] is False and second["capsule"] == first["capsule"]
-    again_checked, _ = run_module("capsule_build", args, "--check")
+    again_checked, _unused = run_module("capsule_build", args, "--check")
     assert again_checked["changed"] is False
 
 
 def test_capsule_build_module_refuses_a_model_mount_cache(tmp_path, capture_id):
     make_state(tmp_path)
     args = {**_build_args(tmp_path, capture_id), "cache_paths": ["/var/lib/coldsnap/models/m"]}
-    res, _ = run_module("capsule_build", args)
+    res, _unused = run_module("capsule_build", args)
     assert res.get("failed") is True and "overlaps the unit's mount" in res["msg"]
     assert not (tmp_path / "capsules").exists()
 
@@ -47,7 +47,7 @@ def test_capsule_build_module_refuses_a_model_mount_cache(tmp_path, capture_id):
 @pytest.mark.registry
 def test_capsule_publish_module_push_pull_idempotent_and_no_secret_in_output(tmp_path, capture_id, registry):
     make_state(tmp_path)
-    built, _ = run_module("capsule_build", _build_args(tmp_path, capture_id))
+    built, _unused = run_module("capsule_build", _build_args(tmp_path, capture_id))
     capsule = {**built["capsule"], "host": "localhost"}
     repo = f"{registry}/coldsnap/module-capsules"
     push = {"capsules": [capsule], "host": "localhost", "repository": repo, "registry_username": "ci",
@@ -65,23 +65,23 @@ def test_capsule_publish_module_push_pull_idempotent_and_no_secret_in_output(tmp
 
     restored = {**pushed["capsules"][0], "location": "elsewhere"}
     pull = {"state": "pulled", "capsules": [restored], "units": ["unit-0"], "oci_root": str(tmp_path / "host-b")}
-    would, _ = run_module("capsule_publish", pull, "--check")
+    would, _unused = run_module("capsule_publish", pull, "--check")
     assert would["changed"] is True and _tree(tmp_path / "host-b") == []
-    pulled, _ = run_module("capsule_publish", pull)
+    pulled, _unused = run_module("capsule_publish", pull)
     assert pulled["changed"] is True and pulled["actions"] == {"unit-0": "pulled"}
     assert pulled["capsules"][0]["location"] == str(tmp_path / "host-b" / "sha256" / capsule["image_id"][7:])
-    present, _ = run_module("capsule_publish", pull)
+    present, _unused = run_module("capsule_publish", pull)
     assert present["changed"] is False and present["actions"] == {"unit-0": "present"}
-    verified, _ = run_module("capsule_publish", {"state": "verified", "capsules": [pulled["capsules"][0]]})
+    verified, _unused = run_module("capsule_publish", {"state": "verified", "capsules": [pulled["capsules"][0]]})
     assert verified["changed"] is False and verified["actions"] == {"unit-0": "verified"}
 
 
 @pytest.mark.registry
 def test_capsule_publish_module_reports_a_rejected_push(tmp_path, capture_id, readonly_registry):
     make_state(tmp_path)
-    built, _ = run_module("capsule_build", _build_args(tmp_path, capture_id))
-    res, _ = run_module("capsule_publish", {"capsules": [built["capsule"]],
-                                            "repository": f"{readonly_registry}/coldsnap/c"})
+    built, _unused = run_module("capsule_build", _build_args(tmp_path, capture_id))
+    res, _unused = run_module("capsule_publish", {"capsules": [built["capsule"]],
+                                                  "repository": f"{readonly_registry}/coldsnap/c"})
     assert res.get("failed") is True and "405" in res["msg"] and "read-only" in res["msg"]
     assert "capsules" not in res or not any(c.get("repository_digest") for c in res["capsules"])
     assert os.path.isdir(built["capsule"]["location"]), "the local capsule is untouched"

@@ -31,7 +31,7 @@ def _labels(unit: str = "unit-0") -> dict[str, str]:
 
 
 def _count(state: Path) -> int:
-    for _ in range(50):
+    for _i in range(50):
         try:
             return int((state / "count").read_text())
         except (FileNotFoundError, ValueError):
@@ -51,8 +51,8 @@ def test_criu_dump_and_restore_inside_a_rank_container(tmp_path, runtime_image, 
     try:
         code, out = du.exec_in(c, ["criu", "check"])
         assert code == 0 and "Looks good" in out, out
-        code, out = du.exec_in(c, ["sh", "-c", f"setsid python3 -c \"{COUNTER}\" </dev/null >/dev/null 2>&1 & "
-                                              "echo $!"])
+        code, out = du.exec_in(c, ["sh", "-c",
+                                   f"setsid python3 -c \"{COUNTER}\" </dev/null >/dev/null 2>&1 & echo $!"])
         pid = out.strip()
         assert code == 0 and pid.isdigit(), out
         before = _count(state)
@@ -77,7 +77,7 @@ def test_criu_dump_and_restore_inside_a_rank_container(tmp_path, runtime_image, 
 
 
 def test_only_the_rank_container_is_privileged_and_names_labels_logs_are_canonical(tmp_path, runtime_image,
-                                                                                      docker_client):
+                                                                                   docker_client):
     policy = du.privilege_policy(docker_client, probe_image=runtime_image["runtime_image"])
     name = du.canonical_container_name("test", f"u{uuid.uuid4().hex[:6]}")
     log = tmp_path / "logs" / "unit.log"
@@ -158,7 +158,7 @@ def test_state_written_by_root_ends_up_owned_by_the_invoking_user(tmp_path, runt
     finally:
         du.remove_unit(c)
     before = _tree(state)
-    assert {owner for owner, _, _ in before.values() if owner != 0} == set(), "the unit wrote as root"
+    assert {owner for owner, _gid, _mode in before.values() if owner != 0} == set(), "the unit wrote as root"
     uid, gid = unprivileged_user.pw_uid, unprivileged_user.pw_gid
     shadow = os.stat("/etc/shadow")
 

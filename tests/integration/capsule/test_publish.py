@@ -170,7 +170,7 @@ def test_docker_capsule_round_trip(tmp_path, capture_id, registry, base_image, d
 
 
 def test_docker_push_rejected_by_a_read_only_registry(tmp_path, capture_id, readonly_registry, base_image,
-                                                     docker_client):
+                                                      docker_client):
     ref = _docker(tmp_path, capture_id, base_image["base_image"])
     repo = f"{readonly_registry}/coldsnap/docker-capsules"
     with pytest.raises(PublishError, match="registry refused the push") as err:
@@ -182,7 +182,7 @@ def test_docker_push_rejected_by_a_read_only_registry(tmp_path, capture_id, read
 
 @CORRUPTED
 def test_docker_pull_of_corrupted_bytes_fails_and_caches_nothing(tmp_path, capture_id, registry, *, base_image,
-                                                                docker_client, min_bytes):
+                                                                 docker_client, min_bytes):
     ref = _docker(tmp_path, capture_id, base_image["base_image"])
     repo_path = "coldsnap/docker-capsules"
     published = push_capsule(ref, f"{registry}/{repo_path}")

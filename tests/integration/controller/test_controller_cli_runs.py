@@ -92,7 +92,7 @@ def test_sigterm_cancels_and_still_writes_the_receipt(tmp_path: Path) -> None:
             raise AssertionError("the long task never started")
         time.sleep(0.3)
         os.kill(proc.pid, signal.SIGTERM)
-        _, stderr = proc.communicate(timeout=60)
+        _unused, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()

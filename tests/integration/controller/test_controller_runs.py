@@ -39,7 +39,7 @@ def success(tmp_path_factory):
 
 
 def test_success_receipt(success) -> None:
-    result, _ = success
+    result, _unused = success
     receipt = load_receipt(result.receipt_path.read_bytes())
     assert result.succeeded and result.exit_code == 0 and receipt["state"] == "succeeded"
     assert receipt["error"] is None
@@ -92,7 +92,7 @@ def test_success_timing(success) -> None:
 
 
 def test_private_data_dir_layout_and_modes(success) -> None:
-    result, _ = success
+    result, _unused = success
     run_dir = result.run_dir
     assert run_dir.parent.name == "runs" and run_dir.name == "op-20261129-0001"
     for d in (run_dir.parent, run_dir, run_dir / "env", run_dir / "inventory", run_dir / "artifacts",

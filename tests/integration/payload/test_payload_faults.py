@@ -187,7 +187,7 @@ def test_two_workers_staging_one_digest_converge_without_torn_bytes(tmp_path):
     cache = NodeCache(state)
     final = cache.path_for(digest)
     go = tmp_path / "go"
-    procs = [_child("stage", str(state), digest, str(size), str(src), "--go-file", str(go)) for _ in range(2)]
+    procs = [_child("stage", str(state), digest, str(size), str(src), "--go-file", str(go)) for _i in range(2)]
     seen: list[str] = []
     stop = threading.Event()
 

@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import environment
 
-import coldsnap  # noqa: F401
+import coldsnap  # noqa: F401  # pylint: disable=unused-import
 from coldsnap.demo import reference_request
 from coldsnap.runner import operation_extravars, run_playbook
-
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import environment
 
 
 def free_port() -> int:

@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import Workload, units_of
-
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
+from conftest import Workload, units_of
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
@@ -74,7 +73,7 @@ def test_capture_then_restore_native_and_recovery(tp, state_root, tiny_model, en
 def test_prepare_only_touches_nothing(state_root, tiny_model, env_digest):
     wl = Workload(state_root, tiny_model, env_digest, tp=1, name="prep")
     try:
-        artifact, _ = capture(wl)
+        artifact, _unused = capture(wl)
         first = restore(wl, artifact, mode="auto")
         running = wl.engines()
         assert len(running) == 1

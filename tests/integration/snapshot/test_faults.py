@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import socket
 import subprocess
 import time
@@ -73,7 +72,7 @@ def test_fault18_port_taken_fails_in_prepare(captured, state_root):
 
 def _spawn_with_pid(pid: int) -> subprocess.Popen:
     """Start a sleeper that gets exactly ``pid`` (root: steer the kernel's next pid)."""
-    for _ in range(50):
+    for _i in range(50):
         Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
         p = subprocess.Popen(["sleep", "120"])
         if p.pid == pid:
@@ -151,7 +150,7 @@ def test_corrupt_residual_fails_closed_and_leaves_no_process(captured, state_roo
 
 
 def test_capture_never_replaces_an_artifact(captured):
-    wl, artifact, art = captured
+    wl, artifact, _art = captured
     before = artifact.read_bytes()
 
     def same_output(req):

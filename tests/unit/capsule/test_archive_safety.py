@@ -149,7 +149,7 @@ def test_collect_tree_refuses_escaping_symlink_and_fifo(tmp_path: Path) -> None:
     src.mkdir()
     (src / "ok").write_text("ok")
     (src / "inside").symlink_to("ok")
-    entries, _ = archive.collect_tree(src, "var/lib/state")
+    entries, _unused = archive.collect_tree(src, "var/lib/state")
     assert [e.arcname for e in entries] == ["var/lib/state", "var/lib/state/inside", "var/lib/state/ok"]
     (src / "out").symlink_to("../elsewhere")
     with pytest.raises(ArchiveError, match="points outside"):
@@ -165,7 +165,7 @@ def test_written_layers_are_deterministic_and_round_trip(tmp_path: Path) -> None
     (src / "d").mkdir(parents=True)
     (src / "d" / "f").write_bytes(b"abc")
     os.link(src / "d" / "f", src / "g")
-    entries, _ = archive.collect_tree(src, "s")
+    entries, _unused = archive.collect_tree(src, "s")
     out1, out2 = io.BytesIO(), io.BytesIO()
     d1 = archive.write_layer(entries, out1)
     d2 = archive.write_layer(entries, out2)

@@ -38,14 +38,14 @@ def test_prepare_only_is_refused_for_capture(tmp_path, capsys, example_request_t
 
 def test_operation_must_match_the_verb(tmp_path, capsys, example_request_text) -> None:
     req = _write_request(tmp_path, example_request_text)
-    rc, _, err = _run(capsys, "restore", "--request-json", str(req), "--state-root", str(tmp_path / "state"))
+    rc, _unused, err = _run(capsys, "restore", "--request-json", str(req), "--state-root", str(tmp_path / "state"))
     assert rc == 2
     assert "is for operation 'capture', not 'restore'" in err and "coldsnap capture" in err
 
 
 def test_invalid_request_fails_before_anything_runs(tmp_path, capsys, example_request_text) -> None:
     req = _write_request(tmp_path, example_request_text, surprise=1)
-    rc, _, err = _run(capsys, "capture", "--request-json", str(req), "--state-root", str(tmp_path / "state"))
+    rc, _unused, err = _run(capsys, "capture", "--request-json", str(req), "--state-root", str(tmp_path / "state"))
     assert rc == 2 and "surprise" in err
     assert not (tmp_path / "state").exists()
 
@@ -54,15 +54,15 @@ def test_missing_collection_playbook_is_a_clear_error(tmp_path, capsys, example_
     # A collection tree without playbooks/ (as while the playbooks are being written).
     monkeypatch.setattr(contract, "collection_dir", lambda: tmp_path / "collection")
     req = _write_request(tmp_path, example_request_text)
-    rc, _, err = _run(capsys, "capture", "--request-json", str(req), "--state-root", str(tmp_path / "state"))
+    rc, _unused, err = _run(capsys, "capture", "--request-json", str(req), "--state-root", str(tmp_path / "state"))
     assert rc == 2
     assert "playbooks/capture.yml does not exist" in err and "--playbook" in err
 
 
 def test_missing_explicit_playbook(tmp_path, capsys, example_request_text) -> None:
     req = _write_request(tmp_path, example_request_text)
-    rc, _, err = _run(capsys, "capture", "--request-json", str(req), "--playbook", str(tmp_path / "nope.yml"),
-                      "--state-root", str(tmp_path / "state"))
+    rc, _unused, err = _run(capsys, "capture", "--request-json", str(req), "--playbook", str(tmp_path / "nope.yml"),
+                            "--state-root", str(tmp_path / "state"))
     assert rc == 2 and "nope.yml does not exist" in err
 
 
@@ -73,16 +73,16 @@ def test_missing_explicit_playbook(tmp_path, capsys, example_request_text) -> No
 ])
 def test_bad_extra_vars(tmp_path, capsys, example_request_text, arg, message) -> None:
     req = _write_request(tmp_path, example_request_text)
-    rc, _, err = _run(capsys, "capture", "--request-json", str(req), "-e", arg, "--state-root",
-                      str(tmp_path / "state"))
+    rc, _unused, err = _run(capsys, "capture", "--request-json", str(req), "-e", arg, "--state-root",
+                            str(tmp_path / "state"))
     assert rc == 2 and message in err
 
 
 def test_secret_env_must_exist(tmp_path, capsys, example_request_text, monkeypatch) -> None:
     monkeypatch.delenv("COLDSNAP_TEST_UNSET_VAR", raising=False)
     req = _write_request(tmp_path, example_request_text)
-    rc, _, err = _run(capsys, "capture", "--request-json", str(req), "--secret-env",
-                      "registry_password=COLDSNAP_TEST_UNSET_VAR", "--state-root", str(tmp_path / "state"))
+    rc, _unused, err = _run(capsys, "capture", "--request-json", str(req), "--secret-env",
+                            "registry_password=COLDSNAP_TEST_UNSET_VAR", "--state-root", str(tmp_path / "state"))
     assert rc == 2 and "COLDSNAP_TEST_UNSET_VAR is not set" in err
 
 

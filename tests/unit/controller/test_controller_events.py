@@ -34,7 +34,7 @@ def test_unit_timing_is_kept_on_its_clock_and_ids_are_prefixed() -> None:
 
 def test_unit_timing_fills_host_and_unit() -> None:
     payload = {"spans": [{"name": "unit.x", "clock": "unit:u7", "start_ns": 5, "end_ns": 9}]}
-    spans, _, problems = normalize_unit_timing(payload, host="h1", tag="t")
+    spans, _unused, problems = normalize_unit_timing(payload, host="h1", tag="t")
     assert problems == []
     assert spans[0]["host"] == "h1" and spans[0]["unit"] == "u7" and spans[0]["status"] == "ok"
 
@@ -56,7 +56,7 @@ def test_unit_timing_cannot_claim_the_controller_clock() -> None:
 def test_imported_spans_stream_valid_events() -> None:
     events: list[dict] = []
     rec = SpanRecorder("controller", sink=events.append)
-    spans, marks, _ = normalize_unit_timing(_unit_payload(), host="gpu-a", tag="x")
+    spans, marks, _unused = normalize_unit_timing(_unit_payload(), host="gpu-a", tag="x")
     rec.import_spans(spans, marks)
     assert len(events) == 2
     for e in events:

@@ -43,7 +43,7 @@ def test_serve_prints_the_public_endpoint_and_stops_cleanly(served, tmp_path) ->
 
 
 def test_health_set_get(served, capfdbinary) -> None:
-    endpoint_file, _, _ = served
+    endpoint_file, _unused, _unused2 = served
     ep = ["--endpoint-file", str(endpoint_file)]
     assert cli.main(["coordinator", "health", *ep]) == 0
     assert json.loads(capfdbinary.readouterr().out)["healthy"] is True
@@ -53,7 +53,7 @@ def test_health_set_get(served, capfdbinary) -> None:
 
 
 def test_set_from_stdin_and_get_binary(served, tmp_path) -> None:
-    endpoint_file, _, _ = served
+    endpoint_file, _unused, _unused2 = served
     ep = ["--endpoint-file", str(endpoint_file)]
     blob = bytes(range(256))
     base = [sys.executable, "-m", "coldsnap.cli", "coordinator"]
@@ -63,7 +63,7 @@ def test_set_from_stdin_and_get_binary(served, tmp_path) -> None:
 
 
 def test_get_missing_and_timeout_exit_2(served, capsys) -> None:
-    endpoint_file, _, _ = served
+    endpoint_file, _unused, _unused2 = served
     ep = ["--endpoint-file", str(endpoint_file)]
     assert cli.main(["coordinator", "get", *ep, "missing"]) == 2
     assert "not-found" in capsys.readouterr().err
@@ -77,7 +77,7 @@ def test_health_without_server_is_a_clear_error(tmp_path, capsys) -> None:
 
 
 def test_client_commands_print_no_token(served, capfd) -> None:
-    endpoint_file, _, _ = served
+    endpoint_file, _unused, _unused2 = served
     token = read_endpoint(endpoint_file).token
     ep = ["--endpoint-file", str(endpoint_file)]
     cli.main(["coordinator", "health", *ep])

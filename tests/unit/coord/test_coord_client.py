@@ -144,7 +144,7 @@ def test_non_cskv_peer_is_reported() -> None:
         listener.listen()
 
         def answer() -> None:
-            conn, _ = listener.accept()
+            conn, _addr = listener.accept()
             conn.recv(4096)
             conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
             conn.close()

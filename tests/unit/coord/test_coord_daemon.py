@@ -208,7 +208,7 @@ def test_materialized_code_runs_the_server_alone(tmp_path) -> None:
         CoordinatorClient.from_file(_wait_for(endpoint_file, proc)).health(wait_s=10)
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=30)
+        _unused, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert not endpoint_file.exists()  # removed on graceful stop
 

@@ -133,7 +133,7 @@ def test_token_never_in_repr_str_or_public(descriptor) -> None:
 
 
 def test_tokens_are_fresh_64_hex() -> None:
-    tokens = {new_token() for _ in range(100)}
+    tokens = {new_token() for _i in range(100)}
     assert len(tokens) == 100
     assert all(len(t) == 64 and set(t) <= set("0123456789abcdef") for t in tokens)
 

@@ -46,8 +46,8 @@ def server_process(tmp_path):
 
 
 def run_round(client: CoordinatorClient, round_no: int) -> tuple[list[int], list[str], list[str]]:
-    adds: list[list[int]] = [[] for _ in range(CLIENTS)]
-    appended: list[list[str]] = [[] for _ in range(CLIENTS)]
+    adds: list[list[int]] = [[] for _i in range(CLIENTS)]
+    appended: list[list[str]] = [[] for _i in range(CLIENTS)]
     failures: list[str] = []
     start = threading.Barrier(CLIENTS)
     stop_at = [0.0]

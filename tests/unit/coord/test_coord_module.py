@@ -38,7 +38,7 @@ def run_module(args: str, *extra: str) -> tuple[str, dict, str]:
     text = out.stdout + out.stderr
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("localhost | ")), None)
     assert line is not None, text
-    word, _, payload = line[len("localhost | "):].partition(" => ")
+    word, _sep, payload = line[len("localhost | "):].partition(" => ")
     return word.strip(), json.loads(payload), text
 
 
@@ -50,7 +50,7 @@ def endpoint_file(tmp_path) -> Path:
 
 
 def test_started_twice_status_and_stopped(endpoint_file) -> None:
-    word, first, _ = run_module(f"endpoint_file={endpoint_file} scope=op-mod")
+    word, first, _unused = run_module(f"endpoint_file={endpoint_file} scope=op-mod")
     assert word == "CHANGED" and first["changed"] and first["healthy"]
     assert first["endpoint"] == {"address": "127.0.0.1", "port": first["endpoint"]["port"], "scope": "op-mod",
                                  "endpoint_file": str(endpoint_file)}
@@ -58,41 +58,41 @@ def test_started_twice_status_and_stopped(endpoint_file) -> None:
     CoordinatorClient.from_file(endpoint_file).health()
     assert daemon.code_dir_for(endpoint_file).is_dir()
 
-    word, second, _ = run_module(f"endpoint_file={endpoint_file} scope=op-mod")
+    word, second, _unused = run_module(f"endpoint_file={endpoint_file} scope=op-mod")
     assert word == "SUCCESS" and not second["changed"] and second["pid"] == first["pid"]
 
-    word, status, _ = run_module(f"endpoint_file={endpoint_file} state=status")
+    word, status, _unused = run_module(f"endpoint_file={endpoint_file} state=status")
     assert not status["changed"] and status["running"] and status["endpoint"] == first["endpoint"]
 
-    word, stopped, _ = run_module(f"endpoint_file={endpoint_file} state=stopped")
+    word, stopped, _unused = run_module(f"endpoint_file={endpoint_file} state=stopped")
     assert word == "CHANGED" and stopped["changed"] and not stopped["running"]
     assert not endpoint_file.exists() and not daemon.code_dir_for(endpoint_file).exists()
-    word, again, _ = run_module(f"endpoint_file={endpoint_file} state=stopped")
+    word, again, _unused = run_module(f"endpoint_file={endpoint_file} state=stopped")
     assert word == "SUCCESS" and not again["changed"]
 
 
 def test_check_mode_changes_nothing(endpoint_file) -> None:
-    word, result, _ = run_module(f"endpoint_file={endpoint_file} scope=op-check", "--check")
+    word, result, _unused = run_module(f"endpoint_file={endpoint_file} scope=op-check", "--check")
     assert word == "CHANGED" and result["changed"] and not result["running"]
     assert not endpoint_file.exists() and not daemon.pid_file_for(endpoint_file).exists()
     assert not daemon.coordinator_status(endpoint_file).running
 
 
 def test_token_absent_from_verbose_output(endpoint_file) -> None:
-    _, started, text_start = run_module(f"endpoint_file={endpoint_file} scope=op-vvv", "-vvv")
+    _unused, started, text_start = run_module(f"endpoint_file={endpoint_file} scope=op-vvv", "-vvv")
     token = read_endpoint(endpoint_file).token
-    _, _, text_status = run_module(f"endpoint_file={endpoint_file} state=status", "-vvv")
-    _, _, text_again = run_module(f"endpoint_file={endpoint_file} scope=op-vvv", "-vvv")
+    _unused, _unused2, text_status = run_module(f"endpoint_file={endpoint_file} state=status", "-vvv")
+    _unused, _unused2, text_again = run_module(f"endpoint_file={endpoint_file} scope=op-vvv", "-vvv")
     for text in (text_start, text_status, text_again):
         assert token not in text
     assert started["endpoint"]["port"] > 0
 
 
 def test_errors_are_clear(endpoint_file) -> None:
-    word, result, _ = run_module(f"endpoint_file={endpoint_file}")
+    word, result, _unused = run_module(f"endpoint_file={endpoint_file}")
     assert word.startswith("FAILED") and "scope" in result["msg"]
     run_module(f"endpoint_file={endpoint_file} scope=op-a")
-    word, result, _ = run_module(f"endpoint_file={endpoint_file} scope=op-b")
+    word, result, _unused = run_module(f"endpoint_file={endpoint_file} scope=op-b")
     assert word.startswith("FAILED") and "stop the running coordinator first" in result["msg"]
-    word, result, _ = run_module(f"endpoint_file={endpoint_file}.2 scope=op-a address=localhost")
+    word, result, _unused = run_module(f"endpoint_file={endpoint_file}.2 scope=op-a address=localhost")
     assert word.startswith("FAILED") and "not an IP address" in result["msg"]

@@ -124,12 +124,12 @@ def test_oversized_requests_do_not_grow_memory(server) -> None:
     try:
         exchange(server, p.pack_request_header(p.Op.SET, token_len=0, key_len=0, value_len=p.U32_MAX))
         tracemalloc.reset_peak()
-        base, _ = tracemalloc.get_traced_memory()
+        base, _unused = tracemalloc.get_traced_memory()
         for field in ("token_len", "key_len", "value_len") * 10:
             lengths = {"token_len": 0, "key_len": 0, "value_len": 0, field: p.U32_MAX}
             header = p.pack_request_header(p.Op.SET, **lengths)
             assert exchange(server, header) == p.encode_response(p.Status.TOO_LARGE)
-        _, peak = tracemalloc.get_traced_memory()
+        _unused, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     # A buffer sized from any of those headers would be >= 1 KiB..4 GiB; allow only bookkeeping.
@@ -288,7 +288,7 @@ def test_blocking_get_wakes_every_waiter(server, client) -> None:
     def wait() -> None:
         results.append(client.get("ready", timeout=30))
 
-    threads = [threading.Thread(target=wait) for _ in range(5)]
+    threads = [threading.Thread(target=wait) for _i in range(5)]
     for t in threads:
         t.start()
     wait_until(lambda: server.stats().waiting_gets == 5, "five waiters")
@@ -335,7 +335,7 @@ def test_shutdown_finishes_requests_in_flight_and_refuses_new_ones(server) -> No
         wait_until(lambda: server.stats().connections == 1, "the connection")
         server.shutdown(wait=False)
         with pytest.raises(ConnectionRefusedError):
-            for _ in range(200):  # the listener closes as soon as the loop sees the request
+            for _i in range(200):  # the listener closes as soon as the loop sees the request
                 socket.create_connection((server.address, server.port), timeout=1).close()
                 time.sleep(0.01)
         sock.sendall(frame[10:])

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
-
-import coldsnap  # noqa: F401
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import engine_issues
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_json
@@ -18,6 +17,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
     validate_request,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
+
+import coldsnap  # noqa: F401  # pylint: disable=unused-import
 
 
 @pytest.fixture
@@ -33,11 +34,12 @@ def problems(value) -> dict[str, str]:
 
 
 def test_reference_request_and_shared_example_are_accepted(base, example_request_text):
-    from conftest import SHARED_EXAMPLES
+    # tests/conftest.py's SHARED_EXAMPLES; `from conftest import` would find whichever conftest came first
+    shared_examples = Path(__file__).resolve().parents[3].parent / "shared" / "examples"
 
     req = load_request(example_request_text)
     assert req["launch"]["units"][0]["id"] == "unit-0"
-    shared = SHARED_EXAMPLES / "request-capture-reference.json"
+    shared = shared_examples / "request-capture-reference.json"
     if shared.exists():  # the shape the project promises to keep valid
         load_request(shared.read_text())
 

@@ -103,7 +103,7 @@ def test_progress_line_on_a_tty(tmp_path):
                              "--sha256", digest, "--size", str(len(data))],
                             stdout=subprocess.PIPE, stderr=slave, text=True)
     os.close(slave)
-    out, _ = proc.communicate(timeout=120)
+    out, _unused = proc.communicate(timeout=120)
     tty = b""
     while True:
         try:

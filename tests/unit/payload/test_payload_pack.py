@@ -35,8 +35,9 @@ from payload_testlib import MODEL, TENSORS, capture, make_worker
 def test_same_bytes_in_any_order_or_address_give_one_digest(tmp_path):
     digests = set()
     names = list(TENSORS)
-    for i, (order, base) in enumerate([(names, 0x7F0000000000), (names[::-1], 0x10000),
-                                        (random.Random(5).sample(names, len(names)), 0x5550000000)]):
+    layouts = [(names, 0x7F0000000000), (names[::-1], 0x10000),
+               (random.Random(5).sample(names, len(names)), 0x5550000000)]
+    for i, (order, base) in enumerate(layouts):
         w = make_worker(tmp_path / f"w{i}", order=order, base=base)
         rng = random.Random(i)
         rng.shuffle(w.extents)  # observation order must not matter either

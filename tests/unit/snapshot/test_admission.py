@@ -6,11 +6,11 @@ import copy
 import json
 
 import pytest
-
-import coldsnap  # noqa: F401
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import admit_driver
 from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import admit_unit
+
+import coldsnap  # noqa: F401  # pylint: disable=unused-import
 
 H200 = {"index": 0, "model": "NVIDIA H200", "compute_capability": "9.0", "nvidia_driver": "580.159.04",
         "memory_mib": 143771}
@@ -77,12 +77,12 @@ def test_driver_floor_can_be_relaxed_but_not_the_contract_minimum(gpu_artifact):
 def test_exact_kernel_policy(gpu_artifact):
     art = copy.deepcopy(gpu_artifact)
     art["policy"]["compatibility"]["kernel"] = "exact"
-    with pytest.raises(AdmissionError, match="kernel 6.1.0 differs"):
+    with pytest.raises(AdmissionError, match=r"kernel 6\.1\.0 differs"):
         admit(art, facts(kernel="6.1.0"))
 
 
 def test_host_runtime_pins_the_criu_version(gpu_artifact):
-    with pytest.raises(AdmissionError, match="CRIU 4.2 differs"):
+    with pytest.raises(AdmissionError, match=r"CRIU 4\.2 differs"):
         admit(gpu_artifact, facts(criu={"installed": True, "version": "4.2", "check": True}))
 
 

@@ -38,10 +38,10 @@ class Timing:
         self.spans.append(rec)
 
         class _Ctx:
-            def __enter__(self_inner):
+            def __enter__(self):
                 return rec
 
-            def __exit__(self_inner, *exc):
+            def __exit__(self, *exc):
                 rec["end_ns"] = time.monotonic_ns()
                 return False
 
@@ -125,7 +125,7 @@ class Engine:
         out: list[int] = []
         tokens = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = 0
-        for _ in range(max_tokens):
+        for _i in range(max_tokens):
             logits = self.decoder.forward(tokens, pos, self.kv)
             logits[self.blocked] = float("-inf")
             nxt = int(torch.argmax(logits).item())

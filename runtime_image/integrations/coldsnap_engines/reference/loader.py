@@ -99,7 +99,10 @@ def load(model_dir: Path, config: ModelConfig, *, rank: int, world: int, device:
     from safetensors import safe_open
 
     if observe:
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import ModelExtent, TensorSource
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import (
+            ModelExtent,
+            TensorSource,
+        )
 
     model_dir = Path(model_dir)
     index = tensor_index(model_dir)

@@ -141,10 +141,10 @@ def make_control_handler(engine, token: str, state: dict):
         "/export": lambda b: engine.export(b["out_dir"], export_pack=bool(b.get("export_pack", True)),
                                            state_root=b.get("state_root"), model=b["model"]),
         "/release": lambda b: engine.release(),
-        "/resume": lambda b: engine.resume(b),
-        "/finish-warm": lambda b: engine.finish_warm(b),
+        "/resume": engine.resume,
+        "/finish-warm": engine.finish_warm,
         "/sleep": lambda b: engine.sleep(),
-        "/wake": lambda b: engine.wake(b),
+        "/wake": engine.wake,
     }
 
     class Handler(BaseHTTPRequestHandler):

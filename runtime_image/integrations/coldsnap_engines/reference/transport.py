@@ -59,7 +59,7 @@ class CoordinatorStore(dist.Store):
         # common "set if absent" case atomically enough for one-writer keys.
         current = self.client.try_get(self._k(key))
         exp = expected if isinstance(expected, bytes) else bytes(expected)
-        if current is None and not exp or current == exp:
+        if (current is None and not exp) or current == exp:
             self.set(key, desired)
             return bytes(desired) if not isinstance(desired, str) else desired.encode()
         return current if current is not None else exp

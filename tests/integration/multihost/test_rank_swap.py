@@ -1,0 +1,102 @@
+"""FAULTS 25 and the seeds' portability qualification on two managed hosts: a TP2 reference
+engine captured with rank 0 on host A and rank 1 on host B, restored with the ranks swapped.
+Each host has its own address, network namespace and state root; Ansible reaches them
+over ssh; the coordinator and gloo run over the bridge between them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import environment
+from netns_hosts import NetnsHosts
+
+import coldsnap  # noqa: F401  # pylint: disable=unused-import
+from coldsnap.demo import reference_request
+from coldsnap.runner import operation_extravars, run_playbook
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
+STATE_ROOT = Path("/var/lib/coldsnap-multihost")
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    if not shutil.which("sshd") and not Path("/usr/sbin/sshd").exists():
+        pytest.fail("openssh-server is required (scripts/install-system.sh installs it)")
+    nh = NetnsHosts(tmp_path_factory.mktemp("netns"), STATE_ROOT).up()
+    yield nh
+    nh.down()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from coldsnap_engines.reference.config import PRESETS
+    from coldsnap_engines.reference.weights import make_model
+
+    d = tmp_path_factory.mktemp("mh-model") / "reference-tiny"
+    return d, make_model(d, PRESETS["tiny"], model_id="coldsnap/reference-tiny")
+
+
+def tp2(operation: str, op_id: str, model, placement: tuple[str, str], **kw) -> dict:
+    model_dir, ident = model
+    req = reference_request(operation=operation, op_id=op_id, model_dir=model_dir, model=ident, port=18400,
+                            state_root=STATE_ROOT, env_digest=environment.compute(), tp=2, threads=1, **kw)
+    for unit, host in zip(req["launch"]["units"], placement, strict=True):
+        unit["host"] = host
+        unit["environment"]["GLOO_SOCKET_IFNAME"] = "eth0"
+    req["workload"]["recipe"] = "multihost-tp2"
+    return req
+
+
+def run(req: dict, inventory: dict, *, prepare_only: bool = False):
+    return run_playbook(operation=req["operation"], request=req, playbook=f"coldsnap.fleet.{req['operation']}",
+                        extravars=operation_extravars(req, prepare_only=prepare_only, state_root=STATE_ROOT),
+                        inventory=copy.deepcopy(inventory), state_root=STATE_ROOT, prepare_only=prepare_only)
+
+
+def test_tp2_capture_on_one_placement_restore_with_ranks_swapped(hosts, model):
+    inv = hosts.inventory(sys.executable)
+    cap = run(tp2("capture", "mh-capture", model, ("hosta", "hostb"),
+                  artifact_dir=STATE_ROOT / "artifacts" / "mh-capture"), inv)
+    assert cap.succeeded, cap.receipt["error"]
+    artifact = Path(cap.receipt["result"]["operation"]["artifact"])
+    art = json.loads(artifact.read_text())
+    assert [c["host"] for c in art["capsule"]["units"]] == ["hosta", "hostb"]
+    accepted = art["acceptance"]["reply"]
+
+    swapped = tp2("restore", "mh-restore", model, ("hostb", "hosta"), artifact=artifact)
+    res = run(swapped, inv)
+    assert res.succeeded, res.receipt["error"]
+    units = {u["unit"]: u for u in res.receipt["result"]["operation"]["units"]}
+    assert units["unit-0"]["host"] == "hostb" and units["unit-1"]["host"] == "hosta"
+    assert units["unit-0"]["reply"] == accepted
+    # Rank 0 now serves inside host B's network namespace; rank 1 runs on host A.
+    b, a = hosts.hosts[1], hosts.hosts[0]
+    out = hosts.run_on(b, "curl -s -m 30 127.0.0.1:18400/v1/completions -d "
+                          "'{\"prompt\": \"ColdSnap says:\", \"max_tokens\": 16}'")
+    assert json.loads(out.stdout)["choices"][0]["text"] == accepted
+    # Host B received unit-0's capsule and payload from host A through the control node.
+    staged = hosts.run_on(b, f"ls {STATE_ROOT}/model-payloads/sha256/ | grep -c pack$")
+    assert int(staged.stdout.strip() or 0) >= 1
+    assert hosts.run_on(a, "curl -s -m 5 127.0.0.1:18400/health").stdout == ""  # nothing serves on A now
+
+
+def test_fault25_unreachable_host_stops_before_eviction(hosts, model):
+    inv = hosts.inventory(sys.executable)
+    artifact = STATE_ROOT / "artifacts" / "mh-capture" / "artifact.json"
+    assert artifact.exists(), "needs the capture of the previous test"
+    before = {h.name: hosts.run_on(h, "pgrep -f coldsnap-reference-engine || true").stdout.split() for h in hosts.hosts}
+    assert any(before.values()), "the swapped restore should be running"
+    broken = copy.deepcopy(inv)
+    broken["all"]["hosts"]["hosta"]["ansible_host"] = "10.77.0.99"  # nobody there
+    broken["all"]["hosts"]["hosta"]["ansible_ssh_common_args"] += " -o ConnectTimeout=3"
+    res = run(tp2("restore", "mh-restore-unreachable", model, ("hostb", "hosta"), artifact=artifact), broken)
+    assert not res.succeeded
+    assert "hosta" in json.dumps(res.receipt["result"]["unreachable_hosts"])
+    assert "prepare" in res.receipt["error"]["phase"]
+    after = {h.name: hosts.run_on(h, "pgrep -f coldsnap-reference-engine || true").stdout.split() for h in hosts.hosts}
+    assert after == before, "no host may be evicted when one was unreachable during preparation"
