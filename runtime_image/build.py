@@ -216,6 +216,20 @@ def wheelhouse(cache: Path, python: str, arch: str) -> Path:
 
 # ----------------------------------------------------------------------------- context
 
+def plugin_dist_info(cache: Path) -> list[archive.LayerEntry]:
+    """``coldsnap_engines`` distribution metadata, so vLLM and SGLang discover the ColdSnap plugins
+    through their entry points inside the image (the code itself is plain files on sys.path)."""
+    sys.path.insert(0, str(HERE / "integrations"))
+    try:
+        from coldsnap_engines.common.distinfo import write_dist_info
+    finally:
+        sys.path.pop(0)
+    gen = cache / "distinfo"
+    shutil.rmtree(gen, ignore_errors=True)
+    d = write_dist_info(gen, COLDSNAP_VERSION)
+    return [archive.LayerEntry(f"site/{d.name}/{f.name}", f) for f in sorted(d.iterdir())]
+
+
 def site_entries() -> list[archive.LayerEntry]:
     """This collection's code as it appears below /opt/coldsnap/site (no caches, no activation runtime)."""
     def skip(rel: str) -> bool:
@@ -252,7 +266,7 @@ def runtime_build(client: Any, *, base: Any, cache: Path, criu: Path, criu_versi
     house = wheelhouse(cache, python, arch)
     wheels = sorted(house.glob("*.whl"))
     lock = (house / "requirements.lock").read_text()
-    entries = site_entries()
+    entries = site_entries() + plugin_dist_info(cache)
     scripts = console_scripts()
     pth = b"/opt/coldsnap/site\n/opt/coldsnap/python\n"
     dockerfile = (HERE / "Dockerfile").read_bytes()

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
-    atomic_writer,
     exclusive_commit,
     temp_path_for,
 )
@@ -148,16 +147,32 @@ def commit_artifact(artifact_dir: Path, artifact: dict) -> tuple[Path, bool]:
         raise ColdSnapError(
             f"{final} already holds artifact {existing.get('capture_id')!r}; capture never replaces an artifact",
             fix="choose a new output.artifact_dir (capture semantics: conflict-on-existing-output)")
-    artifact_dir.mkdir(parents=True, exist_ok=True)
+    write_exclusive(final, artifact)
+    return final, True
+
+
+def write_exclusive(final: Path, doc: dict) -> None:
+    """Write ``doc`` as JSON under ``final`` only when nothing is there yet.
+
+    The bytes go to a temporary name first (fsync), then an exclusive link makes them
+    visible: a crash leaves either nothing or the complete descriptor, and a descriptor
+    that appeared meanwhile is never replaced.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(final)
-    data = (json.dumps(artifact, indent=2, sort_keys=True) + "\n").encode()
-    with atomic_writer(tmp, mode=0o644) as fh:
-        fh.write(data)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write((json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())
+            fh.flush()
+            os.fsync(fh.fileno())
         exclusive_commit(tmp, final)
     except FileExistsError:
         raise ColdSnapError(f"{final} appeared while committing", fix="choose a new output.artifact_dir") from None
-    return final, True
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def load_committed(path: Path) -> dict:

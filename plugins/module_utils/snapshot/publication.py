@@ -28,16 +28,12 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     ColdSnapError,
     IntegrityError,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
-    atomic_writer,
-    exclusive_commit,
-    temp_path_for,
-)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
     load_artifact,
     validate_artifact,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.commit import write_exclusive
 
 ARTIFACT_FILE = "artifact.json"
 PUBLISHABLE_STATES = ("accepted", "published")
@@ -175,15 +171,7 @@ def commit_published(artifact_dir: Path, artifact: dict, *, source_path: Path,
                             fix="choose a new output.artifact_dir")
     if check_mode:
         return final, True
-    artifact_dir.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path_for(final)
-    data = (json.dumps(artifact, indent=2, sort_keys=True) + "\n").encode()
-    with atomic_writer(tmp, mode=0o644) as fh:
-        fh.write(data)
-    try:
-        exclusive_commit(tmp, final)
-    except FileExistsError:
-        raise ColdSnapError(f"{final} appeared while committing", fix="choose a new output.artifact_dir") from None
+    write_exclusive(final, artifact)
     return final, True
 
 

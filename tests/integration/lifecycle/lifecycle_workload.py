@@ -14,8 +14,8 @@ import coldsnap  # noqa: F401  # pylint: disable=unused-import
 from coldsnap.runner import operation_extravars, playbook_for, run_playbook
 from coldsnap.runner.inventory import local_host_vars
 
-_SNAPSHOT_CONFTEST = Path(__file__).resolve().parents[1] / "snapshot" / "conftest.py"
-_spec = importlib.util.spec_from_file_location("coldsnap_snapshot_conftest", _SNAPSHOT_CONFTEST)
+_SNAPSHOT_HARNESS = Path(__file__).resolve().parents[1] / "snapshot" / "snapshot_workload.py"
+_spec = importlib.util.spec_from_file_location("coldsnap_snapshot_workload", _SNAPSHOT_HARNESS)
 snapshot = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(snapshot)
 Workload = snapshot.Workload

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
-from conftest import Workload, units_of
+from snapshot_workload import Workload, units_of
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Workload
+from snapshot_workload import Workload
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 

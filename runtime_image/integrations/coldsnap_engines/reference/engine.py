@@ -11,41 +11,16 @@ import json
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from coldsnap_engines.common.lifecycle import EngineStateError, Timing
 from coldsnap_engines.reference import loader, tokenizer
 from coldsnap_engines.reference.config import ModelConfig
 from coldsnap_engines.reference.model import Decoder
 
 OP_GENERATE, OP_QUIESCE = 1, 2
-
-
-class EngineStateError(RuntimeError):
-    """The engine is not in a state that allows the requested transition."""
-
-
-@dataclass
-class Timing:
-    """Spans on this host's monotonic clock, returned to the activation runtime."""
-
-    spans: list
-
-    def span(self, name: str):
-        rec = {"name": name, "start_ns": time.monotonic_ns(), "end_ns": None, "attrs": {}}
-        self.spans.append(rec)
-
-        class _Ctx:
-            def __enter__(self):
-                return rec
-
-            def __exit__(self, *exc):
-                rec["end_ns"] = time.monotonic_ns()
-                return False
-
-        return _Ctx()
 
 
 def _malloc_trim() -> None:
@@ -82,7 +57,7 @@ class Engine:
         self.loaded: loader.LoadedWeights | None = None
         self.decoder: Decoder | None = None
         self.kv = None
-        self.timing = Timing([])
+        self.timing = Timing()
         self.blocked = torch.tensor(tokenizer.blocked_ids(), dtype=torch.long)
         self.restores = 0
         self.last_error: str | None = None
@@ -168,11 +143,11 @@ class Engine:
         if self.state not in states:
             raise EngineStateError(f"engine is {self.state!r}; this step needs {' or '.join(states)}")
 
-    def quiesce(self, barrier=None) -> dict:
+    def quiesce(self, body: dict | None = None) -> dict:
         """Stop serving, tear down the distributed transport, discard the KV cache."""
         with self.state_lock:
             self._expect("ready")
-            self.timing = Timing([])
+            self.timing = Timing()
             with self.gen_lock:
                 self.state = "quiescing"
                 with self.timing.span("engine.transport.release"):
@@ -190,8 +165,13 @@ class Engine:
             self.state = "quiesced"
             return {"spans": self.timing.spans}
 
-    def export(self, out_dir: str, *, export_pack: bool, state_root: str | None, model: dict) -> dict:
-        """Write residual + manifest + replay plan (+ the model pack) from resident arenas."""
+    def export(self, body: dict) -> dict:
+        """Write residual + manifest + replay plan (+ the model pack) from resident arenas.
+
+        ``body``: ``out_dir``, ``export_pack`` (default true), ``state_root``, ``model``.
+        """
+        out_dir, export_pack = body["out_dir"], bool(body.get("export_pack", True))
+        state_root, model = body.get("state_root"), body["model"]
         from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
         from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.pack import write_worker_payload
 
@@ -212,7 +192,7 @@ class Engine:
                 sp["attrs"]["model_bytes"] = result.model_bytes
             return {"payload": _payload_json(result), "spans": self.timing.spans}
 
-    def release(self) -> dict:
+    def release(self, body: dict | None = None) -> dict:
         """Free the weight memory (arenas keep their addresses) so the snapshot omits it."""
         with self.state_lock:
             self._expect("quiesced")
@@ -230,7 +210,7 @@ class Engine:
         hydrate (unless warm), re-create a zeroed KV cache."""
         with self.state_lock:
             self._expect("released")
-            self.timing = Timing([])
+            self.timing = Timing()
             self.restores += 1
             # The workload log was reset before CRIU ran: this marker is its first line.
             print(json.dumps({"coldsnap": "restore-boundary", "operation_id": spec.get("operation_id"),
@@ -286,14 +266,14 @@ class Engine:
         """Complete a warm restore: hydrate and open."""
         with self.state_lock:
             self._expect("warm")
-            self.timing = Timing([])
+            self.timing = Timing()
             return self._hydrate_and_open(spec)
 
-    def sleep(self) -> dict:
+    def sleep(self, body: dict | None = None) -> dict:
         """Level-1 sleep: discard KV and release weights; process and transport stay."""
         with self.state_lock:
             self._expect("ready")
-            self.timing = Timing([])
+            self.timing = Timing()
             with self.gen_lock, self.timing.span("engine.sleep"):
                 self.state = "sleeping"
                 self.kv = None
@@ -307,7 +287,7 @@ class Engine:
         """Re-create weights from the payload (or safetensors), zero KV, serve again."""
         with self.state_lock:
             self._expect("sleeping")
-            self.timing = Timing([])
+            self.timing = Timing()
             for a in self.loaded.arenas.values():
                 a.recreate()
             return self._hydrate_and_open(spec)

@@ -6,22 +6,22 @@ outlives a request — a snapshot never has to carry client connections.
 
 Control (every rank, 127.0.0.1 only, bearer token from a 0600 file): the steps the
 in-unit activation runtime drives — status, quiesce, export, release, resume,
-finish-warm, sleep, wake.
+finish-warm, sleep, wake — served by ``coldsnap_engines.common.control``.
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
 import json
 import os
-import secrets
 import sys
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from coldsnap_engines.common import control
 
 LOG_PREFIX = "[reference-engine]"
 
@@ -133,73 +133,6 @@ def make_serving_handler(engine):
     return Handler
 
 
-def make_control_handler(engine, token: str, state: dict):
-    from coldsnap_engines.reference.engine import EngineStateError
-
-    routes = {
-        "/quiesce": lambda b: engine.quiesce(),
-        "/export": lambda b: engine.export(b["out_dir"], export_pack=bool(b.get("export_pack", True)),
-                                           state_root=b.get("state_root"), model=b["model"]),
-        "/release": lambda b: engine.release(),
-        "/resume": engine.resume,
-        "/finish-warm": engine.finish_warm,
-        "/sleep": lambda b: engine.sleep(),
-        "/wake": engine.wake,
-    }
-
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.0"
-
-        def log_message(self, fmt, *args):
-            pass
-
-        def _authorized(self) -> bool:
-            got = self.headers.get("Authorization", "")
-            ok = hmac.compare_digest(got.encode(), f"Bearer {token}".encode())
-            if not ok:
-                _reply(self, 401, {"ok": False, "error": "unauthorized"})
-            return ok
-
-        def do_GET(self):
-            if not self._authorized():
-                return
-            if self.path == "/status":
-                _reply(self, 200, {"ok": True, **engine.status(), "pid": os.getpid(), **state})
-            else:
-                _reply(self, 404, {"ok": False, "error": f"no route {self.path}"})
-
-        def do_POST(self):
-            if not self._authorized():
-                return
-            fn = routes.get(self.path)
-            if fn is None:
-                _reply(self, 404, {"ok": False, "error": f"no route {self.path}"})
-                return
-            try:
-                result = fn(_json_body(self))
-                _reply(self, 200, {"ok": True, "state": engine.state, **(result or {})})
-            except EngineStateError as exc:
-                _reply(self, 409, {"ok": False, "error": str(exc), "state": engine.state})
-            except Exception as exc:
-                engine.last_error = f"{type(exc).__name__}: {exc}"
-                log(f"control {self.path} failed: {engine.last_error}")
-                _reply(self, 500, {"ok": False, "error": engine.last_error, "state": engine.state})
-
-    return Handler
-
-
-def write_control_file(path: Path, port: int, token: str) -> None:
-    """Where (and how) the activation runtime reaches this engine; mode 0600."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"port": port, "token": token, "pid": os.getpid()}, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def pick_device(requested: str) -> str:
     if requested != "auto":
         return requested
@@ -223,12 +156,8 @@ def serve(args: argparse.Namespace) -> int:
     device = pick_device(args.device)
     engine = Engine(Path(args.model), device=device, rank=rank, world=world,
                     served_model_name=args.served_model_name or Path(args.model).name, max_seq=args.max_seq)
-    control_file = os.environ.get("COLDSNAP_CONTROL_FILE")
-    if control_file:
-        token = secrets.token_hex(32)
-        ctl = _Server(("127.0.0.1", 0), make_control_handler(engine, token, {"unit": os.environ.get("COLDSNAP_UNIT")}))
-        threading.Thread(target=ctl.serve_forever, name="coldsnap-control", daemon=True).start()
-        write_control_file(Path(control_file), ctl.server_address[1], token)
+    # The loopback control API the activation runtime drives (shared by every integration).
+    control.start_from_env(engine)
     transport = Transport(rank=rank, world=world, device=device,
                           endpoint_file=os.environ.get("COLDSNAP_COORDINATOR"),
                           scope=os.environ.get("COLDSNAP_SCOPE", "local"))
