@@ -27,6 +27,7 @@ STATE_ROOT = Path("/var/lib/coldsnap-multihost")
 def hosts(tmp_path_factory):
     if not shutil.which("sshd") and not Path("/usr/sbin/sshd").exists():
         pytest.fail("openssh-server is required (scripts/install-system.sh installs it)")
+    shutil.rmtree(STATE_ROOT, ignore_errors=True)  # this test's own control-node state root
     nh = NetnsHosts(tmp_path_factory.mktemp("netns"), STATE_ROOT).up()
     yield nh
     nh.down()
@@ -58,18 +59,22 @@ def run(req: dict, inventory: dict, *, prepare_only: bool = False):
                         inventory=copy.deepcopy(inventory), state_root=STATE_ROOT, prepare_only=prepare_only)
 
 
-def test_tp2_capture_on_one_placement_restore_with_ranks_swapped(hosts, model):
+@pytest.fixture(scope="module")
+def swapped(hosts, model):
+    """Capture with rank 0 on host A and rank 1 on host B, then restore with the ranks swapped."""
     inv = hosts.inventory(sys.executable)
     cap = run(tp2("capture", "mh-capture", model, ("hosta", "hostb"),
                   artifact_dir=STATE_ROOT / "artifacts" / "mh-capture"), inv)
     assert cap.succeeded, cap.receipt["error"]
     artifact = Path(cap.receipt["result"]["operation"]["artifact"])
-    art = json.loads(artifact.read_text())
+    res = run(tp2("restore", "mh-restore", model, ("hostb", "hosta"), artifact=artifact), inv)
+    return artifact, json.loads(artifact.read_text()), res
+
+
+def test_tp2_capture_on_one_placement_restore_with_ranks_swapped(hosts, swapped):
+    _artifact, art, res = swapped
     assert [c["host"] for c in art["capsule"]["units"]] == ["hosta", "hostb"]
     accepted = art["acceptance"]["reply"]
-
-    swapped = tp2("restore", "mh-restore", model, ("hostb", "hosta"), artifact=artifact)
-    res = run(swapped, inv)
     assert res.succeeded, res.receipt["error"]
     units = {u["unit"]: u for u in res.receipt["result"]["operation"]["units"]}
     assert units["unit-0"]["host"] == "hostb" and units["unit-1"]["host"] == "hosta"
@@ -85,11 +90,11 @@ def test_tp2_capture_on_one_placement_restore_with_ranks_swapped(hosts, model):
     assert hosts.run_on(a, "curl -s -m 5 127.0.0.1:18400/health").stdout == ""  # nothing serves on A now
 
 
-def test_fault25_unreachable_host_stops_before_eviction(hosts, model):
+def test_fault25_unreachable_host_stops_before_eviction(hosts, model, swapped):
     inv = hosts.inventory(sys.executable)
-    artifact = STATE_ROOT / "artifacts" / "mh-capture" / "artifact.json"
-    assert artifact.exists(), "needs the capture of the previous test"
-    before = {h.name: hosts.run_on(h, "pgrep -f coldsnap-reference-engine || true").stdout.split() for h in hosts.hosts}
+    artifact, _art, res = swapped
+    assert res.succeeded, "needs the running swapped restore"
+    before = {h.name: hosts.run_on(h, "pgrep -f '[c]oldsnap-reference-engine' || true").stdout.split() for h in hosts.hosts}
     assert any(before.values()), "the swapped restore should be running"
     broken = copy.deepcopy(inv)
     broken["all"]["hosts"]["hosta"]["ansible_host"] = "10.77.0.99"  # nobody there
@@ -98,5 +103,5 @@ def test_fault25_unreachable_host_stops_before_eviction(hosts, model):
     assert not res.succeeded
     assert "hosta" in json.dumps(res.receipt["result"]["unreachable_hosts"])
     assert "prepare" in res.receipt["error"]["phase"]
-    after = {h.name: hosts.run_on(h, "pgrep -f coldsnap-reference-engine || true").stdout.split() for h in hosts.hosts}
+    after = {h.name: hosts.run_on(h, "pgrep -f '[c]oldsnap-reference-engine' || true").stdout.split() for h in hosts.hosts}
     assert after == before, "no host may be evicted when one was unreachable during preparation"
