@@ -124,6 +124,9 @@ class EngineHandle:
                                   "Connection": "close"})
             resp = conn.getresponse()
             data = json.loads(resp.read() or b"{}")
+            if "monotonic_ns" in data:
+                # Offset of the engine's clock from ours (a restored engine lives in a time namespace).
+                data["clock_offset_ns"] = time.monotonic_ns() - int(data["monotonic_ns"])
         except (OSError, http.client.HTTPException) as exc:
             if not self.alive():
                 raise self.failure(f"the engine died during {path}") from None

@@ -92,9 +92,11 @@ def process_memory(pid: int) -> dict:
 
 
 def _import_engine_spans(rec: SpanRecorder, reply: dict, worker: str) -> None:
+    """Adopt the engine's spans on the unit clock, shifted by the engine's clock offset."""
+    shift = int(reply.get("clock_offset_ns", 0))
     for s in reply.get("spans", []):
         if s.get("end_ns"):
-            rec.add_span(s["name"], s["start_ns"], s["end_ns"], worker=worker, **s.get("attrs", {}))
+            rec.add_span(s["name"], s["start_ns"] + shift, s["end_ns"] + shift, worker=worker, **s.get("attrs", {}))
 
 
 def _parallel(handles: list[EngineHandle], fn) -> list:

@@ -16,6 +16,7 @@ import os
 import secrets
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -32,7 +33,9 @@ class _Server(ThreadingHTTPServer):
 
 
 def _reply(handler: BaseHTTPRequestHandler, code: int, obj: dict) -> None:
-    body = json.dumps(obj, default=str).encode()
+    # The engine's own monotonic clock: a CRIU-restored process runs in a time namespace whose
+    # clock is offset from its host's, so the activation runtime aligns engine spans with this.
+    body = json.dumps({**obj, "monotonic_ns": time.monotonic_ns()}, default=str).encode()
     handler.send_response(code)
     handler.send_header("Content-Type", "application/json")
     handler.send_header("Content-Length", str(len(body)))

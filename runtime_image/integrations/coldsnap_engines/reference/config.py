@@ -93,7 +93,7 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384),
     "small": ModelConfig(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
-    "1g": ModelConfig(hidden=1024, layers=20, heads=8, kv_heads=4, intermediate=2816),
+    "1g": ModelConfig(hidden=1024, layers=22, heads=8, kv_heads=4, intermediate=2816),
     "1g-bf16": ModelConfig(hidden=2048, layers=11, heads=16, kv_heads=8, intermediate=5632, dtype="bfloat16"),
     "2g-bf16": ModelConfig(hidden=2048, layers=22, heads=16, kv_heads=8, intermediate=5632, dtype="bfloat16"),
     "4g-bf16": ModelConfig(hidden=3072, layers=22, heads=24, kv_heads=8, intermediate=8192, dtype="bfloat16"),
