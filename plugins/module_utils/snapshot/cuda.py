@@ -67,11 +67,50 @@ def checkpoint(pid: int, *, lock_timeout_ms: int = 30000) -> None:
         raise
 
 
-def restore(pid: int) -> None:
-    """Bring GPU state back after the CRIU restore (fatal for the process if it fails)."""
+def _uuid_string(raw: bytes) -> str:
+    h = bytes(raw).hex()
+    return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def _uuid_struct(cu, text: str):
+    """A CUuuid for an NVML-style ``GPU-xxxxxxxx-...`` string."""
+    u = cu.CUuuid()
+    u.bytes = bytes.fromhex(text.removeprefix("GPU-").replace("-", ""))
+    return u
+
+
+def device_uuids() -> list[str]:
+    """UUIDs (``GPU-...``) of the GPUs this process can see, in CUDA ordinal order."""
     cu = _driver()
     _init(cu)
-    _call(cu, f"cuCheckpointProcessRestore({pid})", cu.cuCheckpointProcessRestore(pid, None))
+    count = _call(cu, "cuDeviceGetCount", cu.cuDeviceGetCount())
+    out = []
+    for i in range(count):
+        dev = _call(cu, f"cuDeviceGet({i})", cu.cuDeviceGet(i))
+        out.append(_uuid_string(_call(cu, f"cuDeviceGetUuid({i})", cu.cuDeviceGetUuid(dev)).bytes))
+    return out
+
+
+def restore(pid: int, *, remap: dict[str, str] | None = None) -> None:
+    """Bring GPU state back after the CRIU restore (fatal for the process if it fails).
+
+    ``remap`` maps each checkpointed GPU's UUID to the GPU to restore it onto (same
+    chip type); the driver needs a pair for every checkpointed GPU once any moves.
+    """
+    cu = _driver()
+    _init(cu)
+    args = None
+    if remap and any(old != new for old, new in remap.items()):
+        args = cu.CUcheckpointRestoreArgs()
+        pairs = []
+        for old, new in remap.items():
+            pair = cu.CUcheckpointGpuPair()
+            pair.oldUuid = _uuid_struct(cu, old)
+            pair.newUuid = _uuid_struct(cu, new)
+            pairs.append(pair)
+        args.gpuPairs = pairs
+        args.gpuPairsCount = len(pairs)
+    _call(cu, f"cuCheckpointProcessRestore({pid})", cu.cuCheckpointProcessRestore(pid, args))
 
 
 def unlock(pid: int) -> None:

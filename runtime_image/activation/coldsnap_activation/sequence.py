@@ -68,6 +68,16 @@ def _engine_env(spec: UnitSpec, worker: dict) -> dict[str, str]:
     return env
 
 
+def unit_gpu_uuids(spec: UnitSpec, worker: dict) -> list[str]:
+    """UUIDs of the GPU(s) a worker of this unit uses, from the unit's device ordinals."""
+    devices = spec.unit.get("devices", [])
+    if worker.get("device_slot") is None or not devices:
+        return []
+    ordinals = [devices[worker["device_slot"]]]
+    visible = cuda_mod.device_uuids()
+    return [visible[o] for o in ordinals]
+
+
 def process_memory(pid: int) -> dict:
     """What a snapshot of ``pid`` is about to carry: anonymous RSS and GPU memory in use."""
     out: dict = {}
@@ -257,7 +267,9 @@ class Activation:
                 ctl_dir = self.unit_dir / "control"
                 ctl_dir.mkdir(mode=0o700, exist_ok=True)
                 atomic_write_json(ctl_dir / f"{wid}.json", h.control_info(), mode=0o600)
+                gpu_uuids = unit_gpu_uuids(spec, h.worker) if cuda_used[wid] else []
                 workers.append({"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
+                                "gpu_uuids": gpu_uuids,
                                 "listeners": [list(x) for x in listeners], "cuda": cuda_used[wid],
                                 "memory_at_checkpoint": memory[wid],
                                 "payload": payloads[wid], "criu": {"bytes": res.bytes, "dump_seconds": res.seconds}})
@@ -337,7 +349,9 @@ class Activation:
                 ctl_dir = self.unit_dir / "control"
                 ctl_dir.mkdir(mode=0o700, exist_ok=True)
                 atomic_write_json(ctl_dir / f"{wid}.json", h.control_info(), mode=0o600)
+                gpu_uuids = unit_gpu_uuids(spec, h.worker) if cuda else []
                 workers.append({"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
+                                "gpu_uuids": gpu_uuids,
                                 "listeners": [list(x) for x in listeners], "cuda": cuda,
                                 "memory_at_checkpoint": memory, "payload": payloads[wid],
                                 "criu": {"bytes": res.bytes, "dump_seconds": res.seconds}})
@@ -409,8 +423,12 @@ class Activation:
             with self.rec.span("unit.cuda.restore"):
                 for h in self.handles:
                     os.kill(h.pid, signal.SIGCONT)
-                    if by_worker[h.worker["id"]]["cuda"]:
-                        cuda_mod.restore(h.pid)
+                    cw = by_worker[h.worker["id"]]
+                    if cw["cuda"]:
+                        # The unit may run on other GPUs than at capture (placement): remap by UUID.
+                        now = unit_gpu_uuids(spec, h.worker)
+                        before = cw.get("gpu_uuids") or now
+                        cuda_mod.restore(h.pid, remap=dict(zip(before, now, strict=True)) if before != now else None)
                         cuda_mod.unlock(h.pid)
             self.phases.wait("restore/released", spec.timeout("phase", 600))
             with self.rec.span("unit.resume"):

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Tensor parallelism over NCCL on two GPUs: capture, restore, and restore with the ranks swapped.
+
+Standalone on a host with two NVIDIA GPUs (plain ``python3`` with torch + cuda-python, as root,
+CRIU as ``$COLDSNAP_CRIU`` or on PATH). Drives the per-host code the unit modules run, with
+the activation's CSKV coordinator: two units (rank 0 on GPU 0, rank 1 on GPU 1), NCCL torn
+down through the coordinator before the CUDA checkpoint of both ranks and the CRIU dump;
+restore rebuilds NCCL with fresh endpoints from a new coordinator and hydrates both ranks;
+the second restore swaps the ranks between the GPUs (CUDA restore remaps GPU UUIDs).
+NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends). Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_snapshot import REPO, kill_pid, pinned_h2d_gbps, setup_paths
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="4g-bf16")
+    ap.add_argument("--work", default="/tmp/coldsnap-tp2")
+    ap.add_argument("--port", type=int, default=18600)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    os.environ.update(NO_MULTICAST)
+    setup_paths()
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import daemon
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
+    from coldsnap_engines.reference.config import PRESETS
+    from coldsnap_engines.reference.weights import make_model
+
+    work = Path(args.work)
+    state = work / "state"
+    model_dir = work / f"model-{args.preset}"
+    ident = make_model(model_dir, PRESETS[args.preset], model_id=f"coldsnap/reference-{args.preset}")
+    env = {"OMP_NUM_THREADS": "4", "PYTHONPATH": os.environ["PYTHONPATH"], "NCCL_SOCKET_IFNAME": "lo",
+           **NO_MULTICAST}
+
+    def request(op_id: str, devices: tuple[int, int]) -> dict:
+        units, workers = [], []
+        for rank, dev in enumerate(devices):
+            units.append({"id": f"unit-{rank}", "index": rank, "host": "localhost", "devices": [dev],
+                          "command": [sys.executable, "-m", "coldsnap_engines.reference.server", "--model",
+                                      str(model_dir), "--port", str(args.port), "--device", "cuda"],
+                          "environment": env, "environment_digest": "sha256:" + "0" * 64,
+                          "mounts": [{"source": str(model_dir), "target": str(model_dir)}]})
+            workers.append({"id": f"worker-{rank}", "unit": f"unit-{rank}", "rank": rank, "device_slot": 0})
+        return validate_request({
+            "format": 4, "kind": "coldsnap-operation-request", "operation": "capture", "id": op_id,
+            "snapshot_driver": {"id": "n610"}, "output": {"artifact_dir": str(work / "artifact")},
+            "launch": {"engine": "reference", "runtime": "host",
+                       "model": {"id": ident["id"], "revision": ident["revision"],
+                                 "source": {"kind": "local-safetensors", "path": str(model_dir)}},
+                       "units": units,
+                       "execution": {"workers": workers, "groups": [{"kind": "tensor",
+                                                                     "workers": ["worker-0", "worker-1"]}],
+                                     "services": [{"id": "api", "unit": "unit-0", "port": args.port}],
+                                     "adapter": {"schema": "reference-v1", "digest": "sha256:" + "2" * 64}}},
+            "policy": {"process": {"backend": "cuda-criu"}, "weights": {"native": {"materialize": "off"}}},
+            "validation": {"prompt": "ColdSnap says:", "max_tokens": 16},
+            "workload": {"recipe": "gpu-tp2"},
+        })
+
+    def coordinator(scope: str) -> str:
+        ep = state / "runs" / scope / "coordinator.json"
+        daemon.start_coordinator(ep, scope=scope)
+        return str(ep)
+
+    def phases(ev: dict) -> dict:
+        return {s["name"]: round((s["end_ns"] - s["start_ns"]) / 1e9, 4) for s in ev["timing"]["spans"]
+                if s.get("end_ns")}
+
+    _d, adir, _c = activation.stage(REPO / "runtime_image" / "activation", state)
+    result: dict = {"preset": args.preset, "model_bytes_total": ident["bytes"]}
+    cap_req = request("tp2-capture", (0, 1))
+    ep = coordinator("tp2-capture")
+    t = time.time()
+    caps = unit.run_host_units(unit.build_specs(cap_req, host="localhost", operation="capture", capture_id="tp2",
+                                                state_root=state, coordinator_endpoint=ep),
+                               activation_dir=adir, run_dir=state / "runs" / "tp2-capture")
+    daemon.stop_coordinator(ep)
+    result["capture_wall_s"] = round(time.time() - t, 2)
+    cap0 = next(c for c in caps if c["unit"] == "unit-0")
+    result["cold"] = cap0["readiness"]
+    result["capture_phases"] = {c["unit"]: phases(c) for c in caps}
+    result["per_rank"] = {c["unit"]: {"model_bytes": c["workers"][0]["payload"]["model_bytes"],
+                                      "criu_image_bytes": c["workers"][0]["criu"]["bytes"],
+                                      "gpu_uuids": c["workers"][0]["gpu_uuids"],
+                                      "memory_at_checkpoint": c["workers"][0]["memory_at_checkpoint"]} for c in caps}
+    expected = cap0["acceptance_reply"]
+    result["reply"] = expected
+    weights = {"model_dir": str(model_dir), "materialize": "off", "workers": {}}
+    for c in caps:
+        pk = c["workers"][0]["payload"]["pack"]
+        weights["workers"][c["workers"][0]["worker"]] = {
+            "provider": "native", "pack": {"path": str(state / pk["path"]), "sha256": pk["sha256"], "size": pk["size"]}}
+    restores = []
+    for name, devices in (("same-gpus", (0, 1)), ("ranks-swapped", (1, 0))):
+        req = {**request(f"tp2-{name}", devices), "id": f"tp2-{name}"}
+        ep = coordinator(req["id"])
+        t = time.time()
+        evs = unit.run_host_units(unit.build_specs(req, host="localhost", operation="restore", capture_id="tp2",
+                                                   state_root=state, weights=weights, coordinator_endpoint=ep,
+                                                   validation={**req["validation"], "expected": expected}),
+                                  activation_dir=adir, run_dir=state / "runs" / req["id"])
+        daemon.stop_coordinator(ep)
+        ev0 = next(e for e in evs if e["unit"] == "unit-0")
+        restores.append({"name": name, "devices": list(devices), "wall_s": round(time.time() - t, 2),
+                         "readiness": ev0["readiness"], "reply_ok": ev0["reply"] == expected,
+                         "phases": {e["unit"]: phases(e) for e in evs}})
+        for e in evs:
+            kill_pid(e["workers"][0]["pid"])
+        time.sleep(1)
+    result["restores"] = restores
+    import torch
+
+    per_rank_bytes = max(v["model_bytes"] for v in result["per_rank"].values())
+    result["pinned_h2d_gbps"] = {}
+    for dev in (0, 1):
+        with torch.cuda.device(dev):
+            result["pinned_h2d_gbps"][dev] = round(pinned_h2d_gbps(per_rank_bytes), 2)
+    best = min(restores, key=lambda r: r["readiness"]["ttft_s"])
+    result["summary"] = {
+        "cold_ttft_s": result["cold"]["ttft_s"], "restore_ttft_s": best["readiness"]["ttft_s"],
+        "restore_over_cold_ttft": round(best["readiness"]["ttft_s"] / result["cold"]["ttft_s"], 4),
+        "hydration_gbps_per_rank": {u: round(result["per_rank"][u]["model_bytes"] / p["engine.hydrate"] / 1e9, 2)
+                                    for r in restores[:1] for u, p in r["phases"].items() if "engine.hydrate" in p},
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    sys.exit(main())
