@@ -61,14 +61,20 @@ def test_fault22_cuda_restore_failure_is_reported():
         p.wait()
 
 
-def test_checkpoint_restore_keeps_the_bytes():
+def test_checkpoint_restore_keeps_the_bytes_with_an_explicit_gpu_mapping():
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
 
     p = child("hold", 1)
     try:
+        uuid = cuda.device_uuids()[0]
+        assert uuid.startswith("GPU-") and len(uuid) == 40
+        from cuda.bindings import driver as cu
+
+        keep: list = []
+        assert cuda._uuid_string(cuda.uuid_struct(cu, uuid, keep).bytes) == uuid  # any UUID, not only local ones
         cuda.checkpoint(p.pid)
         assert cuda.state(p.pid) == "checkpointed"
-        cuda.restore(p.pid)
+        cuda.restore(p.pid, remap={uuid: uuid})  # the remap path, onto the same GPU
         cuda.unlock(p.pid)
         assert cuda.state(p.pid) == "running"
         time.sleep(0.3)

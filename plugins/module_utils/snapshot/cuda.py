@@ -7,6 +7,8 @@ released into host memory that CRIU then dumps) ... CRIU dump/restore ... restor
 
 from __future__ import annotations
 
+import os
+
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 
 
@@ -29,6 +31,8 @@ def _call(cu, what: str, result) -> object:
 
 
 def _init(cu) -> None:
+    # Device ordinals mean PCI bus order everywhere (NVML, the unit's CUDA_VISIBLE_DEVICES, here).
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     _call(cu, "cuInit", cu.cuInit(0))
 
 
@@ -72,11 +76,20 @@ def _uuid_string(raw: bytes) -> str:
     return f"GPU-{h[0:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
-def _uuid_struct(cu, text: str):
-    """A CUuuid for an NVML-style ``GPU-xxxxxxxx-...`` string."""
-    u = cu.CUuuid()
-    u.bytes = bytes.fromhex(text.removeprefix("GPU-").replace("-", ""))
-    return u
+def uuid_struct(cu, text: str, keep: list):
+    """A CUuuid for an NVML-style ``GPU-xxxxxxxx-...`` string (the GPU need not be on this host).
+
+    cuda-python's CUuuid has read-only fields, but wraps existing memory when given its
+    address: the 16 bytes live in a ctypes buffer that ``keep`` holds until the call is done.
+    """
+    import ctypes
+
+    raw = bytes.fromhex(text.removeprefix("GPU-").replace("-", ""))
+    if len(raw) != 16:
+        raise ColdSnapError(f"{text!r} is not a GPU UUID", fix="use the form GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx")
+    buf = ctypes.create_string_buffer(raw, 16)
+    keep.append(buf)
+    return cu.CUuuid(_ptr=ctypes.addressof(buf))
 
 
 def device_uuids() -> list[str]:
@@ -95,18 +108,19 @@ def restore(pid: int, *, remap: dict[str, str] | None = None) -> None:
     """Bring GPU state back after the CRIU restore (fatal for the process if it fails).
 
     ``remap`` maps each checkpointed GPU's UUID to the GPU to restore it onto (same
-    chip type); the driver needs a pair for every checkpointed GPU once any moves.
+    chip type); the driver needs a pair for every checkpointed GPU once any moves, so
+    callers pass the whole mapping (identity pairs included) or None.
     """
     cu = _driver()
     _init(cu)
     args = None
-    if remap and any(old != new for old, new in remap.items()):
+    if remap:
         args = cu.CUcheckpointRestoreArgs()
-        pairs = []
+        pairs, keep = [], []
         for old, new in remap.items():
             pair = cu.CUcheckpointGpuPair()
-            pair.oldUuid = _uuid_struct(cu, old)
-            pair.newUuid = _uuid_struct(cu, new)
+            pair.oldUuid = uuid_struct(cu, old, keep)
+            pair.newUuid = uuid_struct(cu, new, keep)
             pairs.append(pair)
         args.gpuPairs = pairs
         args.gpuPairsCount = len(pairs)

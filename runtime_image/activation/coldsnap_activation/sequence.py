@@ -62,6 +62,7 @@ def _engine_env(spec: UnitSpec, worker: dict) -> dict[str, str]:
         env["COLDSNAP_COORDINATOR"] = spec.coordinator["endpoint_file"]
     devices = spec.unit.get("devices", [])
     if worker.get("device_slot") is not None and devices:
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # ordinals as NVML and host_facts number them
         env["CUDA_VISIBLE_DEVICES"] = str(devices[worker["device_slot"]])
     elif not devices:
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
