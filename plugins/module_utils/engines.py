@@ -59,6 +59,8 @@ class EngineSpec:
     # Workers one activation may hold while the integration cannot release the transport (0 = any).
     max_workers: int = 0
     max_workers_reason: str = ""
+    # The n580 boundary on GPUs: a context-free pre-exec template (no CUDA context captured).
+    gpu_template_capture: bool = False
 
     def as_capability(self) -> dict:
         return {
@@ -241,6 +243,13 @@ def engine_issues(request: dict) -> list[FormatIssue]:
     launch = request["launch"]
     spec = ENGINES[launch["engine"]]
     issues: list[FormatIssue] = []
+    if (request["snapshot_driver"]["id"] == "n580" and not spec.gpu_template_capture
+            and any(u["devices"] for u in launch["units"])):
+        issues.append(FormatIssue(
+            "$.snapshot_driver.id",
+            f"engine {spec.name!r} has no pre-CUDA template capture, which snapshot driver n580 needs on GPU units",
+            "use snapshot driver n610 (initialized CUDA state), or n580 for CPU-only units",
+        ))
     native = request["policy"]["weights"]["native"]
     mat = native.get("materialize")
     if mat in ("async", "required") and not spec.canonical_writer:

@@ -225,3 +225,15 @@ def test_every_problem_is_reported_at_once(base):
     p = problems(base)
     assert {"$.format", "$.kind", "$.launch.engine"} <= set(p)
     assert "did you mean 'vllm'" in p["$.launch.engine"]
+
+
+def test_n580_on_gpu_units_needs_a_template_capture(base):
+    base["snapshot_driver"]["id"] = "n580"
+    base["policy"]["process"]["backend"] = "criu"
+    base["launch"]["units"][0]["devices"] = [0]
+    base["launch"]["execution"]["workers"][0]["device_slot"] = 0
+    issues = {i.path: i.message for i in engine_issues(validate_request(base))}
+    assert "pre-CUDA template capture" in issues["$.snapshot_driver.id"]
+    base["launch"]["units"][0]["devices"] = []
+    base["launch"]["execution"]["workers"][0]["device_slot"] = None
+    assert not engine_issues(validate_request(base))
