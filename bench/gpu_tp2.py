@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Tensor parallelism over NCCL on two GPUs: capture, restore, and restore with the ranks swapped.
 
 Standalone on a host with two NVIDIA GPUs (plain ``python3`` with torch + cuda-python, as root,
