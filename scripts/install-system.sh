@@ -45,25 +45,40 @@ fi
 criu_major() { "$1" --version 2>/dev/null | sed -n 's/^Version: \([0-9]*\).*/\1/p'; }
 patch_id() { cat "$here"/scripts/criu/*.patch | sha256sum | cut -c1-12; }
 
+mkdir -p "$CACHE_DIR"
+PROBE_LOG="$CACHE_DIR/criu-probe.log"
+: >"$PROBE_LOG"
+
 criu_socket_probe() {
   # Dump (leave running) a process that listens on TCP: the case inference servers hit.
-  local bin=$1 dir pid rc
+  # Its stdio is /dev/null, as an engine's is: this script's own stdio may be a socket
+  # to a job runner, which CRIU rightly refuses to dump as an external unix socket.
+  local bin=$1 dir pid rc=0
   dir=$(mktemp -d)
-  python3 -c 'import socket,time; s=socket.socket(); s.bind(("127.0.0.1",0)); s.listen(); time.sleep(60)' &
+  python3 -c 'import socket,time; s=socket.socket(); s.bind(("127.0.0.1",0)); s.listen(); time.sleep(60)' \
+    </dev/null >/dev/null 2>&1 &
   pid=$!
   sleep 0.3
-  "$bin" dump -t "$pid" -D "$dir" --leave-running --shell-job -o dump.log >/dev/null 2>&1
-  rc=$?
-  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+  "$bin" dump -t "$pid" -D "$dir" --leave-running --shell-job -o dump.log </dev/null >/dev/null 2>&1 || rc=$?
+  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
+  if [ "$rc" -ne 0 ]; then
+    { echo "== criu dump of a TCP listener failed (rc $rc) with $bin"; grep -E 'Error|Warn' "$dir/dump.log" 2>/dev/null | tail -20; } >>"$PROBE_LOG"
+  fi
   rm -rf "$dir"
-  return $rc
+  return "$rc"
 }
 
 have_good_criu() {
-  local bin
-  bin=$(command -v criu 2>/dev/null) || return 1
-  [ "$(criu_major "$bin")" -ge 4 ] 2>/dev/null || return 1
-  "$bin" check >/dev/null 2>&1 || return 1
+  local bin out
+  bin=$(command -v criu 2>/dev/null) || { echo "== no criu on PATH" >>"$PROBE_LOG"; return 1; }
+  if ! [ "$(criu_major "$bin")" -ge 4 ] 2>/dev/null; then
+    echo "== $bin is not CRIU >= 4: $("$bin" --version 2>&1 | head -2 | tr '\n' ' ')" >>"$PROBE_LOG"
+    return 1
+  fi
+  if ! out=$("$bin" check 2>&1 </dev/null); then
+    { echo "== $bin check failed"; printf '%s\n' "$out" | tail -20; } >>"$PROBE_LOG"
+    return 1
+  fi
   criu_socket_probe "$bin"
 }
 
@@ -126,7 +141,11 @@ else
   fi
   have_good_criu || build_criu_from_trixie_source
   hash -r
-  have_good_criu || { echo "CRIU >= 4 that can dump TCP sockets could not be installed (see $CACHE_DIR)" >&2; exit 1; }
+  have_good_criu || {
+    echo "CRIU >= 4 that can dump TCP sockets could not be installed; what the probes saw ($PROBE_LOG):" >&2
+    cat "$PROBE_LOG" >&2
+    exit 1
+  }
 fi
 
 # ---------------------------------------------------------------- dockerd
