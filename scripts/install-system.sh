@@ -24,6 +24,7 @@ esac
 need_apt=()
 # The shellcheck package: without it the ansible-test sanity test "shellcheck" is skipped.
 for pkg in docker.io docker-registry debootstrap iproute2 procps xz-utils ca-certificates openssh-server openssh-client util-linux \
+           python3 python3-venv \
            shellcheck; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need_apt+=("$pkg")
 done
