@@ -10,6 +10,8 @@ CRIU_VERSION=4.1.1
 CACHE_DIR=${COLDSNAP_CACHE_DIR:-/var/cache/coldsnap}
 here=$(cd "$(dirname "$0")/.." && pwd)
 log() { printf '[install-system] %s\n' "$*" >&2; }
+# The patched CRIU goes to /usr/local/sbin: make sure this script (and its probes) find it.
+export PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}"
 
 if [ "$(id -u)" -ne 0 ]; then
   echo "install-system.sh must run as root (it installs Debian packages and starts dockerd)" >&2
@@ -97,17 +99,20 @@ debian_uri() {
 }
 
 build_criu_from_trixie_source() {
+  # $1 = "fresh": ignore a cached build (one that failed the probes on this machine).
   local prefix
   prefix="$CACHE_DIR/criu-$CRIU_VERSION-$(patch_id)"
-  if [ -x "$prefix/criu" ] && [ "$(criu_major "$prefix/criu")" -ge 4 ] 2>/dev/null; then
+  # The build dependencies also bring the libraries a cached binary links against
+  # (the cache may outlive the machine's packages).
+  apt_update
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    build-essential pkg-config libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev \
+    protobuf-compiler python3-protobuf libnl-3-dev libnet1-dev libcap-dev libaio-dev \
+    libbsd-dev libgnutls28-dev libnftables-dev uuid-dev dpkg-dev patch >/dev/null
+  if [ "${1:-}" != fresh ] && [ -x "$prefix/criu" ] && [ "$(criu_major "$prefix/criu")" -ge 4 ] 2>/dev/null; then
     log "using cached CRIU build $prefix/criu"
   else
     log "building CRIU $CRIU_VERSION from Debian's trixie source with ColdSnap's patches"
-    apt_update
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      build-essential pkg-config libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev \
-      protobuf-compiler python3-protobuf libnl-3-dev libnet1-dev libcap-dev libaio-dev \
-      libbsd-dev libgnutls28-dev libnftables-dev uuid-dev dpkg-dev patch >/dev/null
     local uri list=/etc/apt/sources.list.d/coldsnap-trixie-src.list
     uri=$(debian_uri)
     echo "deb-src $uri trixie main" > "$list"
@@ -140,8 +145,8 @@ else
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends criu >/dev/null
     hash -r
   fi
-  have_good_criu || build_criu_from_trixie_source
-  hash -r
+  have_good_criu || { build_criu_from_trixie_source; hash -r; }
+  have_good_criu || { log "the cached CRIU build failed the probes; rebuilding it"; build_criu_from_trixie_source fresh; hash -r; }
   have_good_criu || {
     echo "CRIU >= 4 that can dump TCP sockets could not be installed; what the probes saw ($PROBE_LOG):" >&2
     cat "$PROBE_LOG" >&2
