@@ -24,10 +24,13 @@ case "${VERSION_CODENAME:-}" in
 esac
 
 need_apt=()
+# Debian 13 split the docker client out of docker.io (a Recommends we do not install).
+docker_cli=()
+[ "${VERSION_CODENAME:-}" = bookworm ] || docker_cli=(docker-cli)
 # The shellcheck package: without it the ansible-test sanity test "shellcheck" is skipped.
 for pkg in docker.io docker-registry debootstrap iproute2 procps xz-utils ca-certificates openssh-server openssh-client util-linux \
            python3 python3-venv \
-           shellcheck; do
+           shellcheck "${docker_cli[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need_apt+=("$pkg")
 done
 
