@@ -192,11 +192,24 @@ def wheelhouse(cache: Path, python: str, arch: str) -> Path:
     tmp.mkdir(parents=True)
     pyver = python.replace(".", "")
     plats = [f"manylinux_2_{n}_{platform_tag}" for n in (28, 27, 17)] + [f"manylinux2014_{platform_tag}"]
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", str(tmp), "--only-binary=:all:",
-           "--python-version", python, "--implementation", "cp", "--abi", f"cp{pyver}", "--abi", "abi3",
-           "--abi", "none"] + [a for p in plats for a in ("--platform", p)] + ["-r", str(req), "pip"]
+
+    def download(requirements: Path) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", str(tmp), "--only-binary=:all:",
+               "--python-version", python, "--implementation", "cp", "--abi", f"cp{pyver}", "--abi", "abi3",
+               "--abi", "none"] + [a for p in plats for a in ("--platform", p)] + ["-r", str(requirements), "pip"]
+        return subprocess.run(cmd, check=False, capture_output=True, text=True)
+
     log("downloading the pinned wheels (first build only; torch comes from PIP_FIND_LINKS)")
-    r = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    r = download(req)
+    if r.returncode != 0 and "+cpu" in r.stderr:
+        # No CPU build of the pinned torch for this suite's Python (the local wheel directory
+        # carries one Python's): take PyPI's default build of the same release instead.
+        log(f"no CPU build of torch for Python {python} here; using PyPI's default build of the same "
+            "release (with its CUDA libraries: several GB, first build only)")
+        fallback = tmp / "requirements-pypi.txt"
+        fallback.write_text(re.sub(r"\+cpu\b", "", req.read_text()))
+        r = download(fallback)
+        fallback.unlink()
     if r.returncode != 0:
         raise ColdSnapError(f"pip download of the runtime wheels failed: {r.stderr.strip()[-800:]}",
                             fix="check PIP_FIND_LINKS (the CPU torch wheel) and PyPI access")

@@ -11,7 +11,7 @@ CACHE_DIR=${COLDSNAP_CACHE_DIR:-/var/cache/coldsnap}
 here=$(cd "$(dirname "$0")/.." && pwd)
 log() { printf '[install-system] %s\n' "$*" >&2; }
 # The patched CRIU goes to /usr/local/sbin: make sure this script (and its probes) find it.
-export PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin${PATH:+:$PATH}"
+export PATH="/usr/local/sbin${PATH:+:$PATH}:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 if [ "$(id -u)" -ne 0 ]; then
   echo "install-system.sh must run as root (it installs Debian packages and starts dockerd)" >&2
