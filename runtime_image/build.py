@@ -191,7 +191,7 @@ def wheelhouse(cache: Path, python: str, arch: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     pyver = python.replace(".", "")
-    plats = [f"manylinux_2_{n}_{platform_tag}" for n in (28, 27, 17)] + [f"manylinux2014_{platform_tag}"]
+    plats = [f"manylinux_2_{n}_{platform_tag}" for n in range(28, 16, -1)] + [f"manylinux2014_{platform_tag}"]
 
     def download(requirements: Path) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", str(tmp), "--only-binary=:all:",
