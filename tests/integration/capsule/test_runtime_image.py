@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from capsule_helpers import build_runtime_image
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+PINNED_TORCH = next(line.split("==")[1].strip() for line in
+                    (Path(__file__).resolve().parents[3] / "runtime_image" / "requirements.txt").read_text().splitlines()
+                    if line.startswith("torch=="))
 
 
 def _run(client, image_id: str, script: str) -> str:
@@ -37,13 +42,16 @@ def test_runtime_image_carries_the_pinned_runtime_and_not_the_activation_runtime
         "ls -A /opt/coldsnap/activation | wc -l; cat /opt/coldsnap/runtime.json"))
     lines = out.splitlines()
     assert lines[0] == f"Version: {runtime_image['criu_version']}"
-    assert lines[1].startswith("2.13.0+cpu ")
+    manifest = json.loads("\n".join(lines[4:]))
+    locked_torch = next(r.split()[0].split("==")[1] for r in manifest["requirements"] if r.startswith("torch=="))
+    assert lines[1].split()[0] == locked_torch, "the image runs exactly the locked torch"
+    # The pinned release, as the CPU build where one exists for the base's Python (else PyPI's build).
+    assert locked_torch in (PINNED_TORCH, PINNED_TORCH.removesuffix("+cpu"))
     assert lines[2] == "/opt/coldsnap/site/ansible_collections/coldsnap/fleet/plugins/module_utils/capsule/build.py"
     assert lines[3] == "0", "the activation runtime is mounted per host, never baked in"
-    manifest = json.loads("\n".join(lines[4:]))
     assert manifest["inputs"] == runtime_image["inputs"]
     assert manifest["criu"]["sha256"] == labels["org.coldsnap.criu.sha256"]
-    assert any(r.startswith("torch==2.13.0+cpu --hash=sha256:") for r in manifest["requirements"])
+    assert any(r.startswith(f"torch=={locked_torch} --hash=sha256:") for r in manifest["requirements"])
 
 
 def test_unchanged_inputs_rebuild_from_cache(runtime_image):
