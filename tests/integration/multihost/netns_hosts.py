@@ -65,7 +65,9 @@ class NetnsHosts:
                 f"ListenAddress {h.address}", "Port 22", f"HostKey {hostkey}", "PermitRootLogin prohibit-password",
                 f"AuthorizedKeysFile {self.work}/authorized_keys", "StrictModes no", "UsePAM no",
                 f"PidFile {self.work}/{h.name}-sshd.pid", "PasswordAuthentication no", "MaxStartups 100",
-                "MaxSessions 100", ""]))
+                "MaxSessions 100",
+                # As on a stock host: Ansible moves files over SFTP (its piped fallback is slow).
+                "Subsystem sftp internal-sftp", ""]))
             Path("/run/sshd").mkdir(exist_ok=True)
             # A private mount of the state root: each host has its own node cache and captures.
             script = (f"mount --make-rprivate / && mount --bind {private} {self.state_root} && "
