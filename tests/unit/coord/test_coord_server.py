@@ -252,6 +252,19 @@ def test_default_bind_is_loopback_only(server) -> None:
 def test_all_interfaces_only_when_asked() -> None:
     with CoordinatorServer(FIXTURE_TOKEN, address="0.0.0.0") as server:
         assert server.address == "0.0.0.0"
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_ipv6_addresses_are_served() -> None:
     with CoordinatorServer(FIXTURE_TOKEN, address="::1") as server:
         assert server.address == "::1"
         server.start_thread()
