@@ -88,6 +88,12 @@ def test_tp2_capture_on_one_placement_restore_with_ranks_swapped(hosts, swapped)
     staged = hosts.run_on(b, f"ls {STATE_ROOT}/model-payloads/sha256/ | grep -c pack$")
     assert int(staged.stdout.strip() or 0) >= 1
     assert hosts.run_on(a, "curl -s -m 5 127.0.0.1:18400/health").stdout == ""  # nothing serves on A now
+    # The control node kept no copy of what passed through it.
+    transfer = Path("/tmp/coldsnap-transfer")
+    for unit in art["capsule"]["units"]:
+        assert not (transfer / "capsules" / unit["image_id"].replace(":", "-")).exists()
+    for worker in art["weights"]["workers"]:
+        assert worker["payload"] and not (transfer / Path(worker["payload"]["path"]).name).exists()
 
 
 def test_fault25_unreachable_host_stops_before_eviction(hosts, model, swapped):
