@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -71,6 +72,20 @@ def swapped(hosts, model):
     return artifact, json.loads(artifact.read_text()), res
 
 
+def _http_on(hosts, host, path: str, body: dict | None = None, timeout: int = 30) -> str:
+    """The reply body of the engine port inside ``host``'s namespace, or 'UNREACHABLE ...' (python3 only)."""
+    code = ("import urllib.request as u\n"
+            "try:\n"
+            f"    r = u.urlopen(u.Request('http://127.0.0.1:18400{path}', data={json.dumps(body).encode() if body else None!r}),"
+            f" timeout={timeout})\n"
+            "    print(r.read().decode(), end='')\n"
+            "except OSError as e:\n"
+            "    print('UNREACHABLE', e)\n")
+    out = hosts.run_on(host, f"python3 -c {shlex.quote(code)}")
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_tp2_capture_on_one_placement_restore_with_ranks_swapped(hosts, swapped):
     _artifact, art, res = swapped
     assert [c["host"] for c in art["capsule"]["units"]] == ["hosta", "hostb"]
@@ -81,13 +96,12 @@ def test_tp2_capture_on_one_placement_restore_with_ranks_swapped(hosts, swapped)
     assert units["unit-0"]["reply"] == accepted
     # Rank 0 now serves inside host B's network namespace; rank 1 runs on host A.
     b, a = hosts.hosts[1], hosts.hosts[0]
-    out = hosts.run_on(b, "curl -s -m 30 127.0.0.1:18400/v1/completions -d "
-                          "'{\"prompt\": \"ColdSnap says:\", \"max_tokens\": 16}'")
-    assert json.loads(out.stdout)["choices"][0]["text"] == accepted
+    out = _http_on(hosts, b, "/v1/completions", {"prompt": "ColdSnap says:", "max_tokens": 16})
+    assert json.loads(out)["choices"][0]["text"] == accepted
     # Host B received unit-0's capsule and payload from host A through the control node.
     staged = hosts.run_on(b, f"ls {STATE_ROOT}/model-payloads/sha256/ | grep -c pack$")
     assert int(staged.stdout.strip() or 0) >= 1
-    assert hosts.run_on(a, "curl -s -m 5 127.0.0.1:18400/health").stdout == ""  # nothing serves on A now
+    assert _http_on(hosts, a, "/health", timeout=5).startswith("UNREACHABLE")  # nothing serves on A now
     # The control node kept no copy of what passed through it.
     transfer = Path("/tmp/coldsnap-transfer")
     for unit in art["capsule"]["units"]:
