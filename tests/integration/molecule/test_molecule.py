@@ -85,7 +85,7 @@ def test_coldsnap_coordinator(molecule_image: str, tmp_path: Path) -> None:
     artifacts.mkdir()
     p = run_molecule("coldsnap_coordinator", molecule_image, COLDSNAP_MOLECULE_ARTIFACTS=str(artifacts))
     _assert_full_sequence(p, "coldsnap_coordinator")
-    descriptors = {f.stem: json.loads(f.read_text()) for f in artifacts.glob("*.json")}
+    descriptors = {f.parent.name: json.loads(f.read_text()) for f in artifacts.glob("*/descriptor.json")}
     assert set(descriptors) == {"coldsnap-molecule-coord-a", "coldsnap-molecule-coord-b"}
     tokens = {d["token"] for d in descriptors.values()}
     assert len(tokens) == 1  # the second host got the coordinator's descriptor
