@@ -1,24 +1,18 @@
 """Fixtures of the docker launch-unit tests: the runtime image (one build per session, cached across
-runs), the reference engine's tiny model, and cleanup of every container and capsule image they made."""
+runs) and cleanup of every container and capsule image they made."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-from docker_workload import build_runtime_image, make_tiny_model, remove_workload_objects
+from docker_workload import build_runtime_image, remove_workload_objects
 
 
 @pytest.fixture(scope="session")
 def runtime_image() -> dict:
     """The ColdSnap runtime image (runtime_image/build.py; an unchanged rebuild is a cache hit)."""
     return build_runtime_image()
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    return make_tiny_model(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="module")

@@ -52,15 +52,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_tiny_model(where: Path) -> tuple[Path, dict]:
-    """The reference engine's tiny preset (a few MiB of safetensors)."""
-    from coldsnap_engines.reference.config import PRESETS
-    from coldsnap_engines.reference.weights import make_model
-
-    d = where / "reference-tiny"
-    return d, make_model(d, PRESETS["tiny"], model_id="coldsnap/reference-tiny")
-
-
 class DockerWorkload:
     """One docker workload (recipe) on localhost: its requests and runs."""
 

@@ -1,4 +1,4 @@
-"""Fixtures of the publication tests: the runtime image and the tiny reference model, one docker capture
+"""Fixtures of the publication tests: the runtime image, one docker capture
 shared by the module's tests, Debian's docker-registry on loopback, and the Hub stand-in."""
 
 from __future__ import annotations
@@ -32,11 +32,6 @@ def registry_cache_root(fallback: Path) -> Path:
 @pytest.fixture(scope="session")
 def runtime_image() -> dict:
     return docker_workload.build_runtime_image()
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    return docker_workload.make_tiny_model(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="session")

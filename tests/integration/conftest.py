@@ -1,4 +1,6 @@
-"""Fixtures of the lifecycle integration tests (real CRIU, ansible-runner, the collection's playbooks)."""
+"""Fixtures shared by the integration tests: the reference engine's tiny model (made once per
+session; no test writes to it), the digest of this host's runtime environment, and a state root
+per test module."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import env
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> tuple[Path, dict]:
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The reference engine's tiny preset (a few MiB of safetensors): (directory, model info)."""
     from coldsnap_engines.reference.config import PRESETS
     from coldsnap_engines.reference.weights import make_model
 
@@ -23,5 +26,5 @@ def env_digest() -> str:
 
 
 @pytest.fixture(scope="module")
-def state_root(tmp_path_factory) -> Path:
+def state_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("state")
