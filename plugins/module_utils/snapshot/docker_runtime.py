@@ -40,7 +40,6 @@ import io
 import json
 import os
 import tarfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.unit import run_concurrently
 
 DOCKER_PYTHON = "/usr/bin/python3"
 # Captured engines get ids above this; a restore container's own processes stay below it.
@@ -340,11 +340,7 @@ def run_capture(request: dict, specs: list[dict], *, state_root: Path, activatio
             (run_dir / f"activation-capture-{spec['unit']['id']}.log").write_text(text)
             results[i] = _read_evidence(ev_path, spec["unit"]["id"], text, code)
 
-        threads = [threading.Thread(target=wait, args=(i, *x)) for i, x in enumerate(started)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_concurrently(wait, [(i, *x) for i, x in enumerate(started)])
         _raise_failures(results)
         return results
     finally:
@@ -405,11 +401,7 @@ def run_restore(request: dict, artifact: dict, specs: list[dict], *, state_root:
             (run_dir / f"activation-{spec['operation']}-{spec['unit']['id']}.log").write_text(text)
             results[i] = _read_evidence(ev_path, spec["unit"]["id"], text, code)
 
-        threads = [threading.Thread(target=wait, args=(i, *x)) for i, x in enumerate(started)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_concurrently(wait, [(i, *x) for i, x in enumerate(started)])
         _raise_failures(results)
         return results
     except BaseException:
@@ -455,11 +447,7 @@ def exec_units(request: dict, specs: list[dict], *, owner: Owner | None, client:
         results[i] = _read_evidence(ev_path, uid, (out or b"").decode("utf-8", "replace"), code)
 
     try:
-        threads = [threading.Thread(target=one, args=(i, s)) for i, s in enumerate(specs)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_concurrently(one, list(enumerate(specs)))
     finally:
         if owner is not None:
             from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.docker_unit import (

@@ -96,6 +96,19 @@ def build_specs(request: dict, *, host: str, operation: str, capture_id: str, st
     return specs
 
 
+def run_concurrently(target, arg_tuples: list[tuple]) -> None:
+    """Call ``target(*args)`` for every tuple at once (one thread each) and wait for all of them.
+
+    The units of one activation meet at coordinator phases, so they must run side by side;
+    ``target`` records its own result or failure.
+    """
+    threads = [threading.Thread(target=target, args=args) for args in arg_tuples]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def run_host_units(specs: list[dict], *, activation_dir: Path, run_dir: Path, timeout: float = 3600) -> list[dict]:
     """Run the activation runtime for every spec at once; return their evidence in order.
 
@@ -135,11 +148,7 @@ def run_host_units(specs: list[dict], *, activation_dir: Path, run_dir: Path, ti
             results[i] = {"ok": False, "unit": uid, "error": f"activation runtime exited {p.returncode} without "
                           f"evidence; its output:\n{tail}"}
 
-    threads = [threading.Thread(target=wait, args=(i, *x)) for i, x in enumerate(procs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_concurrently(wait, [(i, *x) for i, x in enumerate(procs)])
     failed = [r for r in results if not r.get("ok")]
     if failed:
         # Prefer the root cause over "stopped because another unit failed".
