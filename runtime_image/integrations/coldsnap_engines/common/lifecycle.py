@@ -169,15 +169,19 @@ class Lifecycle:
             raise EngineStateError(f"materialize={mat!r} is not supported by this engine integration "
                                    f"(supported: {', '.join(self.materialize_modes)})")
 
-    def _hydrate_and_open(self, spec: dict) -> dict:
-        with self.timing.span("engine.hydrate") as sp:
-            stats = self.control.hydrate(spec)
-            sp["attrs"].update({k: v for k, v in stats.items() if isinstance(v, (int, float, str))})
+    def _zero_kv_and_serve(self) -> None:
+        """The end of every path back to serving: KV zeroed, requests admitted again."""
         with self.timing.span("engine.kv.zero"):
             self.control.zero_kv()
         with self.timing.span("engine.serving.resume"):
             self.control.resume_serving()
         self.state = "ready"
+
+    def _hydrate_and_open(self, spec: dict) -> dict:
+        with self.timing.span("engine.hydrate") as sp:
+            stats = self.control.hydrate(spec)
+            sp["attrs"].update({k: v for k, v in stats.items() if isinstance(v, (int, float, str))})
+        self._zero_kv_and_serve()
         mat = spec.get("materialize", "off")
         if spec.get("provider") == "recovery" and mat in ("async", "required"):
             if mat == "required":
@@ -214,9 +218,5 @@ class Lifecycle:
             with self.timing.span("engine.wake") as sp:
                 stats = self.control.wake(spec)
                 sp["attrs"].update({k: v for k, v in stats.items() if isinstance(v, (int, float, str))})
-            with self.timing.span("engine.kv.zero"):
-                self.control.zero_kv()
-            with self.timing.span("engine.serving.resume"):
-                self.control.resume_serving()
-            self.state = "ready"
+            self._zero_kv_and_serve()
             return {"spans": self.timing.spans, "hydration": stats}
