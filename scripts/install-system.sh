@@ -57,15 +57,17 @@ PROBE_LOG="$CACHE_DIR/criu-probe.log"
 
 criu_socket_probe() {
   # Dump (leave running) a process that listens on TCP: the case inference servers hit.
-  # Its stdio is /dev/null, as an engine's is: this script's own stdio may be a socket
-  # to a job runner, which CRIU rightly refuses to dump as an external unix socket.
+  # It runs as ColdSnap runs an engine: stdio on /dev/null (this script's own stdio may be a
+  # socket to a job runner, which CRIU rightly refuses to dump as an external unix socket)
+  # and in a session of its own (a job runner may start us in a session whose leader is
+  # outside this pid namespace, which CRIU cannot dump either).
   local bin=$1 dir pid rc=0
   dir=$(mktemp -d)
-  python3 -c 'import socket,time; s=socket.socket(); s.bind(("127.0.0.1",0)); s.listen(); time.sleep(60)' \
+  python3 -c 'import os,socket,time; os.setsid(); s=socket.socket(); s.bind(("127.0.0.1",0)); s.listen(); time.sleep(60)' \
     </dev/null >/dev/null 2>&1 &
   pid=$!
   sleep 0.3
-  "$bin" dump -t "$pid" -D "$dir" --leave-running --shell-job -o dump.log </dev/null >/dev/null 2>&1 || rc=$?
+  "$bin" dump -t "$pid" -D "$dir" --leave-running -o dump.log </dev/null >/dev/null 2>&1 || rc=$?
   kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
   if [ "$rc" -ne 0 ]; then
     { echo "== criu dump of a TCP listener failed (rc $rc) with $bin"; grep -E 'Error|Warn' "$dir/dump.log" 2>/dev/null | tail -20; } >>"$PROBE_LOG"
