@@ -78,17 +78,23 @@ def safetensors_load_s(model_dir: Path) -> float:
     return best
 
 
-def kill_pid(pid: int) -> None:
+def kill_pid(pid: int, timeout: float = 90) -> None:
+    """SIGKILL ``pid`` and wait until it is gone (reaped by its keeper), as the evict step does.
+
+    A process that held a CUDA context takes a while to exit: its leader turns zombie
+    while other threads are still in the driver's teardown, holding the process's
+    sockets; the next restore needs those ports.
+    """
     try:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         return
-    for _i in range(200):
-        try:
-            os.kill(pid, 0)
-            time.sleep(0.05)
-        except ProcessLookupError:
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists():
+        if time.monotonic() > deadline:
+            print(f"warning: pid {pid} not reaped {timeout:.0f}s after SIGKILL", file=sys.stderr)
             return
+        time.sleep(0.02)
 
 
 def main() -> int:

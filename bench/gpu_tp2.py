@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +24,40 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_snapshot import REPO, kill_pid, pinned_h2d_gbps, setup_paths
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _wait_ports_free(listeners: list[tuple[str, int]]) -> float:
+    """Seconds restore admission's port check takes (it waits out TIME_WAIT-only ports)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import ports
+
+    t0 = time.monotonic()
+    ports.require_ports_free(listeners, unit="bench")
+    return round(time.monotonic() - t0, 2)
+
+
+def _socket_report() -> str:
+    """TCP sockets on this host with their owning processes (hosts without ``ss``)."""
+    owners: dict[str, list[str]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            comm = (proc / "comm").read_text().strip()
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    owners.setdefault(target[8:-1], []).append(f"{proc.name}({comm})")
+        except OSError:
+            continue
+    lines = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            lport = int(f[1].split(":")[1], 16)
+            rport = int(f[2].split(":")[1], 16)
+            lines.append(f"{table} :{lport} -> :{rport} st={f[3]} inode={f[9]} owners={owners.get(f[9], [])}")
+    ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,comm"], check=False, capture_output=True, text=True).stdout
+    return "\n".join(lines) + "\n" + ps
 
 
 def main() -> int:
@@ -45,6 +80,7 @@ def main() -> int:
     model_dir = work / f"model-{args.preset}"
     ident = make_model(model_dir, PRESETS[args.preset], model_id=f"coldsnap/reference-{args.preset}")
     env = {"OMP_NUM_THREADS": "4", "PYTHONPATH": os.environ["PYTHONPATH"], "NCCL_SOCKET_IFNAME": "lo",
+           "NCCL_DEBUG": "WARN", "PYTHONFAULTHANDLER": "1",
            **NO_MULTICAST}
 
     def request(op_id: str, devices: tuple[int, int]) -> dict:
@@ -83,6 +119,12 @@ def main() -> int:
 
     _d, adir, _c = activation.stage(REPO / "runtime_image" / "activation", state)
     result: dict = {"preset": args.preset, "model_bytes_total": ident["bytes"]}
+
+    def save() -> None:
+        # After every stage, so a run cut short still reports what it measured.
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+
     cap_req = request("tp2-capture", (0, 1))
     ep = coordinator("tp2-capture")
     t = time.time()
@@ -100,29 +142,41 @@ def main() -> int:
                                       "memory_at_checkpoint": c["workers"][0]["memory_at_checkpoint"]} for c in caps}
     expected = cap0["acceptance_reply"]
     result["reply"] = expected
+    save()
     weights = {"model_dir": str(model_dir), "materialize": "off", "workers": {}}
     for c in caps:
         pk = c["workers"][0]["payload"]["pack"]
         weights["workers"][c["workers"][0]["worker"]] = {
             "provider": "native", "pack": {"path": str(state / pk["path"]), "sha256": pk["sha256"], "size": pk["size"]}}
-    restores = []
+    restores: list = []
+    result["restores"] = restores
     for name, devices in (("same-gpus", (0, 1)), ("ranks-swapped", (1, 0))):
         req = {**request(f"tp2-{name}", devices), "id": f"tp2-{name}"}
+        port_wait = _wait_ports_free([tuple(x) for c in caps for w in c["workers"] for x in w["listeners"]])
         ep = coordinator(req["id"])
         t = time.time()
-        evs = unit.run_host_units(unit.build_specs(req, host="localhost", operation="restore", capture_id="tp2",
-                                                   state_root=state, weights=weights, coordinator_endpoint=ep,
-                                                   validation={**req["validation"], "expected": expected}),
-                                  activation_dir=adir, run_dir=state / "runs" / req["id"])
+        try:
+            evs = unit.run_host_units(unit.build_specs(req, host="localhost", operation="restore", capture_id="tp2",
+                                                       state_root=state, weights=weights, coordinator_endpoint=ep,
+                                                       validation={**req["validation"], "expected": expected}),
+                                      activation_dir=adir, run_dir=state / "runs" / req["id"])
+        except Exception as exc:
+            # Keep what this host looked like (sockets and their owners) with the error.
+            sockets = _socket_report()
+            restores.append({"name": name, "devices": list(devices), "error": str(exc), "sockets": sockets})
+            save()
+            raise
         daemon.stop_coordinator(ep)
         ev0 = next(e for e in evs if e["unit"] == "unit-0")
         restores.append({"name": name, "devices": list(devices), "wall_s": round(time.time() - t, 2),
+                         "waited_for_ports_s": port_wait,
                          "readiness": ev0["readiness"], "reply_ok": ev0["reply"] == expected,
                          "phases": {e["unit"]: phases(e) for e in evs}})
+        t = time.time()
         for e in evs:
             kill_pid(e["workers"][0]["pid"])
-        time.sleep(1)
-    result["restores"] = restores
+        restores[-1]["exit_after_kill_s"] = round(time.time() - t, 2)
+        save()
     import torch
 
     per_rank_bytes = max(v["model_bytes"] for v in result["per_rank"].values())
@@ -137,10 +191,8 @@ def main() -> int:
         "hydration_gbps_per_rank": {u: round(result["per_rank"][u]["model_bytes"] / p["engine.hydrate"] / 1e9, 2)
                                     for r in restores[:1] for u, p in r["phases"].items() if "engine.hydrate" in p},
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    save()
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -104,12 +104,47 @@ def device_uuids() -> list[str]:
     return out
 
 
+def restore_map(used_before: list[str], used_now: list[str], host_before: list[str] | None,
+                host_now: list[str]) -> dict[str, str] | None:
+    """The GPU map for ``restore``: None when nothing moves, else a bijection over all GPUs.
+
+    The driver wants a pair for every GPU the process's driver state knows, which is every
+    GPU of the host it was checkpointed on (not only the ones it used), and the caller must
+    see all of them too. ``used_*`` are the GPUs the worker used at capture and uses now (in
+    slot order), ``host_*`` every GPU of the capture host and of this host (PCI bus order).
+    The GPUs the worker did not use are paired identity-first, then in bus order.
+    """
+    pairs = dict(zip(used_before, used_now, strict=True))
+    if not host_before:  # capture evidence without the host's GPU list: the used pairs only
+        return pairs if any(a != b for a, b in pairs.items()) else None
+    if all(a == b for a, b in pairs.items()) and list(host_before) == list(host_now):
+        return None
+    if len(host_before) != len(host_now):
+        raise ColdSnapError(
+            f"the process was checkpointed on a host with {len(host_before)} GPU(s) and this host has "
+            f"{len(host_now)}: the CUDA driver restores only onto the same number of GPUs",
+            fix="restore onto a host with the same GPU count (any order; GPUs are matched by UUID)")
+    missing = [u for u in pairs.values() if u not in host_now]
+    if missing:
+        raise ColdSnapError(f"GPU(s) {', '.join(missing)} are not visible to the restoring process",
+                            fix="run the restore without CUDA_VISIBLE_DEVICES restrictions")
+    rest_before = [u for u in host_before if u not in pairs]
+    rest_now = [u for u in host_now if u not in pairs.values()]
+    for u in list(rest_before):
+        if u in rest_now:
+            pairs[u] = u
+            rest_before.remove(u)
+            rest_now.remove(u)
+    pairs.update(zip(rest_before, rest_now, strict=True))
+    return pairs
+
+
 def restore(pid: int, *, remap: dict[str, str] | None = None) -> None:
     """Bring GPU state back after the CRIU restore (fatal for the process if it fails).
 
     ``remap`` maps each checkpointed GPU's UUID to the GPU to restore it onto (same
-    chip type); the driver needs a pair for every checkpointed GPU once any moves, so
-    callers pass the whole mapping (identity pairs included) or None.
+    chip type); the driver needs a pair for every GPU of the capture host once any
+    moves, so callers pass ``restore_map``'s bijection or None.
     """
     cu = _driver()
     _init(cu)

@@ -1,11 +1,14 @@
 """Pre-restore checks that a captured process can come back here: its listening
-ports and its pids must be free. Both fail fast, before anything is evicted."""
+ports and its pids must be free. Both fail before anything is evicted (at once, but
+for a port held only by TIME_WAIT connections, which is waited for up to a minute)."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
+import time
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
@@ -53,23 +56,60 @@ def port_holder(port: int) -> str:
     return "another process"
 
 
-def require_ports_free(listeners: list[tuple[str, int]], *, unit: str) -> None:
-    """Every captured listener must be bindable again, or restore stops here."""
+def local_states(port: int, tables: dict[str, str] | None = None) -> list[str]:
+    """TCP states (hex, as /proc/net/tcp writes them) of this host's sockets bound to ``port``."""
+    states = []
+    for name in ("tcp", "tcp6"):
+        text = (tables or {}).get(name)
+        if text is None:
+            try:
+                text = Path(f"/proc/net/{name}").read_text()
+            except OSError:
+                continue
+        for line in text.splitlines()[1:]:
+            parts = line.split()
+            if len(parts) > 3 and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                states.append(parts[3])
+    return states
+
+
+TIME_WAIT = "06"
+
+
+def require_ports_free(listeners: list[tuple[str, int]], *, unit: str, time_wait_grace: float = 65.0) -> None:
+    """Every captured listener must be bindable again, or restore stops here.
+
+    A port held only by TIME_WAIT connections of a process that has exited (some kernels
+    refuse the bind then, even with SO_REUSEADDR) frees itself within a minute: wait for
+    it, up to ``time_wait_grace`` seconds. Anything else holding the port fails at once.
+    """
     for addr, port in listeners:
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        s = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((addr, port))
-        except OSError as exc:
-            raise AdmissionError(
-                f"unit {unit}: captured listening port {addr}:{port} is taken on this host by {port_holder(port)} "
-                f"({exc.strerror})",
-                fix="stop the process that holds the port (the workload being replaced is evicted only after "
-                    "prepare-only passes), or restore onto a host where the port is free",
-            ) from None
-        finally:
-            s.close()
+        deadline = None
+        while True:
+            s = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((addr, port))
+                break
+            except OSError as exc:
+                states = local_states(port)
+                if exc.errno == errno.EADDRINUSE and states and all(st == TIME_WAIT for st in states):
+                    deadline = deadline or time.monotonic() + time_wait_grace
+                    if time.monotonic() < deadline:
+                        time.sleep(0.25)
+                        continue
+                    holder = f"TIME_WAIT connections that outlived {time_wait_grace:.0f}s"
+                else:
+                    holder = port_holder(port)
+                raise AdmissionError(
+                    f"unit {unit}: captured listening port {addr}:{port} is taken on this host by {holder} "
+                    f"({exc.strerror})",
+                    fix="stop the process that holds the port (the workload being replaced is evicted only after "
+                        "prepare-only passes), or restore onto a host where the port is free",
+                ) from None
+            finally:
+                s.close()
 
 
 def tids_of(pid: int) -> list[int]:

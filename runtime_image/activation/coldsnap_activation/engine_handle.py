@@ -128,6 +128,11 @@ class EngineHandle:
                 # Offset of the engine's clock from ours (a restored engine lives in a time namespace).
                 data["clock_offset_ns"] = time.monotonic_ns() - int(data["monotonic_ns"])
         except (OSError, http.client.HTTPException) as exc:
+            # A reset is often the engine exiting: give it a moment to be seen dead, so the
+            # error carries its exit status and log rather than the socket's complaint.
+            grace = time.monotonic() + 2
+            while self.alive() and time.monotonic() < grace:
+                time.sleep(0.05)
             if not self.alive():
                 raise self.failure(f"the engine died during {path}") from None
             raise UnitError(f"unit {self.unit}: control {path} failed: {exc}") from None

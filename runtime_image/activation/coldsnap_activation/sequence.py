@@ -271,6 +271,7 @@ class Activation:
                 gpu_uuids = unit_gpu_uuids(spec, h.worker) if cuda_used[wid] else []
                 workers.append({"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
                                 "gpu_uuids": gpu_uuids,
+                                "host_gpu_uuids": cuda_mod.device_uuids() if cuda_used[wid] else [],
                                 "listeners": [list(x) for x in listeners], "cuda": cuda_used[wid],
                                 "memory_at_checkpoint": memory[wid],
                                 "payload": payloads[wid], "criu": {"bytes": res.bytes, "dump_seconds": res.seconds}})
@@ -353,6 +354,7 @@ class Activation:
                 gpu_uuids = unit_gpu_uuids(spec, h.worker) if cuda else []
                 workers.append({"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
                                 "gpu_uuids": gpu_uuids,
+                                "host_gpu_uuids": cuda_mod.device_uuids() if cuda else [],
                                 "listeners": [list(x) for x in listeners], "cuda": cuda,
                                 "memory_at_checkpoint": memory, "payload": payloads[wid],
                                 "criu": {"bytes": res.bytes, "dump_seconds": res.seconds}})
@@ -429,7 +431,8 @@ class Activation:
                         # The unit may run on other GPUs than at capture (placement): remap by UUID.
                         now = unit_gpu_uuids(spec, h.worker)
                         before = cw.get("gpu_uuids") or now
-                        cuda_mod.restore(h.pid, remap=dict(zip(before, now, strict=True)) if before != now else None)
+                        remap = cuda_mod.restore_map(before, now, cw.get("host_gpu_uuids"), cuda_mod.device_uuids())
+                        cuda_mod.restore(h.pid, remap=remap)
                         cuda_mod.unlock(h.pid)
             self.phases.wait("restore/released", spec.timeout("phase", 600))
             with self.rec.span("unit.resume"):

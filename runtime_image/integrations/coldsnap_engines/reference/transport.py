@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -79,6 +80,7 @@ class Transport:
         self.scope = scope
         self.backend = "gloo" if device == "cpu" else "nccl"
         self.active = False
+        self._store: CoordinatorStore | None = None
 
     def _client(self):
         from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import CoordinatorClient
@@ -92,9 +94,14 @@ class Transport:
             raise RuntimeError("tensor parallelism needs the coordinator endpoint (COLDSNAP_COORDINATOR)")
         store = CoordinatorStore(self._client(), prefix=f"transport/{generation}/")
         if self.backend == "nccl":
-            torch.cuda.set_device(torch.device(self.device))
+            # "cuda" means the unit's first visible device (the unit sets CUDA_VISIBLE_DEVICES).
+            dev = torch.device(self.device)
+            torch.cuda.set_device(dev.index if dev.index is not None else 0)
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world,
                                 timeout=datetime.timedelta(seconds=300))
+        # The process group holds only the C++ side of this Python store: keep the Python
+        # object alive, or NCCL's lazy rendezvous (at the first collective) finds no methods.
+        self._store = store
         self.active = True
 
     def rebind(self, endpoint_file: str, env: dict[str, str]) -> None:
@@ -110,6 +117,7 @@ class Transport:
             return
         dist.barrier()
         dist.destroy_process_group()
+        self._store = None
         self.active = False
 
     def all_reduce(self, x: torch.Tensor) -> None:
@@ -126,7 +134,13 @@ class Transport:
 
     def recv_command(self) -> tuple[int, list[int], int]:
         header = torch.zeros(3, dtype=torch.long, device=self._dev())
-        dist.broadcast(header, 0)
+        # An idle rank waits here until rank 0 sends the next command. Poll the collective
+        # rather than block in it: a blocking wait (NCCL: a device synchronisation) holds the
+        # GIL, and the rank's control API, which the activation runtime drives, would stall.
+        work = dist.broadcast(header, 0, async_op=True)
+        while not work.is_completed():
+            time.sleep(0.0005)
+        work.wait()
         op, n, max_tokens = (int(v) for v in header.tolist())
         ids: list[int] = []
         if n:

@@ -1,0 +1,110 @@
+"""Restore admission's port check and the GPU map handed to the CUDA driver on restore."""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    AdmissionError,
+    ColdSnapError,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.cuda import restore_map
+
+import coldsnap  # noqa: F401  # pylint: disable=unused-import
+
+A, B, C, D = (f"GPU-{c * 8}-0000-0000-0000-000000000000" for c in "abcd")
+
+TCP = """  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:A115 0100007F:A8BA 06 00000000:00000000 03:00000F95 00000000     0        0 0 3
+   1: 0100007F:A8BA 0100007F:A115 01 00000000:00000000 00:00000000 00000000     0        0 77 1
+   2: 0100007F:4E20 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 88 1
+"""
+
+
+def test_local_states_reads_the_local_port_only():
+    tables = {"tcp": TCP, "tcp6": TCP.splitlines()[0]}
+    assert ports.local_states(0xA115, tables) == ["06"]
+    assert ports.local_states(0xA8BA, tables) == ["01"]  # the client end, not the remote column
+    assert ports.local_states(20000, tables) == ["0A"]
+    assert ports.local_states(1, tables) == []
+
+
+def test_a_listening_port_fails_at_once_naming_its_holder():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    port = s.getsockname()[1]
+    try:
+        with pytest.raises(AdmissionError) as ei:
+            ports.require_ports_free([("127.0.0.1", port)], unit="unit-0", time_wait_grace=30)
+        assert f"127.0.0.1:{port} is taken on this host by pid " in str(ei.value)
+        assert "python" in str(ei.value)
+    finally:
+        s.close()
+    ports.require_ports_free([("127.0.0.1", port)], unit="unit-0")  # free again
+
+
+class _Refusing(socket.socket):
+    """A socket whose bind fails as a kernel that counts TIME_WAIT against SO_REUSEADDR does."""
+
+    refusals = 0
+
+    def bind(self, address):
+        if _Refusing.refusals > 0:
+            _Refusing.refusals -= 1
+            raise OSError(errno.EADDRINUSE, "Address already in use")
+        return super().bind(address)
+
+
+def test_a_port_held_only_by_time_wait_is_waited_for(monkeypatch):
+    monkeypatch.setattr(ports.socket, "socket", _Refusing)
+    monkeypatch.setattr(ports, "local_states", lambda port: ["06", "06"])
+    monkeypatch.setattr(ports.time, "sleep", lambda s: None)
+    _Refusing.refusals = 3
+    ports.require_ports_free([("127.0.0.1", 0)], unit="unit-0")
+    assert _Refusing.refusals == 0
+
+
+def test_time_wait_that_outlives_the_grace_fails(monkeypatch):
+    monkeypatch.setattr(ports.socket, "socket", _Refusing)
+    monkeypatch.setattr(ports, "local_states", lambda port: ["06"])
+    monkeypatch.setattr(ports.time, "sleep", lambda s: None)
+    _Refusing.refusals = 10**9
+    with pytest.raises(AdmissionError, match="TIME_WAIT connections that outlived 0s"):
+        ports.require_ports_free([("127.0.0.1", 0)], unit="unit-0", time_wait_grace=0)
+
+
+def test_a_port_held_by_an_established_connection_is_not_waited_for(monkeypatch):
+    monkeypatch.setattr(ports.socket, "socket", _Refusing)
+    monkeypatch.setattr(ports, "local_states", lambda port: ["06", "01"])
+    _Refusing.refusals = 1
+    with pytest.raises(AdmissionError, match="is taken on this host"):
+        ports.require_ports_free([("127.0.0.1", 0)], unit="unit-0")
+
+
+@pytest.mark.parametrize(("used_before", "used_now", "host_before", "host_now", "expected"), [
+    ([A], [A], [A, B], [A, B], None),                                   # nothing moves: no map at all
+    ([A], [B], [A, B], [A, B], {A: B, B: A}),                           # rank moved: both GPUs paired
+    ([B], [A], [A, B], [A, B], {B: A, A: B}),
+    ([A], [D], [A, B, C, D], [A, B, C, D], {A: D, B: B, C: C, D: A}),  # the rest identity-first
+    ([A], [C], [A, B], [C, D], {A: C, B: D}),                           # another host: bus order
+    ([A], [B], None, [A, B], {A: B}),                                   # evidence without the host list
+])
+def test_restore_map_pairs_every_gpu_of_the_capture_host(used_before, used_now, host_before, host_now, expected):
+    got = restore_map(used_before, used_now, host_before, host_now)
+    assert got == expected
+    if got and host_before:
+        assert sorted(got) == sorted(host_before) and sorted(got.values()) == sorted(host_now)
+
+
+def test_restore_map_refuses_another_gpu_count():
+    with pytest.raises(ColdSnapError, match="2 GPU\\(s\\) and this host has 4"):
+        restore_map([A], [C], [A, B], [A, B, C, D])
+
+
+def test_restore_map_refuses_a_gpu_the_restorer_cannot_see():
+    with pytest.raises(ColdSnapError, match="not visible to the restoring process"):
+        restore_map([A], [C], [A, B], [A, B])
