@@ -165,6 +165,12 @@ if docker info >/dev/null 2>&1; then
 else
   log "starting dockerd"
   mkdir -p /var/log/coldsnap
+  # A dockerd killed without its shutdown (a machine or namespace torn down) leaves its pid
+  # file behind, and a new dockerd refuses to start while it exists.
+  if [ -f /var/run/docker.pid ] && ! pgrep -x dockerd >/dev/null; then
+    log "removing the stale /var/run/docker.pid"
+    rm -f /var/run/docker.pid
+  fi
   nohup dockerd >/var/log/coldsnap/dockerd.log 2>&1 &
   for _ in $(seq 1 60); do
     docker info >/dev/null 2>&1 && break
