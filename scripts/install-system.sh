@@ -165,11 +165,16 @@ if docker info >/dev/null 2>&1; then
 else
   log "starting dockerd"
   mkdir -p /var/log/coldsnap
-  # A dockerd killed without its shutdown (a machine or namespace torn down) leaves its pid
-  # file behind, and a new dockerd refuses to start while it exists.
-  if [ -f /var/run/docker.pid ] && ! pgrep -x dockerd >/dev/null; then
-    log "removing the stale /var/run/docker.pid"
-    rm -f /var/run/docker.pid
+  # A dockerd killed without its shutdown (a machine or pid namespace torn down, /run kept)
+  # leaves pid files behind: a new dockerd refuses to start while its own exists, and waits
+  # forever on a managed containerd whose recorded pid now belongs to another process.
+  if ! pgrep -x dockerd >/dev/null; then
+    [ -f /var/run/docker.pid ] && { log "removing the stale /var/run/docker.pid"; rm -f /var/run/docker.pid; }
+    cpid_file=/var/run/docker/containerd/containerd.pid
+    if [ -f "$cpid_file" ] && [ "$(cat "/proc/$(cat "$cpid_file")/comm" 2>/dev/null)" != containerd ]; then
+      log "removing the stale $cpid_file"
+      rm -f "$cpid_file"
+    fi
   fi
   nohup dockerd >/var/log/coldsnap/dockerd.log 2>&1 &
   for _ in $(seq 1 60); do
