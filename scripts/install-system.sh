@@ -52,6 +52,7 @@ criu_major() { "$1" --version 2>/dev/null | sed -n 's/^Version: \([0-9]*\).*/\1/
 patch_id() { cat "$here"/scripts/criu/*.patch | sha256sum | cut -c1-12; }
 
 mkdir -p "$CACHE_DIR"
+criu_from_cache=0
 PROBE_LOG="$CACHE_DIR/criu-probe.log"
 : >"$PROBE_LOG"
 
@@ -116,6 +117,7 @@ build_criu_from_trixie_source() {
     libbsd-dev libgnutls28-dev libnftables-dev uuid-dev dpkg-dev patch >/dev/null
   if [ "${1:-}" != fresh ] && [ -x "$prefix/criu" ] && [ "$(criu_major "$prefix/criu")" -ge 4 ] 2>/dev/null; then
     log "using cached CRIU build $prefix/criu"
+    criu_from_cache=1
   else
     log "building CRIU $CRIU_VERSION from Debian's trixie source with ColdSnap's patches"
     local uri list=/etc/apt/sources.list.d/coldsnap-trixie-src.list
@@ -151,7 +153,10 @@ else
     hash -r
   fi
   have_good_criu || { build_criu_from_trixie_source; hash -r; }
-  have_good_criu || { log "the cached CRIU build failed the probes; rebuilding it"; build_criu_from_trixie_source fresh; hash -r; }
+  if [ "$criu_from_cache" = 1 ] && ! have_good_criu; then
+    log "the cached CRIU build failed the probes; rebuilding it"
+    build_criu_from_trixie_source fresh; hash -r
+  fi
   have_good_criu || {
     echo "CRIU >= 4 that can dump TCP sockets could not be installed; what the probes saw ($PROBE_LOG):" >&2
     cat "$PROBE_LOG" >&2

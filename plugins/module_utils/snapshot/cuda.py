@@ -130,12 +130,9 @@ def restore_map(used_before: list[str], used_now: list[str], host_before: list[s
                             fix="run the restore without CUDA_VISIBLE_DEVICES restrictions")
     rest_before = [u for u in host_before if u not in pairs]
     rest_now = [u for u in host_now if u not in pairs.values()]
-    for u in list(rest_before):
-        if u in rest_now:
-            pairs[u] = u
-            rest_before.remove(u)
-            rest_now.remove(u)
-    pairs.update(zip(rest_before, rest_now, strict=True))
+    stay = [u for u in rest_before if u in rest_now]
+    pairs.update((u, u) for u in stay)
+    pairs.update(zip([u for u in rest_before if u not in stay], [u for u in rest_now if u not in stay], strict=True))
     return pairs
 
 

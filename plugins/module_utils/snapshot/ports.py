@@ -13,6 +13,20 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
 
+TABLES = (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6))
+LISTEN, TIME_WAIT = "0A", "06"
+
+
+def tcp_rows(text: str) -> list[tuple[str, int, str, str]]:
+    """(local address hex, local port, state hex, inode) of each socket in a /proc/net/tcp{,6} table."""
+    rows = []
+    for line in text.splitlines()[1:]:
+        parts = line.split()
+        if len(parts) > 9:
+            addr_hex, port_hex = parts[1].rsplit(":", 1)
+            rows.append((addr_hex, int(port_hex, 16), parts[3], parts[9]))
+    return rows
+
 
 def listeners_of(pid: int) -> list[tuple[str, int]]:
     """(address, port) of the TCP sockets ``pid`` listens on (IPv4 and IPv6)."""
@@ -24,14 +38,11 @@ def listeners_of(pid: int) -> list[tuple[str, int]]:
             if target.startswith("socket:["):
                 inodes.add(target[8:-1])
     found = []
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+    for table, family in TABLES:
         with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-                parts = line.split()
-                if parts[3] != "0A" or parts[9] not in inodes:  # 0A = LISTEN
-                    continue
-                addr_hex, port_hex = parts[1].split(":")
-                found.append((_decode_addr(addr_hex, family), int(port_hex, 16)))
+            for addr_hex, port, state, inode in tcp_rows(Path(f"/proc/{pid}/net/{table}").read_text()):
+                if state == LISTEN and inode in inodes:
+                    found.append((_decode_addr(addr_hex, family), port))
     return sorted(set(found))
 
 
@@ -59,21 +70,15 @@ def port_holder(port: int) -> str:
 def local_states(port: int, tables: dict[str, str] | None = None) -> list[str]:
     """TCP states (hex, as /proc/net/tcp writes them) of this host's sockets bound to ``port``."""
     states = []
-    for name in ("tcp", "tcp6"):
+    for name, _family in TABLES:
         text = (tables or {}).get(name)
         if text is None:
             try:
                 text = Path(f"/proc/net/{name}").read_text()
             except OSError:
                 continue
-        for line in text.splitlines()[1:]:
-            parts = line.split()
-            if len(parts) > 3 and int(parts[1].rsplit(":", 1)[1], 16) == port:
-                states.append(parts[3])
+        states += [state for _addr, p, state, _inode in tcp_rows(text) if p == port]
     return states
-
-
-TIME_WAIT = "06"
 
 
 def require_ports_free(listeners: list[tuple[str, int]], *, unit: str, time_wait_grace: float = 65.0) -> None:

@@ -69,14 +69,14 @@ def _engine_env(spec: UnitSpec, worker: dict) -> dict[str, str]:
     return env
 
 
-def unit_gpu_uuids(spec: UnitSpec, worker: dict) -> list[str]:
-    """UUIDs of the GPU(s) a worker of this unit uses, from the unit's device ordinals."""
+def gpu_placement(spec: UnitSpec, worker: dict) -> tuple[list[str], list[str]]:
+    """UUIDs of the GPU(s) a worker of this unit uses (from the unit's device ordinals) and of
+    every GPU of this host: CUDA restore pairs all of them once a worker moves."""
+    host = cuda_mod.device_uuids()
     devices = spec.unit.get("devices", [])
     if worker.get("device_slot") is None or not devices:
-        return []
-    ordinals = [devices[worker["device_slot"]]]
-    visible = cuda_mod.device_uuids()
-    return [visible[o] for o in ordinals]
+        return [], host
+    return [host[devices[worker["device_slot"]]]], host
 
 
 def process_memory(pid: int) -> dict:
@@ -268,10 +268,9 @@ class Activation:
                 ctl_dir = self.unit_dir / "control"
                 ctl_dir.mkdir(mode=0o700, exist_ok=True)
                 atomic_write_json(ctl_dir / f"{wid}.json", h.control_info(), mode=0o600)
-                gpu_uuids = unit_gpu_uuids(spec, h.worker) if cuda_used[wid] else []
+                gpu_uuids, host_gpus = gpu_placement(spec, h.worker) if cuda_used[wid] else ([], [])
                 workers.append({"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
-                                "gpu_uuids": gpu_uuids,
-                                "host_gpu_uuids": cuda_mod.device_uuids() if cuda_used[wid] else [],
+                                "gpu_uuids": gpu_uuids, "host_gpu_uuids": host_gpus,
                                 "listeners": [list(x) for x in listeners], "cuda": cuda_used[wid],
                                 "memory_at_checkpoint": memory[wid],
                                 "payload": payloads[wid], "criu": {"bytes": res.bytes, "dump_seconds": res.seconds}})
@@ -351,10 +350,9 @@ class Activation:
                 ctl_dir = self.unit_dir / "control"
                 ctl_dir.mkdir(mode=0o700, exist_ok=True)
                 atomic_write_json(ctl_dir / f"{wid}.json", h.control_info(), mode=0o600)
-                gpu_uuids = unit_gpu_uuids(spec, h.worker) if cuda else []
+                gpu_uuids, host_gpus = gpu_placement(spec, h.worker) if cuda else ([], [])
                 workers.append({"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
-                                "gpu_uuids": gpu_uuids,
-                                "host_gpu_uuids": cuda_mod.device_uuids() if cuda else [],
+                                "gpu_uuids": gpu_uuids, "host_gpu_uuids": host_gpus,
                                 "listeners": [list(x) for x in listeners], "cuda": cuda,
                                 "memory_at_checkpoint": memory, "payload": payloads[wid],
                                 "criu": {"bytes": res.bytes, "dump_seconds": res.seconds}})
@@ -429,9 +427,9 @@ class Activation:
                     cw = by_worker[h.worker["id"]]
                     if cw["cuda"]:
                         # The unit may run on other GPUs than at capture (placement): remap by UUID.
-                        now = unit_gpu_uuids(spec, h.worker)
-                        before = cw.get("gpu_uuids") or now
-                        remap = cuda_mod.restore_map(before, now, cw.get("host_gpu_uuids"), cuda_mod.device_uuids())
+                        now, host_gpus = gpu_placement(spec, h.worker)
+                        remap = cuda_mod.restore_map(cw.get("gpu_uuids") or now, now, cw.get("host_gpu_uuids"),
+                                                     host_gpus)
                         cuda_mod.restore(h.pid, remap=remap)
                         cuda_mod.unlock(h.pid)
             self.phases.wait("restore/released", spec.timeout("phase", 600))

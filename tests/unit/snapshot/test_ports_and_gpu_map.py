@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import socket
+from pathlib import Path
 
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
@@ -108,3 +109,20 @@ def test_restore_map_refuses_another_gpu_count():
 def test_restore_map_refuses_a_gpu_the_restorer_cannot_see():
     with pytest.raises(ColdSnapError, match="not visible to the restoring process"):
         restore_map([A], [C], [A, B], [A, B])
+
+
+def test_gpu_placement_reads_the_workers_gpu_and_the_hosts_from_one_enumeration(monkeypatch):
+    from types import SimpleNamespace
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3] / "runtime_image" / "activation"))
+    from coldsnap_activation.sequence import gpu_placement
+
+    calls = []
+    monkeypatch.setattr(cuda, "device_uuids", lambda: calls.append(1) or [A, B, C, D])
+    spec = SimpleNamespace(unit={"devices": [3, 1]})
+    assert gpu_placement(spec, {"device_slot": 1}) == ([B], [A, B, C, D])
+    assert gpu_placement(spec, {"device_slot": 0}) == ([D], [A, B, C, D])
+    assert gpu_placement(SimpleNamespace(unit={"devices": []}), {"device_slot": None}) == ([], [A, B, C, D])
+    assert len(calls) == 3

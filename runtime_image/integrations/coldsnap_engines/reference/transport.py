@@ -137,9 +137,13 @@ class Transport:
         # An idle rank waits here until rank 0 sends the next command. Poll the collective
         # rather than block in it: a blocking wait (NCCL: a device synchronisation) holds the
         # GIL, and the rank's control API, which the activation runtime drives, would stall.
+        # The poll backs off to 2 ms, so a long-idle rank costs little CPU and a command waits
+        # at most that long.
         work = dist.broadcast(header, 0, async_op=True)
+        delay = 5e-5
         while not work.is_completed():
-            time.sleep(0.0005)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.002)
         work.wait()
         op, n, max_tokens = (int(v) for v in header.tolist())
         ids: list[int] = []
