@@ -4,9 +4,12 @@ Standalone on a host with two NVIDIA GPUs (plain ``python3`` with torch + cuda-p
 CRIU as ``$COLDSNAP_CRIU`` or on PATH). Drives the per-host code the unit modules run, with
 the activation's CSKV coordinator: two units (rank 0 on GPU 0, rank 1 on GPU 1), NCCL torn
 down through the coordinator before the CUDA checkpoint of both ranks and the CRIU dump;
-restore rebuilds NCCL with fresh endpoints from a new coordinator and hydrates both ranks;
-the second restore swaps the ranks between the GPUs (CUDA restore remaps GPU UUIDs).
-NVLink multicast stays off (NCCL_NVLS_ENABLE=0 and friends). Prints JSON.
+restore (same GPUs) rebuilds NCCL with fresh endpoints from a new coordinator and hydrates
+both ranks. Swapping the ranks between the GPUs is refused by restore admission while NCCL
+uses its intra-node transports (the script records admission's answer); a second capture
+with NCCL on sockets (NCCL_P2P_DISABLE=1, NCCL_SHM_DISABLE=1) is then restored with the
+ranks swapped (CUDA restore remaps every GPU UUID). NVLink multicast stays off
+(NCCL_NVLS_ENABLE=0 and friends). Prints JSON.
 """
 
 from __future__ import annotations
@@ -34,18 +37,42 @@ def _wait_ports_free(listeners: list[tuple[str, int]]) -> float:
     return round(time.monotonic() - t0, 2)
 
 
+def _swap_admission(caps: list[dict], env: dict) -> str:
+    """Restore admission's answer for these captured ranks with GPU 0 and GPU 1 swapped."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import admit_gpu_moves
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.facts import gather
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.operations import _GpuMoves
+
+    art = {"launch": {"execution": {
+        "workers": [{"id": f"worker-{r}", "unit": f"unit-{r}", "rank": r, "device_slot": 0} for r in (0, 1)],
+        "groups": [{"kind": "tensor", "workers": ["worker-0", "worker-1"]}]}}}
+    moves = _GpuMoves(art, gather(check_criu=False))
+    for c, dev in zip(caps, (1, 0), strict=True):
+        moves.add({"id": c["unit"], "devices": [dev]}, c, {"environment": env})
+    try:
+        admit_gpu_moves(host="localhost", moves=moves.moves, colocated_gpu_ranks=moves.ranks,
+                        environments=moves.environments)
+    except AdmissionError as exc:
+        return f"refused: {exc}"
+    return "admitted"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="4g-bf16")
     ap.add_argument("--work", default="/tmp/coldsnap-tp2")
     ap.add_argument("--port", type=int, default=18600)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-swap-on-sockets", dest="swap_on_sockets", action="store_false",
+                    help="skip the second capture (NCCL on sockets) and its restore with the ranks swapped")
     args = ap.parse_args()
     os.environ.update(NO_MULTICAST)
     setup_paths()
     from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import daemon
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import NCCL_SOCKETS_ONLY
     from coldsnap_engines.reference.config import PRESETS
     from coldsnap_engines.reference.weights import make_model
 
@@ -99,23 +126,62 @@ def main() -> int:
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=2))
 
-    cap_req = request("tp2-capture", (0, 1))
-    ep = coordinator("tp2-capture")
-    t = time.time()
-    caps = unit.run_host_units(unit.build_specs(cap_req, host="localhost", operation="capture", capture_id="tp2",
-                                                state_root=state, coordinator_endpoint=ep),
-                               activation_dir=adir, run_dir=state / "runs" / "tp2-capture")
-    daemon.stop_coordinator(ep)
-    result["capture_wall_s"] = round(time.time() - t, 2)
-    cap0 = next(c for c in caps if c["unit"] == "unit-0")
+    def capture(tag: str) -> list[dict]:
+        ep = coordinator(f"tp2-capture{tag}")
+        t = time.time()
+        caps = unit.run_host_units(unit.build_specs(request(f"tp2-capture{tag}", (0, 1)), host="localhost",
+                                                    operation="capture", capture_id=f"tp2{tag}", state_root=state,
+                                                    coordinator_endpoint=ep),
+                                   activation_dir=adir, run_dir=state / "runs" / f"tp2-capture{tag}")
+        daemon.stop_coordinator(ep)
+        result[f"capture{tag}_wall_s"] = round(time.time() - t, 2)
+        return caps
+
+    def restore(name: str, devices: tuple[int, int], caps: list[dict], tag: str = "") -> dict:
+        req = {**request(f"tp2-{name}", devices), "id": f"tp2-{name}"}
+        weights = {"model_dir": str(model_dir), "materialize": "off", "workers": {}}
+        for c in caps:
+            pk = c["workers"][0]["payload"]["pack"]
+            weights["workers"][c["workers"][0]["worker"]] = {
+                "provider": "native",
+                "pack": {"path": str(state / pk["path"]), "sha256": pk["sha256"], "size": pk["size"]}}
+        port_wait = _wait_ports_free([tuple(x) for c in caps for w in c["workers"] for x in w["listeners"]])
+        ep = coordinator(req["id"])
+        t = time.time()
+        expected = caps[0]["acceptance_reply"]
+        try:
+            evs = unit.run_host_units(unit.build_specs(req, host="localhost", operation="restore",
+                                                       capture_id=f"tp2{tag}", state_root=state, weights=weights,
+                                                       coordinator_endpoint=ep,
+                                                       validation={**req["validation"], "expected": expected}),
+                                      activation_dir=adir, run_dir=state / "runs" / req["id"])
+        except Exception as exc:
+            restores.append({"name": name, "devices": list(devices), "error": str(exc)})
+            save()
+            raise
+        daemon.stop_coordinator(ep)
+        ev0 = next(e for e in evs if e["unit"] == "unit-0")
+        rec = {"name": name, "devices": list(devices), "wall_s": round(time.time() - t, 2),
+               "waited_for_ports_s": port_wait, "readiness": ev0["readiness"], "reply_ok": ev0["reply"] == expected,
+               "phases": {e["unit"]: phases(e) for e in evs}}
+        restores.append(rec)
+        t = time.time()
+        for e in evs:
+            kill_pid(e["workers"][0]["pid"])
+        rec["exit_after_kill_s"] = round(time.time() - t, 2)
+        save()
+        return rec
+
+    caps = capture("")
+    caps.sort(key=lambda c: c["unit"])
+    cap0 = caps[0]
     result["cold"] = cap0["readiness"]
     result["capture_phases"] = {c["unit"]: phases(c) for c in caps}
     result["per_rank"] = {c["unit"]: {"model_bytes": c["workers"][0]["payload"]["model_bytes"],
                                       "criu_image_bytes": c["workers"][0]["criu"]["bytes"],
                                       "gpu_uuids": c["workers"][0]["gpu_uuids"],
                                       "memory_at_checkpoint": c["workers"][0]["memory_at_checkpoint"]} for c in caps}
-    expected = cap0["acceptance_reply"]
-    result["reply"] = expected
+    result["reply"] = cap0["acceptance_reply"]
     # The baseline: a pinned host->device copy of one rank's bytes on each GPU, before the
     # restores (so a failed restore still leaves it measured).
     import torch
@@ -125,40 +191,22 @@ def main() -> int:
     for dev in (0, 1):
         with torch.cuda.device(dev):
             result["pinned_h2d_gbps"][dev] = round(pinned_h2d_gbps(per_rank_bytes), 2)
-    save()
-    weights = {"model_dir": str(model_dir), "materialize": "off", "workers": {}}
-    for c in caps:
-        pk = c["workers"][0]["payload"]["pack"]
-        weights["workers"][c["workers"][0]["worker"]] = {
-            "provider": "native", "pack": {"path": str(state / pk["path"]), "sha256": pk["sha256"], "size": pk["size"]}}
     restores: list = []
     result["restores"] = restores
-    for name, devices in (("same-gpus", (0, 1)), ("ranks-swapped", (1, 0))):
-        req = {**request(f"tp2-{name}", devices), "id": f"tp2-{name}"}
-        port_wait = _wait_ports_free([tuple(x) for c in caps for w in c["workers"] for x in w["listeners"]])
-        ep = coordinator(req["id"])
-        t = time.time()
-        try:
-            evs = unit.run_host_units(unit.build_specs(req, host="localhost", operation="restore", capture_id="tp2",
-                                                       state_root=state, weights=weights, coordinator_endpoint=ep,
-                                                       validation={**req["validation"], "expected": expected}),
-                                      activation_dir=adir, run_dir=state / "runs" / req["id"])
-        except Exception as exc:
-            restores.append({"name": name, "devices": list(devices), "error": str(exc)})
-            save()
-            raise
-        daemon.stop_coordinator(ep)
-        ev0 = next(e for e in evs if e["unit"] == "unit-0")
-        restores.append({"name": name, "devices": list(devices), "wall_s": round(time.time() - t, 2),
-                         "waited_for_ports_s": port_wait,
-                         "readiness": ev0["readiness"], "reply_ok": ev0["reply"] == expected,
-                         "phases": {e["unit"]: phases(e) for e in evs}})
-        t = time.time()
-        for e in evs:
-            kill_pid(e["workers"][0]["pid"])
-        restores[-1]["exit_after_kill_s"] = round(time.time() - t, 2)
-        save()
-    best = min(restores, key=lambda r: r["readiness"]["ttft_s"])
+    save()
+    restore("same-gpus", (0, 1), caps)
+    # What restore admission says about swapping these ranks (NCCL on P2P/SHM, as captured).
+    result["swap_admission"] = _swap_admission(caps, env)
+    save()
+    if args.swap_on_sockets:
+        # The supported way to move co-located NCCL ranks: capture with NCCL on sockets.
+        env.update(NCCL_SOCKETS_ONLY)
+        sock = capture("-sockets")
+        sock.sort(key=lambda c: c["unit"])
+        result["cold_sockets"] = sock[0]["readiness"]
+        result["swap_admission_sockets"] = _swap_admission(sock, env)
+        restore("sockets-ranks-swapped", (1, 0), sock, tag="-sockets")
+    best = restores[0]
     result["summary"] = {
         "cold_ttft_s": result["cold"]["ttft_s"], "restore_ttft_s": best["readiness"]["ttft_s"],
         "restore_over_cold_ttft": round(best["readiness"]["ttft_s"] / result["cold"]["ttft_s"], 4),

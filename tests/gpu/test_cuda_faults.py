@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -74,7 +75,8 @@ def test_checkpoint_restore_keeps_the_bytes_with_an_explicit_gpu_mapping():
         assert cuda._uuid_string(cuda.uuid_struct(cu, uuid, keep).bytes) == uuid  # any UUID, not only local ones
         cuda.checkpoint(p.pid)
         assert cuda.state(p.pid) == "checkpointed"
-        cuda.restore(p.pid, remap={uuid: uuid})  # the remap path, onto the same GPU
+        # The remap path, onto the same GPUs: the driver wants a pair for every GPU of the host.
+        cuda.restore(p.pid, remap={u: u for u in cuda.device_uuids()})
         cuda.unlock(p.pid)
         assert cuda.state(p.pid) == "running"
         time.sleep(0.3)
@@ -83,3 +85,37 @@ def test_checkpoint_restore_keeps_the_bytes_with_an_explicit_gpu_mapping():
         p.kill()
         out = p.communicate()[0]
     assert "corrupted" not in out
+
+
+def _gpu_used_mib(pid: int) -> int:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                         check=True, capture_output=True, text=True).stdout
+    return next((int(m) for p, m in (line.split(",") for line in out.splitlines()) if int(p) == pid), 0)
+
+
+def test_context_shrink_survives_a_checkpoint_and_restore_gives_the_stack_back():
+    """What a released engine does before its CUDA checkpoint (coldsnap_engines.common.gpu_context)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
+
+    integ = str(HERE.parents[1] / "runtime_image" / "integrations")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([integ, os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, str(HERE / "context_child.py")], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        before = _gpu_used_mib(p.pid)
+        p.stdin.write("shrink\n")
+        p.stdin.flush()
+        _word, stack, now = p.stdout.readline().split()
+        assert int(stack) > 0 and int(now) == 0
+        after = _gpu_used_mib(p.pid)
+        assert after < before, f"shrinking freed nothing ({before} -> {after} MiB)"
+        cuda.checkpoint(p.pid)
+        cuda.restore(p.pid)
+        cuda.unlock(p.pid)
+        p.stdin.write("restore\n")
+        p.stdin.flush()
+        assert p.stdout.readline().split() == ["restored", stack, "True"]
+    finally:
+        p.kill()
+        p.wait()

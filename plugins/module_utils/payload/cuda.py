@@ -203,19 +203,21 @@ class CudaSink:
                     f"bytes, the manifest says {a.size}",
                     fix="the restored process does not match the capture (size change); recapture")
 
-    def _ensure_lanes(self) -> None:
-        if self.lanes:
-            return
-        self.ctx.make_current()
-        try:
-            for _i in range(self.threads):
-                self.lanes.append(_Lane(self.drv, self.chunk))
-        except BaseException:
-            self.close()
-            raise
+    def _lane(self, i: int) -> _Lane:
+        """Lane ``i``, created by its own thread on first use: page-locking the staging buffers
+        is the slow part of a first fill (a restore's), so the lanes do it in parallel and
+        the first ones start copying while the others still allocate."""
+        with self._map_lock:
+            while len(self.lanes) <= i:
+                self.lanes.append(None)  # type: ignore[arg-type]
+            lane = self.lanes[i]
+        if lane is None:
+            lane = _Lane(self.drv, self.chunk)
+            with self._map_lock:
+                self.lanes[i] = lane
+        return lane
 
     def fill(self, jobs: Sequence[FillJob], *, progress: Progress | None = None) -> None:
-        self._ensure_lanes()
         work: queue.SimpleQueue = queue.SimpleQueue()
         for job in split_jobs(jobs, self.chunk):
             work.put(job)
@@ -230,25 +232,28 @@ class CudaSink:
                 if progress:
                     progress(state["done"], total)
 
-        def run(lane: _Lane) -> None:
+        def run(i: int) -> None:
             try:
                 self.ctx.make_current()
+                lane = None
                 while not errors:
                     try:
                         job = work.get_nowait()
                     except queue.Empty:
                         break
+                    lane = lane or self._lane(i)  # no staging for a thread that finds no work
                     if self._registrable(job):
                         self._register_job(lane, job, report)
                     else:
                         self._copy_job(lane, job, report)
-                check(self.drv.cuStreamSynchronize(lane.stream), "cuStreamSynchronize")
-                self._unregister_done(lane, keep=0)
+                if lane is not None:
+                    check(self.drv.cuStreamSynchronize(lane.stream), "cuStreamSynchronize")
+                    self._unregister_done(lane, keep=0)
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=run, args=(lane,), name=f"coldsnap-cuda-{i}", daemon=True)
-                   for i, lane in enumerate(self.lanes)]
+        threads = [threading.Thread(target=run, args=(i,), name=f"coldsnap-cuda-{i}", daemon=True)
+                   for i in range(self.threads)]
         for t in threads:
             t.start()
         for t in threads:
@@ -336,8 +341,9 @@ class CudaSink:
         if self.lanes:
             self.ctx.make_current()
             for lane in self.lanes:
-                self._unregister_done(lane, keep=0)
-                lane.free()
+                if lane is not None:
+                    self._unregister_done(lane, keep=0)
+                    lane.free()
             self.lanes = []
         for addr, size in self.maps.values():
             _libc_munmap(addr, size)

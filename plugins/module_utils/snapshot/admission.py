@@ -69,3 +69,34 @@ def admit_unit(*, artifact: dict, unit_id: str, facts: dict, devices: list[int],
         record["row"] = f"{artifact['snapshot_driver']['id']}-cpu"
     record["snapshot_driver"] = SNAPSHOT_DRIVERS[artifact["snapshot_driver"]["id"]].id
     return record
+
+
+# NCCL's intra-node transports (P2P over NVLink/PCIe, SHM through host memory) fail after the
+# CUDA driver restored a rank onto another GPU than it was checkpointed on: the process
+# still reports its captured GPU (PCI bus id) while its memory lives on the new one, and
+# NCCL's first collective fails with "invalid device ordinal". Measured on two H200s
+# (driver 580, NCCL 2.28) without CRIU in bench/gpu_nccl_swap.py; the socket transport works.
+NCCL_SOCKETS_ONLY = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
+
+
+def admit_gpu_moves(*, host: str, moves: list[tuple[str, str, str]], colocated_gpu_ranks: int,
+                    environments: list[dict]) -> None:
+    """Refuse moving tensor-parallel GPU ranks that share a host onto other GPUs, unless NCCL runs on sockets.
+
+    ``moves`` are (worker, captured GPU UUID, GPU UUID it would get) for the workers of this
+    host whose GPU changes; ``colocated_gpu_ranks`` counts the GPU ranks of the operation on
+    this host; ``environments`` are the captured environments of those units (NCCL reads
+    its settings once per process, so only the captured ones count).
+    """
+    if not moves or colocated_gpu_ranks < 2:
+        return
+    if all(all(env.get(k) == v for k, v in NCCL_SOCKETS_ONLY.items()) for env in environments):
+        return
+    what = ", ".join(f"{w} ({a} -> {b})" for w, a, b in moves)
+    raise AdmissionError(
+        f"{host}: {colocated_gpu_ranks} tensor-parallel ranks share this host and {what} would run on another GPU "
+        "than at capture; NCCL's intra-node transports (P2P, SHM) fail after such a move",
+        fix="restore each rank onto the GPU it was captured on (same device ordinals, same host), or capture with "
+            "NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 in every unit's environment (tensor-parallel traffic then "
+            "goes over sockets)")
+

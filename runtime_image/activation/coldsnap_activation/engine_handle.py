@@ -12,6 +12,8 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
 
+from coldsnap_activation.probes import open_http
+
 CONTROL_FILE = "control-{worker}.json"
 LOG_FILE = "target.log"
 
@@ -116,14 +118,16 @@ class EngineHandle:
     def call(self, method: str, path: str, body: dict | None = None, *, timeout: float = 600) -> dict:
         """One control request; raises UnitError with the engine's message on failure."""
         info = self.control_info()
-        conn = http.client.HTTPConnection("127.0.0.1", info["port"], timeout=timeout)
+        conn = None
         try:
             payload = json.dumps(body or {}).encode()
-            conn.request(method, path, body=payload if method == "POST" else None,
-                         headers={"Authorization": f"Bearer {info['token']}", "Content-Type": "application/json",
-                                  "Connection": "close"})
+            conn = open_http("127.0.0.1", info["port"], method, path, timeout=timeout,
+                                   body=payload if method == "POST" else None,
+                                   headers={"Authorization": f"Bearer {info['token']}",
+                                            "Content-Type": "application/json"})
             resp = conn.getresponse()
             data = json.loads(resp.read() or b"{}")
+            resp.close()
             if "monotonic_ns" in data:
                 # Offset of the engine's clock from ours (a restored engine lives in a time namespace).
                 data["clock_offset_ns"] = time.monotonic_ns() - int(data["monotonic_ns"])
@@ -137,7 +141,8 @@ class EngineHandle:
                 raise self.failure(f"the engine died during {path}") from None
             raise UnitError(f"unit {self.unit}: control {path} failed: {exc}") from None
         finally:
-            conn.close()
+            if conn is not None:
+                conn.close()
         if not data.get("ok"):
             raise UnitError(f"unit {self.unit} worker {self.worker['id']}: engine refused {path}: "
                             f"{data.get('error', 'unknown error')}", fix=f"see {self.log_path}")

@@ -3,12 +3,34 @@ startup TTFT (first non-empty streamed token of the exact validation request).""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
 import socket
+import struct
 import threading
 import time
+
+_LINGER_RESET = struct.pack("ii", 1, 0)
+
+
+def open_http(host: str, port: int, method: str, path: str, *, timeout: float, body: bytes | None = None,
+              headers: dict | None = None) -> http.client.HTTPConnection:
+    """Send one request on a connection that will close with a reset rather than a FIN exchange.
+
+    The engine answers HTTP/1.0 and closes first, so every request would leave a TIME_WAIT
+    connection on the engine's side of its port, and that port is captured: on some kernels
+    (the GPU hosts) such a connection keeps the port from being bound again for a minute,
+    SO_REUSEADDR or not, so a restore right after a capture had to wait for it. A reset
+    from this side (SO_LINGER 0) ends the engine's side at once. Callers read the reply in
+    full before closing.
+    """
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    conn.request(method, path, body=body, headers={"Connection": "close", **(headers or {})})
+    with contextlib.suppress(OSError):
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+    return conn
 
 
 class PortProbe:
@@ -46,10 +68,14 @@ def wait_http_ready(address: str, port: int, path: str, *, timeout: float, alive
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            conn = http.client.HTTPConnection(host, port, timeout=5)
-            conn.request("GET", path, headers={"Connection": "close"})
-            status = conn.getresponse().status
-            conn.close()
+            conn = open_http(host, port, "GET", path, timeout=5)
+            try:
+                resp = conn.getresponse()
+                status = resp.status
+                resp.read()
+                resp.close()
+            finally:
+                conn.close()
             if status == 200:
                 return time.monotonic_ns()
         except (OSError, http.client.HTTPException):
@@ -64,29 +90,32 @@ def stream_completion(address: str, port: int, *, model: str, prompt: str, max_t
                       timeout: float = 300) -> tuple[str, int]:
     """POST a streamed temperature-0 completion; (full text, monotonic ns of the first non-empty token)."""
     host = "127.0.0.1" if address in ("0.0.0.0", "") else address
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True}).encode()
-    conn.request("POST", "/v1/completions", body=body,
-                 headers={"Content-Type": "application/json", "Connection": "close"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"validation request answered HTTP {resp.status}: {resp.read()[:300]!r}")
+    conn = open_http(host, port, "POST", "/v1/completions", timeout=timeout, body=body,
+                           headers={"Content-Type": "application/json"})
     first_ns = None
     parts: list[str] = []
-    for raw in resp:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            break
-        chunk = json.loads(data)
-        text = chunk["choices"][0].get("text", "")
-        if text and first_ns is None:
-            first_ns = time.monotonic_ns()
-        parts.append(text)
-    conn.close()
+    try:
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"validation request answered HTTP {resp.status}: {resp.read()[:300]!r}")
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                resp.read()  # up to the engine's close: the reply is complete before the reset
+                break
+            chunk = json.loads(data)
+            text = chunk["choices"][0].get("text", "")
+            if text and first_ns is None:
+                first_ns = time.monotonic_ns()
+            parts.append(text)
+        resp.close()
+    finally:
+        conn.close()
     if first_ns is None:
         raise RuntimeError("validation request streamed no token")
     return "".join(parts), first_ns

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coldsnap_engines.common import worker
+from coldsnap_engines.common import gpu_context, worker
 from coldsnap_engines.common.allocations import AllocationTable, zero
 
 
@@ -28,6 +28,7 @@ class LocalControl:
         self.model_dir: Path | None = None
         self.hydration_spec: dict | None = None
         self._alloc_view: dict | None = None
+        self._shrunk: gpu_context.Shrunk | None = None
 
     # ---- hooks for subclasses -------------------------------------------
     def weights_table(self) -> AllocationTable:
@@ -107,8 +108,12 @@ class LocalControl:
     def release_weights(self) -> None:
         self._release(("weights",))
         self._switch_load_format()
+        if self.device != "cpu":
+            self._shrunk = gpu_context.shrink()
 
     def recreate_memory(self) -> None:
+        gpu_context.restore(self._shrunk)
+        self._shrunk = None
         tags = ("weights", "kv_cache") if self.kv_table() is not None else ("weights",)
         self._recreate(tags)
 

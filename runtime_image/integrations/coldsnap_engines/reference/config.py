@@ -89,7 +89,7 @@ class ModelConfig:
         return cls.from_json(json.loads((Path(model_dir) / CONFIG_FILE).read_text()))
 
 
-# Sizes: "tiny" for tests (a few MB), "small" ~100 MB, "1g"/"2g"/"4g" for benchmarks.
+# Sizes: "tiny" for tests (a few MB), "small" ~100 MB, "1g" … "8g-bf16" for benchmarks.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=384),
     "small": ModelConfig(hidden=512, layers=8, heads=8, kv_heads=4, intermediate=1536),
@@ -97,4 +97,5 @@ PRESETS: dict[str, ModelConfig] = {
     "1g-bf16": ModelConfig(hidden=2048, layers=11, heads=16, kv_heads=8, intermediate=5632, dtype="bfloat16"),
     "2g-bf16": ModelConfig(hidden=2048, layers=22, heads=16, kv_heads=8, intermediate=5632, dtype="bfloat16"),
     "4g-bf16": ModelConfig(hidden=3072, layers=22, heads=24, kv_heads=8, intermediate=8192, dtype="bfloat16"),
+    "8g-bf16": ModelConfig(hidden=4096, layers=20, heads=32, kv_heads=8, intermediate=14336, dtype="bfloat16"),
 }

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from coldsnap_engines.common import gpu_context
 from coldsnap_engines.common.lifecycle import EngineStateError, Timing
 from coldsnap_engines.reference import loader, tokenizer
 from coldsnap_engines.reference.config import ModelConfig
@@ -61,6 +62,7 @@ class Engine:
         self.blocked = torch.tensor(tokenizer.blocked_ids(), dtype=torch.long)
         self.restores = 0
         self.last_error: str | None = None
+        self._shrunk: gpu_context.Shrunk | None = None  # what release() took from the CUDA context
 
     # ------------------------------------------------------------------ start
     def start(self, transport) -> None:
@@ -202,6 +204,8 @@ class Engine:
                 self.loaded.extents = list(self.loaded.extents)
                 gc.collect()
                 _malloc_trim()
+                if self.device != "cpu":
+                    self._shrunk = gpu_context.shrink(torch.device(self.device).index or 0)
             self.state = "released"
             return {"spans": self.timing.spans, "arenas": self.status()["arenas"]}
 
@@ -211,6 +215,8 @@ class Engine:
         with self.state_lock:
             self._expect("released")
             self.timing = Timing()
+            gpu_context.restore(self._shrunk)
+            self._shrunk = None
             self.restores += 1
             # The workload log was reset before CRIU ran: this marker is its first line.
             print(json.dumps({"coldsnap": "restore-boundary", "operation_id": spec.get("operation_id"),

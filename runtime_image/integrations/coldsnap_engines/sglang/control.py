@@ -22,6 +22,7 @@ from concurrent.futures import Future
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 
+from coldsnap_engines.common import gpu_context
 from coldsnap_engines.common.allocations import AllocationTable
 from coldsnap_engines.common.local import LocalControl
 from coldsnap_engines.sglang.loader import named_tensors, weights_table
@@ -172,7 +173,12 @@ class SglangControl(LocalControl):
         self._call(lambda: LocalControl.release_weights(self))
 
     def recreate_memory(self) -> None:
-        self._call(lambda: self._recreate(MEMORY_TAGS))
+        def run() -> None:
+            gpu_context.restore(self._shrunk)
+            self._shrunk = None
+            self._recreate(MEMORY_TAGS)
+
+        self._call(run)
 
     def hydrate(self, spec: dict) -> dict:
         return self._call(lambda: LocalControl.hydrate(self, spec))

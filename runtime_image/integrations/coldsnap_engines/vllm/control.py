@@ -8,9 +8,11 @@ serialized with scheduling:
 quiesce            ``pause_generation(mode="wait")``, ``checkpoint_prepare()``
                    (device communicators), ``release_kv_cache_memory()``
 export             ``collective_rpc("coldsnap_export")`` in every worker
-release            ``collective_rpc("coldsnap_switch_load_format")`` then
-                   ``sleep(level=2)``: weights discarded, reservations kept
-resume (restore)   ``checkpoint_restore()``; ``coldsnap_arm(spec)``;
+release            ``collective_rpc("coldsnap_switch_load_format")``,
+                   ``sleep(level=2)``: weights discarded, reservations kept;
+                   ``coldsnap_shrink_context`` (stack reservation, cuBLAS)
+resume (restore)   ``coldsnap_restore_context``; ``checkpoint_restore()``;
+                   ``coldsnap_arm(spec)``;
                    ``wake_up()``: the ``coldsnap`` sleep backend re-maps at the
                    captured addresses, hydrates, re-zeros KV; scheduling resumes
 sleep / wake       ``sleep(level=1)`` / ``wake_up()`` (KV re-zeroed on wake)
@@ -105,9 +107,12 @@ class VllmControl:
     def release_weights(self) -> None:
         self._rpc("coldsnap_switch_load_format")
         self._run(self.client.sleep(level=2, mode="wait"))
+        self._rpc("coldsnap_shrink_context")
 
     def recreate_memory(self) -> None:
-        """Deferred: the wake in ``hydrate`` re-maps every reservation at its captured address."""
+        """Give each worker's CUDA context back its stack reservation; the wake in ``hydrate``
+        re-maps every weight reservation at its captured address."""
+        self._rpc("coldsnap_restore_context")
 
     def hydrate(self, spec: dict) -> dict:
         self._rpc("coldsnap_arm", spec=spec)

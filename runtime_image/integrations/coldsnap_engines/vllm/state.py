@@ -20,6 +20,7 @@ class WorkerState:
     load_format: str | None = None  # the normal loader capture used
     armed: dict | None = None  # hydration spec for the next wake (set through collective RPC)
     last_hydration: dict | None = None
+    shrunk: object | None = None  # gpu_context.Shrunk: what release took from the CUDA context
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     def arm(self, spec: dict | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from coldsnap_engines.common import gpu_context
 from coldsnap_engines.common import worker as payload_worker
 from coldsnap_engines.vllm.loader import LOAD_FORMAT, named_tensors, weights_table
 from coldsnap_engines.vllm.state import STATE
@@ -90,6 +91,15 @@ class ColdSnapWorkerExtension:
         if runner_cfg is not None and runner_cfg is not cfg:
             runner_cfg.load_format = LOAD_FORMAT
         return cfg.load_format
+
+    def coldsnap_shrink_context(self) -> None:
+        """After the level-2 sleep, before the CUDA checkpoint: free what the snapshot need not carry."""
+        STATE.shrunk = gpu_context.shrink()
+
+    def coldsnap_restore_context(self) -> None:
+        """First thing on resume, before any kernel runs: give the context its stack reservation back."""
+        gpu_context.restore(STATE.shrunk)  # type: ignore[arg-type]
+        STATE.shrunk = None
 
     def coldsnap_materialize(self, spec: dict) -> dict:
         """Write the resident model bytes into the node cache (recovery read-through cache)."""

@@ -1,0 +1,81 @@
+"""The rank controller's requests to an engine leave no TIME_WAIT on the engine's (captured) port.
+
+The engine speaks HTTP/1.0 and closes first, so a plain client leaves the engine's side of
+every connection in TIME_WAIT on the serving or control port; on some kernels that blocks
+binding the port again for a minute, which a restore right after its capture must do.
+"""
+
+from __future__ import annotations
+
+import http.client
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import ports
+
+import coldsnap  # noqa: F401  # pylint: disable=unused-import
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "runtime_image" / "activation"))
+from coldsnap_activation import probes
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"  # the engine's: the server closes each connection first
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = b"{}"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        for t in ("Cold", "Snap"):
+            self.wfile.write(b'data: {"choices": [{"text": "%s"}]}\n\n' % t.encode())
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+@pytest.fixture
+def engine_port():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv.server_address[1]
+    srv.shutdown()
+    srv.server_close()
+
+
+def _time_waits(port: int) -> int:
+    time.sleep(0.2)  # let both ends finish closing
+    return ports.local_states(port).count(ports.TIME_WAIT)
+
+
+def test_a_plain_client_leaves_time_wait_on_the_engine_port(engine_port):
+    """The control case: what the helpers avoid does happen on this kernel."""
+    conn = http.client.HTTPConnection("127.0.0.1", engine_port, timeout=5)
+    conn.request("GET", "/health", headers={"Connection": "close"})
+    resp = conn.getresponse()
+    resp.read()
+    conn.close()
+    assert _time_waits(engine_port) == 1
+
+
+def test_health_polls_and_validation_stream_leave_none(engine_port):
+    probes.wait_http_ready("127.0.0.1", engine_port, "/health", timeout=5, alive=lambda: True)
+    text, first_ns = probes.stream_completion("127.0.0.1", engine_port, model="m", prompt="p", max_tokens=2)
+    assert text == "ColdSnap" and first_ns > 0
+    conn = probes.open_http("127.0.0.1", engine_port, "POST", "/status", timeout=5, body=b"{}")
+    assert conn.getresponse().read().startswith(b"data:")
+    conn.close()
+    assert _time_waits(engine_port) == 0
