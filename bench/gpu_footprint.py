@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_snapshot import setup_paths
+from gpu_snapshot import emit, setup_paths
 
 
 def anon_maps(pid: int, top: int = 10) -> list[dict]:
@@ -185,11 +185,7 @@ def main() -> int:
         proc.kill()
         proc.wait()
     result = {"preset": args.preset, "env": args.env, "steps": steps}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_snapshot import setup_paths
+from gpu_snapshot import emit, setup_paths
 
 VARIANTS = {
     "identity": ({}, False),
@@ -143,11 +143,7 @@ def main() -> int:
         env_extra, swap = VARIANTS[name]
         result["variants"][name] = run_variant(name, env_extra, swap, cuda=cuda, uuids=uuids, work=work)
         print(json.dumps({name: result["variants"][name]}), file=sys.stderr, flush=True)
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

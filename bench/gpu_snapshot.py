@@ -40,6 +40,15 @@ def setup_paths() -> Path:
     return coll
 
 
+def emit(result: dict, out: str | None) -> int:
+    """Print the result document (and write it to ``out``); the exit status of a bench."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        Path(out).write_text(text)
+    return 0
+
+
 def dir_bytes(p: Path) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
@@ -189,11 +198,7 @@ def main() -> int:
         "hydration_over_pinned": round(result["model_bytes"] / hyd / 1e9 / result["pinned_h2d_gbps"], 3) if hyd else None,
         "recovery_ttft_s": restores[-1]["readiness"]["ttft_s"],
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_snapshot import REPO, kill_pid, pinned_h2d_gbps, setup_paths
+from gpu_snapshot import REPO, emit, kill_pid, pinned_h2d_gbps, setup_paths
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -40,19 +40,17 @@ def _wait_ports_free(listeners: list[tuple[str, int]]) -> float:
 def _swap_admission(caps: list[dict], env: dict) -> str:
     """Restore admission's answer for these captured ranks with GPU 0 and GPU 1 swapped."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import admit_gpu_moves
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import GpuMoves
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.facts import gather
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.operations import _GpuMoves
 
     art = {"launch": {"execution": {
         "workers": [{"id": f"worker-{r}", "unit": f"unit-{r}", "rank": r, "device_slot": 0} for r in (0, 1)],
         "groups": [{"kind": "tensor", "workers": ["worker-0", "worker-1"]}]}}}
-    moves = _GpuMoves(art, gather(check_criu=False))
+    moves = GpuMoves(art, gather(check_criu=False))
     for c, dev in zip(caps, (1, 0), strict=True):
         moves.add({"id": c["unit"], "devices": [dev]}, c, {"environment": env})
     try:
-        admit_gpu_moves(host="localhost", moves=moves.moves, colocated_gpu_ranks=moves.ranks,
-                        environments=moves.environments)
+        moves.admit("localhost")
     except AdmissionError as exc:
         return f"refused: {exc}"
     return "admitted"
@@ -217,9 +215,7 @@ def main() -> int:
     result["summary"]["hydration_over_pinned"] = {
         u: round(gbps / result["pinned_h2d_gbps"][int(u.rsplit("-", 1)[1])], 3)
         for u, gbps in result["summary"]["hydration_gbps_per_rank"].items()}
-    save()
-    print(json.dumps(result, indent=2))
-    return 0
+    return emit(result, args.out)
 
 
 if __name__ == "__main__":

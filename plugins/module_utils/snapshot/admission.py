@@ -100,3 +100,30 @@ def admit_gpu_moves(*, host: str, moves: list[tuple[str, str, str]], colocated_g
             "NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 in every unit's environment (tensor-parallel traffic then "
             "goes over sockets)")
 
+
+class GpuMoves:
+    """Tensor-parallel GPU workers of one host, and those that would run on another GPU than at capture."""
+
+    def __init__(self, artifact: dict, facts: dict) -> None:
+        execution = artifact["launch"]["execution"]
+        tensor = {w for g in execution.get("groups", []) if g["kind"] == "tensor" and len(g["workers"]) > 1
+                  for w in g["workers"]}
+        self.slots = {w["id"]: w.get("device_slot") for w in execution["workers"] if w["id"] in tensor}
+        self.uuids = {g["index"]: g.get("uuid") for g in facts.get("gpus", [])}
+        self.moves: list[tuple[str, str, str]] = []
+        self.ranks = 0
+        self.environments: list[dict] = []
+
+    def add(self, unit: dict, evidence: dict, captured_unit: dict) -> None:
+        for w in evidence["workers"]:
+            slot = self.slots.get(w["worker"])
+            if not (w.get("cuda") and w.get("gpu_uuids")) or slot is None or slot >= len(unit["devices"]):
+                continue
+            self.ranks += 1
+            self.environments.append(captured_unit.get("environment", {}))
+            now = self.uuids.get(unit["devices"][slot])
+            if now and now != w["gpu_uuids"][0]:
+                self.moves.append((w["worker"], w["gpu_uuids"][0], now))
+
+    def admit(self, host: str) -> None:
+        admit_gpu_moves(host=host, moves=self.moves, colocated_gpu_ranks=self.ranks, environments=self.environments)

@@ -472,11 +472,16 @@ def prepare(request: dict, artifact: dict, *, host: str, facts: dict, state_root
     container of that name that ColdSnap does not own stops the restore.
     """
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import ports
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import admit_unit
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import (
+        GpuMoves,
+        admit_unit,
+    )
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.operations import plan_weights
 
     client = _client(client)
     plans = []
+    moves = GpuMoves(artifact, facts)
+    captured_units = {u["id"]: u for u in artifact["launch"]["units"]}
     for u in units_on_host(request, host):
         image, target = capsule_image(artifact, u["id"], client=client)
         captured_root = target.split("/captures/", 1)[0]
@@ -489,12 +494,14 @@ def prepare(request: dict, artifact: dict, *, host: str, facts: dict, state_root
         adm = admit_unit(artifact=artifact, unit_id=u["id"], facts={**facts, "criu": criu}, devices=u["devices"],
                          host=host)
         captured = captured_evidence(image.id, target, client=client)
+        moves.add(u, captured, captured_units[u["id"]])
         running = _canonical_container(request, u["id"], client=client)
         if running is None or running.status != "running":
             for w in captured["workers"]:
                 ports.require_ports_free([tuple(x) for x in w["listeners"]], unit=u["id"])
         plans.append({"unit": u["id"], "admission": {**adm, "criu": criu["version"]}, "image": image.id,
                       "state_target": target, "container": running.name if running is not None else None})
+    moves.admit(host)
     weights = plan_weights(request, artifact, host=host, state_root=state_root) if plans else {}
     return {"changed": False, "units": plans, "weights": weights}
 

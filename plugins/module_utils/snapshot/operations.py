@@ -15,10 +15,7 @@ from pathlib import Path
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, docker_runtime, unit
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import (
-    admit_gpu_moves,
-    admit_unit,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import GpuMoves, admit_unit
 
 EVIDENCE = "evidence.json"
 
@@ -175,7 +172,7 @@ def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, st
     require_environment(artifact, [captured_units[u["id"]] for u in units], host=host, python=python)
     plans = []
     changed = False
-    moves = _GpuMoves(artifact, facts)
+    moves = GpuMoves(artifact, facts)
     for u in units:
         adm = admit_unit(artifact=artifact, unit_id=u["id"], facts=facts, devices=u["devices"], host=host)
         path, extracted = ensure_unit_state(state_root, artifact, u["id"], check_mode=check_mode)
@@ -192,34 +189,9 @@ def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, st
                 if not running:
                     ports.require_ports_free([tuple(x) for x in w["listeners"]], unit=u["id"])
         plans.append({"unit": u["id"], "admission": adm, "unit_dir": str(path)})
-    admit_gpu_moves(host=host, moves=moves.moves, colocated_gpu_ranks=moves.ranks, environments=moves.environments)
+    moves.admit(host)
     weights = plan_weights(request, artifact, host=host, state_root=state_root) if units else {}
     return {"changed": changed, "units": plans, "weights": weights}
-
-
-class _GpuMoves:
-    """Tensor-parallel GPU workers of one host, and those that would run on another GPU than at capture."""
-
-    def __init__(self, artifact: dict, facts: dict) -> None:
-        execution = artifact["launch"]["execution"]
-        tensor = {w for g in execution.get("groups", []) if g["kind"] == "tensor" and len(g["workers"]) > 1
-                  for w in g["workers"]}
-        self.slots = {w["id"]: w.get("device_slot") for w in execution["workers"] if w["id"] in tensor}
-        self.uuids = {g["index"]: g.get("uuid") for g in facts.get("gpus", [])}
-        self.moves: list[tuple[str, str, str]] = []
-        self.ranks = 0
-        self.environments: list[dict] = []
-
-    def add(self, unit: dict, evidence: dict, captured_unit: dict) -> None:
-        for w in evidence["workers"]:
-            slot = self.slots.get(w["worker"])
-            if not (w.get("cuda") and w.get("gpu_uuids")) or slot is None or slot >= len(unit["devices"]):
-                continue
-            self.ranks += 1
-            self.environments.append(captured_unit.get("environment", {}))
-            now = self.uuids.get(unit["devices"][slot])
-            if now and now != w["gpu_uuids"][0]:
-                self.moves.append((w["worker"], w["gpu_uuids"][0], now))
 
 
 def _running_pid(state_root: Path, request: dict, unit_id: str) -> int | None:

@@ -108,10 +108,10 @@ def tp2_artifact(groups=(("tensor", ("worker-0", "worker-1")),)) -> dict:
 
 
 def tp2_moves(devices: dict[str, int], env: dict | None = None, cuda: bool = True, **art):
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.operations import _GpuMoves
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import GpuMoves
 
     captured_on = {"unit-0": GPU_A, "unit-1": GPU_B}
-    moves = _GpuMoves(tp2_artifact(**art), {"gpus": [{"index": 0, "uuid": GPU_A}, {"index": 1, "uuid": GPU_B}]})
+    moves = GpuMoves(tp2_artifact(**art), {"gpus": [{"index": 0, "uuid": GPU_A}, {"index": 1, "uuid": GPU_B}]})
     for uid, dev in devices.items():
         evidence = {"workers": [{"worker": uid.replace("unit", "worker"), "cuda": cuda,
                                  "gpu_uuids": [captured_on[uid]] if cuda else []}]}
@@ -120,20 +120,16 @@ def tp2_moves(devices: dict[str, int], env: dict | None = None, cuda: bool = Tru
 
 
 def test_tp_ranks_on_their_captured_gpus_are_admitted():
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import admit_gpu_moves
-
     m = tp2_moves({"unit-0": 0, "unit-1": 1})
     assert m.ranks == 2 and m.moves == []
-    admit_gpu_moves(host="gpu-7", moves=m.moves, colocated_gpu_ranks=m.ranks, environments=m.environments)
+    m.admit("gpu-7")
 
 
 def test_swapped_tp_ranks_are_refused_before_eviction_with_the_fix():
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import admit_gpu_moves
-
     m = tp2_moves({"unit-0": 1, "unit-1": 0})
     assert m.moves == [("worker-0", GPU_A, GPU_B), ("worker-1", GPU_B, GPU_A)]
     with pytest.raises(AdmissionError) as exc:
-        admit_gpu_moves(host="gpu-7", moves=m.moves, colocated_gpu_ranks=m.ranks, environments=m.environments)
+        m.admit("gpu-7")
     text = str(exc.value)
     assert "gpu-7" in text and f"worker-0 ({GPU_A} -> {GPU_B})" in text and "invalid" not in text
     assert "NCCL_P2P_DISABLE=1" in exc.value.fix and "NCCL_SHM_DISABLE=1" in exc.value.fix
@@ -142,22 +138,18 @@ def test_swapped_tp_ranks_are_refused_before_eviction_with_the_fix():
 def test_swapped_tp_ranks_are_admitted_when_nccl_was_captured_on_sockets():
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import (
         NCCL_SOCKETS_ONLY,
-        admit_gpu_moves,
     )
 
     m = tp2_moves({"unit-0": 1, "unit-1": 0}, env=NCCL_SOCKETS_ONLY)
-    admit_gpu_moves(host="gpu-7", moves=m.moves, colocated_gpu_ranks=m.ranks, environments=m.environments)
+    m.admit("gpu-7")
     half = tp2_moves({"unit-0": 1, "unit-1": 0}, env={"NCCL_P2P_DISABLE": "1"})  # SHM would still be used
     with pytest.raises(AdmissionError):
-        admit_gpu_moves(host="gpu-7", moves=half.moves, colocated_gpu_ranks=half.ranks,
-                        environments=half.environments)
+        half.admit("gpu-7")
 
 
 @pytest.mark.parametrize("case", ["one rank on this host", "cpu workers", "no tensor group"])
 def test_moves_that_nccl_survives_are_admitted(case):
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import admit_gpu_moves
-
     m = {"one rank on this host": lambda: tp2_moves({"unit-0": 1}),  # the peer is on another host: NET transport
          "cpu workers": lambda: tp2_moves({"unit-0": 1, "unit-1": 0}, cuda=False),
          "no tensor group": lambda: tp2_moves({"unit-0": 1, "unit-1": 0}, groups=())}[case]()
-    admit_gpu_moves(host="gpu-7", moves=m.moves, colocated_gpu_ranks=m.ranks, environments=m.environments)
+    m.admit("gpu-7")

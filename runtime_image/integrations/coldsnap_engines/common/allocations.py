@@ -113,8 +113,8 @@ class AllocationTable:
             return MemorySink({a.id: a.view for a in self.allocations})
         from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda import CudaSink
 
-        return CudaSink({a.id: a.address for a in self.allocations}, self.allocations[0].device_index,
-                        sizes={a.id: a.size for a in self.allocations})
+        return CudaSink.for_restore({a.id: a.address for a in self.allocations}, self.allocations[0].device_index,
+                                    sizes={a.id: a.size for a in self.allocations})
 
 
 def close_io(obj) -> None:

@@ -17,10 +17,8 @@ def _sink(loaded: LoadedWeights):
         return hy.MemorySink({a.id: a.view() for a in arenas.values()})
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda import CudaSink
 
-    # Small staging chunks: every restore allocates its pinned buffers afresh (a snapshot must not
-    # carry them), and allocation time grows with their size; 8 MiB keeps the copy engines busy.
-    return CudaSink({a.id: a.address for a in arenas.values()}, first.device_index,
-                    sizes={a.id: a.size for a in arenas.values()}, chunk=8 << 20)
+    return CudaSink.for_restore({a.id: a.address for a in arenas.values()}, first.device_index,
+                                sizes={a.id: a.size for a in arenas.values()})
 
 
 def reader(loaded: LoadedWeights):
