@@ -129,7 +129,7 @@ def child(model_dir: str, out_dir: str) -> None:
 
 # --------------------------------------------------------------- parent side
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="1g-bf16")
     ap.add_argument("--work", default="/tmp/coldsnap-footprint")
     ap.add_argument("--out", default=None)

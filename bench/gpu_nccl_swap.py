@@ -122,7 +122,7 @@ def run_variant(name: str, env_extra: dict, swap: bool, *, cuda, uuids: list[str
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)

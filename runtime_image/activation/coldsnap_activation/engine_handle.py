@@ -122,9 +122,8 @@ class EngineHandle:
         try:
             payload = json.dumps(body or {}).encode()
             conn = open_http("127.0.0.1", info["port"], method, path, timeout=timeout,
-                                   body=payload if method == "POST" else None,
-                                   headers={"Authorization": f"Bearer {info['token']}",
-                                            "Content-Type": "application/json"})
+                             body=payload if method == "POST" else None,
+                             headers={"Authorization": f"Bearer {info['token']}", "Content-Type": "application/json"})
             resp = conn.getresponse()
             data = json.loads(resp.read() or b"{}")
             resp.close()

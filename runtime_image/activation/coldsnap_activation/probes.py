@@ -93,7 +93,7 @@ def stream_completion(address: str, port: int, *, model: str, prompt: str, max_t
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True}).encode()
     conn = open_http(host, port, "POST", "/v1/completions", timeout=timeout, body=body,
-                           headers={"Content-Type": "application/json"})
+                     headers={"Content-Type": "application/json"})
     first_ns = None
     parts: list[str] = []
     try:
