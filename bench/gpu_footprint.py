@@ -137,6 +137,9 @@ def main() -> int:
                     help="extra environment for the engine process (repeatable)")
     ap.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "OUT_DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    bad = [e for e in args.env if "=" not in e or not e.split("=", 1)[0]]
+    if bad:
+        ap.error(f"--env {bad[0]!r}: write it as NAME=VALUE, e.g. --env CUDA_MODULE_LOADING=LAZY")
     setup_paths()
     if args.child:
         child(*args.child)

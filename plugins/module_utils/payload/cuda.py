@@ -185,7 +185,7 @@ class CudaSink:
         self.chunk = chunk
         self.ctx = _Context(device)
         self.drv = self.ctx.drv
-        self.lanes: list[_Lane] = []
+        self.lanes: list[_Lane | None] = [None] * self.threads  # lane i belongs to fill thread i
         self._map_lock = threading.Lock()
 
     @classmethod
@@ -215,17 +215,12 @@ class CudaSink:
                     fix="the restored process does not match the capture (size change); recapture")
 
     def _lane(self, i: int) -> _Lane:
-        """Lane ``i``, created by its own thread on first use: page-locking the staging buffers
-        is the slow part of a first fill (a restore's), so the lanes do it in parallel and
-        the first ones start copying while the others still allocate."""
-        with self._map_lock:
-            while len(self.lanes) <= i:
-                self.lanes.append(None)  # type: ignore[arg-type]
-            lane = self.lanes[i]
+        """Lane ``i``, created by fill thread ``i`` itself on first use: page-locking the staging
+        buffers is the slow part of a first fill (a restore's), so the lanes do it in parallel
+        and the first ones start copying while the others still allocate."""
+        lane = self.lanes[i]
         if lane is None:
-            lane = _Lane(self.drv, self.chunk)
-            with self._map_lock:
-                self.lanes[i] = lane
+            lane = self.lanes[i] = _Lane(self.drv, self.chunk)
         return lane
 
     def fill(self, jobs: Sequence[FillJob], *, progress: Progress | None = None) -> None:
@@ -349,13 +344,13 @@ class CudaSink:
 
     def close(self) -> None:
         """Wait for outstanding copies; free streams, events, pinned buffers, file mappings; release the context."""
-        if self.lanes:
+        if any(self.lanes):
             self.ctx.make_current()
             for lane in self.lanes:
                 if lane is not None:
                     self._unregister_done(lane, keep=0)
                     lane.free()
-            self.lanes = []
+            self.lanes = [None] * self.threads
         for addr, size in self.maps.values():
             _libc_munmap(addr, size)
         self.maps = {}

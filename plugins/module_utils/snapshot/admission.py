@@ -79,30 +79,12 @@ def admit_unit(*, artifact: dict, unit_id: str, facts: dict, devices: list[int],
 NCCL_SOCKETS_ONLY = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 
 
-def admit_gpu_moves(*, host: str, moves: list[tuple[str, str, str]], colocated_gpu_ranks: int,
-                    environments: list[dict]) -> None:
-    """Refuse moving tensor-parallel GPU ranks that share a host onto other GPUs, unless NCCL runs on sockets.
-
-    ``moves`` are (worker, captured GPU UUID, GPU UUID it would get) for the workers of this
-    host whose GPU changes; ``colocated_gpu_ranks`` counts the GPU ranks of the operation on
-    this host; ``environments`` are the captured environments of those units (NCCL reads
-    its settings once per process, so only the captured ones count).
-    """
-    if not moves or colocated_gpu_ranks < 2:
-        return
-    if all(all(env.get(k) == v for k, v in NCCL_SOCKETS_ONLY.items()) for env in environments):
-        return
-    what = ", ".join(f"{w} ({a} -> {b})" for w, a, b in moves)
-    raise AdmissionError(
-        f"{host}: {colocated_gpu_ranks} tensor-parallel ranks share this host and {what} would run on another GPU "
-        "than at capture; NCCL's intra-node transports (P2P, SHM) fail after such a move",
-        fix="restore each rank onto the GPU it was captured on (same device ordinals, same host), or capture with "
-            "NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 in every unit's environment (tensor-parallel traffic then "
-            "goes over sockets)")
-
-
 class GpuMoves:
-    """Tensor-parallel GPU workers of one host, and those that would run on another GPU than at capture."""
+    """Tensor-parallel GPU workers of one host, and those that would run on another GPU than at capture.
+
+    ``add`` each unit of the host with its capture evidence, then ``admit``: moving tensor-
+    parallel GPU ranks that share a host onto other GPUs is refused unless NCCL runs on sockets.
+    """
 
     def __init__(self, artifact: dict, facts: dict) -> None:
         execution = artifact["launch"]["execution"]
@@ -126,4 +108,16 @@ class GpuMoves:
                 self.moves.append((w["worker"], w["gpu_uuids"][0], now))
 
     def admit(self, host: str) -> None:
-        admit_gpu_moves(host=host, moves=self.moves, colocated_gpu_ranks=self.ranks, environments=self.environments)
+        """Refuse the moves unless they are safe: fewer than two GPU ranks on this host, or NCCL
+        on sockets in every captured environment (NCCL reads its settings once per process)."""
+        if not self.moves or self.ranks < 2:
+            return
+        if all(all(env.get(k) == v for k, v in NCCL_SOCKETS_ONLY.items()) for env in self.environments):
+            return
+        what = ", ".join(f"{w} ({a} -> {b})" for w, a, b in self.moves)
+        raise AdmissionError(
+            f"{host}: {self.ranks} tensor-parallel ranks share this host and {what} would run on another GPU "
+            "than at capture; NCCL's intra-node transports (P2P, SHM) fail after such a move",
+            fix="restore each rank onto the GPU it was captured on (same device ordinals, same host), or capture "
+                "with NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 in every unit's environment (tensor-parallel "
+                "traffic then goes over sockets)")

@@ -11,8 +11,7 @@ import time
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
-
-from coldsnap_activation.probes import open_http
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.ports import open_http
 
 CONTROL_FILE = "control-{worker}.json"
 LOG_FILE = "target.log"

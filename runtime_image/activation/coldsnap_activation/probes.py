@@ -3,34 +3,14 @@ startup TTFT (first non-empty streamed token of the exact validation request).""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import http.client
 import json
 import socket
-import struct
 import threading
 import time
 
-_LINGER_RESET = struct.pack("ii", 1, 0)
-
-
-def open_http(host: str, port: int, method: str, path: str, *, timeout: float, body: bytes | None = None,
-              headers: dict | None = None) -> http.client.HTTPConnection:
-    """Send one request on a connection that will close with a reset rather than a FIN exchange.
-
-    The engine answers HTTP/1.0 and closes first, so every request would leave a TIME_WAIT
-    connection on the engine's side of its port, and that port is captured: on some kernels
-    (the GPU hosts) such a connection keeps the port from being bound again for a minute,
-    SO_REUSEADDR or not, so a restore right after a capture had to wait for it. A reset
-    from this side (SO_LINGER 0) ends the engine's side at once. Callers read the reply in
-    full before closing.
-    """
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    conn.request(method, path, body=body, headers={"Connection": "close", **(headers or {})})
-    with contextlib.suppress(OSError):
-        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
-    return conn
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.ports import open_http
 
 
 class PortProbe:

@@ -1,4 +1,4 @@
-"""The rank controller's requests to an engine leave no TIME_WAIT on the engine's (captured) port.
+"""Our requests to an engine leave no TIME_WAIT on the engine's (captured) port.
 
 The engine speaks HTTP/1.0 and closes first, so a plain client leaves the engine's side of
 every connection in TIME_WAIT on the serving or control port; on some kernels that blocks
@@ -8,6 +8,7 @@ binding the port again for a minute, which a restore right after its capture mus
 from __future__ import annotations
 
 import http.client
+import os
 import sys
 import threading
 import time
@@ -15,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import operations, ports
 
 import coldsnap  # noqa: F401  # pylint: disable=unused-import
 
@@ -71,11 +72,13 @@ def test_a_plain_client_leaves_time_wait_on_the_engine_port(engine_port):
     assert _time_waits(engine_port) == 1
 
 
-def test_health_polls_and_validation_stream_leave_none(engine_port):
+def test_health_polls_validation_stream_and_prepare_check_leave_none(engine_port):
     probes.wait_http_ready("127.0.0.1", engine_port, "/health", timeout=5, alive=lambda: True)
     text, first_ns = probes.stream_completion("127.0.0.1", engine_port, model="m", prompt="p", max_tokens=2)
     assert text == "ColdSnap" and first_ns > 0
-    conn = probes.open_http("127.0.0.1", engine_port, "POST", "/status", timeout=5, body=b"{}")
+    conn = ports.open_http("127.0.0.1", engine_port, "POST", "/status", timeout=5, body=b"{}")
     assert conn.getresponse().read().startswith(b"data:")
     conn.close()
+    # prepare's "is the running engine ours?" check (this stand-in reports no pid: not ours)
+    assert operations.engine_answers({"pid": os.getpid(), "port": engine_port, "token": "t"}) is False
     assert _time_waits(engine_port) == 0

@@ -37,21 +37,14 @@ def _cuda_torch():
     return torch
 
 
-def _call(cu, what: str, result):
-    err = result[0] if isinstance(result, tuple) else result
-    if err != cu.CUresult.CUDA_SUCCESS:
-        name = cu.cuGetErrorName(err)[1]
-        raise RuntimeError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
-    return result[1] if isinstance(result, tuple) and len(result) > 1 else None
-
-
 def shrink(device: int | None = None) -> Shrunk | None:
     """Free the stack reservation, cuBLAS workspaces and cached blocks of this process's context."""
     torch = _cuda_torch()
     if torch is None:
         return None
-    from cuda.bindings import driver as cu
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda import check, driver
 
+    cu = driver()
     dev = torch.cuda.current_device() if device is None else device
     torch.cuda.set_device(dev)  # the primary context is current in this thread from here on
     torch.cuda.synchronize(dev)
@@ -59,8 +52,8 @@ def shrink(device: int | None = None) -> Shrunk | None:
     if clear is not None:
         clear()
     torch.cuda.empty_cache()
-    stack = int(_call(cu, "cuCtxGetLimit(stack size)", cu.cuCtxGetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE)))
-    _call(cu, "cuCtxSetLimit(stack size, 0)", cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, 0))
+    stack = int(check(cu.cuCtxGetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE), "cuCtxGetLimit(stack size)"))
+    check(cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, 0), "cuCtxSetLimit(stack size, 0)")
     return Shrunk(dev, stack)
 
 
@@ -71,7 +64,8 @@ def restore(saved: Shrunk | None) -> None:
     torch = _cuda_torch()
     if torch is None:
         return
-    from cuda.bindings import driver as cu
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda import check, driver
 
+    cu = driver()
     torch.cuda.set_device(saved.device)
-    _call(cu, "cuCtxSetLimit(stack size)", cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, saved.stack_bytes))
+    check(cu.cuCtxSetLimit(cu.CUlimit.CU_LIMIT_STACK_SIZE, saved.stack_bytes), "cuCtxSetLimit(stack size)")
