@@ -9,8 +9,10 @@ run (the activation runtime, CRIU, the CUDA driver checkpoint API, payload hydra
    exact validation, quiesce, export (pack + residual), release of the VMM weight memory,
    CUDA checkpoint, CRIU dump;
 2. restore with the native pack, twice; restore with the recovery (safetensors) provider;
-3. baselines in the same run: pinned host->device copy of the model bytes, and
-   safetensors ``load_file(device="cuda")`` of the checkpoint.
+3. baselines in the same run: a second cold start outside any capture (page cache, and with
+   ``--compile`` the TorchInductor/Triton caches, warm by then; the capture's own cold start
+   starts from empty compile caches, as on a fresh host), a pinned host->device copy of the
+   model bytes, and safetensors ``load_file(device="cuda")`` of the checkpoint.
 
 Prints one JSON document (and writes it to --out).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -87,6 +90,26 @@ def safetensors_load_s(model_dir: Path) -> float:
     return best
 
 
+def cold_start_again(command: list[str], env: dict, port: int, validation: dict) -> dict:
+    """Launch the engine once more outside any capture (page cache and compile cache warm now)
+    and time it like a unit start: HTTP-ready and first streamed token from the launch."""
+    import subprocess
+
+    sys.path.insert(0, str(REPO / "runtime_image" / "activation"))
+    from coldsnap_activation.probes import stream_completion, wait_http_ready
+
+    t0 = time.monotonic_ns()
+    proc = subprocess.Popen(command, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        ready = wait_http_ready("127.0.0.1", port, "/health", timeout=900, alive=lambda: proc.poll() is None)
+        reply, first = stream_completion("127.0.0.1", port, model="", prompt=validation["prompt"],
+                                         max_tokens=validation["max_tokens"])
+    finally:
+        proc.kill()
+        proc.wait()
+    return {"ttr_http_ready_s": round((ready - t0) / 1e9, 4), "ttft_s": round((first - t0) / 1e9, 4), "reply": reply}
+
+
 def kill_pid(pid: int, timeout: float = 90) -> None:
     """SIGKILL ``pid`` and wait until it is gone (reaped by its keeper), as the evict step does.
 
@@ -113,7 +136,13 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=18200)
     ap.add_argument("--out", default=None)
     ap.add_argument("--restores", type=int, default=2)
+    ap.add_argument("--compile", action="store_true",
+                    help="start the engine with --compile (TorchInductor graphs built during its start-up)")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment of the engine unit (repeatable)")
     args = ap.parse_args()
+    if any("=" not in kv for kv in args.env):
+        ap.error("--env takes KEY=VALUE")
     setup_paths()
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
@@ -126,10 +155,15 @@ def main() -> int:
     model_dir = work / f"model-{args.preset}"
     t = time.time()
     ident = make_model(model_dir, PRESETS[args.preset], model_id=f"coldsnap/reference-{args.preset}")
-    result: dict = {"preset": args.preset, "model_generate_s": round(time.time() - t, 2), "model": ident}
+    result: dict = {"preset": args.preset, "compile": args.compile, "env": args.env, "model_generate_s": round(time.time() - t, 2),
+                    "model": ident}
     facts = gather(check_criu=True)
     result["host"] = {k: facts[k] for k in ("kernel", "nvidia_driver", "gpus", "criu")}
-    env = {"OMP_NUM_THREADS": "8", "PYTHONPATH": os.environ["PYTHONPATH"]}
+    env = {"OMP_NUM_THREADS": "8", "PYTHONPATH": os.environ["PYTHONPATH"], **dict(kv.split("=", 1) for kv in args.env)}
+    if args.compile:  # compile caches of this run only: the capture's cold start is a fresh host's
+        caches = work / "compile-cache"
+        shutil.rmtree(caches, ignore_errors=True)
+        env.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))
     req = validate_request({
         "format": 4, "kind": "coldsnap-operation-request", "operation": "capture", "id": "gpu-capture",
         "snapshot_driver": {"id": "n610"}, "output": {"artifact_dir": str(work / "artifact")},
@@ -138,7 +172,8 @@ def main() -> int:
                              "source": {"kind": "local-safetensors", "path": str(model_dir)}},
                    "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": [0],
                               "command": [sys.executable, "-m", "coldsnap_engines.reference.server", "--model",
-                                          str(model_dir), "--port", str(args.port), "--device", "cuda"],
+                                          str(model_dir), "--port", str(args.port), "--device", "cuda",
+                                          *(["--compile"] if args.compile else [])],
                               "environment": env, "environment_digest": "sha256:" + "0" * 64,
                               "mounts": [{"source": str(model_dir), "target": str(model_dir)}]}],
                    "execution": {"workers": [{"id": "worker-0", "unit": "unit-0", "rank": 0, "device_slot": 0}],
@@ -184,6 +219,8 @@ def main() -> int:
         kill_pid(ev["workers"][0]["pid"])
         time.sleep(0.5)
     result["restores"] = restores
+    launch = req["launch"]["units"][0]
+    result["cold_again"] = cold_start_again(launch["command"], env, args.port, req["validation"])
     result["pinned_h2d_gbps"] = round(pinned_h2d_gbps(result["model_bytes"]), 2)
     result["safetensors_load_cuda_s"] = round(safetensors_load_s(model_dir), 3)
     best = min(restores[: args.restores], key=lambda r: r["readiness"]["ttft_s"])
@@ -197,6 +234,8 @@ def main() -> int:
         "hydration_gbps": round(result["model_bytes"] / hyd / 1e9, 2) if hyd else None,
         "hydration_over_pinned": round(result["model_bytes"] / hyd / 1e9 / result["pinned_h2d_gbps"], 3) if hyd else None,
         "recovery_ttft_s": restores[-1]["readiness"]["ttft_s"],
+        "cold_again_ttft_s": result["cold_again"]["ttft_s"],
+        "restore_over_cold_again_ttft": round(best["readiness"]["ttft_s"] / result["cold_again"]["ttft_s"], 4),
     }
     return emit(result, args.out)
 

@@ -22,8 +22,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("provider", ["native", "recovery"])
-def test_gpu_capture_restore(tmp_path, provider):
+@pytest.mark.parametrize(("provider", "compiled"), [("native", False), ("recovery", False), ("native", True)],
+                         ids=["native", "recovery", "native-compiled"])
+def test_gpu_capture_restore(tmp_path, provider, compiled):
+    """With ``--compile`` the TorchInductor graphs built at start-up must serve the restored
+    process as they are: no recompilation after the restore (TORCH_LOGS=recompiles)."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
     from coldsnap_engines.reference.config import PRESETS
@@ -41,8 +44,10 @@ def test_gpu_capture_restore(tmp_path, provider):
                              "source": {"kind": "local-safetensors", "path": str(model_dir)}},
                    "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": [0],
                               "command": [sys.executable, "-m", "coldsnap_engines.reference.server", "--model",
-                                          str(model_dir), "--port", str(port), "--device", "cuda"],
-                              "environment": {"PYTHONPATH": os.environ.get("PYTHONPATH", "")},
+                                          str(model_dir), "--port", str(port), "--device", "cuda",
+                                          *(["--compile"] if compiled else [])],
+                              "environment": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+                                              **({"TORCH_LOGS": "recompiles"} if compiled else {})},
                               "environment_digest": "sha256:" + "0" * 64,
                               "mounts": [{"source": str(model_dir), "target": str(model_dir)}]}],
                    "execution": {"workers": [{"id": "worker-0", "unit": "unit-0", "rank": 0, "device_slot": 0}],
@@ -73,6 +78,8 @@ def test_gpu_capture_restore(tmp_path, provider):
         assert ev["reply"] == cap["acceptance_reply"]
         log = (state / "workloads" / "gpu-test" / "unit-0" / "target.log").read_text().splitlines()
         assert json.loads(log[0])["provider"] == provider
+        if compiled:  # the log was reset before the dump: these are the restored process's lines
+            assert not [line for line in log if "ecompil" in line], log
     finally:
         os.kill(ev["workers"][0]["pid"], signal.SIGKILL)
         time.sleep(0.5)

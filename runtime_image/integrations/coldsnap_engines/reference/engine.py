@@ -35,11 +35,26 @@ def _malloc_trim() -> None:
         torch.cuda.empty_cache()
 
 
+def _stop_compile_workers() -> None:
+    """Stop TorchInductor's compile worker processes once the graphs exist.
+
+    They are children of the engine, so a CRIU dump of its process tree would carry them;
+    a compile after a restore starts them again.
+    """
+    try:
+        from torch._inductor import async_compile
+    except ImportError:
+        return
+    stop = getattr(async_compile, "shutdown_compile_workers", None)
+    if stop is not None:
+        stop()
+
+
 class Engine:
     """One worker (rank) of the reference engine."""
 
     def __init__(self, model_dir: Path, *, device: str, rank: int, world: int, served_model_name: str,
-                 max_seq: int | None = None) -> None:
+                 max_seq: int | None = None, compile: bool = False) -> None:
         self.model_dir = Path(model_dir)
         cfg = ModelConfig.load(self.model_dir)
         if max_seq:
@@ -50,6 +65,7 @@ class Engine:
         self.rank = rank
         self.world = world
         self.served_model_name = served_model_name
+        self.compile = compile
         self.state = "loading"
         self.state_lock = threading.RLock()
         self.gen_lock = threading.Lock()
@@ -78,10 +94,14 @@ class Engine:
             self.kv = self.decoder.new_kv(self.device)
         if self.device != "cpu":
             self.blocked = self.blocked.to(self.device)
+        if self.compile:
+            self.decoder.compile()
         self.transport_ready.set()
-        with self.timing.span("engine.warmup"):
+        with self.timing.span("engine.warmup"):  # with --compile: where the graphs are built
             if self.rank == 0:
                 self.generate("warm-up", 2)
+        if self.compile:
+            _stop_compile_workers()
         self.state = "ready"
 
     # ------------------------------------------------------------ generation

@@ -62,6 +62,7 @@ class Decoder:
         self.kv_heads = config.kv_heads // world
         self.hd = config.head_dim
         self.dtype = getattr(torch, config.dtype)
+        self.qkv, self.mlp = self._qkv, self._mlp  # replaced by compiled graphs in compile()
 
     def new_kv(self, device: str) -> KVCache:
         shape = (self.c.layers, self.c.max_seq, self.kv_heads, self.hd)
@@ -73,14 +74,37 @@ class Decoder:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.c.norm_eps)
         return (xf * weight.float()).to(self.dtype)
 
-    def _rope(self, x: torch.Tensor, pos: slice) -> torch.Tensor:
-        # x: [T, H, hd]; rotate pairs (even, odd)
-        cos = self.cos[pos].unsqueeze(1)
-        sin = self.sin[pos].unsqueeze(1)
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, hd]; rotate pairs (even, odd); cos/sin: [T, 1, hd/2]
         xf = x.float().view(*x.shape[:-1], self.hd // 2, 2)
         a, b = xf[..., 0], xf[..., 1]
         out = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1)
         return out.view_as(x.float()).to(self.dtype)
+
+    # The two dense pieces of a layer, pure functions of tensors, so that one compiled graph
+    # serves every layer (weights are arguments) and attention + all-reduce stay outside
+    # (the split vLLM's piecewise compilation makes too).
+    def _qkv(self, h, norm_w, proj, rope):
+        (wq, wk, wv), (cos, sin) = proj, rope
+        t = h.shape[0]
+        x = self._norm(h, norm_w)
+        q = (x @ wq.T).view(t, self.heads, self.hd)
+        k = (x @ wk.T).view(t, self.kv_heads, self.hd)
+        v = (x @ wv.T).view(t, self.kv_heads, self.hd)
+        return self._rope(q, cos, sin), self._rope(k, cos, sin), v
+
+    def _mlp(self, h, norm_w, w1, w3, w2):
+        x = self._norm(h, norm_w)
+        return (F.silu(x @ w1.T) * (x @ w3.T)) @ w2.T
+
+    def compile(self) -> None:
+        """Compile the dense pieces with TorchInductor (shape-dynamic in the token count).
+
+        The graphs are built on the first forward passes (the engine's warm-up): that is
+        the start-up cost a production engine pays and a restored process does not.
+        """
+        self.qkv = torch.compile(self._qkv, dynamic=True)
+        self.mlp = torch.compile(self._mlp, dynamic=True)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
@@ -93,31 +117,30 @@ class Decoder:
         w = self.w
         t = tokens.shape[0]
         pos = slice(start, start + t)
+        # copies, not views: a compiled graph would otherwise guard on the views' storage offsets
+        cos, sin = self.cos[pos].unsqueeze(1).clone(), self.sin[pos].unsqueeze(1).clone()
         h = w["embed.weight"][tokens]
+        rep = self.heads // self.kv_heads
+        # causal within the new block, full over the prefix
+        mask = torch.ones(t, start + t, dtype=torch.bool, device=h.device).tril(diagonal=start)
         for i in range(self.c.layers):
             p = f"layers.{i}."
-            x = self._norm(h, w[p + "attn_norm.weight"])
-            q = (x @ w[p + "wq.weight"].T).view(t, self.heads, self.hd)
-            k = (x @ w[p + "wk.weight"].T).view(t, self.kv_heads, self.hd)
-            v = (x @ w[p + "wv.weight"].T).view(t, self.kv_heads, self.hd)
-            q, k = self._rope(q, pos), self._rope(k, pos)
+            proj = (w[p + "wq.weight"], w[p + "wk.weight"], w[p + "wv.weight"])
+            q, k, v = self.qkv(h, w[p + "attn_norm.weight"], proj, (cos, sin))
             kv.k[i, pos] = k
             kv.v[i, pos] = v
             keys = kv.k[i, : start + t]
             vals = kv.v[i, : start + t]
-            rep = self.heads // self.kv_heads
             if rep > 1:
                 keys = keys.repeat_interleave(rep, dim=1)
                 vals = vals.repeat_interleave(rep, dim=1)
-            # [H, T, hd] x [H, S, hd]; causal within the new block, full over the prefix
-            mask = torch.ones(t, start + t, dtype=torch.bool, device=h.device).tril(diagonal=start)
+            # [H, T, hd] x [H, S, hd]
             attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), vals.transpose(0, 1),
                                                   attn_mask=mask)
             o = attn.transpose(0, 1).reshape(t, self.heads * self.hd) @ w[p + "wo.weight"].T
             h = h + self._reduce(o)
-            x = self._norm(h, w[p + "ffn_norm.weight"])
-            g = F.silu(x @ w[p + "w1.weight"].T) * (x @ w[p + "w3.weight"].T)
-            h = h + self._reduce(g @ w[p + "w2.weight"].T)
+            h = h + self._reduce(self.mlp(h, w[p + "ffn_norm.weight"], w[p + "w1.weight"], w[p + "w3.weight"],
+                                          w[p + "w2.weight"]))
         h = self._norm(h[-1:], w["norm.weight"])
         return (h @ w["lm_head.weight"].T).float()[0]
 

@@ -1,0 +1,50 @@
+"""The reference engine's ``--compile``: TorchInductor graphs built during start-up give the
+same greedy tokens as the eager engine and serve every later request without a recompile
+(what a restored process relies on: it never compiles again)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from coldsnap_engines.reference.config import PRESETS
+from coldsnap_engines.reference.engine import Engine
+from coldsnap_engines.reference.transport import Transport
+from coldsnap_engines.reference.weights import make_model
+
+PROMPTS = ["", "a", "ColdSnap says:", "x" * 100]  # decode-only, shortest prefill, typical, long
+
+
+def _engine(model_dir, *, compile: bool) -> Engine:
+    engine = Engine(model_dir, device="cpu", rank=0, world=1, served_model_name="tiny", compile=compile)
+    engine.start(Transport(rank=0, world=1, device="cpu", endpoint_file=None, scope="local"))
+    return engine
+
+
+def test_compiled_engine_matches_eager_and_never_recompiles_after_warmup(tmp_path, monkeypatch):
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model_dir = tmp_path / "model"
+    make_model(model_dir, PRESETS["tiny"], model_id="coldsnap/reference-tiny")
+    eager = [_engine(model_dir, compile=False).generate(p, 6) for p in PROMPTS]
+
+    before = counters["stats"]["unique_graphs"]
+    engine = _engine(model_dir, compile=True)
+    compiled_at_start = counters["stats"]["unique_graphs"] - before
+    assert compiled_at_start >= 2, "start-up compiled nothing"  # prefill and decode graphs
+    assert [engine.generate(p, 6) for p in PROMPTS] == eager
+    assert counters["stats"]["unique_graphs"] - before == compiled_at_start, "a request recompiled"
+
+
+def test_eager_engine_compiles_nothing(tmp_path):
+    from torch._dynamo.utils import counters
+
+    model_dir = tmp_path / "model"
+    make_model(model_dir, PRESETS["tiny"], model_id="coldsnap/reference-tiny")
+    before = counters["stats"]["unique_graphs"]
+    engine = _engine(model_dir, compile=False)
+    engine.generate("ColdSnap says:", 4)
+    assert counters["stats"]["unique_graphs"] == before
+    assert engine.decoder.qkv == engine.decoder._qkv
