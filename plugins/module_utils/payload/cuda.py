@@ -180,8 +180,10 @@ class CudaSink:
         self.maps: dict[int, tuple[int, int]] = {}
         self.ptrs = {k: int(v) for k, v in ptrs.items()}
         self.sizes = dict(sizes) if sizes is not None else None
-        # Page-cache reads run ~4-7 GB/s per thread; a pinned H2D link takes ~50 GB/s: use the cores.
-        self.threads = threads or min(16, os.cpu_count() or 1)
+        # Page-cache reads run ~4-7 GB/s per thread; a pinned H2D link takes ~50 GB/s: use most of
+        # the cores, not all (12 beat 16 readers on a 16-core H200 host, 16 beat 24 and 32 on a
+        # 32-core one: the copy engine and the page cache share the memory bus; BENCHMARKS.md).
+        self.threads = threads or max(1, min(16, (os.cpu_count() or 1) * 3 // 4))
         self.chunk = chunk
         self.ctx = _Context(device)
         self.drv = self.ctx.drv
