@@ -28,9 +28,10 @@ need_apt=()
 docker_cli=()
 [ "${VERSION_CODENAME:-}" = bookworm ] || docker_cli=(docker-cli)
 # The shellcheck package: without it the ansible-test sanity test "shellcheck" is skipped.
-# g++: TorchInductor's CPU code generation (the reference engine's --compile).
+# g++ and python3-dev: TorchInductor's CPU code generation (the reference engine's --compile
+# compiles C++ that includes Python.h).
 for pkg in docker.io docker-registry debootstrap iproute2 procps xz-utils ca-certificates openssh-server openssh-client util-linux \
-           python3 python3-venv g++ \
+           python3 python3-venv python3-dev g++ \
            shellcheck "${docker_cli[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || need_apt+=("$pkg")
 done
