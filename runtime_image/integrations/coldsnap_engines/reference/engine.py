@@ -66,6 +66,7 @@ class Engine:
         self.world = world
         self.served_model_name = served_model_name
         self.compile = compile
+        self._compile_settled = not compile  # graphs built and compile workers stopped
         self.state = "loading"
         self.state_lock = threading.RLock()
         self.gen_lock = threading.Lock()
@@ -100,9 +101,16 @@ class Engine:
         with self.timing.span("engine.warmup"):  # with --compile: where the graphs are built
             if self.rank == 0:
                 self.generate("warm-up", 2)
-        if self.compile:
-            _stop_compile_workers()
+        if self.rank == 0:
+            self._compiled()
         self.state = "ready"
+
+    def _compiled(self) -> None:
+        """After this rank's first forward passes (the warm-up; ranks > 0 run theirs in the
+        worker loop): the graphs exist, so stop the compile workers before any capture."""
+        if not self._compile_settled:
+            _stop_compile_workers()
+            self._compile_settled = True
 
     # ------------------------------------------------------------ generation
     def generate(self, prompt: str, max_tokens: int, emit=None) -> str:
@@ -147,6 +155,7 @@ class Engine:
                 continue
             if op == OP_GENERATE:
                 self._generate(ids, max_tokens)
+                self._compiled()
             elif op == OP_QUIESCE:
                 self.transport_ready.clear()
                 self.loop_idle.set()
