@@ -215,24 +215,19 @@ def engine_answers(control: dict, timeout: float = 5.0) -> bool:
     """True when the process behind ``control`` (port, token, pid) is our engine and alive."""
     import http.client
 
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.ports import open_http
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.ports import engine_request
 
     try:
         os.kill(int(control["pid"]), 0)
     except (OSError, ValueError, KeyError):
         return False
-    conn = None
     try:
-        conn = open_http("127.0.0.1", int(control["port"]), "GET", "/status", timeout=timeout,
-                         headers={"Authorization": f"Bearer {control['token']}"})
-        resp = conn.getresponse()
-        body = json.loads(resp.read() or b"{}")
+        with engine_request("127.0.0.1", int(control["port"]), "GET", "/status", timeout=timeout,
+                            headers={"Authorization": f"Bearer {control['token']}"}) as resp:
+            body = json.loads(resp.read() or b"{}")
         return resp.status == 200 and int(body.get("pid", -1)) == int(control["pid"])
     except (OSError, ValueError, http.client.HTTPException):
         return False
-    finally:
-        if conn is not None:
-            conn.close()
 
 
 def evict(request: dict, *, host: str, state_root: Path, check_mode: bool) -> dict:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.ports import open_http
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.ports import engine_request
 
 CONTROL_FILE = "control-{worker}.json"
 LOG_FILE = "target.log"
@@ -117,15 +117,13 @@ class EngineHandle:
     def call(self, method: str, path: str, body: dict | None = None, *, timeout: float = 600) -> dict:
         """One control request; raises UnitError with the engine's message on failure."""
         info = self.control_info()
-        conn = None
+        payload = json.dumps(body or {}).encode()
         try:
-            payload = json.dumps(body or {}).encode()
-            conn = open_http("127.0.0.1", info["port"], method, path, timeout=timeout,
-                             body=payload if method == "POST" else None,
-                             headers={"Authorization": f"Bearer {info['token']}", "Content-Type": "application/json"})
-            resp = conn.getresponse()
-            data = json.loads(resp.read() or b"{}")
-            resp.close()
+            with engine_request("127.0.0.1", info["port"], method, path, timeout=timeout,
+                                body=payload if method == "POST" else None,
+                                headers={"Authorization": f"Bearer {info['token']}",
+                                         "Content-Type": "application/json"}) as resp:
+                data = json.loads(resp.read() or b"{}")
             if "monotonic_ns" in data:
                 # Offset of the engine's clock from ours (a restored engine lives in a time namespace).
                 data["clock_offset_ns"] = time.monotonic_ns() - int(data["monotonic_ns"])
@@ -138,9 +136,6 @@ class EngineHandle:
             if not self.alive():
                 raise self.failure(f"the engine died during {path}") from None
             raise UnitError(f"unit {self.unit}: control {path} failed: {exc}") from None
-        finally:
-            if conn is not None:
-                conn.close()
         if not data.get("ok"):
             raise UnitError(f"unit {self.unit} worker {self.worker['id']}: engine refused {path}: "
                             f"{data.get('error', 'unknown error')}", fix=f"see {self.log_path}")

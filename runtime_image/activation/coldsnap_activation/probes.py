@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.ports import open_http
+from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.ports import engine_request
 
 
 class PortProbe:
@@ -48,14 +48,8 @@ def wait_http_ready(address: str, port: int, path: str, *, timeout: float, alive
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            conn = open_http(host, port, "GET", path, timeout=5)
-            try:
-                resp = conn.getresponse()
+            with engine_request(host, port, "GET", path, timeout=5) as resp:
                 status = resp.status
-                resp.read()
-                resp.close()
-            finally:
-                conn.close()
             if status == 200:
                 return time.monotonic_ns()
         except (OSError, http.client.HTTPException):
@@ -72,12 +66,10 @@ def stream_completion(address: str, port: int, *, model: str, prompt: str, max_t
     host = "127.0.0.1" if address in ("0.0.0.0", "") else address
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                        "stream": True}).encode()
-    conn = open_http(host, port, "POST", "/v1/completions", timeout=timeout, body=body,
-                     headers={"Content-Type": "application/json"})
     first_ns = None
     parts: list[str] = []
-    try:
-        resp = conn.getresponse()
+    with engine_request(host, port, "POST", "/v1/completions", timeout=timeout, body=body,
+                        headers={"Content-Type": "application/json"}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"validation request answered HTTP {resp.status}: {resp.read()[:300]!r}")
         for raw in resp:
@@ -86,16 +78,12 @@ def stream_completion(address: str, port: int, *, model: str, prompt: str, max_t
                 continue
             data = line[5:].strip()
             if data == b"[DONE]":
-                resp.read()  # up to the engine's close: the reply is complete before the reset
                 break
             chunk = json.loads(data)
             text = chunk["choices"][0].get("text", "")
             if text and first_ns is None:
                 first_ns = time.monotonic_ns()
             parts.append(text)
-        resp.close()
-    finally:
-        conn.close()
     if first_ns is None:
         raise RuntimeError("validation request streamed no token")
     return "".join(parts), first_ns
