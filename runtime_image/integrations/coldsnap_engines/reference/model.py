@@ -63,6 +63,7 @@ class Decoder:
         self.hd = config.head_dim
         self.dtype = getattr(torch, config.dtype)
         self.qkv, self.mlp = self._qkv, self._mlp  # replaced by compiled graphs in compile()
+        self.compiled = False
 
     def new_kv(self, device: str) -> KVCache:
         shape = (self.c.layers, self.c.max_seq, self.kv_heads, self.hd)
@@ -105,6 +106,7 @@ class Decoder:
         """
         self.qkv = torch.compile(self._qkv, dynamic=True)
         self.mlp = torch.compile(self._mlp, dynamic=True)
+        self.compiled = True
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
@@ -117,8 +119,9 @@ class Decoder:
         w = self.w
         t = tokens.shape[0]
         pos = slice(start, start + t)
-        # copies, not views: a compiled graph would otherwise guard on the views' storage offsets
-        cos, sin = self.cos[pos].unsqueeze(1).clone(), self.sin[pos].unsqueeze(1).clone()
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)
+        if self.compiled:  # copies, not views: a graph would guard on the views' storage offsets
+            cos, sin = cos.clone(), sin.clone()
         h = w["embed.weight"][tokens]
         rep = self.heads // self.kv_heads
         # causal within the new block, full over the prefix
