@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_snapshot import emit, setup_paths
+from gpu_snapshot import emit, env_arg, preset_arg, setup_paths
 
 
 def anon_maps(pid: int, top: int = 10) -> list[dict]:
@@ -137,22 +137,20 @@ def main() -> int:
                     help="extra environment for the engine process (repeatable)")
     ap.add_argument("--child", nargs=2, metavar=("MODEL_DIR", "OUT_DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    bad = [e for e in args.env if "=" not in e or not e.split("=", 1)[0]]
-    if bad:
-        ap.error(f"--env {bad[0]!r}: write it as NAME=VALUE, e.g. --env CUDA_MODULE_LOADING=LAZY")
+    extra_env = env_arg(ap, args.env)
     setup_paths()
     if args.child:
         child(*args.child)
         return 0
+    config = preset_arg(ap, args.preset)
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
-    from coldsnap_engines.reference.config import PRESETS
     from coldsnap_engines.reference.weights import make_model
 
     work = Path(args.work)
     model_dir = work / f"model-{args.preset}"
-    make_model(model_dir, PRESETS[args.preset], model_id=f"coldsnap/reference-{args.preset}")
+    make_model(model_dir, config, model_id=f"coldsnap/reference-{args.preset}")
     out_dir = Path(tempfile.mkdtemp(prefix="payload-", dir=work))
-    env = {**os.environ, **dict(e.split("=", 1) for e in args.env)}
+    env = {**os.environ, **extra_env}
     proc = subprocess.Popen([sys.executable, __file__, "--child", str(model_dir), str(out_dir)], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     steps = []

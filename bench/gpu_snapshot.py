@@ -43,6 +43,23 @@ def setup_paths() -> Path:
     return coll
 
 
+def env_arg(ap: argparse.ArgumentParser, values: list[str]) -> dict[str, str]:
+    """``--env NAME=VALUE`` values as a dict; anything else is an argparse error that shows the form."""
+    bad = [e for e in values if "=" not in e or not e.split("=", 1)[0]]
+    if bad:
+        ap.error(f"--env {bad[0]!r}: write it as NAME=VALUE, e.g. --env CUDA_MODULE_LOADING=LAZY")
+    return dict(e.split("=", 1) for e in values)
+
+
+def preset_arg(ap: argparse.ArgumentParser, name: str):
+    """The reference model preset called ``name`` (after :func:`setup_paths`); an argparse error naming the choices."""
+    from coldsnap_engines.reference.config import PRESETS
+
+    if name not in PRESETS:
+        ap.error(f"--preset {name!r} is not a reference model preset; choose from {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
 def emit(result: dict, out: str | None) -> int:
     """Print the result document (and write it to ``out``); the exit status of a bench."""
     text = json.dumps(result, indent=2)
@@ -141,25 +158,24 @@ def main() -> int:
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment of the engine unit (repeatable)")
     args = ap.parse_args()
-    if any("=" not in kv for kv in args.env):
-        ap.error("--env takes KEY=VALUE")
+    extra_env = env_arg(ap, args.env)
     setup_paths()
+    config = preset_arg(ap, args.preset)
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.facts import gather
-    from coldsnap_engines.reference.config import PRESETS
     from coldsnap_engines.reference.weights import make_model
 
     work = Path(args.work)
     state = work / "state"
     model_dir = work / f"model-{args.preset}"
     t = time.time()
-    ident = make_model(model_dir, PRESETS[args.preset], model_id=f"coldsnap/reference-{args.preset}")
+    ident = make_model(model_dir, config, model_id=f"coldsnap/reference-{args.preset}")
     result: dict = {"preset": args.preset, "compile": args.compile, "env": args.env, "model_generate_s": round(time.time() - t, 2),
                     "model": ident}
     facts = gather(check_criu=True)
     result["host"] = {k: facts[k] for k in ("kernel", "nvidia_driver", "gpus", "criu")}
-    env = {"OMP_NUM_THREADS": "8", "PYTHONPATH": os.environ["PYTHONPATH"], **dict(kv.split("=", 1) for kv in args.env)}
+    env = {"OMP_NUM_THREADS": "8", "PYTHONPATH": os.environ["PYTHONPATH"], **extra_env}
     if args.compile:  # compile caches of this run only: the capture's cold start is a fresh host's
         caches = work / "compile-cache"
         shutil.rmtree(caches, ignore_errors=True)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_snapshot import REPO, emit, kill_pid, pinned_h2d_gbps, setup_paths
+from gpu_snapshot import REPO, emit, kill_pid, pinned_h2d_gbps, preset_arg, setup_paths
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -67,17 +67,17 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.update(NO_MULTICAST)
     setup_paths()
+    config = preset_arg(ap, args.preset)
     from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import daemon
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
     from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import NCCL_SOCKETS_ONLY
-    from coldsnap_engines.reference.config import PRESETS
     from coldsnap_engines.reference.weights import make_model
 
     work = Path(args.work)
     state = work / "state"
     model_dir = work / f"model-{args.preset}"
-    ident = make_model(model_dir, PRESETS[args.preset], model_id=f"coldsnap/reference-{args.preset}")
+    ident = make_model(model_dir, config, model_id=f"coldsnap/reference-{args.preset}")
     env = {"OMP_NUM_THREADS": "4", "PYTHONPATH": os.environ["PYTHONPATH"], "NCCL_SOCKET_IFNAME": "lo",
            "NCCL_DEBUG": "WARN", "PYTHONFAULTHANDLER": "1",
            **NO_MULTICAST}
