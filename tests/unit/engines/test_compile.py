@@ -48,3 +48,18 @@ def test_eager_engine_compiles_nothing(tmp_path):
     engine.generate("ColdSnap says:", 4)
     assert counters["stats"]["unique_graphs"] == before
     assert engine.decoder.qkv == engine.decoder._qkv
+
+
+@pytest.mark.parametrize(("missing", "fix"), [("compiler", "apt-get install g++"),
+                                              ("headers", "apt-get install python3-dev")])
+def test_compile_on_cpu_without_its_build_tools_fails_at_once_with_the_fix(tmp_path, monkeypatch, missing, fix):
+    import sysconfig
+
+    model_dir = tmp_path / "model"
+    make_model(model_dir, PRESETS["tiny"], model_id="coldsnap/reference-tiny")
+    if missing == "compiler":
+        monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    else:
+        monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path / "no-headers")})
+    with pytest.raises(ValueError, match=fix):
+        Engine(model_dir, device="cpu", rank=0, world=1, served_model_name="tiny", compile=True)

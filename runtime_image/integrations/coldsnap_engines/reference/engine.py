@@ -8,7 +8,10 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import os
+import shutil
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -33,6 +36,20 @@ def _malloc_trim() -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+def require_cpu_compiler() -> None:
+    """Fail at once, with the fix, where TorchInductor could not build CPU kernels: it compiles
+    C++ (``$CXX``, default g++) that includes Python.h. Without this the engine would die in its
+    warm-up with a compiler traceback."""
+    cxx = os.environ.get("CXX", "g++")
+    if shutil.which(cxx) is None:
+        raise ValueError(f"--compile on CPU needs a C++ compiler ({cxx!r} is not on PATH): install g++ "
+                         "(Debian: apt-get install g++) or drop --compile")
+    header = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not header.is_file():
+        raise ValueError(f"--compile on CPU needs the Python headers ({header} is missing): install them "
+                         "(Debian: apt-get install python3-dev) or drop --compile")
 
 
 def _stop_compile_workers() -> None:
@@ -65,6 +82,8 @@ class Engine:
         self.rank = rank
         self.world = world
         self.served_model_name = served_model_name
+        if compile and device == "cpu":
+            require_cpu_compiler()
         self.compile = compile
         self._compile_settled = not compile  # graphs built and compile workers stopped
         self.state = "loading"
