@@ -11,15 +11,19 @@ What it does, in one process:
 2. baseline: the model bytes in one pinned torch tensor, copied with ``.cuda(non_blocking=True)``
    (the pinned host->device limit on this host), best of N;
 3. ColdSnap: ``hydrate_native`` from the verified pack fd + residual into fresh device buffers with
-   CudaSink (reader threads preadv -> pinned staging -> cuMemcpyHtoDAsync, double-buffered per
-   stream), for several thread counts, best of N; every run is checked byte-for-byte on the GPU;
+   CudaSink, for each strategy (``native``: the C fill of native/fill.c, built here if missing;
+   ``pread``: the Python loop; ``register``: page-lock the page cache in place) and thread count,
+   steady state = best of N after a first fill; every first fill is checked byte-for-byte on the GPU;
 4. the best setting again over the same pack file as plain 64 MiB jobs (``raw_fill_over_pack``),
    which separates the fill from the manifest's job layout;
-5. prints one JSON document: GB/s, ratio to pinned (target >= 0.85), correctness.
+5. ``restore_first_fill``: what a restore does, once: a new ``CudaSink.for_restore`` (its staging
+   page-locked afresh), one ``hydrate_native``, close;
+6. prints one JSON document: GB/s, ratio to pinned (target >= 0.85), correctness.
 
-Options: --gib (default 4), --threads 4,8,12,16, --strategies pread,register, --chunk-mib 32,
---repeat 3, --dir (scratch, default $TMPDIR), --device 0. The residual's SHA-256 check is timed separately (the in-unit runtime skips it
-when the capsule image was verified by digest).
+Options: --gib (default 4), --threads 8,12,16, --strategies native,pread[,register], --chunk-mib
+(default: the engine's own, 4 native / 32 Python), --repeat 3, --dir (scratch, default $TMPDIR),
+--device 0, --restore-threads 8,12,16. The residual's SHA-256 check is timed separately (the in-unit runtime skips it when the
+capsule image was verified by digest).
 """
 
 from __future__ import annotations
@@ -52,11 +56,12 @@ def fail(msg: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description="ColdSnap GPU hydration vs pinned host->device copy")
     ap.add_argument("--gib", type=float, default=4.0)
-    ap.add_argument("--threads", default="4,8,12,16")
-    ap.add_argument("--chunk-mib", type=int, default=32)
-    ap.add_argument("--strategies", default="pread,register",
-                    help="CudaSink strategies to measure (register = page-lock the page cache in place)")
+    ap.add_argument("--threads", default="8,12,16")
+    ap.add_argument("--chunk-mib", type=int, default=0, help="staging chunk (default: the engine's own)")
+    ap.add_argument("--strategies", default="native,pread",
+                    help="CudaSink strategies to measure (native, pread, register)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--restore-threads", default="8,12,16", help="lanes of CudaSink.for_restore to measure")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--device", type=int, default=0)
     args = ap.parse_args()
@@ -76,6 +81,7 @@ def main() -> int:
 
 def run(args, torch, scratch: Path) -> int:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import cuda as pcuda
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import native_fill
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import (
         FillJob,
@@ -173,18 +179,26 @@ def run(args, torch, scratch: Path) -> int:
     results = {"ok": True, "device": torch.cuda.get_device_name(dev), "bytes": moved, "model_bytes": model_bytes,
                "residual_bytes": wp.residual.size, "pack_sha256": wp.pack.sha256, "capture_s": round(capture_s, 3),
                "residual_hash_s": round(residual_hash_s, 4), "pinned_h2d_gbps": round(moved / pinned_s / 1e9, 2),
-               "chunk_mib": args.chunk_mib, "cpus": os.cpu_count(), "runs": {}}
+               "chunk_mib": args.chunk_mib or "engine default", "cpus": os.cpu_count(), "runs": {}}
+    strategies = [x for x in args.strategies.split(",") if x]
+    if "native" in strategies:  # build the C fill for this checkout once (a no-op when it is built)
+        try:
+            native_fill.unload(native_fill.load(build_if_missing=True))
+        except Exception as exc:
+            results["native_build_error"] = f"{type(exc).__name__}: {exc}"
+    chunk = (args.chunk_mib << 20) or None
     dst = {a.id: torch.empty(a.size, dtype=torch.uint8, device=dev) for a in allocs}
     ptrs = {k: v.data_ptr() for k, v in dst.items()}
     correct = True
     best = None
     with PayloadVerifier().verify(cache, wp.pack.sha256, wp.pack.size) as payload:
-        for strategy in [x for x in args.strategies.split(",") if x]:
+        for strategy in strategies:
             for threads in [int(t) for t in args.threads.split(",") if t]:
                 key = f"{strategy}/{threads}"
                 try:
-                    with pcuda.CudaSink(ptrs, args.device, threads=threads, chunk=args.chunk_mib << 20,
+                    with pcuda.CudaSink(ptrs, args.device, threads=threads, chunk=chunk,
                                         strategy=strategy) as sink:
+                        sink_chunk = sink.chunk
                         times = []
                         for i in range(args.repeat + 1):  # the first run also allocates the pinned buffers
                             for v in dst.values():
@@ -205,16 +219,17 @@ def run(args, torch, scratch: Path) -> int:
                     results["runs"][key] = {"error": f"{type(exc).__name__}: {exc}"}
                     continue
                 gbps = moved / t / 1e9
-                results["runs"][key] = {"seconds": round(t, 4), "gbps": round(gbps, 2),
+                results["runs"][key] = {"seconds": round(t, 4), "gbps": round(gbps, 2), "chunk_mib": sink_chunk >> 20,
                                         "ratio_to_pinned": round(pinned_s / t, 3), "first_run_s": round(times[0], 4)}
                 if best is None or gbps > best[1]:
                     best = (key, gbps, pinned_s / t)
         if best is not None:  # the same sink over the same pack file, as plain 64 MiB jobs (no manifest)
-            threads = int(best[0].split("/")[1])
+            strategy, threads_text = best[0].split("/")
+            threads = int(threads_text)
             first = dst[allocs[0].id]
             span = min(first.numel(), payload.size) // (64 << 20) * (64 << 20)
             raw = [FillJob(allocs[0].id, o, 64 << 20, (Piece(payload.fd, o, 64 << 20),)) for o in range(0, span, 64 << 20)]
-            with pcuda.CudaSink(ptrs, args.device, threads=threads, chunk=args.chunk_mib << 20) as sink:
+            with pcuda.CudaSink(ptrs, args.device, threads=threads, chunk=chunk, strategy=strategy) as sink:
                 times = []
                 for _i in range(args.repeat + 1):
                     torch.cuda.synchronize()
@@ -223,8 +238,33 @@ def run(args, torch, scratch: Path) -> int:
                     torch.cuda.synchronize()
                     times.append(time.perf_counter() - t0)
             raw_gbps = span / min(times[1:]) / 1e9
-            results["raw_fill_over_pack"] = {"threads": threads, "bytes": span, "gbps": round(raw_gbps, 2),
+            results["raw_fill_over_pack"] = {"run": best[0], "bytes": span, "gbps": round(raw_gbps, 2),
                                              "ratio_to_pinned": round(raw_gbps / (moved / pinned_s / 1e9), 3)}
+        # What a restore does once: a fresh sink (staging page-locked now), one fill, close.
+        results["restore_first_fill"] = {}
+        for restore_threads in [int(t) for t in args.restore_threads.split(",") if t]:
+            pcuda.RESTORE_THREADS = restore_threads
+            restore_times, phases = [], []
+            for _i in range(args.repeat):
+                for v in dst.values():
+                    v.zero_()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                sink = pcuda.CudaSink.for_restore(ptrs, args.device, sizes={a.id: a.size for a in allocs})
+                t1 = time.perf_counter()
+                try:
+                    hydrate_native(manifest, payload, scratch / "unit" / "weights.blob", sink, verify_residual=False)
+                    torch.cuda.synchronize()
+                finally:
+                    t2 = time.perf_counter()
+                    sink.close()
+                restore_times.append(time.perf_counter() - t0)
+                phases.append((round(t1 - t0, 4), round(t2 - t1, 4), round(restore_times[-1] - (t2 - t0), 4)))
+                correct &= all(torch.equal(dst[k], src[k]) for k in src)
+            t = min(restore_times)
+            results["restore_first_fill"][f"{sink.engine}/{restore_threads}"] = {
+                "seconds": round(t, 4), "gbps": round(moved / t / 1e9, 2), "ratio_to_pinned": round(pinned_s / t, 3),
+                "all_s": [round(x, 4) for x in restore_times], "open_fill_close_s": phases}
     results["correct"] = bool(correct)
     if best is None:
         results["ok"] = False

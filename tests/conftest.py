@@ -1,6 +1,6 @@
 """Test policy shared by every test.
 
-Tests that need CRIU, dockerd or the local registry *fail* in CI (CI=true) when
+Tests that need CRIU, dockerd, the local registry or a C compiler *fail* in CI (CI=true) when
 the tool is missing, and skip elsewhere; GPU tests skip cleanly without a GPU.
 """
 
@@ -70,7 +70,14 @@ def gpu_problem() -> str | None:
     return "no NVIDIA GPU"
 
 
-NEEDS = {"criu": criu_problem, "docker": docker_problem, "registry": registry_problem}
+@functools.cache
+def cc_problem() -> str | None:
+    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+        return "no C compiler (run scripts/install-system.sh)"
+    return None
+
+
+NEEDS = {"criu": criu_problem, "docker": docker_problem, "registry": registry_problem, "cc": cc_problem}
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -24,7 +24,7 @@ def _port() -> int:
 
 @pytest.mark.parametrize(("provider", "compiled"), [("native", False), ("recovery", False), ("native", True)],
                          ids=["native", "recovery", "native-compiled"])
-def test_gpu_capture_restore(tmp_path, provider, compiled):
+def test_gpu_capture_restore(tmp_path, provider, compiled, native_fill_built):
     """With ``--compile`` the TorchInductor graphs built at start-up must serve the restored
     process as they are: no recompilation after the restore (TORCH_LOGS=recompiles)."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
@@ -78,6 +78,8 @@ def test_gpu_capture_restore(tmp_path, provider, compiled):
         assert ev["reply"] == cap["acceptance_reply"]
         log = (state / "workloads" / "gpu-test" / "unit-0" / "target.log").read_text().splitlines()
         assert json.loads(log[0])["provider"] == provider
+        hydrate = [s["attrs"] for s in ev["timing"]["spans"] if s["name"] == "engine.hydrate"]
+        assert [h["fill"] for h in hydrate] == ["native" if native_fill_built else "python"], hydrate
         if compiled:  # the log was reset before the dump: these are the restored process's lines
             assert not [line for line in log if "ecompil" in line], log
     finally:

@@ -1,11 +1,15 @@
 """GPU side of hydration and capture through cuda-python's driver API (``cuda.bindings.driver``).
 
-:class:`CudaSink` streams file bytes into device allocations: several reader
-threads ``preadv`` into page-locked staging buffers (``cuMemHostAlloc``),
-each thread double-buffers on its own stream with ``cuMemcpyHtoDAsync``, and
-an event per buffer says when it may be refilled. Reads of the next chunk
-overlap the DMA of the previous one, so throughput approaches
-min(page-cache read rate across threads, pinned host->device rate).
+:class:`CudaSink` streams file bytes into device allocations through page-locked
+staging: reader threads ``pread`` a chunk into a staging slot, queue
+``cuMemcpyHtoDAsync`` of it on their own stream, and wait on the slot's event
+before refilling it, so reads of the next chunk overlap the DMA of the previous
+one. Two engines run that loop:
+
+* ``native`` (``native_fill``, the C library built from ``native/fill.c``): C threads
+  and a ring small enough to stay in the CPU's last-level cache; used whenever the
+  library is built (strategy ``auto``);
+* ``python``: the same loop in Python threads with larger buffers; always available.
 
 :class:`CudaReader` reads device allocations back through a pinned buffer
 (capture and materialization of GPU-resident weights).
@@ -28,6 +32,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     ColdSnapError,
     IntegrityError,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import native_fill
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import (
     FillJob,
     _check_ids_sizes,
@@ -38,6 +43,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams imp
 
 DEFAULT_CHUNK = 32 << 20
 RESTORE_CHUNK, RESTORE_THREADS = 4 << 20, 8  # see CudaSink.for_restore
+STRATEGIES = ("auto", "native", "pread", "register")
 PAGE = 4096
 
 
@@ -82,17 +88,23 @@ def driver() -> Any:
     return drv
 
 
+def error_name(err: Any) -> str:
+    """``CUDA_ERROR_...`` for a CUresult (or its integer value)."""
+    drv = driver()
+    try:
+        _e, name = drv.cuGetErrorName(drv.CUresult(err) if isinstance(err, int) else err)
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:
+        return str(err)
+
+
 def check(result: Any, what: str) -> Any:
     """Unpack a cuda-python ``(CUresult, *values)`` tuple; raise on any error."""
     drv = driver()
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != drv.CUresult.CUDA_SUCCESS:
-        try:
-            _e, name = drv.cuGetErrorName(err)
-            name = name.decode() if isinstance(name, bytes) else str(name)
-        except Exception:
-            name = str(err)
-        raise ColdSnapError(f"CUDA {what} failed: {name}", fix="check the GPU, the driver and free device memory")
+        raise ColdSnapError(f"CUDA {what} failed: {error_name(err)}",
+                            fix="check the GPU, the driver and free device memory")
     if not values:
         return None
     return values[0] if len(values) == 1 else tuple(values)
@@ -165,18 +177,29 @@ class CudaSink:
     allocation that contains ``ptr`` (``cuMemGetAddressRange``). Buffers and
     streams are created on first use and reused until :meth:`close`.
 
-    ``strategy="pread"`` (default) copies through pinned staging buffers.
-    ``strategy="register"`` (experimental) maps the source file and page-locks
-    each 4 KiB-aligned chunk of it in place (``cuMemHostRegister`` with
-    READ_ONLY) so the DMA reads the page cache directly, with no CPU copy;
-    unaligned pieces and hash-checked (recovery) jobs still use the staging path.
+    ``strategy``: ``"auto"`` (default) is ``"native"`` when the native fill library is
+    built (:func:`native_fill.load`) and ``"pread"`` otherwise; ``"native"`` requires the
+    library; ``"pread"`` is the Python loop; ``"register"`` (experimental, slow: page-locking
+    the page cache costs more than copying it) maps the source file and page-locks each
+    4 KiB-aligned chunk in place (``cuMemHostRegister`` READ_ONLY) for the DMA to read.
+    Hash-checked (recovery) jobs always take the Python loop, which hashes as it reads.
+    ``engine`` says which loop runs the plain jobs (``"native"`` or ``"python"``).
     """
 
     def __init__(self, ptrs: dict[str, int], device: int = 0, *, sizes: dict[str, int] | None = None,
-                 threads: int | None = None, chunk: int = DEFAULT_CHUNK, strategy: str = "pread") -> None:
-        if strategy not in ("pread", "register"):
-            raise ColdSnapError(f"CUDA hydration strategy {strategy!r} is unknown", fix="use 'pread' or 'register'")
-        self.strategy = strategy
+                 threads: int | None = None, chunk: int | None = None, strategy: str = "auto") -> None:
+        if strategy not in STRATEGIES:
+            raise ColdSnapError(f"CUDA hydration strategy {strategy!r} is unknown",
+                                fix=f"use one of {', '.join(STRATEGIES)}")
+        lib = None
+        if strategy in ("auto", "native"):
+            lib = native_fill.load()
+            if lib is None and strategy == "native":
+                raise ColdSnapError("the native fill library is not built",
+                                    fix="build it (scripts/setup-venv.sh, or native_fill.build()) or use strategy "
+                                        "'auto'")
+        self.strategy = "native" if lib is not None else ("pread" if strategy == "auto" else strategy)
+        self.engine = "native" if lib is not None else "python"
         self.maps: dict[int, tuple[int, int]] = {}
         self.ptrs = {k: int(v) for k, v in ptrs.items()}
         self.sizes = dict(sizes) if sizes is not None else None
@@ -184,9 +207,20 @@ class CudaSink:
         # the cores, not all (12 beat 16 readers on a 16-core H200 host, 16 beat 24 and 32 on a
         # 32-core one: the copy engine and the page cache share the memory bus; BENCHMARKS.md).
         self.threads = threads or max(1, min(16, (os.cpu_count() or 1) * 3 // 4))
-        self.chunk = chunk
-        self.ctx = _Context(device)
+        self.chunk = chunk or (native_fill.CHUNK if lib is not None else DEFAULT_CHUNK)
+        try:
+            self.ctx = _Context(device)
+        except BaseException:
+            if lib is not None:
+                native_fill.unload(lib)
+            raise
         self.drv = self.ctx.drv
+        try:
+            self.native = (native_fill.NativeLanes(lib, int(self.ctx.ctx), threads=self.threads, chunk=self.chunk)
+                           if lib is not None else None)
+        except BaseException:
+            self.ctx.release()
+            raise
         self.lanes: list[_Lane | None] = [None] * self.threads  # lane i belongs to fill thread i
         self._map_lock = threading.Lock()
 
@@ -195,8 +229,9 @@ class CudaSink:
         """A sink sized for one fill into a freshly restored process.
 
         Every restore page-locks its staging afresh (a snapshot must not carry pinned memory),
-        which dominates small payloads: 8 lanes x 2 x 4 MiB gave the fastest first fill of
-        4 GiB on an H200 (0.16 s vs 0.27 s with 16 x 2 x 8 MiB; BENCHMARKS.md).
+        which weighs on a single fill: 8 lanes x 2 x 4 MiB gave the fastest first fill on an
+        H200 (native fill: 8.6 GB in 0.195 s, 0.80 of the pinned rate, staging included; the
+        Python loop: 4 GiB in 0.16 s vs 0.27 s with 16 x 2 x 8 MiB; BENCHMARKS.md).
         """
         return cls(ptrs, device, sizes=sizes, chunk=RESTORE_CHUNK, threads=min(RESTORE_THREADS, os.cpu_count() or 1))
 
@@ -226,12 +261,24 @@ class CudaSink:
         return lane
 
     def fill(self, jobs: Sequence[FillJob], *, progress: Progress | None = None) -> None:
+        total = sum(j.size for j in jobs)
+        done = 0
+        if self.native is not None:
+            plain = [j for j in jobs if j.sha256 is None]
+            jobs = [j for j in jobs if j.sha256 is not None]
+            if plain:
+                self.native.fill(plain, self.ptrs, progress=(lambda n, _t: progress(n, total)) if progress else None,
+                                 cuda_error=error_name)
+            done = sum(j.size for j in plain)
+        if jobs:
+            self._python_fill(jobs, progress, total, done)
+
+    def _python_fill(self, jobs: Sequence[FillJob], progress: Progress | None, total: int, done: int) -> None:
         work: queue.SimpleQueue = queue.SimpleQueue()
         for job in split_jobs(jobs, self.chunk):
             work.put(job)
-        total = sum(j.size for j in jobs)
         lock = threading.Lock()
-        state = {"done": 0}
+        state = {"done": done}
         errors: list[BaseException] = []
 
         def report(n: int) -> None:
@@ -345,7 +392,11 @@ class CudaSink:
                     fix="the checkpoint is not the pinned revision this artifact was captured from")
 
     def close(self) -> None:
-        """Wait for outstanding copies; free streams, events, pinned buffers, file mappings; release the context."""
+        """Wait for outstanding copies; free streams, events, pinned buffers, file mappings, the native
+        library; release the context."""
+        if self.native is not None:
+            self.native.close()
+            self.native = None
         if any(self.lanes):
             self.ctx.make_current()
             for lane in self.lanes:

@@ -10,6 +10,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     IntegrityError,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import cuda as payload_cuda
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import native_fill
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import (
     hydrate_native,
     hydrate_recovery,
@@ -39,15 +40,20 @@ def _device_buffers(w, torch):
 
 
 @pytest.mark.gpu
-def test_cuda_sink_native_and_recovery_match_the_capture(tmp_path):
+@pytest.mark.parametrize("strategy", ["native", "pread"])
+def test_cuda_sink_native_and_recovery_match_the_capture(tmp_path, strategy):
     import torch
 
+    if strategy == "native":
+        native_fill.unload(native_fill.load(build_if_missing=True))
     w = make_worker(tmp_path)
     wp, out, cache = capture(tmp_path, w)
     for provider in ("native", "recovery"):
         bufs = _device_buffers(w, torch)
         ptrs = {k: t.data_ptr() for k, t in bufs.items()}
-        with payload_cuda.CudaSink(ptrs, torch.cuda.current_device(), threads=3, chunk=4096) as sink:
+        with payload_cuda.CudaSink(ptrs, torch.cuda.current_device(), threads=3, chunk=4096,
+                                   strategy=strategy) as sink:
+            assert sink.engine == ("native" if strategy == "native" else "python")
             if provider == "native":
                 with PayloadVerifier().verify(cache, wp.pack.sha256, wp.pack.size) as v:
                     hydrate_native(out / "native-manifest.json", v, out / "weights.blob", sink)

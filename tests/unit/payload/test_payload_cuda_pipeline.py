@@ -15,7 +15,10 @@ import threading
 import types
 
 import pytest
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    ColdSnapError,
+    IntegrityError,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import cuda as pcuda
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import (
     hydrate_native,
@@ -162,6 +165,9 @@ class DriverStandin:
 
 @pytest.fixture
 def drv(monkeypatch):
+    """The stand-in driver, and no native fill: the C library would call the real libcuda
+    (its pipeline is tested on the CPU by test_native_fill.py, on a GPU by test_payload_cuda.py)."""
+    monkeypatch.setattr(pcuda.native_fill, "load", lambda **_kw: None)
     d = DriverStandin()
     bindings = types.ModuleType("cuda.bindings")
     bindings.driver = d
@@ -241,3 +247,12 @@ def test_cuda_reader_materializes_the_capture_pack(tmp_path, drv):
     finally:
         reader.close()
     assert ref == wp.pack
+
+
+def test_cuda_sink_strategies_without_the_native_library(drv):
+    with pcuda.CudaSink({"a": drv.device_alloc(4096)}, 0) as sink:
+        assert (sink.strategy, sink.engine) == ("pread", "python")
+    with pytest.raises(ColdSnapError, match=r"native fill library is not built.*setup-venv"):
+        pcuda.CudaSink({"a": 0}, 0, strategy="native")
+    with pytest.raises(ColdSnapError, match="strategy 'dma' is unknown; use one of auto, native, pread, register"):
+        pcuda.CudaSink({"a": 0}, 0, strategy="dma")

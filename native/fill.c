@@ -1,0 +1,378 @@
+/* ColdSnap native fill: file bytes -> page-locked staging -> device memory, without the GIL.
+ *
+ * Copyright: ColdSnap contributors. SPDX-License-Identifier: Apache-2.0
+ *
+ * The Python sink (plugins/module_utils/payload/cuda.py, CudaSink) cuts a hydration into
+ * groups: each group is a list of file pieces whose destination bytes are contiguous and at
+ * most one chunk long. Here a pool of threads claims groups in order; each thread owns one
+ * CUDA stream and a ring of small page-locked slots. A thread reads a group's pieces into its
+ * next slot (pread, straight from the page cache), queues one cuMemcpyHtoDAsync of the slot,
+ * records the slot's event, and moves on; before it refills a slot it waits for that slot's
+ * event. The ring is kept small (threads x slots x chunk of about 128 MiB) so the staging
+ * stays in the CPU's last-level cache: the copy engine then reads the slots from the cache,
+ * and host memory carries each byte about once instead of three times.
+ *
+ * With no CUDA context (ctx == NULL) the same pipeline copies each slot into host memory
+ * with memcpy: that is how the pipeline is tested on machines without a GPU.
+ *
+ * libcuda is opened at run time (dlopen), so building this needs only a C compiler.
+ * The ABI is plain C for ctypes: see struct cs_piece and the cs_* functions below.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#ifndef CS_ABI
+#define CS_ABI 1
+#endif
+#define CS_MAX_THREADS 64
+#define CS_MAX_SLOTS 8
+
+/* Error kinds reported to Python (struct cs_error.kind). */
+enum { CS_OK = 0, CS_SHORT_READ = 1, CS_READ_ERRNO = 2, CS_CUDA = 3, CS_NOMEM = 4, CS_ARGS = 5 };
+
+struct cs_piece {       /* `size` bytes of file `fd` at `offset`, for destination byte `dst` */
+    int64_t fd;
+    uint64_t offset;
+    uint64_t size;
+    uint64_t dst;
+};
+
+struct cs_error {       /* the first failure of a fill */
+    int32_t kind;
+    int32_t code;       /* errno, or the CUresult */
+    int64_t piece;      /* index into the pieces array, or -1 */
+    uint64_t at;        /* file offset reached (short read) */
+    char call[48];      /* the CUDA call that failed */
+};
+
+typedef int CUresult;
+typedef void *CUcontext;
+typedef void *CUstream;
+typedef void *CUevent;
+typedef unsigned long long CUdeviceptr;
+
+static struct {
+    CUresult (*ctx_set)(CUcontext);
+    CUresult (*host_register)(void *, size_t, unsigned);
+    CUresult (*host_unregister)(void *);
+    CUresult (*stream_create)(CUstream *, unsigned);
+    CUresult (*stream_sync)(CUstream);
+    CUresult (*stream_destroy)(CUstream);
+    CUresult (*event_create)(CUevent *, unsigned);
+    CUresult (*event_record)(CUevent, CUstream);
+    CUresult (*event_sync)(CUevent);
+    CUresult (*event_destroy)(CUevent);
+    CUresult (*h2d_async)(CUdeviceptr, const void *, size_t, CUstream);
+} cu;
+static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
+static int cu_loaded;
+
+static void cu_load(void) {
+    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!h)
+        return;
+#define SYM(field, name) if (!(*(void **)&cu.field = dlsym(h, name))) return
+    SYM(ctx_set, "cuCtxSetCurrent");
+    SYM(host_register, "cuMemHostRegister_v2");
+    SYM(host_unregister, "cuMemHostUnregister");
+    SYM(stream_create, "cuStreamCreate");
+    SYM(stream_sync, "cuStreamSynchronize");
+    SYM(stream_destroy, "cuStreamDestroy_v2");
+    SYM(event_create, "cuEventCreate");
+    SYM(event_record, "cuEventRecord");
+    SYM(event_sync, "cuEventSynchronize");
+    SYM(event_destroy, "cuEventDestroy_v2");
+    SYM(h2d_async, "cuMemcpyHtoDAsync_v2");
+#undef SYM
+    cu_loaded = 1;
+}
+
+struct lane {           /* one thread's resources, created by that thread on first use */
+    CUstream stream;
+    void *slot[CS_MAX_SLOTS];
+    void *map[CS_MAX_SLOTS];        /* device mode: the mapping a slot lies in, and its length */
+    size_t map_len[CS_MAX_SLOTS];
+    CUevent event[CS_MAX_SLOTS];
+    int busy[CS_MAX_SLOTS];
+    unsigned next;
+};
+
+struct cs_sink {
+    CUcontext ctx;      /* NULL: host mode */
+    int threads, slots;
+    uint64_t chunk;
+    struct lane lane[CS_MAX_THREADS];
+};
+
+struct fill {           /* one cs_fill call, shared by its threads */
+    struct cs_sink *sink;
+    const struct cs_piece *pieces;
+    const uint64_t *groups;     /* group g = pieces[groups[g], groups[g + 1]) */
+    uint64_t ngroups;
+    atomic_uint_fast64_t next_group;
+    volatile uint64_t *done;    /* bytes copied so far, for progress; may be NULL */
+    atomic_int failed;
+    pthread_mutex_t lock;
+    struct cs_error err;
+};
+
+struct worker_arg {
+    struct fill *f;
+    int index;
+};
+
+int cs_abi(void) { return CS_ABI; }
+
+static int fail(struct fill *f, int kind, int code, int64_t piece, uint64_t at, const char *call) {
+    pthread_mutex_lock(&f->lock);
+    if (!atomic_load(&f->failed)) {
+        f->err.kind = kind;
+        f->err.code = code;
+        f->err.piece = piece;
+        f->err.at = at;
+        snprintf(f->err.call, sizeof f->err.call, "%s", call ? call : "");
+        atomic_store(&f->failed, 1);
+    }
+    pthread_mutex_unlock(&f->lock);
+    return -1;
+}
+
+#define CU(f, expr, name) do { CUresult r_ = (expr); if (r_) return fail((f), CS_CUDA, r_, -1, 0, (name)); } while (0)
+
+#define HUGE_PAGE (2u << 20)
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+/* A page-locked slot: anonymous memory on 2 MiB boundaries, advised to use transparent huge
+ * pages, faulted in, then registered with the driver. Page-locking costs per page, so with
+ * huge pages this is ~3x faster than cuMemHostAlloc (which maps 4 KiB pages and serializes
+ * across threads), and a restore page-locks its staging afresh (BENCHMARKS.md). */
+static int pin_slot(struct fill *f, struct lane *l, unsigned k) {
+    size_t size = f->sink->chunk, len = size + HUGE_PAGE;
+    char *map = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (map == MAP_FAILED)
+        return fail(f, CS_NOMEM, errno, -1, 0, "mmap");
+    l->map[k] = map;
+    l->map_len[k] = len;
+    char *p = (char *)(((uintptr_t)map + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+    madvise(p, size, MADV_HUGEPAGE);                /* a no-op where THP is off */
+    if (madvise(p, size, MADV_POPULATE_WRITE))      /* Linux < 5.14: touch it instead */
+        memset(p, 0, size);
+    CUresult r = cu.host_register(p, size, 0);
+    if (r)
+        return fail(f, CS_CUDA, r, -1, 0, "cuMemHostRegister");
+    l->slot[k] = p;
+    return 0;
+}
+
+/* Each thread page-locks its own slots, one at a time as it first needs them, so the lanes
+ * allocate in parallel and a slot's allocation overlaps the copy of the slot before it.
+ * Whatever was allocated stays recorded in the lane (also after a failure) and is freed by
+ * cs_sink_free. */
+static int lane_slot(struct fill *f, struct lane *l, unsigned k) {
+    struct cs_sink *s = f->sink;
+    if (s->ctx && !l->stream)
+        CU(f, cu.stream_create(&l->stream, 1 /* CU_STREAM_NON_BLOCKING */), "cuStreamCreate");
+    if (!l->slot[k]) {
+        if (s->ctx) {
+            if (pin_slot(f, l, k))
+                return -1;
+        } else if (!(l->slot[k] = malloc(s->chunk))) {
+            return fail(f, CS_NOMEM, ENOMEM, -1, 0, "malloc");
+        }
+    }
+    if (s->ctx && !l->event[k])
+        CU(f, cu.event_create(&l->event[k], 2 /* CU_EVENT_DISABLE_TIMING */), "cuEventCreate");
+    return 0;
+}
+
+static int read_piece(struct fill *f, uint64_t index, char *into) {
+    const struct cs_piece *p = &f->pieces[index];
+    uint64_t got = 0;
+    while (got < p->size) {
+        ssize_t n = pread((int)p->fd, into + got, p->size - got, (off_t)(p->offset + got));
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return fail(f, CS_READ_ERRNO, errno, (int64_t)index, p->offset + got, "pread");
+        }
+        if (n == 0)
+            return fail(f, CS_SHORT_READ, 0, (int64_t)index, p->offset + got, "pread");
+        got += (uint64_t)n;
+    }
+    return 0;
+}
+
+static int stopping(struct fill *f) {
+    return atomic_load(&f->failed);
+}
+
+static void *worker(void *argp) {
+    struct worker_arg *arg = argp;
+    struct fill *f = arg->f;
+    struct cs_sink *s = f->sink;
+    struct lane *l = &s->lane[arg->index];
+    if (s->ctx && cu.ctx_set(s->ctx)) {
+        fail(f, CS_CUDA, 0, -1, 0, "cuCtxSetCurrent");
+        return NULL;
+    }
+    for (;;) {
+        if (stopping(f))
+            break;
+        uint64_t g = atomic_fetch_add(&f->next_group, 1);
+        if (g >= f->ngroups)
+            break;
+        unsigned k = l->next;
+        l->next = (k + 1) % (unsigned)s->slots;
+        if (lane_slot(f, l, k))
+            break;
+        if (s->ctx && l->busy[k]) {
+            CUresult r = cu.event_sync(l->event[k]);     /* the slot's last copy is done */
+            if (r) {
+                fail(f, CS_CUDA, r, -1, 0, "cuEventSynchronize");
+                break;
+            }
+        }
+        char *buf = l->slot[k];
+        uint64_t used = 0, first = f->groups[g], last = f->groups[g + 1];
+        for (uint64_t i = first; i < last; i++) {
+            if (used + f->pieces[i].size > s->chunk) {
+                fail(f, CS_ARGS, 0, (int64_t)i, 0, "group larger than a chunk");
+                break;
+            }
+            if (read_piece(f, i, buf + used))
+                break;
+            used += f->pieces[i].size;
+        }
+        if (stopping(f))
+            break;
+        CUdeviceptr dst = f->pieces[first].dst;
+        if (s->ctx) {
+            CUresult r = cu.h2d_async(dst, buf, used, l->stream);
+            if (!r)
+                r = cu.event_record(l->event[k], l->stream);
+            if (r) {
+                fail(f, CS_CUDA, r, (int64_t)first, 0, "cuMemcpyHtoDAsync");
+                break;
+            }
+            l->busy[k] = 1;
+        } else {
+            memcpy((void *)(uintptr_t)dst, buf, used);
+        }
+        if (f->done)
+            __atomic_fetch_add(f->done, used, __ATOMIC_RELAXED);
+    }
+    if (s->ctx && l->stream) {
+        CUresult r = cu.stream_sync(l->stream);  /* every queued copy of this fill has landed */
+        if (r)
+            fail(f, CS_CUDA, r, -1, 0, "cuStreamSynchronize");
+        for (int i = 0; i < s->slots; i++)
+            l->busy[i] = 0;
+    }
+    return NULL;
+}
+
+/* A sink: `threads` lanes of `slots` x `chunk` bytes of staging, on `ctx` (NULL: host mode).
+ * Returns NULL with *err set when the arguments are out of range or libcuda cannot be loaded. */
+struct cs_sink *cs_sink_new(void *ctx, int threads, int slots, uint64_t chunk, struct cs_error *err) {
+    memset(err, 0, sizeof *err);
+    err->piece = -1;
+    if (threads < 1 || threads > CS_MAX_THREADS || slots < 1 || slots > CS_MAX_SLOTS || chunk < 4096) {
+        err->kind = CS_ARGS;
+        snprintf(err->call, sizeof err->call, "threads/slots/chunk out of range");
+        return NULL;
+    }
+    if (ctx) {
+        pthread_once(&cu_once, cu_load);
+        if (!cu_loaded) {
+            err->kind = CS_CUDA;
+            snprintf(err->call, sizeof err->call, "dlopen(libcuda.so.1)");
+            return NULL;
+        }
+    }
+    struct cs_sink *s = calloc(1, sizeof *s);
+    if (!s) {
+        err->kind = CS_NOMEM;
+        err->code = ENOMEM;
+        return NULL;
+    }
+    s->ctx = ctx;
+    s->threads = threads;
+    s->slots = slots;
+    s->chunk = chunk;
+    return s;
+}
+
+/* Copy every group; returns 0, or -1 with *err describing the first failure (the other
+ * threads stop at their next group). Every copy queued before a failure has completed
+ * when this returns, so the caller may free the sink or the destinations. */
+int cs_fill(struct cs_sink *s, const struct cs_piece *pieces, const uint64_t *groups, uint64_t ngroups,
+            volatile uint64_t *done, struct cs_error *err) {
+    struct fill f;
+    memset(&f, 0, sizeof f);
+    memset(err, 0, sizeof *err);
+    f.sink = s;
+    f.pieces = pieces;
+    f.groups = groups;
+    f.ngroups = ngroups;
+    f.done = done;
+    f.err.piece = -1;
+    pthread_mutex_init(&f.lock, NULL);
+    int n = s->threads < (int)ngroups ? s->threads : (int)ngroups;
+    pthread_t tid[CS_MAX_THREADS];
+    struct worker_arg args[CS_MAX_THREADS];
+    int started = 0;
+    for (int i = 0; i < n; i++) {
+        args[i].f = &f;
+        args[i].index = i;
+        if (pthread_create(&tid[i], NULL, worker, &args[i])) {
+            fail(&f, CS_NOMEM, errno, -1, 0, "pthread_create");
+            break;
+        }
+        started++;
+    }
+    for (int i = 0; i < started; i++)
+        pthread_join(tid[i], NULL);
+    pthread_mutex_destroy(&f.lock);
+    if (atomic_load(&f.failed)) {
+        *err = f.err;
+        return -1;
+    }
+    return 0;
+}
+
+/* Wait for nothing (every fill has synchronized), free the staging, streams and events. */
+void cs_sink_free(struct cs_sink *s) {
+    if (!s)
+        return;
+    if (s->ctx)
+        cu.ctx_set(s->ctx);
+    for (int t = 0; t < CS_MAX_THREADS; t++) {
+        struct lane *l = &s->lane[t];
+        for (int i = 0; i < s->slots; i++) {
+            if (s->ctx) {
+                if (l->event[i])
+                    cu.event_destroy(l->event[i]);
+                if (l->slot[i])
+                    cu.host_unregister(l->slot[i]);
+                if (l->map[i])
+                    munmap(l->map[i], l->map_len[i]);
+            } else {
+                free(l->slot[i]);
+            }
+        }
+        if (s->ctx && l->stream)
+            cu.stream_destroy(l->stream);
+    }
+    free(s);
+}
