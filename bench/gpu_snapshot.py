@@ -43,6 +43,18 @@ def setup_paths() -> Path:
     return coll
 
 
+def build_native_fill() -> str:
+    """Build native/fill.c if it is not built (what scripts/setup-venv.sh does on a GPU host), so
+    restores hydrate through it; returns the library path, or why it is not there."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import native_fill
+
+    try:
+        native_fill.unload(native_fill.load(build_if_missing=True))
+    except Exception as exc:  # no compiler: restores take the Python loop, and the result says so
+        return f"not built: {exc}"
+    return str(native_fill.default_library_path())
+
+
 def env_arg(ap: argparse.ArgumentParser, values: list[str]) -> dict[str, str]:
     """``--env NAME=VALUE`` values as a dict; anything else is an argparse error that shows the form."""
     bad = [e for e in values if "=" not in e or not e.split("=", 1)[0]]
@@ -172,7 +184,7 @@ def main() -> int:
     t = time.time()
     ident = make_model(model_dir, config, model_id=f"coldsnap/reference-{args.preset}")
     result: dict = {"preset": args.preset, "compile": args.compile, "env": args.env, "model_generate_s": round(time.time() - t, 2),
-                    "model": ident}
+                    "model": ident, "native_fill": build_native_fill()}
     facts = gather(check_criu=True)
     result["host"] = {k: facts[k] for k in ("kernel", "nvidia_driver", "gpus", "criu")}
     env = {"OMP_NUM_THREADS": "8", "PYTHONPATH": os.environ["PYTHONPATH"], **extra_env}
@@ -230,6 +242,7 @@ def main() -> int:
         ev = unit.run_host_units(specs, activation_dir=adir, run_dir=state / "runs" / f"restore-{i}")[0]
         restores.append({"provider": provider, "wall_s": round(time.time() - t, 2), "readiness": ev["readiness"],
                          "reply_ok": ev["reply"] == expected,
+                         "fill": [s["attrs"].get("fill") for s in ev["timing"]["spans"] if s["name"] == "engine.hydrate"],
                          "spans": {s["name"]: round((s["end_ns"] - s["start_ns"]) / 1e9, 4)
                                    for s in ev["timing"]["spans"]}})
         kill_pid(ev["workers"][0]["pid"])

@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_snapshot import REPO, emit, kill_pid, pinned_h2d_gbps, preset_arg, setup_paths
+from gpu_snapshot import REPO, build_native_fill, emit, kill_pid, pinned_h2d_gbps, preset_arg, setup_paths
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -62,6 +63,8 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/coldsnap-tp2")
     ap.add_argument("--port", type=int, default=18600)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--compile", action="store_true",
+                    help="start both ranks with --compile (TorchInductor graphs built during start-up)")
     ap.add_argument("--no-swap-on-sockets", dest="swap_on_sockets", action="store_false",
                     help="skip the second capture (NCCL on sockets) and its restore with the ranks swapped")
     args = ap.parse_args()
@@ -81,13 +84,19 @@ def main() -> int:
     env = {"OMP_NUM_THREADS": "4", "PYTHONPATH": os.environ["PYTHONPATH"], "NCCL_SOCKET_IFNAME": "lo",
            "NCCL_DEBUG": "WARN", "PYTHONFAULTHANDLER": "1",
            **NO_MULTICAST}
+    if args.compile:  # compile caches of this run only (the capture's cold start is a fresh host's)
+        caches = work / "compile-cache"
+        shutil.rmtree(caches, ignore_errors=True)
+        env.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"),
+                   TORCH_LOGS="recompiles")
 
     def request(op_id: str, devices: tuple[int, int]) -> dict:
         units, workers = [], []
         for rank, dev in enumerate(devices):
             units.append({"id": f"unit-{rank}", "index": rank, "host": "localhost", "devices": [dev],
                           "command": [sys.executable, "-m", "coldsnap_engines.reference.server", "--model",
-                                      str(model_dir), "--port", str(args.port), "--device", "cuda"],
+                                      str(model_dir), "--port", str(args.port), "--device", "cuda",
+                                      *(["--compile"] if args.compile else [])],
                           "environment": env, "environment_digest": "sha256:" + "0" * 64,
                           "mounts": [{"source": str(model_dir), "target": str(model_dir)}]})
             workers.append({"id": f"worker-{rank}", "unit": f"unit-{rank}", "rank": rank, "device_slot": 0})
@@ -117,7 +126,8 @@ def main() -> int:
                 if s.get("end_ns")}
 
     _d, adir, _c = activation.stage(REPO / "runtime_image" / "activation", state)
-    result: dict = {"preset": args.preset, "model_bytes_total": ident["bytes"]}
+    result: dict = {"preset": args.preset, "compile": args.compile, "model_bytes_total": ident["bytes"],
+                    "native_fill": build_native_fill()}
 
     def save() -> None:
         # After every stage, so a run cut short still reports what it measured.
@@ -161,7 +171,13 @@ def main() -> int:
         ev0 = next(e for e in evs if e["unit"] == "unit-0")
         rec = {"name": name, "devices": list(devices), "wall_s": round(time.time() - t, 2),
                "waited_for_ports_s": port_wait, "readiness": ev0["readiness"], "reply_ok": ev0["reply"] == expected,
-               "phases": {e["unit"]: phases(e) for e in evs}}
+               "phases": {e["unit"]: phases(e) for e in evs},
+               "fill": {e["unit"]: [s["attrs"].get("fill") for s in e["timing"]["spans"] if s["name"] == "engine.hydrate"]
+                        for e in evs}}
+        if args.compile:  # the logs were reset before the dump: these are the restored ranks' lines
+            rec["recompile_log_lines"] = {
+                u: sum("ecompil" in line for line in (state / "workloads" / "gpu-tp2" / u / "target.log")
+                       .read_text(errors="replace").splitlines()) for u in ("unit-0", "unit-1")}
         restores.append(rec)
         t = time.time()
         for e in evs:

@@ -2,13 +2,13 @@
  *
  * Copyright: ColdSnap contributors. SPDX-License-Identifier: Apache-2.0
  *
- * The Python sink (plugins/module_utils/payload/cuda.py, CudaSink) cuts a hydration into
- * groups: each group is a list of file pieces whose destination bytes are contiguous and at
- * most one chunk long. Here a pool of threads claims groups in order; each thread owns one
+ * The Python side (plugins/module_utils/payload/native_fill.py: Plan, NativeLanes; used by
+ * CudaSink in cuda.py) cuts a hydration into groups: each group is a list of file pieces
+ * whose destination bytes are contiguous and at most one chunk long. Here a pool of threads claims groups in order; each thread owns one
  * CUDA stream and a ring of small page-locked slots. A thread reads a group's pieces into its
  * next slot (pread, straight from the page cache), queues one cuMemcpyHtoDAsync of the slot,
  * records the slot's event, and moves on; before it refills a slot it waits for that slot's
- * event. The ring is kept small (threads x slots x chunk of about 128 MiB) so the staging
+ * event. The ring is kept small (threads x slots x chunk, e.g. 12 x 2 x 4 MiB) so the staging
  * stays in the CPU's last-level cache: the copy engine then reads the slots from the cache,
  * and host memory carries each byte about once instead of three times.
  *
@@ -169,8 +169,11 @@ static int pin_slot(struct fill *f, struct lane *l, unsigned k) {
     if (madvise(p, size, MADV_POPULATE_WRITE))      /* Linux < 5.14: touch it instead */
         memset(p, 0, size);
     CUresult r = cu.host_register(p, size, 0);
-    if (r)
+    if (r) {
+        munmap(map, len);
+        l->map[k] = NULL;
         return fail(f, CS_CUDA, r, -1, 0, "cuMemHostRegister");
+    }
     l->slot[k] = p;
     return 0;
 }

@@ -1,6 +1,6 @@
 """The optional native fill (``native/fill.c``): file -> small page-locked ring -> device, without the GIL.
 
-Python reader threads reach about 0.7-0.8 of the pinned host->device rate; the limit is
+Python reader threads reach about 0.6-0.8 of the pinned host->device rate; the limit is
 not the page cache but host memory: with large staging buffers every byte crosses memory
 three times (page cache read, staging write, DMA read). ``fill.c`` keeps a ring small
 enough (threads x 2 x 4 MiB) to stay in the last-level cache, so the copy engine reads
@@ -9,7 +9,7 @@ of 4 MiB costs no interpreter time (BENCHMARKS.md, "GPU hydration").
 
 The library is built from ``native/fill.c`` at the collection root with the host's C
 compiler (``build``; ``scripts/setup-venv.sh`` does it) into
-``native/build/libcoldsnap_fill-<digest>.so``, named by the source's digest so a stale
+``native/build/libcoldsnap_fill-<abi>-<digest>.so``, named by the source's digest so a stale
 build is never loaded. ``COLDSNAP_NATIVE_LIB`` points at a library elsewhere. When
 neither exists, :func:`load` returns None and ``CudaSink`` uses its Python path: the
 native fill is a speed-up, never a requirement.
