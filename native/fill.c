@@ -12,6 +12,9 @@
  * stays in the CPU's last-level cache: the copy engine then reads the slots from the cache,
  * and host memory carries each byte about once instead of three times.
  *
+ * Hashed fills (recovery: every extent must match the SHA-256 recorded at capture) give each
+ * thread whole extents and hash each slot before its copy is queued, with libcrypto.
+ *
  * With no CUDA context (ctx == NULL) the same pipeline copies each slot into host memory
  * with memcpy: that is how the pipeline is tested on machines without a GPU.
  *
@@ -31,13 +34,13 @@
 #include <unistd.h>
 
 #ifndef CS_ABI
-#define CS_ABI 1
+#define CS_ABI 2
 #endif
 #define CS_MAX_THREADS 64
 #define CS_MAX_SLOTS 8
 
 /* Error kinds reported to Python (struct cs_error.kind). */
-enum { CS_OK = 0, CS_SHORT_READ = 1, CS_READ_ERRNO = 2, CS_CUDA = 3, CS_NOMEM = 4, CS_ARGS = 5 };
+enum { CS_OK = 0, CS_SHORT_READ = 1, CS_READ_ERRNO = 2, CS_CUDA = 3, CS_NOMEM = 4, CS_ARGS = 5, CS_CRYPTO = 6 };
 
 struct cs_piece {       /* `size` bytes of file `fd` at `offset`, for destination byte `dst` */
     int64_t fd;
@@ -96,6 +99,42 @@ static void cu_load(void) {
     cu_loaded = 1;
 }
 
+/* SHA-256 for hashed fills (recovery checks every extent against the digest recorded at
+ * capture): OpenSSL's libcrypto, the library Python's hashlib uses, opened at run time. */
+static struct {
+    void *(*ctx_new)(void);
+    void (*ctx_free)(void *);
+    const void *(*sha256)(void);
+    int (*init)(void *, const void *, void *);
+    int (*update)(void *, const void *, size_t);
+    int (*final)(void *, unsigned char *, unsigned int *);
+} crypto;
+static pthread_once_t crypto_once = PTHREAD_ONCE_INIT;
+static int crypto_loaded;
+
+static void crypto_load(void) {
+    void *h = dlopen("libcrypto.so.3", RTLD_NOW | RTLD_LOCAL);
+    if (!h)
+        h = dlopen("libcrypto.so", RTLD_NOW | RTLD_LOCAL);
+    if (!h)
+        return;
+#define SYM(field, name) if (!(*(void **)&crypto.field = dlsym(h, name))) return
+    SYM(ctx_new, "EVP_MD_CTX_new");
+    SYM(ctx_free, "EVP_MD_CTX_free");
+    SYM(sha256, "EVP_sha256");
+    SYM(init, "EVP_DigestInit_ex");
+    SYM(update, "EVP_DigestUpdate");
+    SYM(final, "EVP_DigestFinal_ex");
+#undef SYM
+    crypto_loaded = 1;
+}
+
+/* 1 when hashed fills are available (libcrypto found), else 0. */
+int cs_sha256_available(void) {
+    pthread_once(&crypto_once, crypto_load);
+    return crypto_loaded;
+}
+
 struct lane {           /* one thread's resources, created by that thread on first use */
     CUstream stream;
     void *slot[CS_MAX_SLOTS];
@@ -118,6 +157,7 @@ struct fill {           /* one cs_fill call, shared by its threads */
     const struct cs_piece *pieces;
     const uint64_t *groups;     /* group g = pieces[groups[g], groups[g + 1]) */
     uint64_t ngroups;
+    unsigned char *digests;     /* hashed fill: SHA-256 of group g at digests[32 g]; else NULL */
     atomic_uint_fast64_t next_group;
     volatile uint64_t *done;    /* bytes copied so far, for progress; may be NULL */
     atomic_int failed;
@@ -199,18 +239,19 @@ static int lane_slot(struct fill *f, struct lane *l, unsigned k) {
     return 0;
 }
 
-static int read_piece(struct fill *f, uint64_t index, char *into) {
+/* `len` bytes of piece `index`, from `pos` bytes into it. */
+static int read_range(struct fill *f, uint64_t index, uint64_t pos, uint64_t len, char *into) {
     const struct cs_piece *p = &f->pieces[index];
     uint64_t got = 0;
-    while (got < p->size) {
-        ssize_t n = pread((int)p->fd, into + got, p->size - got, (off_t)(p->offset + got));
+    while (got < len) {
+        ssize_t n = pread((int)p->fd, into + got, len - got, (off_t)(p->offset + pos + got));
         if (n < 0) {
             if (errno == EINTR)
                 continue;
-            return fail(f, CS_READ_ERRNO, errno, (int64_t)index, p->offset + got, "pread");
+            return fail(f, CS_READ_ERRNO, errno, (int64_t)index, p->offset + pos + got, "pread");
         }
         if (n == 0)
-            return fail(f, CS_SHORT_READ, 0, (int64_t)index, p->offset + got, "pread");
+            return fail(f, CS_SHORT_READ, 0, (int64_t)index, p->offset + pos + got, "pread");
         got += (uint64_t)n;
     }
     return 0;
@@ -220,13 +261,68 @@ static int stopping(struct fill *f) {
     return atomic_load(&f->failed);
 }
 
+/* Stream one unit (pieces[first, last), contiguous destination) through the lane's ring:
+ * fill a slot from the pieces, hash it (hashed fills), queue its copy, move to the next slot. */
+static int copy_unit(struct fill *f, struct lane *l, uint64_t first, uint64_t last, void *md) {
+    struct cs_sink *s = f->sink;
+    CUdeviceptr dst = f->pieces[first].dst;
+    uint64_t i = first, pos = 0;                    /* the next byte: `pos` into piece i */
+    while (i < last) {
+        unsigned k = l->next;
+        l->next = (k + 1) % (unsigned)s->slots;
+        if (lane_slot(f, l, k))
+            return -1;
+        if (s->ctx && l->busy[k]) {
+            CUresult r = cu.event_sync(l->event[k]);     /* the slot's last copy is done */
+            if (r)
+                return fail(f, CS_CUDA, r, -1, 0, "cuEventSynchronize");
+        }
+        char *buf = l->slot[k];
+        uint64_t used = 0;
+        while (i < last && used < s->chunk) {
+            uint64_t left = f->pieces[i].size - pos, take = left < s->chunk - used ? left : s->chunk - used;
+            if (read_range(f, i, pos, take, buf + used))
+                return -1;
+            used += take;
+            pos += take;
+            if (pos == f->pieces[i].size) {
+                i++;
+                pos = 0;
+            }
+            if (stopping(f))
+                return -1;
+        }
+        if (md && !crypto.update(md, buf, used))
+            return fail(f, CS_CRYPTO, 0, (int64_t)first, 0, "EVP_DigestUpdate");
+        if (s->ctx) {
+            CUresult r = cu.h2d_async(dst, buf, used, l->stream);
+            if (!r)
+                r = cu.event_record(l->event[k], l->stream);
+            if (r)
+                return fail(f, CS_CUDA, r, (int64_t)first, 0, "cuMemcpyHtoDAsync");
+            l->busy[k] = 1;
+        } else {
+            memcpy((void *)(uintptr_t)dst, buf, used);
+        }
+        dst += used;
+        if (f->done)
+            __atomic_fetch_add(f->done, used, __ATOMIC_RELAXED);
+    }
+    return 0;
+}
+
 static void *worker(void *argp) {
     struct worker_arg *arg = argp;
     struct fill *f = arg->f;
     struct cs_sink *s = f->sink;
     struct lane *l = &s->lane[arg->index];
+    void *md = NULL;
     if (s->ctx && cu.ctx_set(s->ctx)) {
         fail(f, CS_CUDA, 0, -1, 0, "cuCtxSetCurrent");
+        return NULL;
+    }
+    if (f->digests && !(md = crypto.ctx_new())) {
+        fail(f, CS_NOMEM, ENOMEM, -1, 0, "EVP_MD_CTX_new");
         return NULL;
     }
     for (;;) {
@@ -235,46 +331,19 @@ static void *worker(void *argp) {
         uint64_t g = atomic_fetch_add(&f->next_group, 1);
         if (g >= f->ngroups)
             break;
-        unsigned k = l->next;
-        l->next = (k + 1) % (unsigned)s->slots;
-        if (lane_slot(f, l, k))
+        if (md && !crypto.init(md, crypto.sha256(), NULL)) {
+            fail(f, CS_CRYPTO, 0, (int64_t)f->groups[g], 0, "EVP_DigestInit_ex");
             break;
-        if (s->ctx && l->busy[k]) {
-            CUresult r = cu.event_sync(l->event[k]);     /* the slot's last copy is done */
-            if (r) {
-                fail(f, CS_CUDA, r, -1, 0, "cuEventSynchronize");
-                break;
-            }
         }
-        char *buf = l->slot[k];
-        uint64_t used = 0, first = f->groups[g], last = f->groups[g + 1];
-        for (uint64_t i = first; i < last; i++) {
-            if (used + f->pieces[i].size > s->chunk) {
-                fail(f, CS_ARGS, 0, (int64_t)i, 0, "group larger than a chunk");
-                break;
-            }
-            if (read_piece(f, i, buf + used))
-                break;
-            used += f->pieces[i].size;
-        }
-        if (stopping(f))
+        if (copy_unit(f, l, f->groups[g], f->groups[g + 1], md))
             break;
-        CUdeviceptr dst = f->pieces[first].dst;
-        if (s->ctx) {
-            CUresult r = cu.h2d_async(dst, buf, used, l->stream);
-            if (!r)
-                r = cu.event_record(l->event[k], l->stream);
-            if (r) {
-                fail(f, CS_CUDA, r, (int64_t)first, 0, "cuMemcpyHtoDAsync");
-                break;
-            }
-            l->busy[k] = 1;
-        } else {
-            memcpy((void *)(uintptr_t)dst, buf, used);
+        if (md && !crypto.final(md, f->digests + 32 * g, NULL)) {
+            fail(f, CS_CRYPTO, 0, (int64_t)f->groups[g], 0, "EVP_DigestFinal_ex");
+            break;
         }
-        if (f->done)
-            __atomic_fetch_add(f->done, used, __ATOMIC_RELAXED);
     }
+    if (md)
+        crypto.ctx_free(md);
     if (s->ctx && l->stream) {
         CUresult r = cu.stream_sync(l->stream);  /* every queued copy of this fill has landed */
         if (r)
@@ -316,11 +385,14 @@ struct cs_sink *cs_sink_new(void *ctx, int threads, int slots, uint64_t chunk, s
     return s;
 }
 
-/* Copy every group; returns 0, or -1 with *err describing the first failure (the other
- * threads stop at their next group). Every copy queued before a failure has completed
+/* Copy every group: its pieces land one after another from the first piece's `dst` on.
+ * With `digests` (32 bytes per group) each group is also hashed (SHA-256) as it is copied,
+ * from the very bytes that are copied; without, a group should be at most one chunk, so the
+ * threads share big extents. Returns 0, or -1 with *err describing the first failure (the
+ * other threads stop at their next slot). Every copy queued before a failure has completed
  * when this returns, so the caller may free the sink or the destinations. */
 int cs_fill(struct cs_sink *s, const struct cs_piece *pieces, const uint64_t *groups, uint64_t ngroups,
-            volatile uint64_t *done, struct cs_error *err) {
+            unsigned char *digests, volatile uint64_t *done, struct cs_error *err) {
     struct fill f;
     memset(&f, 0, sizeof f);
     memset(err, 0, sizeof *err);
@@ -328,10 +400,17 @@ int cs_fill(struct cs_sink *s, const struct cs_piece *pieces, const uint64_t *gr
     f.pieces = pieces;
     f.groups = groups;
     f.ngroups = ngroups;
+    f.digests = digests;
     f.done = done;
     f.err.piece = -1;
+    if (digests && !cs_sha256_available()) {
+        err->kind = CS_CRYPTO;
+        err->piece = -1;
+        snprintf(err->call, sizeof err->call, "dlopen(libcrypto.so.3)");
+        return -1;
+    }
     pthread_mutex_init(&f.lock, NULL);
-    int n = s->threads < (int)ngroups ? s->threads : (int)ngroups;
+    int n = ngroups < (uint64_t)s->threads ? (int)ngroups : s->threads;
     pthread_t tid[CS_MAX_THREADS];
     struct worker_arg args[CS_MAX_THREADS];
     int started = 0;

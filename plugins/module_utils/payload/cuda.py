@@ -11,6 +11,8 @@ one. Two engines run that loop:
   library is built (strategy ``auto``);
 * ``python``: the same loop in Python threads with larger buffers; always available.
 
+Recovery's hash-checked extents are hashed from the staged bytes, the very bytes copied.
+
 :class:`CudaReader` reads device allocations back through a pinned buffer
 (capture and materialization of GPU-resident weights).
 
@@ -182,7 +184,8 @@ class CudaSink:
     library; ``"pread"`` is the Python loop; ``"register"`` (experimental, slow: page-locking
     the page cache costs more than copying it) maps the source file and page-locks each
     4 KiB-aligned chunk in place (``cuMemHostRegister`` READ_ONLY) for the DMA to read.
-    Hash-checked (recovery) jobs always take the Python loop, which hashes as it reads.
+    Hash-checked (recovery) jobs are hashed from the staged bytes before their copy: by the
+    native fill through OpenSSL's libcrypto, or by the Python loop where libcrypto is not found.
     ``engine`` says which loop runs the plain jobs (``"native"`` or ``"python"``).
     """
 
@@ -264,12 +267,12 @@ class CudaSink:
         total = sum(j.size for j in jobs)
         done = 0
         if self.native is not None:
-            plain = [j for j in jobs if j.sha256 is None]
-            jobs = [j for j in jobs if j.sha256 is not None]
-            if plain:
-                self.native.fill(plain, self.ptrs, progress=(lambda n, _t: progress(n, total)) if progress else None,
+            native = [j for j in jobs if j.sha256 is None or self.native.hashes]
+            jobs = [j for j in jobs if not (j.sha256 is None or self.native.hashes)]
+            if native:
+                self.native.fill(native, self.ptrs, progress=(lambda n, _t: progress(n, total)) if progress else None,
                                  cuda_error=error_name)
-            done = sum(j.size for j in plain)
+            done = sum(j.size for j in native)
         if jobs:
             self._python_fill(jobs, progress, total, done)
 

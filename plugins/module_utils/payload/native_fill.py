@@ -38,12 +38,12 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import FillJob
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import Progress
 
-ABI = 1
+ABI = 2
 ENV_LIB = "COLDSNAP_NATIVE_LIB"
 SLOTS = 2
 CHUNK = 4 << 20
 # Error kinds of struct cs_error (fill.c).
-SHORT_READ, READ_ERRNO, CUDA, NOMEM, ARGS = 1, 2, 3, 4, 5
+SHORT_READ, READ_ERRNO, CUDA, NOMEM, ARGS, CRYPTO = 1, 2, 3, 4, 5, 6
 
 
 def source_path() -> Path:
@@ -105,30 +105,39 @@ def build(out: Path | None = None, *, source: Path | None = None) -> Path:
 
 
 class Plan:
-    """Plain fill jobs cut into groups of at most ``chunk`` contiguous destination bytes, as C arrays.
+    """Fill jobs as C arrays of groups: ``pieces`` holds (fd, offset, size, dst) per piece, group
+    ``g`` is ``pieces[starts[g]:starts[g + 1]]`` (contiguous destination bytes), ``job_of[i]`` is the
+    index in ``jobs`` of piece ``i``'s job.
 
-    ``pieces`` holds (fd, offset, size, dst) per piece; group ``g`` is
-    ``pieces[starts[g]:starts[g + 1]]``; ``job_of[i]`` is the index of piece ``i``'s job.
-    Built with flat integer lists (not per-piece objects): a 100 GB model is ~25,000 groups.
+    Plain jobs are cut into groups of at most ``chunk`` bytes, so the threads share big extents.
+    Hashed jobs (``sha256`` set) stay whole, one group each (a digest covers the whole extent),
+    largest first so the longest ones start early. Built with flat integer lists, not
+    per-piece objects: a 100 GB model is ~25,000 groups.
     """
 
-    def __init__(self, jobs: Sequence[FillJob], ptrs: dict[str, int], chunk: int) -> None:
+    def __init__(self, jobs: Sequence[FillJob], ptrs: dict[str, int], chunk: int, *, hashed: bool = False) -> None:
         flat: list[int] = []
         starts: list[int] = []
         job_of: list[int] = []
-        for j, job in enumerate(jobs):
-            if job.sha256 is not None:
-                raise ColdSnapError(f"{job.what or 'a hash-checked job'} cannot take the native fill",
-                                    fix="fill hash-checked (recovery) jobs through the Python loop")
+        order = range(len(jobs))
+        if hashed:
+            order = sorted(order, key=lambda j: -jobs[j].size)
+        for j in order:
+            job = jobs[j]
+            if (job.sha256 is not None) != hashed:
+                raise ColdSnapError(f"{job.what or 'a fill job'} is {'not ' if hashed else ''}hash-checked",
+                                    fix="plan plain and hash-checked jobs separately")
             dst = ptrs[job.allocation] + job.offset
-            room = 0  # bytes left in the current group
+            room = 0  # bytes left in the current group (plain jobs)
+            if hashed:
+                starts.append(len(job_of))
             for p in job.pieces:
                 off, left = p.offset, p.size
                 while left:
-                    if room == 0:
+                    if not hashed and room == 0:
                         starts.append(len(job_of))
                         room = chunk
-                    n = min(left, room)
+                    n = left if hashed else min(left, room)
                     flat += (p.fd, off, n, dst)
                     job_of.append(j)
                     dst += n
@@ -137,11 +146,25 @@ class Plan:
                     room -= n
         starts.append(len(job_of))
         self.jobs = jobs
+        self.hashed = hashed
+        self.group_jobs = [jobs[j] for j in order] if hashed else []
         self.groups = len(starts) - 1
         self.bytes = sum(job.size for job in jobs)
         self.job_of = job_of
         self.pieces = (CsPiece * max(1, len(job_of))).from_buffer(array.array("Q", flat or [0, 0, 0, 0]))
         self.starts = (ctypes.c_uint64 * len(starts)).from_buffer(array.array("Q", starts))
+        self.digests = (ctypes.c_ubyte * (32 * self.groups))() if hashed else None
+
+    def check_digests(self) -> None:
+        """After a hashed fill: every job's bytes must hash to its recorded digest (fail closed)."""
+        raw = bytes(self.digests or b"")
+        for g, job in enumerate(self.group_jobs):
+            actual = "sha256:" + raw[32 * g: 32 * g + 32].hex()
+            if actual != job.sha256:
+                raise IntegrityError(
+                    f"{job.what or 'extent'} -> {job.allocation}[{job.offset}:{job.offset + job.size}] hashes to "
+                    f"{actual}, the capture recorded {job.sha256}",
+                    fix="the checkpoint is not the pinned revision this artifact was captured from")
 
 
 class CsPiece(ctypes.Structure):
@@ -172,7 +195,9 @@ def _open(path: Path) -> ctypes.CDLL:
                                 ctypes.POINTER(CsError)]
     lib.cs_fill.restype = ctypes.c_int
     lib.cs_fill.argtypes = [ctypes.c_void_p, ctypes.POINTER(CsPiece), ctypes.POINTER(ctypes.c_uint64),
-                            ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(CsError)]
+                            ctypes.c_uint64, ctypes.POINTER(ctypes.c_ubyte), ctypes.POINTER(ctypes.c_uint64),
+                            ctypes.POINTER(CsError)]
+    lib.cs_sha256_available.restype = ctypes.c_int
     lib.cs_sink_free.restype = None
     lib.cs_sink_free.argtypes = [ctypes.c_void_p]
     return lib
@@ -239,37 +264,58 @@ class NativeLanes:
                                 fix="use 1-64 threads, 1-8 slots, chunks of at least 4 KiB, and a host with the "
                                     "NVIDIA driver for device destinations")
         self.handle = handle
+        self.hashes = bool(lib.cs_sha256_available())  # hash-checked jobs can take the native fill
 
     def fill(self, jobs: Sequence[FillJob], ptrs: dict[str, int], *, progress: Progress | None = None,
              cuda_error: Callable[[int], str] | None = None) -> None:
-        """Copy every plain job into ``ptrs[job.allocation] + job.offset`` onward.
+        """Copy every job into ``ptrs[job.allocation] + job.offset`` onward.
 
-        Raises :class:`FillFailure` for the first failure, or IntegrityError for a file
-        shorter than its pieces say; copies queued before a failure have completed.
+        Hash-checked jobs (``sha256`` set) are hashed from the very bytes copied and checked
+        after the fill (IntegrityError on a mismatch, as the Python loop does); they need
+        :attr:`hashes`. Raises :class:`FillFailure` for the first failure, or IntegrityError
+        for a file shorter than its pieces say; copies queued before a failure have completed.
         """
         if self.handle is None:
             raise ColdSnapError("the native fill was used after close()", fix="create a new sink")
-        plan = Plan(jobs, ptrs, self.chunk)
+        hashed = [j for j in jobs if j.sha256 is not None]
+        if hashed and not self.hashes:
+            raise ColdSnapError("the native fill cannot hash here (OpenSSL's libcrypto was not found)",
+                                fix="fill hash-checked jobs through the Python loop (CudaSink does so itself)")
+        total = sum(j.size for j in jobs)
+        base = 0
+        for plan in (Plan([j for j in jobs if j.sha256 is None], ptrs, self.chunk),
+                     Plan(hashed, ptrs, self.chunk, hashed=True)):
+            if plan.groups:
+                self._run(plan, progress, base, total, cuda_error)
+                plan.check_digests()
+                base += plan.bytes
+
+    def _run(self, plan: Plan, progress: Progress | None, base: int, total: int, cuda_error) -> None:
         done = ctypes.c_uint64(0)
         err = CsError()
-        call = (self.handle, plan.pieces, plan.starts, plan.groups, ctypes.byref(done), ctypes.byref(err))
-        rc = self.lib.cs_fill(*call) if progress is None else self._fill_reporting(call, done, progress, plan.bytes)
+        call = (self.handle, plan.pieces, plan.starts, plan.groups, plan.digests, ctypes.byref(done),
+                ctypes.byref(err))
+        if progress is None:
+            rc = self.lib.cs_fill(*call)
+        else:
+            rc = self._fill_reporting(call, done, lambda n: progress(base + n, total))
         if rc != 0:
             raise self._error(err, plan, cuda_error)
 
-    def _fill_reporting(self, call, done: ctypes.c_uint64, progress: Progress, total: int) -> int:
+    def _fill_reporting(self, call, done: ctypes.c_uint64, report: Callable[[int], None]) -> int:
         """Run the fill on a helper thread (ctypes drops the GIL) and report progress from this one."""
         result: list[int] = []
         worker = threading.Thread(target=lambda: result.append(self.lib.cs_fill(*call)),
                                   name="coldsnap-native-fill", daemon=True)
         worker.start()
         last = -1
-        while worker.is_alive():
+        while True:
             worker.join(0.05)
-            if done.value != last:
+            if done.value != last:  # checked once more after the fill ended: the last report is the total
                 last = done.value
-                progress(last, total)
-        return result[0]
+                report(last)
+            if not worker.is_alive():
+                return result[0]
 
     @staticmethod
     def _error(err: CsError, plan: Plan, cuda_error) -> ColdSnapError:
@@ -286,6 +332,10 @@ class NativeLanes:
         if err.kind == CUDA:
             name = cuda_error(err.code) if cuda_error else f"CUresult {err.code}"
             return FillFailure(f"CUDA {call} failed: {name}", fix="check the GPU, the driver and free host memory",
+                               kind=err.kind, code=err.code)
+        if err.kind == CRYPTO:
+            return FillFailure(f"SHA-256 through OpenSSL's libcrypto failed ({call})",
+                               fix="check the host's OpenSSL; CudaSink(strategy='pread') hashes in Python",
                                kind=err.kind, code=err.code)
         if err.kind == NOMEM:
             return FillFailure(f"the native fill ran out of memory ({call})", fix="free host memory or use fewer threads",

@@ -128,6 +128,14 @@ def capture(tmp: Path, worker: Worker, *, export: bool = True, name: str = "unit
     return wp, out, cache
 
 
+def flip_checkpoint_byte(worker: Worker) -> None:
+    """Change one byte near the end of the first checkpoint file (a revision that is not the pinned one)."""
+    f = worker.ckpt_dir / "model-00001-of-00002.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0x10
+    f.write_bytes(bytes(data))
+
+
 def anon_views(worker: Worker, fill: int = 0xA5) -> dict[str, mmap.mmap]:
     """Fresh anonymous mappings (what the engine's arenas are after restore), pre-filled with a sentinel."""
     out = {}

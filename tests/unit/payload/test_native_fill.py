@@ -24,9 +24,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate imp
     Piece,
     _check_ids_sizes,
     hydrate_native,
+    hydrate_recovery,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
-from payload_testlib import capture, make_worker
+from payload_testlib import capture, flip_checkpoint_byte, make_worker
 
 pytestmark = pytest.mark.cc
 
@@ -141,10 +142,79 @@ def test_out_of_range_settings_are_refused_with_the_limits(lib):
             native_fill.NativeLanes(native_fill.load(), None, **kwargs)
 
 
-def test_hash_checked_jobs_are_not_native_groups():
+@pytest.mark.parametrize(("threads", "chunk"), [(1, 4096), (3, 4096), (2, 1 << 20)])
+def test_hydrate_recovery_hashes_the_copied_bytes_natively(tmp_path, lib, threads, chunk):
+    w = make_worker(tmp_path)
+    _wp, out, _cache = capture(tmp_path, w)
+    buffers = {a.id: (ctypes.c_ubyte * a.size)() for a in w.allocations}
+    sink = HostSink(buffers, threads=threads, chunk=chunk, slots=2)
+    try:
+        assert sink.lanes.hashes, "OpenSSL's libcrypto is on every supported host (Python's hashlib uses it)"
+        hydrate_recovery(out / "native-manifest.json", out / "replay-plan.json", w.ckpt_dir, out / "weights.blob",
+                         sink)
+    finally:
+        sink.lanes.close()
+    for a in w.allocations:
+        assert bytes(buffers[a.id]) == bytes(w.buffers[a.id]), a.id
+
+
+def test_a_wrong_checkpoint_fails_the_native_hash_check(tmp_path, lib):
+    w = make_worker(tmp_path)
+    _wp, out, _cache = capture(tmp_path, w)
+    flip_checkpoint_byte(w)
+    buffers = {a.id: (ctypes.c_ubyte * a.size)() for a in w.allocations}
+    sink = HostSink(buffers, threads=2, chunk=4096, slots=2)
+    try:
+        with pytest.raises(IntegrityError, match=r"hashes to sha256:[0-9a-f]{64}, the capture recorded .*pinned"):
+            hydrate_recovery(out / "native-manifest.json", out / "replay-plan.json", w.ckpt_dir,
+                             out / "weights.blob", sink)
+    finally:
+        sink.lanes.close()
+
+
+def test_each_hashed_job_is_checked_against_its_own_digest(tmp_path, lib):
+    """Jobs of several sizes (filled largest first), each spanning slots and two files."""
+    import hashlib
+
+    a, b = os.urandom(200_000), os.urandom(90_000)
+    (tmp_path / "a").write_bytes(a)
+    (tmp_path / "b").write_bytes(b)
+    fa, fb = os.open(tmp_path / "a", os.O_RDONLY), os.open(tmp_path / "b", os.O_RDONLY)
+    try:
+        jobs, pos, want = [], 0, b""
+        for i, (n_a, n_b) in enumerate([(5_000, 100), (150_000, 80_000), (1, 1), (30_000, 0)]):
+            pieces = (Piece(fa, i * 7, n_a),) + ((Piece(fb, i * 3, n_b),) if n_b else ())
+            data = a[i * 7:i * 7 + n_a] + b[i * 3:i * 3 + n_b]
+            jobs.append(FillJob("x", pos, n_a + n_b, pieces, "sha256:" + hashlib.sha256(data).hexdigest(), f"t{i}"))
+            pos += n_a + n_b
+            want += data
+        dst = (ctypes.c_ubyte * pos)()
+        ptrs = {"x": ctypes.addressof(dst)}
+        with native_fill.NativeLanes(native_fill.load(), None, threads=3, chunk=8192) as lanes:
+            lanes.fill(jobs, ptrs)
+            assert bytes(dst) == want
+            bad = list(jobs)
+            bad[2] = FillJob("x", jobs[2].offset, jobs[2].size, jobs[2].pieces, "sha256:" + "0" * 64, "t2")
+            with pytest.raises(IntegrityError, match=r"^t2 -> x\["):
+                lanes.fill(bad, ptrs)
+    finally:
+        os.close(fa)
+        os.close(fb)
+
+
+def test_hashed_and_plain_jobs_are_planned_apart():
     job = FillJob("x", 0, 10, (Piece(0, 0, 10),), "sha256:" + "0" * 64, "model.safetensors:w")
-    with pytest.raises(ColdSnapError, match=r"model\.safetensors:w cannot take the native fill"):
+    with pytest.raises(ColdSnapError, match=r"model\.safetensors:w is hash-checked"):
         native_fill.Plan([job], {"x": 0}, 4096)
+    with pytest.raises(ColdSnapError, match=r"plain is not hash-checked"):
+        native_fill.Plan([FillJob("x", 0, 10, (Piece(0, 0, 10),), None, "plain")], {"x": 0}, 4096, hashed=True)
+
+
+def test_without_libcrypto_hashed_jobs_are_refused_so_cudasink_keeps_them(lib):
+    with native_fill.NativeLanes(native_fill.load(), None, threads=1, chunk=4096) as lanes:
+        lanes.hashes = False  # what a host without OpenSSL's libcrypto reports
+        with pytest.raises(ColdSnapError, match=r"cannot hash here .*Python loop"):
+            lanes.fill([FillJob("x", 0, 10, (Piece(0, 0, 10),), "sha256:" + "0" * 64, "w")], {"x": 0})
 
 
 def test_close_unloads_the_library(lib):
@@ -175,7 +245,7 @@ def test_an_abi_mismatch_is_refused(tmp_path, monkeypatch):
     src.write_text("#define CS_ABI 99\n" + native_fill.source_path().read_text())
     other = native_fill.build(tmp_path / "libother.so", source=src)
     monkeypatch.setenv(native_fill.ENV_LIB, str(other))
-    with pytest.raises(ColdSnapError, match="has ABI 99, this code needs 1"):
+    with pytest.raises(ColdSnapError, match=f"has ABI 99, this code needs {native_fill.ABI}"):
         native_fill.load()
     assert not _mapped(other)
 

@@ -26,7 +26,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate imp
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.pack import write_pack_from_resident
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
-from payload_testlib import capture, make_worker
+from payload_testlib import capture, flip_checkpoint_byte, make_worker
 
 
 class CUresult(enum.IntEnum):
@@ -223,10 +223,7 @@ def test_cuda_sink_checks_device_allocation_sizes(tmp_path, drv):
 def test_cuda_sink_recovery_detects_a_wrong_checkpoint(tmp_path, drv):
     w = make_worker(tmp_path)
     _wp, out, _cache = capture(tmp_path, w)
-    f = w.ckpt_dir / "model-00001-of-00002.safetensors"
-    data = bytearray(f.read_bytes())
-    data[-5] ^= 0x10
-    f.write_bytes(bytes(data))
+    flip_checkpoint_byte(w)
     with pcuda.CudaSink(_device_copy(drv, w), 0, threads=2, chunk=4096) as sink, \
             pytest.raises(IntegrityError, match="pinned revision"):
         hydrate_recovery(out / "native-manifest.json", out / "replay-plan.json", w.ckpt_dir, out / "weights.blob",
