@@ -265,6 +265,8 @@ static int stopping(struct fill *f) {
  * fill a slot from the pieces, hash it (hashed fills), queue its copy, move to the next slot. */
 static int copy_unit(struct fill *f, struct lane *l, uint64_t first, uint64_t last, void *md) {
     struct cs_sink *s = f->sink;
+    if (first == last)                              /* an empty extent: nothing to copy, hash "" */
+        return 0;
     CUdeviceptr dst = f->pieces[first].dst;
     uint64_t i = first, pos = 0;                    /* the next byte: `pos` into piece i */
     while (i < last) {

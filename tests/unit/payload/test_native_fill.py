@@ -202,6 +202,21 @@ def test_each_hashed_job_is_checked_against_its_own_digest(tmp_path, lib):
         os.close(fb)
 
 
+def test_an_empty_hashed_extent_hashes_to_the_empty_digest(tmp_path, lib):
+    (tmp_path / "f").write_bytes(b"abc")
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    dst = (ctypes.c_ubyte * 3)()
+    empty = "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+    abc = "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    try:
+        with native_fill.NativeLanes(native_fill.load(), None, threads=2, chunk=4096) as lanes:
+            lanes.fill([FillJob("x", 3, 0, (), empty, "empty"), FillJob("x", 0, 3, (Piece(fd, 0, 3),), abc, "abc")],
+                       {"x": ctypes.addressof(dst)})
+        assert bytes(dst) == b"abc"
+    finally:
+        os.close(fd)
+
+
 def test_hashed_and_plain_jobs_are_planned_apart():
     job = FillJob("x", 0, 10, (Piece(0, 0, 10),), "sha256:" + "0" * 64, "model.safetensors:w")
     with pytest.raises(ColdSnapError, match=r"model\.safetensors:w is hash-checked"):
