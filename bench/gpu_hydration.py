@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpu_snapshot import build_native_fill
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -81,7 +83,6 @@ def main() -> int:
 
 def run(args, torch, scratch: Path) -> int:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import cuda as pcuda
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import native_fill
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import (
         FillJob,
@@ -182,10 +183,7 @@ def run(args, torch, scratch: Path) -> int:
                "chunk_mib": args.chunk_mib or "engine default", "cpus": os.cpu_count(), "runs": {}}
     strategies = [x for x in args.strategies.split(",") if x]
     if "native" in strategies:  # build the C fill for this checkout once (a no-op when it is built)
-        try:
-            native_fill.unload(native_fill.load(build_if_missing=True))
-        except Exception as exc:
-            results["native_build_error"] = f"{type(exc).__name__}: {exc}"
+        results["native_fill"] = build_native_fill()
     chunk = (args.chunk_mib << 20) or None
     dst = {a.id: torch.empty(a.size, dtype=torch.uint8, device=dev) for a in allocs}
     ptrs = {k: v.data_ptr() for k, v in dst.items()}
@@ -243,14 +241,14 @@ def run(args, torch, scratch: Path) -> int:
         # What a restore does once: a fresh sink (staging page-locked now), one fill, close.
         results["restore_first_fill"] = {}
         for restore_threads in [int(t) for t in args.restore_threads.split(",") if t]:
-            pcuda.RESTORE_THREADS = restore_threads
             restore_times, phases = [], []
             for _i in range(args.repeat):
                 for v in dst.values():
                     v.zero_()
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                sink = pcuda.CudaSink.for_restore(ptrs, args.device, sizes={a.id: a.size for a in allocs})
+                sink = pcuda.CudaSink.for_restore(ptrs, args.device, sizes={a.id: a.size for a in allocs},
+                                                  threads=restore_threads)
                 t1 = time.perf_counter()
                 try:
                     hydrate_native(manifest, payload, scratch / "unit" / "weights.blob", sink, verify_residual=False)

@@ -49,10 +49,22 @@ def build_native_fill() -> str:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import native_fill
 
     try:
-        native_fill.unload(native_fill.load(build_if_missing=True))
+        return str(native_fill.ensure_built())
     except Exception as exc:  # no compiler: restores take the Python loop, and the result says so
         return f"not built: {exc}"
-    return str(native_fill.default_library_path())
+
+
+def fresh_compile_caches(work: Path) -> dict[str, str]:
+    """Empty TorchInductor/Triton cache directories of this run only, as engine environment: the
+    capture's cold start then compiles like a fresh host's."""
+    caches = work / "compile-cache"
+    shutil.rmtree(caches, ignore_errors=True)
+    return {"TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton")}
+
+
+def hydrate_fills(evidence: dict) -> list:
+    """Which copy loop each hydration of a unit's evidence ran ("native" or "python")."""
+    return [s["attrs"].get("fill") for s in evidence["timing"]["spans"] if s["name"] == "engine.hydrate"]
 
 
 def env_arg(ap: argparse.ArgumentParser, values: list[str]) -> dict[str, str]:
@@ -188,10 +200,8 @@ def main() -> int:
     facts = gather(check_criu=True)
     result["host"] = {k: facts[k] for k in ("kernel", "nvidia_driver", "gpus", "criu")}
     env = {"OMP_NUM_THREADS": "8", "PYTHONPATH": os.environ["PYTHONPATH"], **extra_env}
-    if args.compile:  # compile caches of this run only: the capture's cold start is a fresh host's
-        caches = work / "compile-cache"
-        shutil.rmtree(caches, ignore_errors=True)
-        env.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))
+    if args.compile:
+        env.update(fresh_compile_caches(work))
     req = validate_request({
         "format": 4, "kind": "coldsnap-operation-request", "operation": "capture", "id": "gpu-capture",
         "snapshot_driver": {"id": "n610"}, "output": {"artifact_dir": str(work / "artifact")},
@@ -242,7 +252,7 @@ def main() -> int:
         ev = unit.run_host_units(specs, activation_dir=adir, run_dir=state / "runs" / f"restore-{i}")[0]
         restores.append({"provider": provider, "wall_s": round(time.time() - t, 2), "readiness": ev["readiness"],
                          "reply_ok": ev["reply"] == expected,
-                         "fill": [s["attrs"].get("fill") for s in ev["timing"]["spans"] if s["name"] == "engine.hydrate"],
+                         "fill": hydrate_fills(ev),
                          "spans": {s["name"]: round((s["end_ns"] - s["start_ns"]) / 1e9, 4)
                                    for s in ev["timing"]["spans"]}})
         kill_pid(ev["workers"][0]["pid"])

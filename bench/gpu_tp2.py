@@ -17,14 +17,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_snapshot import REPO, build_native_fill, emit, kill_pid, pinned_h2d_gbps, preset_arg, setup_paths
+from gpu_snapshot import (
+    REPO,
+    build_native_fill,
+    emit,
+    fresh_compile_caches,
+    hydrate_fills,
+    kill_pid,
+    pinned_h2d_gbps,
+    preset_arg,
+    setup_paths,
+)
 
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -84,11 +93,8 @@ def main() -> int:
     env = {"OMP_NUM_THREADS": "4", "PYTHONPATH": os.environ["PYTHONPATH"], "NCCL_SOCKET_IFNAME": "lo",
            "NCCL_DEBUG": "WARN", "PYTHONFAULTHANDLER": "1",
            **NO_MULTICAST}
-    if args.compile:  # compile caches of this run only (the capture's cold start is a fresh host's)
-        caches = work / "compile-cache"
-        shutil.rmtree(caches, ignore_errors=True)
-        env.update(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"),
-                   TORCH_LOGS="recompiles")
+    if args.compile:
+        env.update(fresh_compile_caches(work), TORCH_LOGS="recompiles")
 
     def request(op_id: str, devices: tuple[int, int]) -> dict:
         units, workers = [], []
@@ -172,8 +178,7 @@ def main() -> int:
         rec = {"name": name, "devices": list(devices), "wall_s": round(time.time() - t, 2),
                "waited_for_ports_s": port_wait, "readiness": ev0["readiness"], "reply_ok": ev0["reply"] == expected,
                "phases": {e["unit"]: phases(e) for e in evs},
-               "fill": {e["unit"]: [s["attrs"].get("fill") for s in e["timing"]["spans"] if s["name"] == "engine.hydrate"]
-                        for e in evs}}
+               "fill": {e["unit"]: hydrate_fills(e) for e in evs}}
         if args.compile:  # the logs were reset before the dump: these are the restored ranks' lines
             rec["recompile_log_lines"] = {
                 u: sum("ecompil" in line for line in (state / "workloads" / "gpu-tp2" / u / "target.log")

@@ -79,23 +79,24 @@ static struct {
 static pthread_once_t cu_once = PTHREAD_ONCE_INIT;
 static int cu_loaded;
 
+/* Resolve `name` in library `h` into the function pointer `field`; return from the loader if absent. */
+#define SYM(field, name) if (!(*(void **)&(field) = dlsym(h, name))) return
+
 static void cu_load(void) {
     void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
     if (!h)
         return;
-#define SYM(field, name) if (!(*(void **)&cu.field = dlsym(h, name))) return
-    SYM(ctx_set, "cuCtxSetCurrent");
-    SYM(host_register, "cuMemHostRegister_v2");
-    SYM(host_unregister, "cuMemHostUnregister");
-    SYM(stream_create, "cuStreamCreate");
-    SYM(stream_sync, "cuStreamSynchronize");
-    SYM(stream_destroy, "cuStreamDestroy_v2");
-    SYM(event_create, "cuEventCreate");
-    SYM(event_record, "cuEventRecord");
-    SYM(event_sync, "cuEventSynchronize");
-    SYM(event_destroy, "cuEventDestroy_v2");
-    SYM(h2d_async, "cuMemcpyHtoDAsync_v2");
-#undef SYM
+    SYM(cu.ctx_set, "cuCtxSetCurrent");
+    SYM(cu.host_register, "cuMemHostRegister_v2");
+    SYM(cu.host_unregister, "cuMemHostUnregister");
+    SYM(cu.stream_create, "cuStreamCreate");
+    SYM(cu.stream_sync, "cuStreamSynchronize");
+    SYM(cu.stream_destroy, "cuStreamDestroy_v2");
+    SYM(cu.event_create, "cuEventCreate");
+    SYM(cu.event_record, "cuEventRecord");
+    SYM(cu.event_sync, "cuEventSynchronize");
+    SYM(cu.event_destroy, "cuEventDestroy_v2");
+    SYM(cu.h2d_async, "cuMemcpyHtoDAsync_v2");
     cu_loaded = 1;
 }
 
@@ -118,14 +119,12 @@ static void crypto_load(void) {
         h = dlopen("libcrypto.so", RTLD_NOW | RTLD_LOCAL);
     if (!h)
         return;
-#define SYM(field, name) if (!(*(void **)&crypto.field = dlsym(h, name))) return
-    SYM(ctx_new, "EVP_MD_CTX_new");
-    SYM(ctx_free, "EVP_MD_CTX_free");
-    SYM(sha256, "EVP_sha256");
-    SYM(init, "EVP_DigestInit_ex");
-    SYM(update, "EVP_DigestUpdate");
-    SYM(final, "EVP_DigestFinal_ex");
-#undef SYM
+    SYM(crypto.ctx_new, "EVP_MD_CTX_new");
+    SYM(crypto.ctx_free, "EVP_MD_CTX_free");
+    SYM(crypto.sha256, "EVP_sha256");
+    SYM(crypto.init, "EVP_DigestInit_ex");
+    SYM(crypto.update, "EVP_DigestUpdate");
+    SYM(crypto.final, "EVP_DigestFinal_ex");
     crypto_loaded = 1;
 }
 

@@ -39,9 +39,8 @@ echo "$venv/collections" > "$site/coldsnap-collections.pth"
 # The native fill (native/fill.c): GPU hydration at ~0.9 of the pinned host->device rate instead of
 # ~0.6 (BENCHMARKS.md). Optional: without a C compiler hydration takes the Python path.
 if lib=$("$venv/bin/python" -c '
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import native_fill as n
-p = n.default_library_path()
-print(p if p.is_file() else n.build())' 2>&1); then
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import native_fill
+print(native_fill.ensure_built())' 2>&1); then
   log "native fill: $lib"
 else
   log "native fill not built (GPU hydration will use the Python path): ${lib##*$'\n'}"

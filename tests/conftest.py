@@ -72,7 +72,9 @@ def gpu_problem() -> str | None:
 
 @functools.cache
 def cc_problem() -> str | None:
-    if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.native_fill import compiler
+
+    if compiler() is None:
         return "no C compiler (run scripts/install-system.sh)"
     return None
 

@@ -41,7 +41,7 @@ def native_fill_built():
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import native_fill
 
     if native_fill.compiler():
-        native_fill.unload(native_fill.load(build_if_missing=True))
+        native_fill.ensure_built()
     path = native_fill.default_library_path()
     return bool(path and path.is_file())
 

@@ -38,6 +38,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import nati
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import (
     FillJob,
     _check_ids_sizes,
+    check_extent_digest,
     split_jobs,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import Allocation
@@ -199,7 +200,7 @@ class CudaSink:
             lib = native_fill.load()
             if lib is None and strategy == "native":
                 raise ColdSnapError("the native fill library is not built",
-                                    fix="build it (scripts/setup-venv.sh, or native_fill.build()) or use strategy "
+                                    fix="build it (scripts/setup-venv.sh, or native_fill.ensure_built()) or use strategy "
                                         "'auto'")
         self.strategy = "native" if lib is not None else ("pread" if strategy == "auto" else strategy)
         self.engine = "native" if lib is not None else "python"
@@ -228,7 +229,8 @@ class CudaSink:
         self._map_lock = threading.Lock()
 
     @classmethod
-    def for_restore(cls, ptrs: dict[str, int], device: int = 0, *, sizes: dict[str, int] | None = None) -> CudaSink:
+    def for_restore(cls, ptrs: dict[str, int], device: int = 0, *, sizes: dict[str, int] | None = None,
+                    threads: int = RESTORE_THREADS) -> CudaSink:
         """A sink sized for one fill into a freshly restored process.
 
         Every restore page-locks its staging afresh (a snapshot must not carry pinned memory),
@@ -236,7 +238,7 @@ class CudaSink:
         H200 (native fill: 8.6 GB in 0.195 s, 0.80 of the pinned rate, staging included; the
         Python loop: 4 GiB in 0.16 s vs 0.27 s with 16 x 2 x 8 MiB; BENCHMARKS.md).
         """
-        return cls(ptrs, device, sizes=sizes, chunk=RESTORE_CHUNK, threads=min(RESTORE_THREADS, os.cpu_count() or 1))
+        return cls(ptrs, device, sizes=sizes, chunk=RESTORE_CHUNK, threads=min(threads, os.cpu_count() or 1))
 
     def check_allocations(self, allocations: Sequence[Allocation]) -> None:
         if self.sizes is not None:
@@ -387,12 +389,7 @@ class CudaSink:
             dst += used
             report(used)
         if hasher is not None:
-            actual = "sha256:" + hasher.hexdigest()
-            if actual != job.sha256:
-                raise IntegrityError(
-                    f"{job.what or 'extent'} -> {job.allocation}[{job.offset}:{job.offset + job.size}] hashes to "
-                    f"{actual}, the capture recorded {job.sha256}",
-                    fix="the checkpoint is not the pinned revision this artifact was captured from")
+            check_extent_digest(job, "sha256:" + hasher.hexdigest())
 
     def close(self) -> None:
         """Wait for outstanding copies; free streams, events, pinned buffers, file mappings, the native

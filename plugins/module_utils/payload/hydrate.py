@@ -104,6 +104,7 @@ class HydrationStats:
     residual_bytes: int
     extents: int
     seconds: float
+    fill: str = "python"  # which copy loop ran: the sink's ``engine`` ("native": native/fill.c)
 
     @property
     def bytes(self) -> int:
@@ -115,7 +116,8 @@ class HydrationStats:
 
     def as_dict(self) -> dict:
         return {"provider": self.provider, "model_bytes": self.model_bytes, "residual_bytes": self.residual_bytes,
-                "extents": self.extents, "seconds": round(self.seconds, 6), "gb_per_s": round(self.gb_per_s, 3)}
+                "extents": self.extents, "seconds": round(self.seconds, 6), "gb_per_s": round(self.gb_per_s, 3),
+                "fill": self.fill}
 
 
 def split_jobs(jobs: Sequence[FillJob], chunk: int = SPLIT) -> list[FillJob]:
@@ -175,7 +177,11 @@ def run_jobs(jobs: Sequence[FillJob], work, threads: int) -> None:
 
 
 def check_extent_hash(job: FillJob, data) -> None:
-    actual = "sha256:" + hashlib.sha256(data).hexdigest()
+    check_extent_digest(job, "sha256:" + hashlib.sha256(data).hexdigest())
+
+
+def check_extent_digest(job: FillJob, actual: str) -> None:
+    """A hash-checked job's bytes hashed to ``actual``: refuse anything but the digest the capture recorded."""
     if actual != job.sha256:
         raise IntegrityError(f"{job.what or 'extent'} -> {job.allocation}[{job.offset}:{job.offset + job.size}] "
                              f"hashes to {actual}, the capture recorded {job.sha256}",
@@ -300,7 +306,7 @@ def hydrate_native(manifest: NativeManifest | Path | str, payload: VerifiedPaylo
     finally:
         residual.close()
     return HydrationStats("native", manifest.model_bytes, manifest.residual_bytes, len(manifest.model_extents),
-                          time.monotonic() - started)
+                          time.monotonic() - started, getattr(sink, "engine", "python"))
 
 
 def hydrate_recovery(manifest: NativeManifest | Path | str, replay_plan_path: Path, safetensors_dir: Path,
@@ -354,4 +360,4 @@ def hydrate_recovery(manifest: NativeManifest | Path | str, replay_plan_path: Pa
         if residual is not None:
             residual.close()
     return HydrationStats("recovery", manifest.model_bytes, manifest.residual_bytes, len(plan.extents),
-                          time.monotonic() - started)
+                          time.monotonic() - started, getattr(sink, "engine", "python"))

@@ -33,10 +33,12 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
-    IntegrityError,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import FillJob
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import Progress
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import (
+    FillJob,
+    check_extent_digest,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import Progress, truncated
 
 ABI = 2
 ENV_LIB = "COLDSNAP_NATIVE_LIB"
@@ -159,12 +161,7 @@ class Plan:
         """After a hashed fill: every job's bytes must hash to its recorded digest (fail closed)."""
         raw = bytes(self.digests or b"")
         for g, job in enumerate(self.group_jobs):
-            actual = "sha256:" + raw[32 * g: 32 * g + 32].hex()
-            if actual != job.sha256:
-                raise IntegrityError(
-                    f"{job.what or 'extent'} -> {job.allocation}[{job.offset}:{job.offset + job.size}] hashes to "
-                    f"{actual}, the capture recorded {job.sha256}",
-                    fix="the checkpoint is not the pinned revision this artifact was captured from")
+            check_extent_digest(job, "sha256:" + raw[32 * g: 32 * g + 32].hex())
 
 
 class CsPiece(ctypes.Structure):
@@ -214,8 +211,20 @@ def unload(lib: ctypes.CDLL) -> None:
     _ctypes.dlclose(lib._handle)
 
 
-def load(*, build_if_missing: bool = False) -> ctypes.CDLL | None:
-    """The native fill library, or None when it is not built (and ``build_if_missing`` is false).
+def ensure_built() -> Path:
+    """The library's path, compiled now if this source has no build yet (``$COLDSNAP_NATIVE_LIB``
+    when set: nothing is built then). What set-up steps and benchmarks call; loading is :func:`load`."""
+    explicit = os.environ.get(ENV_LIB)
+    if explicit:
+        return Path(explicit)
+    path = default_library_path()
+    if path is None:
+        return build()  # raises with the reason (no source in this copy of the collection)
+    return path if path.is_file() else build(path)
+
+
+def load() -> ctypes.CDLL | None:
+    """The native fill library, or None when it is not built (the caller then keeps the Python loop).
 
     ``$COLDSNAP_NATIVE_LIB`` names a library explicitly: it must then load. The caller
     owns the returned reference (:func:`unload`).
@@ -224,13 +233,7 @@ def load(*, build_if_missing: bool = False) -> ctypes.CDLL | None:
     if explicit:
         return _open(Path(explicit))
     path = default_library_path()
-    if path is None:
-        return None
-    if not path.is_file():
-        if not build_if_missing:
-            return None
-        build(path)
-    return _open(path)
+    return _open(path) if path is not None and path.is_file() else None
 
 
 class FillFailure(ColdSnapError):
@@ -321,13 +324,11 @@ class NativeLanes:
     def _error(err: CsError, plan: Plan, cuda_error) -> ColdSnapError:
         call = err.call.decode(errors="replace")
         piece = plan.pieces[err.piece] if 0 <= err.piece < len(plan.job_of) else None
-        what = plan.jobs[plan.job_of[err.piece]].what if piece is not None else "hydration source"
-        if err.kind == SHORT_READ and piece is not None:  # the words of streams.read_exact_into
-            return IntegrityError(f"{what or 'hydration source'} ended after {err.at} bytes while reading "
-                                  f"{piece.size} bytes at {piece.offset}",
-                                  fix="the file was truncated; re-stage it or recapture")
+        what = (plan.jobs[plan.job_of[err.piece]].what if piece is not None else "") or "hydration source"
+        if err.kind == SHORT_READ and piece is not None:
+            return truncated(what, err.at, piece.size, piece.offset)
         if err.kind == READ_ERRNO and piece is not None:
-            return FillFailure(f"reading {what or 'hydration source'} at {err.at} failed: {os.strerror(err.code)}",
+            return FillFailure(f"reading {what} at {err.at} failed: {os.strerror(err.code)}",
                                fix="check the disk and the file", kind=err.kind, code=err.code)
         if err.kind == CUDA:
             name = cuda_error(err.code) if cuda_error else f"CUresult {err.code}"

@@ -33,11 +33,16 @@ def read_exact_into(fd: int, view: memoryview, offset: int, *, what: str) -> Non
     while done < total:
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
-            from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
-
-            raise IntegrityError(f"{what} ended after {offset + done} bytes while reading {total} bytes at {offset}",
-                                 fix="the file was truncated; re-stage it or recapture")
+            raise truncated(what, offset + done, total, offset)
         done += n
+
+
+def truncated(what: str, end: int, total: int, offset: int) -> Exception:
+    """The error for a file that ended at byte ``end`` while ``total`` bytes were read at ``offset``."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
+
+    return IntegrityError(f"{what} ended after {end} bytes while reading {total} bytes at {offset}",
+                          fix="the file was truncated; re-stage it or recapture")
 
 
 def write_all(fd: int, data: bytes | bytearray | memoryview, *, what: str, path: Path | str) -> None:

@@ -51,6 +51,8 @@ def _mapped(path: Path) -> bool:
 class HostSink:
     """AllocationSink over host buffers through the native pipeline (what CudaSink does with a device)."""
 
+    engine = "native"
+
     def __init__(self, buffers: dict[str, ctypes.Array], *, threads: int, chunk: int, slots: int) -> None:
         self.buffers = buffers
         self.lanes = native_fill.NativeLanes(native_fill.load(), None, threads=threads, chunk=chunk, slots=slots)
@@ -72,14 +74,15 @@ def test_hydrate_native_through_the_native_pipeline_gives_the_captured_bytes(tmp
     seen: list[tuple[int, int]] = []
     try:
         with PayloadVerifier().verify(cache, wp.pack.sha256, wp.pack.size) as v:
-            hydrate_native(out / "native-manifest.json", v, out / "weights.blob", sink,
-                           progress=lambda d, t: seen.append((d, t)))
+            stats = hydrate_native(out / "native-manifest.json", v, out / "weights.blob", sink,
+                                   progress=lambda d, t: seen.append((d, t)))
     finally:
         sink.lanes.close()
     for a in w.allocations:
         assert bytes(buffers[a.id]) == bytes(w.buffers[a.id]), a.id
     total = sum(a.size for a in w.allocations)
     assert seen and seen[-1] == (total, total)
+    assert stats.as_dict()["fill"] == "native"  # recorded in the restore's engine.hydrate span
     assert [d for d, _t in seen] == sorted(d for d, _t in seen)
 
 
@@ -283,6 +286,7 @@ def test_an_unloadable_library_named_by_the_environment_is_an_error(tmp_path, mo
     bad = tmp_path / "lib.so"
     bad.write_bytes(b"not an ELF file")
     monkeypatch.setenv(native_fill.ENV_LIB, str(bad))
+    assert native_fill.ensure_built() == bad  # named explicitly: nothing is built
     with pytest.raises(ColdSnapError, match=f"cannot be loaded.*unset {native_fill.ENV_LIB}"):
         native_fill.load()
 
@@ -295,6 +299,7 @@ def test_load_without_a_build_is_none_so_the_python_path_runs(tmp_path, monkeypa
     src.parent.mkdir()
     src.write_bytes(Path(native_fill.__file__).resolve().parents[3].joinpath("native", "fill.c").read_bytes())
     assert native_fill.load() is None  # a source, not built
-    lib = native_fill.load(build_if_missing=True)
+    assert native_fill.ensure_built() == native_fill.default_library_path(src)
+    lib = native_fill.load()
     assert lib is not None and native_fill.default_library_path(src).is_file()
     native_fill.unload(lib)

@@ -45,7 +45,7 @@ def test_cuda_sink_native_and_recovery_match_the_capture(tmp_path, strategy):
     import torch
 
     if strategy == "native":
-        native_fill.unload(native_fill.load(build_if_missing=True))
+        native_fill.ensure_built()
     w = make_worker(tmp_path)
     wp, out, cache = capture(tmp_path, w)
     for provider in ("native", "recovery"):

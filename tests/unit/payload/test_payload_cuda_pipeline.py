@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import os
 import sys
 import threading
 import types
@@ -244,6 +245,14 @@ def test_cuda_reader_materializes_the_capture_pack(tmp_path, drv):
     finally:
         reader.close()
     assert ref == wp.pack
+
+
+def test_restore_sinks_use_few_lanes_unless_told(drv):
+    ptrs = {"a": drv.device_alloc(4096)}
+    with pcuda.CudaSink.for_restore(ptrs, 0) as sink:
+        assert (sink.threads, sink.chunk) == (min(pcuda.RESTORE_THREADS, os.cpu_count() or 1), pcuda.RESTORE_CHUNK)
+    with pcuda.CudaSink.for_restore(ptrs, 0, threads=1) as sink:
+        assert sink.threads == 1
 
 
 def test_cuda_sink_strategies_without_the_native_library(drv):

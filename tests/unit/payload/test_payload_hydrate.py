@@ -45,6 +45,7 @@ def test_native_and_recovery_build_byte_identical_allocations(captured, tmp_path
     with PayloadVerifier().verify(cache, wp.pack.sha256, wp.pack.size) as v:
         stats = hydrate_native(out / "native-manifest.json", v, out / "weights.blob", MemorySink(native, threads=2))
     assert stats.provider == "native" and stats.bytes == sum(a.size for a in w.allocations)
+    assert stats.fill == "python"
     # recovery needs no pack at all
     os.unlink(cache.path_for(wp.pack.sha256))
     recovery = anon_views(w, fill=0x22)

@@ -172,7 +172,6 @@ def hydrate(table: AllocationTable, spec: dict, *, relocatable: bool = False) ->
         close_io(sink)
     out = stats.as_dict()
     out["provider"] = provider
-    out["fill"] = getattr(sink, "engine", "python")  # native: the C fill of native/fill.c
     return out
 
 

@@ -67,7 +67,6 @@ def hydrate(loaded: LoadedWeights, spec: dict) -> dict:
         close(sink)
     out = stats.as_dict() if hasattr(stats, "as_dict") else dict(vars(stats))
     out["provider"] = provider
-    out["fill"] = getattr(sink, "engine", "python")  # native: the C fill of native/fill.c
     return out
 
 
