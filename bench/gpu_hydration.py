@@ -37,7 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_snapshot import build_native_fill
+from gpu_snapshot import build_native_fill, counts_arg
+
+STRATEGIES = ("native", "pread", "register", "auto")  # CudaSink's
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -67,6 +69,14 @@ def main() -> int:
     ap.add_argument("--dir", default=None)
     ap.add_argument("--device", type=int, default=0)
     args = ap.parse_args()
+    args.thread_counts = counts_arg(ap, "--threads", args.threads)
+    args.restore_thread_counts = counts_arg(ap, "--restore-threads", args.restore_threads)
+    args.strategy_list = [x for x in args.strategies.split(",") if x]
+    unknown = [x for x in args.strategy_list if x not in STRATEGIES]
+    if unknown or not args.strategy_list:
+        ap.error(f"--strategies {args.strategies!r}: choose from {', '.join(STRATEGIES)}, comma-separated")
+    if args.gib <= 0 or args.repeat < 1 or args.chunk_mib < 0:
+        ap.error("--gib and --repeat must be positive, --chunk-mib 0 (the engine's own) or more")
     try:
         import torch
     except ImportError:
@@ -181,7 +191,7 @@ def run(args, torch, scratch: Path) -> int:
                "residual_bytes": wp.residual.size, "pack_sha256": wp.pack.sha256, "capture_s": round(capture_s, 3),
                "residual_hash_s": round(residual_hash_s, 4), "pinned_h2d_gbps": round(moved / pinned_s / 1e9, 2),
                "chunk_mib": args.chunk_mib or "engine default", "cpus": os.cpu_count(), "runs": {}}
-    strategies = [x for x in args.strategies.split(",") if x]
+    strategies = args.strategy_list
     if "native" in strategies:  # build the C fill for this checkout once (a no-op when it is built)
         results["native_fill"] = build_native_fill()
     chunk = (args.chunk_mib << 20) or None
@@ -191,7 +201,7 @@ def run(args, torch, scratch: Path) -> int:
     best = None
     with PayloadVerifier().verify(cache, wp.pack.sha256, wp.pack.size) as payload:
         for strategy in strategies:
-            for threads in [int(t) for t in args.threads.split(",") if t]:
+            for threads in args.thread_counts:
                 key = f"{strategy}/{threads}"
                 try:
                     with pcuda.CudaSink(ptrs, args.device, threads=threads, chunk=chunk,
@@ -240,7 +250,7 @@ def run(args, torch, scratch: Path) -> int:
                                              "ratio_to_pinned": round(raw_gbps / (moved / pinned_s / 1e9), 3)}
         # What a restore does once: a fresh sink (staging page-locked now), one fill, close.
         results["restore_first_fill"] = {}
-        for restore_threads in [int(t) for t in args.restore_threads.split(",") if t]:
+        for restore_threads in args.restore_thread_counts:
             restore_times, phases = [], []
             for _i in range(args.repeat):
                 for v in dst.values():

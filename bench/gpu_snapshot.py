@@ -75,6 +75,17 @@ def env_arg(ap: argparse.ArgumentParser, values: list[str]) -> dict[str, str]:
     return dict(e.split("=", 1) for e in values)
 
 
+def counts_arg(ap: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
+    """A comma-separated list of positive integers (``--threads 8,12``); anything else is an argparse error."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        ap.error(f"{flag} {text!r}: give positive whole numbers separated by commas, e.g. {flag} 8,12")
+    return values
+
+
 def preset_arg(ap: argparse.ArgumentParser, name: str):
     """The reference model preset called ``name`` (after :func:`setup_paths`); an argparse error naming the choices."""
     from coldsnap_engines.reference.config import PRESETS

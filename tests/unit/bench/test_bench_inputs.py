@@ -29,6 +29,10 @@ def _run(tmp: Path, script: str, *args: str) -> subprocess.CompletedProcess:
     ("gpu_copy_bound.py", ["--sink", "16"], "--sink takes THREADSxCHUNK_MIB values"),
     ("gpu_copy_bound.py", ["--sink", "16x0"], "--sink takes THREADSxCHUNK_MIB values"),
     ("gpu_copy_bound.py", ["--gib", "0"], "must be positive"),
+    ("gpu_hydration.py", ["--threads", "8,x"], "--threads '8,x': give positive whole numbers"),
+    ("gpu_hydration.py", ["--restore-threads", "0"], "--restore-threads '0': give positive whole numbers"),
+    ("gpu_hydration.py", ["--strategies", "native,dma"], "choose from native, pread, register, auto"),
+    ("gpu_hydration.py", ["--repeat", "0"], "--gib and --repeat must be positive"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_option_is_a_usage_error_that_names_the_fix(tmp_path, script, args, message):
     r = _run(tmp_path, script, *args)
@@ -43,7 +47,7 @@ def test_good_options_pass_the_checks():
 
     sys.path.insert(0, str(BENCH))
     try:
-        from gpu_snapshot import env_arg, preset_arg
+        from gpu_snapshot import counts_arg, env_arg, preset_arg
     finally:
         sys.path.remove(str(BENCH))
     from coldsnap_engines.reference.config import PRESETS
@@ -51,3 +55,4 @@ def test_good_options_pass_the_checks():
     ap = argparse.ArgumentParser()
     assert env_arg(ap, ["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
     assert preset_arg(ap, "tiny") is PRESETS["tiny"]
+    assert counts_arg(ap, "--threads", "8,12,") == [8, 12]
