@@ -28,7 +28,7 @@ for sub in ("tests/integration/docker_units", "tests/integration/publish", "test
     sys.path.insert(0, str(REPO / sub))
 
 import docker_workload as dw  # noqa: E402
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import environment  # noqa: E402
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment  # noqa: E402
 from hub_standin import WritableHubStandin  # noqa: E402
 
 from coldsnap.demo import reference_request  # noqa: E402

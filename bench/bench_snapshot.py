@@ -30,7 +30,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import environment
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
     from coldsnap_engines.reference.config import PRESETS
     from coldsnap_engines.reference.weights import make_model
 

@@ -98,7 +98,7 @@ def main() -> int:
     if any(len(v) != 2 or min(v) < 1 for v in sinks):
         ap.error("--sink takes THREADSxCHUNK_MIB values, e.g. 16x8,12x8")
     setup_paths()
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda import (
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda_sink import (
         CudaSink,
         _Context,
         _Pinned,

@@ -143,7 +143,7 @@ def main() -> int:
         child(*args.child)
         return 0
     config = preset_arg(ap, args.preset)
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda
     from coldsnap_engines.reference.weights import make_model
 
     work = Path(args.work)

@@ -92,7 +92,7 @@ def main() -> int:
 
 
 def run(args, torch, scratch: Path) -> int:
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import cuda as pcuda
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import cuda_sink as pcuda
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import (
         FillJob,

@@ -134,7 +134,7 @@ def main() -> int:
         child(int(args.child[0]), args.child[1])
         return 0
     setup_paths()
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda
 
     uuids = cuda.device_uuids()
     if len(uuids) < 2:

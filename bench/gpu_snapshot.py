@@ -197,8 +197,10 @@ def main() -> int:
     setup_paths()
     config = preset_arg(ap, args.preset)
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.facts import gather
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import specs as unit
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_facts import gather
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_runtime import run_units
     from coldsnap_engines.reference.weights import make_model
 
     work = Path(args.work)
@@ -232,14 +234,14 @@ def main() -> int:
         "validation": {"prompt": "ColdSnap says:", "max_tokens": 16},
         "workload": {"recipe": "gpu-bench"},
     })
-    _digest, adir, _staged = activation.stage(REPO / "runtime_image" / "activation", state)
+    digest, _adir, _staged = activation.stage(REPO / "runtime_image" / "activation", state)
     specs = unit.build_specs(req, host="localhost", operation="capture", capture_id="gpu-cap", state_root=state)
     t = time.time()
-    cap = unit.run_host_units(specs, activation_dir=adir, run_dir=state / "runs" / "capture")[0]
+    cap = run_units(specs, state_root=state, activation_digest=digest)[0]
     result["capture_wall_s"] = round(time.time() - t, 2)
     result["cold"] = cap["readiness"]
     result["capture_spans"] = {s["name"]: round((s["end_ns"] - s["start_ns"]) / 1e9, 4) for s in cap["timing"]["spans"]}
-    udir = unit.unit_dir(state, "gpu-cap", "unit-0")
+    udir = state / "captures" / "gpu-cap" / "units" / "unit-0"
     w = cap["workers"][0]
     result["criu_image_bytes"] = w["criu"]["bytes"]
     result["memory_at_checkpoint"] = w.get("memory_at_checkpoint")
@@ -260,7 +262,7 @@ def main() -> int:
         specs = unit.build_specs(rreq, host="localhost", operation="restore", capture_id="gpu-cap", state_root=state,
                                  weights=weights, validation={**req["validation"], "expected": expected})
         t = time.time()
-        ev = unit.run_host_units(specs, activation_dir=adir, run_dir=state / "runs" / f"restore-{i}")[0]
+        ev = run_units(specs, state_root=state, activation_digest=digest)[0]
         restores.append({"provider": provider, "wall_s": round(time.time() - t, 2), "readiness": ev["readiness"],
                          "reply_ok": ev["reply"] == expected,
                          "fill": hydrate_fills(ev),

@@ -40,7 +40,7 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 def _wait_ports_free(listeners: list[tuple[str, int]]) -> float:
     """Seconds restore admission's port check takes (it waits out TIME_WAIT-only ports)."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import ports
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 
     t0 = time.monotonic()
     ports.require_ports_free(listeners, unit="bench")
@@ -50,8 +50,8 @@ def _wait_ports_free(listeners: list[tuple[str, int]]) -> float:
 def _swap_admission(caps: list[dict], env: dict) -> str:
     """Restore admission's answer for these captured ranks with GPU 0 and GPU 1 swapped."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import GpuMoves
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.facts import gather
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuMoves
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_facts import gather
 
     art = {"launch": {"execution": {
         "workers": [{"id": f"worker-{r}", "unit": f"unit-{r}", "rank": r, "device_slot": 0} for r in (0, 1)],
@@ -82,8 +82,10 @@ def main() -> int:
     config = preset_arg(ap, args.preset)
     from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import daemon
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import NCCL_SOCKETS_ONLY
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import specs as unit
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import NCCL_SOCKETS_ONLY
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_runtime import run_units
     from coldsnap_engines.reference.weights import make_model
 
     work = Path(args.work)
@@ -131,7 +133,7 @@ def main() -> int:
         return {s["name"]: round((s["end_ns"] - s["start_ns"]) / 1e9, 4) for s in ev["timing"]["spans"]
                 if s.get("end_ns")}
 
-    _d, adir, _c = activation.stage(REPO / "runtime_image" / "activation", state)
+    digest, _adir, _staged = activation.stage(REPO / "runtime_image" / "activation", state)
     result: dict = {"preset": args.preset, "compile": args.compile, "model_bytes_total": ident["bytes"],
                     "native_fill": build_native_fill()}
 
@@ -143,10 +145,10 @@ def main() -> int:
     def capture(tag: str) -> list[dict]:
         ep = coordinator(f"tp2-capture{tag}")
         t = time.time()
-        caps = unit.run_host_units(unit.build_specs(request(f"tp2-capture{tag}", (0, 1)), host="localhost",
+        caps = run_units(unit.build_specs(request(f"tp2-capture{tag}", (0, 1)), host="localhost",
                                                     operation="capture", capture_id=f"tp2{tag}", state_root=state,
                                                     coordinator_endpoint=ep),
-                                   activation_dir=adir, run_dir=state / "runs" / f"tp2-capture{tag}")
+                                   state_root=state, activation_digest=digest)
         daemon.stop_coordinator(ep)
         result[f"capture{tag}_wall_s"] = round(time.time() - t, 2)
         return caps
@@ -164,11 +166,11 @@ def main() -> int:
         t = time.time()
         expected = caps[0]["acceptance_reply"]
         try:
-            evs = unit.run_host_units(unit.build_specs(req, host="localhost", operation="restore",
+            evs = run_units(unit.build_specs(req, host="localhost", operation="restore",
                                                        capture_id=f"tp2{tag}", state_root=state, weights=weights,
                                                        coordinator_endpoint=ep,
                                                        validation={**req["validation"], "expected": expected}),
-                                      activation_dir=adir, run_dir=state / "runs" / req["id"])
+                                      state_root=state, activation_digest=digest)
         except Exception as exc:
             restores.append({"name": name, "devices": list(devices), "error": str(exc)})
             save()

@@ -67,7 +67,7 @@ from pathlib import Path
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
 
 
 def main() -> None:

@@ -88,14 +88,14 @@ import hashlib
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
-    checked_request,
-    run_guarded,
-)
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.commit import (
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.commit import (
     build_artifact,
     by_unit,
     commit_artifact,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
+    checked_request,
+    run_guarded,
 )
 
 

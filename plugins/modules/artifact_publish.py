@@ -111,12 +111,12 @@ parent:
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts import publication
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
     checked_request,
     run_guarded,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import publication
 
 
 def main() -> None:

@@ -169,15 +169,15 @@ overlay:
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts import overlay as overlay_mod
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import (
+    ArtifactStore,
+    identity_info_of,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
     checked_request,
     run_guarded,
-)
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import overlay as overlay_mod
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.store import (
-    ArtifactStore,
-    identity_info_of,
 )
 
 
@@ -222,8 +222,8 @@ def main() -> None:
 
 
 def _absent(store: ArtifactStore, req: dict, artifact_path: str | None, check_mode: bool) -> dict:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import file_sha256
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.store import file_sha256
 
     extra = []
     identities = [identity_info_of(req).identity]

@@ -70,7 +70,7 @@ ansible_facts:
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.facts import gather
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_facts import gather
 
 
 def main() -> None:

@@ -85,7 +85,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil impo
     run_guarded,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.operations import lifecycle_units
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.lifecycle import lifecycle_units
 
 ACTIONS = {"sleeping": "sleep", "running": "wake", "status": "status"}
 

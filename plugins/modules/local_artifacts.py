@@ -87,8 +87,8 @@ kept:
 """
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.leftovers import remove_local
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.cleanup import remove_local
 
 
 def main() -> None:

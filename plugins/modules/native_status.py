@@ -83,7 +83,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil impo
     run_guarded,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.native import native_status
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.status import native_status
 
 
 def main() -> None:

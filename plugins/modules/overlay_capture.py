@@ -105,7 +105,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil impo
     run_guarded,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.operations import capture_running_units
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.capture import capture_running_units
 
 
 def main() -> None:

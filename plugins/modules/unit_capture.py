@@ -106,7 +106,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil impo
     checked_request,
     run_guarded,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.operations import capture_units
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.capture import capture_units
 
 
 def main() -> None:

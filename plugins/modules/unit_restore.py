@@ -122,7 +122,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil impo
     run_guarded,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import operations as ops
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import restore as ops
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import environment
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
 
 DRIVER = "n610"
 

@@ -22,7 +22,7 @@ def child(mode: str, gib: float) -> subprocess.Popen:
 
 def test_fault21_lock_timeout_leaves_the_process_unlocked_and_running():
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda
 
     p = child("busy", 0.25)
     try:
@@ -41,7 +41,7 @@ def test_fault22_cuda_restore_failure_is_reported():
     """Restore into a GPU without room for the checkpointed state fails clearly."""
     import torch
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda
 
     p = child("hold", 8)
     filler = None
@@ -63,7 +63,7 @@ def test_fault22_cuda_restore_failure_is_reported():
 
 
 def test_checkpoint_restore_keeps_the_bytes_with_an_explicit_gpu_mapping():
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda
 
     p = child("hold", 1)
     try:
@@ -95,7 +95,7 @@ def _gpu_used_mib(pid: int) -> int:
 
 def test_context_shrink_survives_a_checkpoint_and_restore_gives_the_stack_back():
     """What a released engine does before its CUDA checkpoint (coldsnap_engines.common.gpu_context)."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda
 
     integ = str(HERE.parents[1] / "runtime_image" / "integrations")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([integ, os.environ.get("PYTHONPATH", "")])}

@@ -28,7 +28,9 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, native_fill_built):
     """With ``--compile`` the TorchInductor graphs built at start-up must serve the restored
     process as they are: no recompilation after the restore (TORCH_LOGS=recompiles)."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import activation, unit
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import specs as unit
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_runtime import run_units
     from coldsnap_engines.reference.config import PRESETS
     from coldsnap_engines.reference.weights import make_model
 
@@ -57,9 +59,9 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, native_fill_built):
         "validation": {"prompt": "ColdSnap says:", "max_tokens": 8},
         "workload": {"recipe": "gpu-test"},
     })
-    _d, adir, _c = activation.stage(Path(__file__).resolve().parents[2] / "runtime_image" / "activation", state)
-    cap = unit.run_host_units(unit.build_specs(req, host="localhost", operation="capture", capture_id="c",
-                                               state_root=state), activation_dir=adir, run_dir=state / "runs" / "c")[0]
+    digest, _adir, _staged = activation.stage(Path(__file__).resolve().parents[2] / "runtime_image" / "activation", state)
+    cap = run_units(unit.build_specs(req, host="localhost", operation="capture", capture_id="c",
+                                               state_root=state), state_root=state, activation_digest=digest)[0]
     w = cap["workers"][0]
     assert w["cuda"] is True
     # The weights were released before the checkpoint: GPU memory in use is far below the model + context.
@@ -70,10 +72,10 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, native_fill_built):
         "pack": {"path": str(state / pack["path"]), "sha256": pack["sha256"], "size": pack["size"]}
         if provider == "native" else None}}}
     rreq = {**req, "id": f"gpu-test-{provider}"}
-    ev = unit.run_host_units(unit.build_specs(rreq, host="localhost", operation="restore", capture_id="c",
+    ev = run_units(unit.build_specs(rreq, host="localhost", operation="restore", capture_id="c",
                                               state_root=state, weights=weights,
                                               validation={**req["validation"], "expected": cap["acceptance_reply"]}),
-                             activation_dir=adir, run_dir=state / "runs" / provider)[0]
+                             state_root=state, activation_digest=digest)[0]
     try:
         assert ev["reply"] == cap["acceptance_reply"]
         log = (state / "workloads" / "gpu-test" / "unit-0" / "target.log").read_text().splitlines()

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import environment
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
 
 
 @pytest.fixture(scope="session")

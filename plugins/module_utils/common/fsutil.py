@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import secrets
+import shutil
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -141,3 +142,22 @@ def chown_tree(root: Path, uid: int, gid: int) -> None:
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
             os.lchown(os.path.join(dirpath, name), uid, gid)
+
+
+def rmtree_atomically(path: Path) -> None:
+    """Take ``path`` out of its directory with one rename, then delete it.
+
+    A crash in the middle leaves a temporary name (cleaned up later), never a
+    half-deleted directory under its real name.
+    """
+    path = Path(path)
+    if not os.path.lexists(path):
+        return
+    if path.is_symlink() or not path.is_dir():
+        path.unlink()
+        fsync_dir(path.parent)
+        return
+    doomed = temp_path_for(path)
+    os.rename(path, doomed)
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)

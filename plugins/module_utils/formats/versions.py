@@ -14,6 +14,7 @@ NATIVE_MANIFEST_FORMAT = 1
 REPLAY_PLAN_FORMAT = 1
 ENDPOINT_FORMAT = 1
 EVIDENCE_FORMAT = 1
+UNIT_SPEC_FORMAT = 1
 ARTIFACT_STORE_FORMAT = 1
 OVERLAY_FORMAT = 1
 
@@ -27,6 +28,7 @@ NATIVE_MANIFEST_KIND = "coldsnap-native-manifest"
 REPLAY_PLAN_KIND = "coldsnap-replay-plan"
 ENDPOINT_KIND = "coldsnap-coordinator-endpoint"
 EVIDENCE_KIND = "coldsnap-unit-evidence"
+UNIT_SPEC_KIND = "coldsnap-unit-spec"
 STORE_IDENTITY_KIND = "coldsnap-artifact-identity"
 STORE_GENERATION_KIND = "coldsnap-artifact-generation"
 OVERLAY_KIND = "coldsnap-target-overlay"

@@ -24,13 +24,17 @@ from dataclasses import dataclass
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (  # noqa: F401 (re-exported)
+    MANIFEST_NAME,
+    PACK_DIR,
+    REPLAY_PLAN_NAME,
+    RESIDUAL_NAME,
+    PayloadRef,
+    pack_relpath,
+)
 
 PACK_ALIGNMENT = 4096
-PACK_DIR = "model-payloads/sha256"
 PACK_NAME = "model-weights.pack"
-RESIDUAL_NAME = "weights.blob"
-MANIFEST_NAME = "native-manifest.json"
-REPLAY_PLAN_NAME = "replay-plan.json"
 MAX_ADDRESS = 1 << 64
 
 # Byte size of one element for every safetensors dtype (the copy is dtype-agnostic;
@@ -110,11 +114,6 @@ class ResidualExtent:
 def padded(size: int) -> int:
     """``size`` rounded up to the pack alignment."""
     return (size + PACK_ALIGNMENT - 1) // PACK_ALIGNMENT * PACK_ALIGNMENT
-
-
-def pack_relpath(hexdigest: str) -> str:
-    """Path of a pack relative to a state root or repository: ``model-payloads/sha256/<hex>.pack``."""
-    return f"{PACK_DIR}/{hexdigest}.pack"
 
 
 def slice_geometry(dtype: str, shape: Sequence[int], sl: tuple[int, int, int] | None) -> tuple[int, int, int, int]:
@@ -318,29 +317,6 @@ def check_blob_layout(extents: Sequence[ResidualExtent], size: int) -> None:
                              fix="the manifest is inconsistent; recapture")
 
 
-@dataclass(frozen=True)
-class FileRef:
-    """A file beside the manifest (inside the unit's capsule state): relative path, size, digest."""
-
-    path: str
-    size: int
-    sha256: str
-
-    def as_dict(self) -> dict:
-        return {"path": self.path, "size": self.size, "sha256": self.sha256}
-
-
-@dataclass(frozen=True)
-class PackRef:
-    """A model payload object: digest, size and its digest-derived path ``model-payloads/sha256/<hex>.pack``."""
-
-    sha256: str
-    size: int
-    path: str
-
-    @classmethod
-    def for_digest(cls, sha256: str, size: int) -> PackRef:
-        return cls(sha256, size, pack_relpath(ids.parse_digest(sha256, what="model payload digest")))
-
-    def as_dict(self) -> dict:
-        return {"sha256": self.sha256, "size": self.size, "path": self.path}
+# Every payload file is referenced by one type: path, size, digest (formats.unit.PayloadRef).
+FileRef = PayloadRef
+PackRef = PayloadRef

@@ -30,7 +30,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     IntegrityError,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import validate_document
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache, PackWriter
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import (
     MANIFEST_NAME,
     PACK_ALIGNMENT,
@@ -57,6 +57,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.manifest im
     load_manifest,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import Progress, space_error
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.writer import PackWriter
 
 READ_CHUNK = 16 << 20
 _ZEROS = bytes(PACK_ALIGNMENT)

@@ -27,9 +27,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import (
     DEFAULT_LOCK_TIMEOUT,
     NodeCache,
-    PackWriter,
     remove_tree_quietly,
-    write_settled_record,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import pack_relpath
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import (
@@ -38,6 +36,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams imp
     hash_fd,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.writer import (
+    PackWriter,
+    write_settled_record,
+)
 
 SOURCE_KINDS = ("local", "huggingface")
 HF_FILENAME = r"[A-Za-z0-9_][A-Za-z0-9._-]*(?:/[A-Za-z0-9_][A-Za-z0-9._-]*)*"

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UNIT_OPERATIONS
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -20,13 +22,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(ka.images, ka.result, leave_stopped=ka.leave_stopped, criu_binary=ka.criu)
     p = argparse.ArgumentParser(prog="coldsnap_activation")
-    p.add_argument("operation", choices=("capture", "capture-running", "restore", "warm", "sleep", "wake", "status",
-                                         "finish-warm"))
+    p.add_argument("operation", choices=UNIT_OPERATIONS)
     p.add_argument("--spec", required=True, type=Path, help="unit spec JSON written by the module")
     p.add_argument("--evidence", type=Path, default=None, help="write evidence JSON here (default stdout)")
     args = p.parse_args(argv)
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UnitSpec
+
     from coldsnap_activation.sequence import main_run
-    from coldsnap_activation.spec import UnitSpec
 
     spec = UnitSpec.load(args.spec)
     if spec.operation != args.operation:

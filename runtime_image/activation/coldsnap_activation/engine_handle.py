@@ -1,20 +1,22 @@
-"""Start an engine worker and talk to its loopback control API."""
+"""Start an engine worker and talk to its loopback control API (through the library's
+:class:`~...process.engine_client.EngineClient`, the one client of that contract)."""
 
 from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import os
 import subprocess
 import time
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.ports import engine_request
-
-CONTROL_FILE = "control-{worker}.json"
-LOG_FILE = "target.log"
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_client import (
+    ControlCallError,
+    EngineClient,
+    pid_alive,
+)
 
 
 class EngineHandle:
@@ -24,21 +26,21 @@ class EngineHandle:
         self.unit = unit
         self.worker = worker
         self.workload_dir = Path(workload_dir)
-        self.control_file = self.workload_dir / CONTROL_FILE.format(worker=worker["id"])
-        self.log_path = self.workload_dir / LOG_FILE
+        self.control_file = ec.control_file_path(self.workload_dir, worker["id"])
+        self.log_path = self.workload_dir / ec.LOG_FILE_NAME
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
-        self._control: dict | None = None
+        self._control: ec.ControlInfo | None = None
 
     # ----------------------------------------------------------- processes
     def spawn(self, command: list[str], env: dict[str, str]) -> int:
         """Start the engine in its own session, stdout/stderr appended to the workload log."""
         self.workload_dir.mkdir(parents=True, exist_ok=True)
         self.control_file.unlink(missing_ok=True)
-        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         try:
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
-                                         env={**env, "COLDSNAP_CONTROL_FILE": str(self.control_file)},
+                                         env={**env, ec.ENV_CONTROL_FILE: str(self.control_file)},
                                          cwd="/", start_new_session=True, close_fds=True)
         except FileNotFoundError as exc:
             raise UnitError(f"unit {self.unit}: cannot start {command[0]!r}: {exc.strerror}",
@@ -48,23 +50,15 @@ class EngineHandle:
         self.pid = self.proc.pid
         return self.pid
 
-    def adopt(self, pid: int, control: dict) -> None:
+    def adopt(self, pid: int, control: ec.ControlInfo | dict) -> None:
         """Take over a restored process (not our child unless restored as a sibling)."""
         self.pid = pid
-        self._control = control
+        self._control = control if isinstance(control, ec.ControlInfo) else ec.ControlInfo.from_json(control)
 
     def alive(self) -> bool:
         if self.proc is not None:
             return self.proc.poll() is None
-        if self.pid is None:
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        with contextlib.suppress(OSError):
-            return Path(f"/proc/{self.pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-        return True
+        return self.pid is not None and pid_alive(self.pid)
 
     def reap(self, timeout: float = 30) -> int | None:
         """Wait for our child to finish (CRIU dump kills it; the parent must reap)."""
@@ -96,9 +90,9 @@ class EngineHandle:
                          f"{self.log_tail()}", fix=f"see {self.log_path}")
 
     # ------------------------------------------------------------- control
-    def control_info(self) -> dict:
+    def control_info(self) -> ec.ControlInfo:
         if self._control is None:
-            self._control = json.loads(self.control_file.read_text())
+            self._control = ec.ControlInfo.load(self.control_file)
         return self._control
 
     def wait_control(self, timeout: float) -> dict:
@@ -116,17 +110,11 @@ class EngineHandle:
 
     def call(self, method: str, path: str, body: dict | None = None, *, timeout: float = 600) -> dict:
         """One control request; raises UnitError with the engine's message on failure."""
-        info = self.control_info()
-        payload = json.dumps(body or {}).encode()
         try:
-            with engine_request("127.0.0.1", info["port"], method, path, timeout=timeout,
-                                body=payload if method == "POST" else None,
-                                headers={"Authorization": f"Bearer {info['token']}",
-                                         "Content-Type": "application/json"}) as resp:
-                data = json.loads(resp.read() or b"{}")
-            if "monotonic_ns" in data:
-                # Offset of the engine's clock from ours (a restored engine lives in a time namespace).
-                data["clock_offset_ns"] = time.monotonic_ns() - int(data["monotonic_ns"])
+            return EngineClient(self.control_info()).call(method, path, body, timeout=timeout)
+        except ControlCallError as exc:
+            raise UnitError(f"unit {self.unit} worker {self.worker['id']}: engine refused {path}: {exc}",
+                            fix=f"see {self.log_path}") from None
         except (OSError, http.client.HTTPException) as exc:
             # A reset is often the engine exiting: give it a moment to be seen dead, so the
             # error carries its exit status and log rather than the socket's complaint.
@@ -136,10 +124,6 @@ class EngineHandle:
             if not self.alive():
                 raise self.failure(f"the engine died during {path}") from None
             raise UnitError(f"unit {self.unit}: control {path} failed: {exc}") from None
-        if not data.get("ok"):
-            raise UnitError(f"unit {self.unit} worker {self.worker['id']}: engine refused {path}: "
-                            f"{data.get('error', 'unknown error')}", fix=f"see {self.log_path}")
-        return data
 
     def wait_state(self, states: tuple[str, ...], timeout: float) -> dict:
         deadline = time.monotonic() + timeout

@@ -36,7 +36,7 @@ def _write(result_file: Path, doc: dict) -> None:
 def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: str | None) -> int:
     """Restore ``images`` as our descendant, report, then reap until the tree is gone."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import criu as criu_mod
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
 
     try:
         _become_subreaper()

@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.ports import engine_request
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_client import engine_request
 
 
 class PortProbe:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -23,22 +24,23 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
-    EVIDENCE_FORMAT,
-    EVIDENCE_KIND,
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (
+    EVIDENCE_FILE,
+    UnitSpec,
+    new_evidence,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import criu as criu_mod
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda as cuda_mod
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda_mod
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 
 from coldsnap_activation import keeper
 from coldsnap_activation.engine_handle import EngineHandle
 from coldsnap_activation.probes import PortProbe, reply_digest, stream_completion, wait_http_ready
-from coldsnap_activation.spec import UnitSpec
 from coldsnap_activation.sync import Phases
 
-EVIDENCE_FILE = "evidence.json"
+CONTROL_DIR = "control"
 
 
 def _engine_env(spec: UnitSpec, worker: dict) -> dict[str, str]:
@@ -52,14 +54,15 @@ def _engine_env(spec: UnitSpec, worker: dict) -> dict[str, str]:
     env.update(spec.unit.get("environment", {}))
     env.update(spec.transport_env)
     env.update({
-        "COLDSNAP_RANK": str(worker["rank"]),
-        "COLDSNAP_WORLD_SIZE": str(spec.world_size),
-        "COLDSNAP_UNIT": spec.unit_id,
-        "COLDSNAP_WORKER": worker["id"],
-        "COLDSNAP_SCOPE": spec.operation_id,
+        ec.ENV_RANK: str(worker["rank"]),
+        ec.ENV_WORLD_SIZE: str(spec.world_size),
+        ec.ENV_UNIT: spec.unit_id,
+        ec.ENV_WORKER: worker["id"],
+        ec.ENV_SCOPE: spec.operation_id,
+        ec.ENV_STATE_ROOT: spec.state_root,
     })
     if spec.coordinator:
-        env["COLDSNAP_COORDINATOR"] = spec.coordinator["endpoint_file"]
+        env[ec.ENV_COORDINATOR] = spec.coordinator["endpoint_file"]
     devices = spec.unit.get("devices", [])
     if worker.get("device_slot") is not None and devices:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # ordinals as NVML and host_facts number them
@@ -189,14 +192,70 @@ class Activation:
                                 "weights provider (payload digest / safetensors revision)")
 
     def _evidence(self, workers: list[dict], extra: dict | None = None) -> dict:
-        return {
-            "format": EVIDENCE_FORMAT, "kind": EVIDENCE_KIND, "operation": self.spec.operation,
-            "operation_id": self.spec.operation_id, "capture_id": self.spec.capture_id, "unit": self.spec.unit_id,
-            "host": self.spec.host, "workers": workers, "readiness": self.readiness, "reply": self.reply,
-            "reply_sha256": reply_digest(self.reply) if self.reply is not None else None,
-            "timing": {"spans": self.rec.spans, "marks": self.rec.marks, "t0_ns": self.t0},
-            **(extra or {}),
-        }
+        return new_evidence(
+            operation=self.spec.operation, operation_id=self.spec.operation_id, capture_id=self.spec.capture_id,
+            unit=self.spec.unit_id, host=self.spec.host, workers=workers, readiness=self.readiness, reply=self.reply,
+            reply_sha256=reply_digest(self.reply) if self.reply is not None else None,
+            timing={"spans": self.rec.spans, "marks": self.rec.marks, "t0_ns": self.t0}, **(extra or {}))
+
+    # ---------------------------------------------- steps shared by the operations
+    def _engine_step(self, handles: list[EngineHandle], span: str, route: str, body=None) -> list[dict]:
+        """One control step on every worker at once (collective engine steps need that); the
+        engines' spans join the unit's timeline."""
+        with self.rec.span(span):
+            replies = _parallel(handles, lambda h: h.call("POST", route, body(h) if callable(body) else body))
+            for h, r in zip(handles, replies, strict=True):
+                _import_engine_spans(self.rec, r, h.worker["id"])
+        return replies
+
+    def _export_and_release(self, handles: list[EngineHandle], *, export_pack: bool) -> dict:
+        """/export every worker's payload into the unit directory, /release the weights, keep the
+        engine log of the capture and start the workload log afresh (CRIU records its size)."""
+        payloads = {}
+        with self.rec.span("unit.export"):
+            for h in handles:
+                body = ec.ExportBody(out_dir=str(self.spec.worker_files(h.worker["id"]).directory),
+                                     model=self.spec.model, export_pack=export_pack, state_root=self.spec.state_root)
+                payloads[h.worker["id"]] = h.call("POST", ec.EXPORT, body.to_json())["payload"]
+        with self.rec.span("unit.release"):
+            for h in handles:
+                h.call("POST", ec.RELEASE)
+            logs = self.unit_dir / "logs"
+            logs.mkdir(exist_ok=True)
+            shutil.copyfile(self.workload_dir / ec.LOG_FILE_NAME, logs / "capture.log")
+            os.truncate(self.workload_dir / ec.LOG_FILE_NAME, 0)
+        return payloads
+
+    def _dump(self, h: EngineHandle, criu, *, cuda: bool, memory: dict, payload: dict, leave_running: bool) -> dict:
+        """CRIU-dump one worker's process tree (its CUDA state already checkpointed) and describe it."""
+        wid = h.worker["id"]
+        tids, listeners = ports.tids_of(h.pid), ports.listeners_of(h.pid)
+        with self.rec.span("unit.criu.dump", worker=wid, **({"leave_running": True} if leave_running else {})) as sp:
+            res = criu_mod.dump(criu, h.pid, self.unit_dir / "criu" / wid, leave_running=leave_running)
+            sp["attrs"]["bytes"] = res.bytes
+        # Where the engine listened for control, never its token: a restore writes a fresh one.
+        info = h.control_info()
+        ctl_dir = self.unit_dir / CONTROL_DIR
+        ctl_dir.mkdir(mode=0o700, exist_ok=True)
+        atomic_write_json(ctl_dir / f"{wid}.json", {"port": info.port, "pid": info.pid}, mode=0o600)
+        gpu_uuids, host_gpus = gpu_placement(self.spec, h.worker) if cuda else ([], [])
+        return {"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
+                "gpu_uuids": gpu_uuids, "host_gpu_uuids": host_gpus,
+                "listeners": [list(x) for x in listeners], "cuda": cuda,
+                "memory_at_checkpoint": memory, "payload": payload,
+                "criu": {"bytes": res.bytes, "dump_seconds": res.seconds}}
+
+    def _hydration(self, h: EngineHandle, *, generation: str, provider: str, materialize: str,
+                   warm: bool = False) -> dict:
+        """The /resume (or /wake, /finish-warm) body of one worker."""
+        spec = self.spec
+        wid = h.worker["id"]
+        w = spec.weights.get("workers", {}).get(wid, {})
+        return ec.HydrationBody.for_worker(
+            spec.worker_files(wid), provider=w.get("provider", provider), pack=w.get("pack"),
+            model_dir=spec.weights.get("model_dir"), state_root=spec.state_root, materialize=materialize,
+            warm=warm, operation_id=spec.operation_id, generation=generation, transport_env=spec.transport_env,
+            coordinator_endpoint=spec.coordinator["endpoint_file"] if spec.coordinator else None).to_json()
 
     def _fail(self, exc: BaseException) -> None:
         self.phases.abort(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -208,9 +267,9 @@ class Activation:
             raise UnitError(f"unit {spec.unit_id}: the engine runs one worker per unit, got {len(self.handles)}",
                             fix="declare one worker per launch unit (use more units for tensor parallelism)")
         criu = criu_mod.find_criu(spec.criu_binary)
-        self.unit_dir.mkdir(parents=True, exist_ok=True)
-        self.workload_dir.mkdir(parents=True, exist_ok=True)
-        (self.workload_dir / "target.log").write_bytes(b"")
+        self.unit_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.workload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        (self.workload_dir / ec.LOG_FILE_NAME).write_bytes(b"")
         probe = None
         try:
             if spec.service:
@@ -221,32 +280,14 @@ class Activation:
                 for h in self.handles:
                     h.wait_control(spec.timeout("start", 900))
                 for h in self.handles:
-                    h.wait_state(("ready",), spec.timeout("ready", 900))
+                    h.wait_state((ec.READY,), spec.timeout("ready", 900))
             self._validate(probe, expected=(spec.validation or {}).get("expected"))
             self.phases.wait("capture/validated", spec.timeout("phase", 600))
             if self.reply is not None:
                 self.phases.publish("capture/reply", self.reply.encode())
-            with self.rec.span("unit.quiesce"):
-                for h, r in zip(self.handles, _parallel(self.handles, lambda h: h.call("POST", "/quiesce")),
-                                strict=True):
-                    _import_engine_spans(self.rec, r, h.worker["id"])
+            self._engine_step(self.handles, "unit.quiesce", ec.QUIESCE)
             self.phases.wait("capture/quiesced", spec.timeout("phase", 600))
-            payloads = {}
-            with self.rec.span("unit.export"):
-                for h in self.handles:
-                    out = self.unit_dir / "workers" / h.worker["id"]
-                    r = h.call("POST", "/export", {
-                        "out_dir": str(out), "export_pack": bool(spec.weights.get("export_pack", True)),
-                        "state_root": spec.state_root, "model": spec.model})
-                    payloads[h.worker["id"]] = r["payload"]
-            with self.rec.span("unit.release"):
-                for h in self.handles:
-                    h.call("POST", "/release")
-                logs = self.unit_dir / "logs"
-                logs.mkdir(exist_ok=True)
-                shutil.copyfile(self.workload_dir / "target.log", logs / "capture.log")
-                # The workload log starts empty for every activation; CRIU records this size.
-                os.truncate(self.workload_dir / "target.log", 0)
+            payloads = self._export_and_release(self.handles, export_pack=bool(spec.weights.get("export_pack", True)))
             self.phases.wait("capture/released", spec.timeout("phase", 600))
             cuda_used = {}
             memory = {h.worker["id"]: process_memory(h.pid) for h in self.handles}
@@ -259,21 +300,9 @@ class Activation:
             workers = []
             for h in self.handles:
                 wid = h.worker["id"]
-                tids = ports.tids_of(h.pid)
-                listeners = ports.listeners_of(h.pid)
-                with self.rec.span("unit.criu.dump", worker=wid) as sp:
-                    res = criu_mod.dump(criu, h.pid, self.unit_dir / "criu" / wid)
-                    sp["attrs"]["bytes"] = res.bytes
+                workers.append(self._dump(h, criu, cuda=cuda_used[wid], memory=memory[wid], payload=payloads[wid],
+                                          leave_running=False))
                 h.reap(60)
-                ctl_dir = self.unit_dir / "control"
-                ctl_dir.mkdir(mode=0o700, exist_ok=True)
-                atomic_write_json(ctl_dir / f"{wid}.json", h.control_info(), mode=0o600)
-                gpu_uuids, host_gpus = gpu_placement(spec, h.worker) if cuda_used[wid] else ([], [])
-                workers.append({"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
-                                "gpu_uuids": gpu_uuids, "host_gpu_uuids": host_gpus,
-                                "listeners": [list(x) for x in listeners], "cuda": cuda_used[wid],
-                                "memory_at_checkpoint": memory[wid],
-                                "payload": payloads[wid], "criu": {"bytes": res.bytes, "dump_seconds": res.seconds}})
             self.phases.wait("capture/dumped", spec.timeout("phase", 600))
             acceptance = self.reply
             if acceptance is None and spec.coordinator:
@@ -305,33 +334,18 @@ class Activation:
         spec = self.spec
         criu = criu_mod.find_criu(spec.criu_binary)
         handles = self._running_handles()
-        states = [h.call("GET", "/status", timeout=30)["state"] for h in handles]
-        if any(s != "ready" for s in states):
+        states = [h.call("GET", ec.STATUS, timeout=30)["state"] for h in handles]
+        if any(s != ec.READY for s in states):
             raise UnitError(f"unit {spec.unit_id}: engines are {states}; an overlay is captured from a ready engine",
                             fix="wake or restore the workload first")
-        self.unit_dir.mkdir(parents=True, exist_ok=True)
+        self.unit_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         expected = (spec.validation or {}).get("expected")
         try:
             self._validate(None, expected=expected)
             self.phases.wait("overlay/validated", spec.timeout("phase", 600))
-            with self.rec.span("unit.quiesce"):
-                for h, r in zip(handles, _parallel(handles, lambda h: h.call("POST", "/quiesce")), strict=True):
-                    _import_engine_spans(self.rec, r, h.worker["id"])
+            self._engine_step(handles, "unit.quiesce", ec.QUIESCE)
             self.phases.wait("overlay/quiesced", spec.timeout("phase", 600))
-            payloads = {}
-            with self.rec.span("unit.export"):
-                for h in handles:
-                    r = h.call("POST", "/export", {
-                        "out_dir": str(self.unit_dir / "workers" / h.worker["id"]), "export_pack": True,
-                        "state_root": spec.state_root, "model": spec.model})
-                    payloads[h.worker["id"]] = r["payload"]
-            with self.rec.span("unit.release"):
-                for h in handles:
-                    h.call("POST", "/release")
-                logs = self.unit_dir / "logs"
-                logs.mkdir(exist_ok=True)
-                shutil.copyfile(self.workload_dir / "target.log", logs / "capture.log")
-                os.truncate(self.workload_dir / "target.log", 0)
+            payloads = self._export_and_release(handles, export_pack=True)
             self.phases.wait("overlay/released", spec.timeout("phase", 600))
             workers = []
             for h in handles:
@@ -340,38 +354,15 @@ class Activation:
                 memory = process_memory(h.pid)
                 if cuda:
                     cuda_mod.checkpoint(h.pid, lock_timeout_ms=int(spec.timeout("cuda_lock", 30) * 1000))
-                tids, listeners = ports.tids_of(h.pid), ports.listeners_of(h.pid)
-                with self.rec.span("unit.criu.dump", worker=wid, leave_running=True) as sp:
-                    res = criu_mod.dump(criu, h.pid, self.unit_dir / "criu" / wid, leave_running=True)
-                    sp["attrs"]["bytes"] = res.bytes
+                workers.append(self._dump(h, criu, cuda=cuda, memory=memory, payload=payloads[wid],
+                                          leave_running=True))
                 if cuda:
                     cuda_mod.restore(h.pid)
                     cuda_mod.unlock(h.pid)
-                ctl_dir = self.unit_dir / "control"
-                ctl_dir.mkdir(mode=0o700, exist_ok=True)
-                atomic_write_json(ctl_dir / f"{wid}.json", h.control_info(), mode=0o600)
-                gpu_uuids, host_gpus = gpu_placement(spec, h.worker) if cuda else ([], [])
-                workers.append({"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
-                                "gpu_uuids": gpu_uuids, "host_gpu_uuids": host_gpus,
-                                "listeners": [list(x) for x in listeners], "cuda": cuda,
-                                "memory_at_checkpoint": memory, "payload": payloads[wid],
-                                "criu": {"bytes": res.bytes, "dump_seconds": res.seconds}})
             self.phases.wait("overlay/dumped", spec.timeout("phase", 600))
-            with self.rec.span("unit.resume"):
-                def resume(h: EngineHandle) -> dict:
-                    wid = h.worker["id"]
-                    wdir = self.unit_dir / "workers" / wid
-                    w = spec.weights.get("workers", {}).get(wid, {})
-                    return h.call("POST", "/resume", {
-                        "operation_id": spec.operation_id,
-                        "coordinator_endpoint": spec.coordinator["endpoint_file"] if spec.coordinator else None,
-                        "generation": f"{spec.operation_id}.overlay", "transport_env": spec.transport_env,
-                        "provider": w.get("provider", "native"), "manifest": str(wdir / "native-manifest.json"),
-                        "residual": str(wdir / "weights.blob"), "replay": str(wdir / "replay-plan.json"),
-                        "pack": w.get("pack"), "model_dir": spec.weights.get("model_dir"),
-                        "state_root": spec.state_root, "materialize": "off", "warm": False})
-                for h, r in zip(handles, _parallel(handles, resume), strict=True):
-                    _import_engine_spans(self.rec, r, h.worker["id"])
+            generation = f"{spec.operation_id}.overlay"
+            self._engine_step(handles, "unit.resume", ec.RESUME,
+                              lambda h: self._hydration(h, generation=generation, provider="native", materialize="off"))
             self.phases.wait("overlay/resumed", spec.timeout("phase", 600))
             self._validate(None, expected=expected)
             self.phases.wait("overlay/validated-again", spec.timeout("phase", 600))
@@ -397,16 +388,20 @@ class Activation:
                     cw = by_worker[h.worker["id"]]
                     ports.require_ports_free([tuple(x) for x in cw["listeners"]], unit=spec.unit_id)
                     ports.require_pids_free([cw["pid"], *cw["tids"]], unit=spec.unit_id)
-            self.workload_dir.mkdir(parents=True, exist_ok=True)
-            (self.workload_dir / "target.log").write_bytes(b"")
+            self.workload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            (self.workload_dir / ec.LOG_FILE_NAME).write_bytes(b"")
             if spec.service:
                 probe = PortProbe(spec.service["address"], spec.service["port"], self.t0).start()
             with self.rec.span("unit.criu.restore"):
                 for h in self.handles:
                     wid = h.worker["id"]
                     cw = by_worker[wid]
-                    control = json.loads((self.unit_dir / "control" / f"{wid}.json").read_text())
-                    atomic_write_json(h.control_file, control, mode=0o600)
+                    # A fresh token, written before the process exists: the one in its memory (and in
+                    # the capsule) opens nothing.
+                    captured_ctl = json.loads((self.unit_dir / CONTROL_DIR / f"{wid}.json").read_text())
+                    control = ec.ControlInfo(port=int(captured_ctl["port"]), token=secrets.token_hex(32),
+                                             pid=int(captured_ctl["pid"]))
+                    atomic_write_json(h.control_file, control.to_json(), mode=0o600)
                     images = self.unit_dir / "criu" / wid
                     if spec.supervise:  # we are the container's PID 1: the tree becomes our child
                         pid = criu_mod.restore(criu, images, leave_stopped=True, sibling=True).pid
@@ -433,29 +428,15 @@ class Activation:
                         cuda_mod.restore(h.pid, remap=remap)
                         cuda_mod.unlock(h.pid)
             self.phases.wait("restore/released", spec.timeout("phase", 600))
-            with self.rec.span("unit.resume"):
-                def resume(h: EngineHandle) -> dict:
-                    wid = h.worker["id"]
-                    wdir = self.unit_dir / "workers" / wid
-                    w = spec.weights.get("workers", {}).get(wid, {})
-                    return h.call("POST", "/resume", {
-                        "operation_id": spec.operation_id,
-                        "coordinator_endpoint": spec.coordinator["endpoint_file"] if spec.coordinator else None,
-                        "generation": spec.operation_id, "transport_env": spec.transport_env,
-                        "provider": w.get("provider", spec.weights.get("provider", "recovery")),
-                        "manifest": str(wdir / "native-manifest.json"), "residual": str(wdir / "weights.blob"),
-                        "replay": str(wdir / "replay-plan.json"), "pack": w.get("pack"),
-                        "model_dir": spec.weights.get("model_dir"), "state_root": spec.state_root,
-                        "materialize": spec.weights.get("materialize", "off"), "warm": spec.warm})
-                for h, r in zip(self.handles, _parallel(self.handles, resume), strict=True):
-                    _import_engine_spans(self.rec, r, h.worker["id"])
+            self._engine_step(self.handles, "unit.resume", ec.RESUME, lambda h: self._hydration(
+                h, generation=spec.operation_id, provider=spec.weights.get("provider", "recovery"),
+                materialize=spec.weights.get("materialize", "off"), warm=spec.warm))
             self.phases.wait("restore/resumed", spec.timeout("phase", 600))
             if not spec.warm:
                 self._validate(probe, expected=(spec.validation or {}).get("expected"))
                 self.phases.wait("restore/validated", spec.timeout("phase", 600))
             workers = [{"worker": h.worker["id"], "rank": h.worker["rank"], "pid": h.pid} for h in self.handles]
-            ev = self._evidence(workers, {"warm": spec.warm})
-            return ev
+            return self._evidence(workers, {"warm": spec.warm})
         except BaseException as exc:
             self._fail(exc)
             for h in restored:  # never leave a half-restored process tree behind
@@ -468,10 +449,10 @@ class Activation:
     # ----------------------------------------------------------- lifecycle
     def _running_handles(self) -> list[EngineHandle]:
         for h in self.handles:
-            info = json.loads(h.control_file.read_text())
-            h.adopt(info["pid"], info)
+            info = ec.ControlInfo.load(h.control_file)
+            h.adopt(info.pid, info)
             if not h.alive():
-                raise UnitError(f"unit {self.spec.unit_id}: worker {h.worker['id']} (pid {info['pid']}) is not running",
+                raise UnitError(f"unit {self.spec.unit_id}: worker {h.worker['id']} (pid {info.pid}) is not running",
                                 fix="restore the workload first")
         return self.handles
 
@@ -482,32 +463,21 @@ class Activation:
             handles = self._running_handles()
         except FileNotFoundError:
             return self._evidence([], {"state": "absent"})
-        states = [h.call("GET", "/status", timeout=30)["state"] for h in handles]
+        states = [h.call("GET", ec.STATUS, timeout=30)["state"] for h in handles]
         changed = False
-        if action == "sleep" and any(s == "ready" for s in states):
-            with self.rec.span("unit.sleep"):
-                for h in handles:
-                    _import_engine_spans(self.rec, h.call("POST", "/sleep"), h.worker["id"])
+        if action == "sleep" and any(s == ec.READY for s in states):
+            self._engine_step(handles, "unit.sleep", ec.SLEEP)
             changed = True
-        elif action in ("wake", "finish-warm") and any(s in ("sleeping", "warm") for s in states):
-            path = "/wake" if "sleeping" in states else "/finish-warm"
-            with self.rec.span(f"unit.{action}"):
-                def wake(h: EngineHandle) -> dict:
-                    wid = h.worker["id"]
-                    wdir = self.unit_dir / "workers" / wid
-                    w = spec.weights.get("workers", {}).get(wid, {})
-                    return h.call("POST", path, {
-                        "provider": w.get("provider", spec.weights.get("provider", "recovery")),
-                        "manifest": str(wdir / "native-manifest.json"), "residual": str(wdir / "weights.blob"),
-                        "replay": str(wdir / "replay-plan.json"), "pack": w.get("pack"),
-                        "model_dir": spec.weights.get("model_dir"), "state_root": spec.state_root,
-                        "materialize": spec.weights.get("materialize", "off")})
-                for h, r in zip(handles, _parallel(handles, wake), strict=True):
-                    _import_engine_spans(self.rec, r, h.worker["id"])
+        elif action in ("wake", "finish-warm") and any(s in (ec.SLEEPING, ec.WARM) for s in states):
+            path = ec.WAKE if ec.SLEEPING in states else ec.FINISH_WARM
+            provider = spec.weights.get("provider", "recovery")
+            self._engine_step(handles, f"unit.{action}", path, lambda h: self._hydration(
+                h, generation=spec.operation_id, provider=provider,
+                materialize=spec.weights.get("materialize", "off")))
             if spec.service and spec.validation:
                 self._validate(None, expected=spec.validation.get("expected"))
             changed = True
-        final = [h.call("GET", "/status", timeout=30)["state"] for h in handles]
+        final = [h.call("GET", ec.STATUS, timeout=30)["state"] for h in handles]
         return self._evidence([{"worker": h.worker["id"], "pid": h.pid, "state": s}
                                for h, s in zip(handles, final, strict=True)],
                               {"state": final[0] if len(set(final)) == 1 else "mixed", "changed": changed})

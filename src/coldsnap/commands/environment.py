@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import environment
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
 
 
 def register(sub) -> None:

@@ -12,8 +12,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import docker_unit as du
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as du
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 

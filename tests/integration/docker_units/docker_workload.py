@@ -102,7 +102,7 @@ class DockerWorkload:
 
     def container(self, unit: str = "unit-0") -> Any:
         import docker
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.docker_unit import (
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.units.containers import (
             canonical_container_name,
         )
 

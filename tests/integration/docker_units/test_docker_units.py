@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import docker_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.docker_runtime import PID_FLOOR
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_runtime import PID_FLOOR
 from docker_workload import DockerWorkload, not_owned, throwaway_user
 
 pytestmark = [pytest.mark.docker, pytest.mark.criu, pytest.mark.slow]

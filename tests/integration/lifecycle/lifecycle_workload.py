@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.native import payload_state
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.status import payload_state
 
 import coldsnap  # noqa: F401  # pylint: disable=unused-import
 from coldsnap.runner import operation_extravars, playbook_for, run_playbook

@@ -11,11 +11,11 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import ArtifactStore
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.records import record_path_for
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.store import ArtifactStore
 from lifecycle_workload import (
     Workload,
     boundary,

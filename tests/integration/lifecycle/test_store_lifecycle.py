@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import ArtifactStore
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.native import payload_state
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.store import ArtifactStore
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.status import payload_state
 from lifecycle_workload import Workload, ok, pack_of, result_of, run
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import environment
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
 from netns_hosts import NetnsHosts
 
 import coldsnap  # noqa: F401  # pylint: disable=unused-import

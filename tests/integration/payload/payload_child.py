@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "unit" / "payload"))
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import cache as cache_mod
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import writer as cache_mod
 
 
 def main() -> None:

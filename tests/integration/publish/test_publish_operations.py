@@ -9,11 +9,11 @@ import json
 import uuid
 
 import pytest
-from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.docker_unit import (
-    canonical_container_name,
-)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import RegistryClient
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.containers import (
+    canonical_container_name,
+)
 from publish_helpers import CorruptingProxy, digest_of, publish
 
 pytestmark = [pytest.mark.docker, pytest.mark.criu, pytest.mark.registry, pytest.mark.slow]

@@ -7,8 +7,8 @@ import stat
 from pathlib import Path
 
 import pytest
-from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import docker_unit as du
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as du
 
 
 def _status(tmp_path: Path, capbnd: str) -> str:

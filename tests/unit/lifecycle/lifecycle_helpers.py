@@ -104,7 +104,8 @@ def write_artifact(directory: Path, art: dict) -> Path:
 
 def put_pack(state_root: Path, content: bytes) -> tuple[str, int]:
     """Write a pack into the node cache with the canonical cache writer (it records it); (sha256, size)."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache, PackWriter
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.writer import PackWriter
 
     data = content + bytes(-len(content) % 4096)
     with PackWriter(NodeCache(state_root)) as w:

@@ -6,11 +6,12 @@ import json
 import os
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.leftovers import remove_local
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.refs import local_refs
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import ArtifactStore
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.records import record_path_for
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.cleanup import remove_local
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.native import native_status
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.store import ArtifactStore, local_refs
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.status import native_status
 from lifecycle_helpers import make_artifact, make_request, put_pack, write_artifact
 
 

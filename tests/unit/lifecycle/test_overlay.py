@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts import overlay
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import ArtifactStore, file_sha256
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import overlay
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.store import ArtifactStore, file_sha256
 from lifecycle_helpers import host_facts, make_artifact, make_request, write_artifact
 
 

@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import ArtifactStore, file_sha256
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import identity
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.store import ArtifactStore, file_sha256
 from lifecycle_helpers import make_artifact, make_request, write_artifact
 
 
@@ -99,7 +99,7 @@ def test_check_mode_changes_nothing(state_root, tmp_path):
 CHILD = textwrap.dedent("""
     import json, os, sys, time
     import coldsnap  # noqa: F401  # pylint: disable=unused-import
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.store import ArtifactStore
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import ArtifactStore
     state_root, artifact, request, stop_at, ready = sys.argv[1:6]
     def hook(step):
         if step == stop_at:

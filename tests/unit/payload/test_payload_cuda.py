@@ -9,7 +9,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     ColdSnapError,
     IntegrityError,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import cuda as payload_cuda
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import cuda_sink as payload_cuda
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import native_fill
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import (
     hydrate_native,

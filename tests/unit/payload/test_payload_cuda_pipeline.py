@@ -20,7 +20,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     ColdSnapError,
     IntegrityError,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import cuda as pcuda
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import cuda_sink as pcuda
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import (
     hydrate_native,
     hydrate_recovery,

@@ -8,18 +8,19 @@ import json
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts import publication as pub
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     FormatError,
     IntegrityError,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UnitSpec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.publish import (
     check_target,
     payload_objects,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import docker_runtime as dr
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import publication as pub
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import docker_runtime as dr
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "artifacts" / "reference-tiny-n610.json"
 REPO = "127.0.0.1:5000/coldsnap/capsules"
@@ -144,12 +145,14 @@ def test_owner_forms():
 
 
 def test_specs_are_made_valid_inside_the_container():
-    spec = {"python": "/usr/bin/python3.11", "criu_binary": "/opt/criu", "supervise": False, "unit_dir": "/s/u",
-            "unit": {"id": "unit-0", "devices": [3, 5]}}
+    spec = UnitSpec(operation="restore", operation_id="op", capture_id="c", unit={"id": "unit-0", "index": 0,
+                    "devices": [3, 5]}, workers=[], world_size=1, unit_count=1, state_root="/s", unit_dir="/s/u",
+                    workload_dir="/s/w", python="/usr/bin/python3.11", model={}, driver={}, criu_binary="/opt/criu",
+                    supervise=False)
     out = dr.docker_spec(spec, unit_dir="/s/c/u", supervise=True)
-    assert out["python"] == dr.DOCKER_PYTHON and out["criu_binary"] is None and out["supervise"] is True
-    assert out["unit"]["devices"] == [0, 1], "GPUs handed to a container are numbered from 0 inside it"
-    assert out["unit_dir"] == "/s/c/u" and spec["unit"]["devices"] == [3, 5]
+    assert out.python == dr.DOCKER_PYTHON and out.criu_binary is None and out.supervise is True
+    assert out.unit["devices"] == [0, 1], "GPUs handed to a container are numbered from 0 inside it"
+    assert out.unit_dir == "/s/c/u" and spec.unit["devices"] == [3, 5]
     argv = dr._controller_argv("capture", Path("/r/spec.json"), Path("/r/ev.json"), raise_pids=True)
     assert argv[:2] == ["/bin/sh", "-c"] and f"echo {dr.PID_FLOOR - 1} > /proc/sys/kernel/ns_last_pid" in argv[2]
     assert argv[3:] == ["coldsnap-rank", dr.DOCKER_PYTHON, "-m", "coldsnap_activation", "capture", "--spec",

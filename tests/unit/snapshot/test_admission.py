@@ -8,7 +8,7 @@ import json
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import admit_driver
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import admit_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import admit_unit
 
 import coldsnap  # noqa: F401  # pylint: disable=unused-import
 
@@ -108,7 +108,7 @@ def tp2_artifact(groups=(("tensor", ("worker-0", "worker-1")),)) -> dict:
 
 
 def tp2_moves(devices: dict[str, int], env: dict | None = None, cuda: bool = True, **art):
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import GpuMoves
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuMoves
 
     captured_on = {"unit-0": GPU_A, "unit-1": GPU_B}
     moves = GpuMoves(tp2_artifact(**art), {"gpus": [{"index": 0, "uuid": GPU_A}, {"index": 1, "uuid": GPU_B}]})
@@ -136,7 +136,7 @@ def test_swapped_tp_ranks_are_refused_before_eviction_with_the_fix():
 
 
 def test_swapped_tp_ranks_are_admitted_when_nccl_was_captured_on_sockets():
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.admission import (
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import (
         NCCL_SOCKETS_ONLY,
     )
 

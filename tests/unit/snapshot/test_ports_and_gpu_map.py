@@ -11,8 +11,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     AdmissionError,
     ColdSnapError,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import ports
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.cuda import restore_map
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.cuda_checkpoint import restore_map
 
 import coldsnap  # noqa: F401  # pylint: disable=unused-import
 
@@ -114,7 +114,7 @@ def test_restore_map_refuses_a_gpu_the_restorer_cannot_see():
 def test_gpu_placement_reads_the_workers_gpu_and_the_hosts_from_one_enumeration(monkeypatch):
     from types import SimpleNamespace
 
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import cuda
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[3] / "runtime_image" / "activation"))
     from coldsnap_activation.sequence import gpu_placement

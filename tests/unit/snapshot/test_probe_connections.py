@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import operations, ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import engine_client, ports
 
 import coldsnap  # noqa: F401  # pylint: disable=unused-import
 
@@ -76,8 +76,8 @@ def test_health_polls_validation_stream_and_prepare_check_leave_none(engine_port
     probes.wait_http_ready("127.0.0.1", engine_port, "/health", timeout=5, alive=lambda: True)
     text, first_ns = probes.stream_completion("127.0.0.1", engine_port, model="m", prompt="p", max_tokens=2)
     assert text == "ColdSnap" and first_ns > 0
-    with ports.engine_request("127.0.0.1", engine_port, "POST", "/status", timeout=5, body=b"{}") as resp:
+    with engine_client.engine_request("127.0.0.1", engine_port, "POST", "/status", timeout=5, body=b"{}") as resp:
         assert resp.read().startswith(b"data:")
     # prepare's "is the running engine ours?" check (this stand-in reports no pid: not ours)
-    assert operations.engine_answers({"pid": os.getpid(), "port": engine_port, "token": "t"}) is False
+    assert engine_client.engine_answers({"pid": os.getpid(), "port": engine_port, "token": "t" * 64}) is False
     assert _time_waits(engine_port) == 0

@@ -101,7 +101,7 @@ class AllocationTable:
             from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.pack import MemoryReader
 
             return MemoryReader({a.id: a.view for a in self.allocations})
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda import CudaReader
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda_sink import CudaReader
 
         return CudaReader({a.id: a.address for a in self.allocations}, self.allocations[0].device_index)
 
@@ -111,7 +111,7 @@ class AllocationTable:
             from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import MemorySink
 
             return MemorySink({a.id: a.view for a in self.allocations})
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda import CudaSink
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda_sink import CudaSink
 
         return CudaSink.for_restore({a.id: a.address for a in self.allocations}, self.allocations[0].device_index,
                                     sizes={a.id: a.size for a in self.allocations})
@@ -130,7 +130,7 @@ def zero(table: AllocationTable) -> None:
         for a in table.allocations:
             a.view[:] = bytes(a.size)  # type: ignore[index]
         return
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda import check, driver
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda_sink import check, driver
 
     drv = driver()
     for a in table.allocations:

@@ -1,11 +1,14 @@
-"""The loopback control API every engine integration serves inside the engine process.
+"""The loopback server of the engine control API, served inside every engine process.
 
-Wire contract (the activation runtime's ``EngineHandle`` speaks it, whatever the
-engine): HTTP/1.0 on 127.0.0.1, ``Authorization: Bearer <token>``; GET /status;
-POST /quiesce /export /release /resume /finish-warm /sleep /wake with a JSON
-object body; replies ``{"ok": true, "state": ..., ...}``, 409 for a wrong
-state, 500 with ``error`` otherwise. Where to connect is the 0600 JSON file
-named by ``COLDSNAP_CONTROL_FILE``: ``{"port", "token", "pid"}``.
+The contract (routes, states, bodies, control file, environment names) is
+``formats.engine_control``; the client is ``process.engine_client``. This
+module only serves it over a :class:`~coldsnap_engines.common.lifecycle.Lifecycle`.
+
+Authentication: the bearer token is checked against the 0600 control file on
+every request, not against a value kept in memory. A restored engine's memory
+(and so the capsule) holds the token of its capture; the activation runtime
+writes a fresh token into the control file before the restore, which makes the
+captured one worthless.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+
 from coldsnap_engines.common.lifecycle import EngineStateError, Lifecycle
 
-CONTROL_ENV = "COLDSNAP_CONTROL_FILE"
-MAX_BODY = 1 << 20
+# Kept for integrations that name the environment variable (vLLM/SGLang plugins).
+CONTROL_ENV = ec.ENV_CONTROL_FILE
 
 
 class _Server(ThreadingHTTPServer):
@@ -46,7 +51,7 @@ def _reply(handler: BaseHTTPRequestHandler, code: int, obj: dict) -> None:
 
 def _json_body(handler: BaseHTTPRequestHandler) -> dict:
     length = int(handler.headers.get("Content-Length") or 0)
-    if length > MAX_BODY:
+    if length > ec.MAX_BODY:
         raise ValueError("request body too large")
     raw = handler.rfile.read(length) if length else b"{}"
     data = json.loads(raw or b"{}")
@@ -55,17 +60,44 @@ def _json_body(handler: BaseHTTPRequestHandler) -> dict:
     return data
 
 
-def make_handler(lifecycle: Lifecycle, token: str, extra_status: dict):
+class TokenSource:
+    """Where the current bearer token is read: the control file (re-read when it changes), or a
+    fixed token for a server without a file (tests, an engine outside ColdSnap)."""
+
+    def __init__(self, control_file: Path | None, token: str) -> None:
+        self.control_file = control_file
+        self._token = token
+        self._stamp: tuple | None = None
+        self._lock = threading.Lock()
+
+    def current(self) -> str | None:
+        if self.control_file is None:
+            return self._token
+        try:
+            st = os.stat(self.control_file)
+        except OSError:
+            return None
+        stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+        with self._lock:
+            if stamp != self._stamp:
+                try:
+                    self._token = ec.ControlInfo.load(self.control_file).token
+                except (OSError, ValueError):
+                    return None
+                self._stamp = stamp
+            return self._token
+
+
+def make_handler(lifecycle: Lifecycle, tokens: TokenSource, extra_status: dict):
     routes = {
-        "/quiesce": lifecycle.quiesce,
-        "/export": lifecycle.export,
-        "/release": lifecycle.release,
-        "/resume": lifecycle.resume,
-        "/finish-warm": lifecycle.finish_warm,
-        "/sleep": lifecycle.sleep,
-        "/wake": lifecycle.wake,
+        ec.QUIESCE: lifecycle.quiesce,
+        ec.EXPORT: lifecycle.export,
+        ec.RELEASE: lifecycle.release,
+        ec.RESUME: lifecycle.resume,
+        ec.FINISH_WARM: lifecycle.finish_warm,
+        ec.SLEEP: lifecycle.sleep,
+        ec.WAKE: lifecycle.wake,
     }
-    expected = f"Bearer {token}".encode()
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"
@@ -75,8 +107,9 @@ def make_handler(lifecycle: Lifecycle, token: str, extra_status: dict):
             pass
 
         def _authorized(self) -> bool:
+            token = tokens.current()
             got = self.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(got, expected):
+            if token is None or not hmac.compare_digest(got, f"Bearer {token}".encode()):
                 _reply(self, 401, {"ok": False, "error": "unauthorized"})
                 return False
             return True
@@ -84,7 +117,7 @@ def make_handler(lifecycle: Lifecycle, token: str, extra_status: dict):
         def do_GET(self):
             if not self._authorized():
                 return
-            if self.path != "/status":
+            if self.path != ec.STATUS:
                 _reply(self, 404, {"ok": False, "error": f"no route {self.path}"})
                 return
             try:
@@ -101,7 +134,7 @@ def make_handler(lifecycle: Lifecycle, token: str, extra_status: dict):
                 return
             try:
                 body = _json_body(self)
-            except (ValueError, json.JSONDecodeError) as exc:
+            except ValueError as exc:
                 _reply(self, 400, {"ok": False, "error": str(exc), "state": lifecycle.state})
                 return
             try:
@@ -109,6 +142,8 @@ def make_handler(lifecycle: Lifecycle, token: str, extra_status: dict):
                 _reply(self, 200, {"ok": True, "state": lifecycle.state, **(result or {})})
             except EngineStateError as exc:
                 _reply(self, 409, {"ok": False, "error": str(exc), "state": lifecycle.state})
+            except ValueError as exc:  # a body that does not fit the contract
+                _reply(self, 400, {"ok": False, "error": str(exc), "state": lifecycle.state})
             except Exception as exc:
                 lifecycle.last_error = f"{type(exc).__name__}: {exc}"
                 print(f"[coldsnap] control {self.path} failed: {lifecycle.last_error}", file=sys.stderr, flush=True)
@@ -120,11 +155,11 @@ def make_handler(lifecycle: Lifecycle, token: str, extra_status: dict):
 def write_control_file(path: Path, port: int, token: str) -> None:
     """Where (and how) the activation runtime reaches this engine; mode 0600, atomic."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as fh:
-        json.dump({"port": port, "token": token, "pid": os.getpid()}, fh)
+        json.dump(ec.ControlInfo(port=port, token=token, pid=os.getpid()).to_json(), fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
@@ -135,14 +170,19 @@ class ControlServer:
 
     def __init__(self, lifecycle: Lifecycle, *, control_file: Path | None, extra_status: dict | None = None) -> None:
         self.lifecycle = lifecycle
-        self.token = secrets.token_hex(32)
-        self.httpd = _Server(("127.0.0.1", 0), make_handler(lifecycle, self.token, dict(extra_status or {})))
+        self.control_file = Path(control_file) if control_file else None
+        token = secrets.token_hex(32)
+        self.tokens = TokenSource(self.control_file, token)
+        self.httpd = _Server((ec.CONTROL_HOST, 0), make_handler(lifecycle, self.tokens, dict(extra_status or {})))
         self.port = self.httpd.server_address[1]
+        if self.control_file is not None:
+            write_control_file(self.control_file, self.port, token)
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="coldsnap-control", daemon=True)
         self.thread.start()
-        self.control_file = Path(control_file) if control_file else None
-        if self.control_file is not None:
-            write_control_file(self.control_file, self.port, self.token)
+
+    @property
+    def token(self) -> str | None:
+        return self.tokens.current()
 
     def close(self) -> None:
         self.httpd.shutdown()
@@ -153,7 +193,7 @@ def control_file_for(rank: int, local_ranks: int, env: dict | None = None) -> Pa
     """The control file this process serves: ``COLDSNAP_CONTROL_FILE`` as is for one endpoint per unit,
     or with ``.rank<N>`` before the suffix when several local workers each serve one."""
     env = os.environ if env is None else env
-    base = env.get(CONTROL_ENV)
+    base = env.get(ec.ENV_CONTROL_FILE)
     if not base:
         return None
     p = Path(base)
@@ -169,4 +209,4 @@ def start_from_env(lifecycle: Lifecycle, *, rank: int = 0, local_ranks: int = 1,
     if path is None:
         return None
     return ControlServer(lifecycle, control_file=path,
-                         extra_status={"unit": os.environ.get("COLDSNAP_UNIT"), **(extra_status or {})})
+                         extra_status={"unit": os.environ.get(ec.ENV_UNIT), **(extra_status or {})})

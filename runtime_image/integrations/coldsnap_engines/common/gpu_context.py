@@ -42,7 +42,7 @@ def shrink(device: int | None = None) -> Shrunk | None:
     torch = _cuda_torch()
     if torch is None:
         return None
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda import check, driver
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda_sink import check, driver
 
     cu = driver()
     dev = torch.cuda.current_device() if device is None else device
@@ -64,7 +64,7 @@ def restore(saved: Shrunk | None) -> None:
     torch = _cuda_torch()
     if torch is None:
         return
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda import check, driver
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda_sink import check, driver
 
     cu = driver()
     torch.cuda.set_device(saved.device)

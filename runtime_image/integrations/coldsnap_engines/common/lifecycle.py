@@ -20,10 +20,13 @@ workers in other processes (vLLM's collective RPC, SGLang's scheduler loop).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
 from typing import Protocol
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 
 
 class EngineStateError(RuntimeError):
@@ -78,7 +81,7 @@ class Lifecycle:
                  log=None) -> None:
         self.control = control
         self.materialize_modes = materialize_modes
-        self.state = "loading"
+        self.state = ec.LOADING
         self.lock = threading.RLock()
         self.timing = Timing()
         self.restores = 0
@@ -89,8 +92,8 @@ class Lifecycle:
     def mark_ready(self) -> None:
         """The engine finished its own start-up (called once by the integration)."""
         with self.lock:
-            if self.state == "loading":
-                self.state = "ready"
+            if self.state == ec.LOADING:
+                self.state = ec.READY
 
     def _expect(self, *states: str) -> None:
         if self.state not in states:
@@ -103,9 +106,9 @@ class Lifecycle:
     # --------------------------------------------------------------- capture
     def quiesce(self, body: dict | None = None) -> dict:
         with self.lock:
-            self._expect("ready")
+            self._expect(ec.READY)
             self.timing = Timing()
-            self.state = "quiescing"
+            self.state = ec.QUIESCING
             try:
                 with self.timing.span("engine.serving.pause"):
                     self.control.pause_serving()
@@ -114,31 +117,34 @@ class Lifecycle:
                 with self.timing.span("engine.kv.discard"):
                     self.control.discard_kv()
             except BaseException:
-                self.state = "ready"
+                self.state = ec.READY
                 raise
-            self.state = "quiesced"
+            self.state = ec.QUIESCED
             return {"spans": self.timing.spans}
 
     def export(self, body: dict) -> dict:
+        request = ec.ExportBody.from_json(body)
+        request.check_paths(os.environ.get(ec.ENV_STATE_ROOT))
         with self.lock:
-            self._expect("quiesced")
+            self._expect(ec.QUIESCED)
             with self.timing.span("engine.payload.export") as sp:
-                payload = self.control.export(body)
+                payload = self.control.export(request.to_json())
                 sp["attrs"]["model_bytes"] = payload.get("model_bytes")
             return {"payload": payload, "spans": self.timing.spans}
 
     def release(self, body: dict | None = None) -> dict:
         with self.lock:
-            self._expect("quiesced")
+            self._expect(ec.QUIESCED)
             with self.timing.span("engine.weights.release"):
                 self.control.release_weights()
-            self.state = "released"
+            self.state = ec.RELEASED
             return {"spans": self.timing.spans, "arenas": self.control.allocations()}
 
     # --------------------------------------------------------------- restore
-    def resume(self, spec: dict) -> dict:
+    def resume(self, body: dict) -> dict:
+        spec = ec.HydrationBody.from_json(body).to_json()
         with self.lock:
-            self._expect("released")
+            self._expect(ec.RELEASED)
             self._check_materialize(spec)
             self.timing = Timing()
             self.restores += 1
@@ -152,13 +158,14 @@ class Lifecycle:
             with self.timing.span("engine.transport.rebuild"):
                 self.control.rebuild_transport(spec)
             if spec.get("warm"):
-                self.state = "warm"
+                self.state = ec.WARM
                 return {"spans": self.timing.spans}
             return self._hydrate_and_open(spec)
 
-    def finish_warm(self, spec: dict) -> dict:
+    def finish_warm(self, body: dict) -> dict:
+        spec = ec.HydrationBody.from_json(body).to_json()
         with self.lock:
-            self._expect("warm")
+            self._expect(ec.WARM)
             self._check_materialize(spec)
             self.timing = Timing()
             return self._hydrate_and_open(spec)
@@ -175,7 +182,7 @@ class Lifecycle:
             self.control.zero_kv()
         with self.timing.span("engine.serving.resume"):
             self.control.resume_serving()
-        self.state = "ready"
+        self.state = ec.READY
 
     def _hydrate_and_open(self, spec: dict) -> dict:
         with self.timing.span("engine.hydrate") as sp:
@@ -203,17 +210,18 @@ class Lifecycle:
     def sleep(self, body: dict | None = None) -> dict:
         """Level-1 sleep: KV discarded, weight memory released; process and transport stay."""
         with self.lock:
-            self._expect("ready")
+            self._expect(ec.READY)
             self.timing = Timing()
             with self.timing.span("engine.sleep"):
                 self.control.sleep()
-            self.state = "sleeping"
+            self.state = ec.SLEEPING
             return {"spans": self.timing.spans}
 
-    def wake(self, spec: dict) -> dict:
+    def wake(self, body: dict) -> dict:
         """Re-create memory, restore weights (the engine's wake, or hydration), zero KV, serve."""
+        spec = ec.HydrationBody.from_json(body).to_json()
         with self.lock:
-            self._expect("sleeping")
+            self._expect(ec.SLEEPING)
             self.timing = Timing()
             with self.timing.span("engine.wake") as sp:
                 stats = self.control.wake(spec)

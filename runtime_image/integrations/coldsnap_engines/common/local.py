@@ -18,6 +18,9 @@ class LocalControl:
     """Template for a single in-process worker; override the ``_`` hooks."""
 
     engine = "local"
+    # Re-hash each observed extent against the checkpoint at export (an engine whose loader may
+    # transform weights after writing them must; one that copies exact slices may skip it).
+    verify_extents = True
 
     def __init__(self, *, rank: int = 0, world: int = 1, device: str = "cpu", relocatable: bool = False) -> None:
         self.rank = rank
@@ -29,6 +32,10 @@ class LocalControl:
         self.hydration_spec: dict | None = None
         self._alloc_view: dict | None = None
         self._shrunk: gpu_context.Shrunk | None = None
+
+    @property
+    def device_index(self) -> int:
+        return int(self.device.split(":", 1)[1]) if ":" in self.device else 0
 
     # ---- hooks for subclasses -------------------------------------------
     def weights_table(self) -> AllocationTable:
@@ -103,13 +110,13 @@ class LocalControl:
         return worker.export(table, self.extents, Path(body["out_dir"]),
                              export_pack=bool(body.get("export_pack", True)), state_root=body.get("state_root"),
                              model=body["model"], model_dir=self.model_dir,
-                             verify=bool(body.get("verify_extents", True)), layout=layout)
+                             verify=self.verify_extents and bool(body.get("verify_extents", True)), layout=layout)
 
     def release_weights(self) -> None:
         self._release(("weights",))
         self._switch_load_format()
         if self.device != "cpu":
-            self._shrunk = gpu_context.shrink()
+            self._shrunk = gpu_context.shrink(self.device_index)
 
     def recreate_memory(self) -> None:
         gpu_context.restore(self._shrunk)
@@ -118,7 +125,7 @@ class LocalControl:
         self._recreate(tags)
 
     def hydrate(self, spec: dict) -> dict:
-        self.hydration_spec = dict(spec)
+        self.hydration_spec = dict(spec)  # the JSON body (Lifecycle hands integrations plain dicts)
         return worker.hydrate(self.weights_table(), spec, relocatable=self.relocatable)
 
     def zero_kv(self) -> None:

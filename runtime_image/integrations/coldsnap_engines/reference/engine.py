@@ -1,25 +1,24 @@
-"""Engine lifecycle: load -> ready -> quiesced -> released -> (snapshot) -> resumed -> ready,
-plus live sleep/wake. Everything the in-unit activation runtime asks of the engine
-goes through these methods (exposed on the loopback control server).
+"""The reference engine's model side: load the weights into stable arenas, join the
+transport, warm up, and decode greedily (rank 0) or follow rank 0 (ranks > 0).
+
+It has no state machine of its own: the control plane is the shared
+:class:`~coldsnap_engines.common.lifecycle.Lifecycle` over
+:class:`~coldsnap_engines.reference.control.ReferenceControl`, the same one vLLM
+and SGLang run under.
 """
 
 from __future__ import annotations
 
 import ctypes
-import gc
-import json
 import os
 import shutil
-import sys
 import sysconfig
 import threading
-import time
 from pathlib import Path
 
 import torch
 
-from coldsnap_engines.common import gpu_context
-from coldsnap_engines.common.lifecycle import EngineStateError, Timing
+from coldsnap_engines.common.lifecycle import Timing
 from coldsnap_engines.reference import loader, tokenizer
 from coldsnap_engines.reference.config import ModelConfig
 from coldsnap_engines.reference.model import Decoder
@@ -67,8 +66,12 @@ def _stop_compile_workers() -> None:
         stop()
 
 
+class ServingPaused(RuntimeError):
+    """Generation was asked for while the control plane holds serving paused (HTTP 503)."""
+
+
 class Engine:
-    """One worker (rank) of the reference engine."""
+    """One worker (rank) of the reference engine: weights, transport, KV cache, decoding."""
 
     def __init__(self, model_dir: Path, *, device: str, rank: int, world: int, served_model_name: str,
                  max_seq: int | None = None, compile: bool = False) -> None:
@@ -86,19 +89,17 @@ class Engine:
             require_cpu_compiler()
         self.compile = compile
         self._compile_settled = not compile  # graphs built and compile workers stopped
-        self.state = "loading"
-        self.state_lock = threading.RLock()
         self.gen_lock = threading.Lock()
+        self.paused = False
         self.transport_ready = threading.Event()
         self.loop_idle = threading.Event()
         self.loaded: loader.LoadedWeights | None = None
         self.decoder: Decoder | None = None
         self.kv = None
+        self.transport = None
         self.timing = Timing()
         self.blocked = torch.tensor(tokenizer.blocked_ids(), dtype=torch.long)
-        self.restores = 0
         self.last_error: str | None = None
-        self._shrunk: gpu_context.Shrunk | None = None  # what release() took from the CUDA context
 
     # ------------------------------------------------------------------ start
     def start(self, transport) -> None:
@@ -111,7 +112,7 @@ class Engine:
         self.decoder = Decoder(self.config, self.loaded.weights, self.loaded.rope, world=self.world,
                                all_reduce=transport.all_reduce)
         with self.timing.span("engine.kv.alloc"):
-            self.kv = self.decoder.new_kv(self.device)
+            self.new_kv()
         if self.device != "cpu":
             self.blocked = self.blocked.to(self.device)
         if self.compile:
@@ -122,7 +123,6 @@ class Engine:
                 self.generate("warm-up", 2)
         if self.rank == 0:
             self._compiled()
-        self.state = "ready"
 
     def _compiled(self) -> None:
         """After this rank's first forward passes (the warm-up; ranks > 0 run theirs in the
@@ -130,6 +130,17 @@ class Engine:
         if not self._compile_settled:
             _stop_compile_workers()
             self._compile_settled = True
+
+    def new_kv(self) -> None:
+        """A fresh, zeroed KV cache."""
+        self.kv = self.decoder.new_kv(self.device)
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+
+    def drop_kv(self) -> None:
+        """Discard the KV cache and give its memory back (a snapshot must not carry it)."""
+        self.kv = None
+        free_memory()
 
     # ------------------------------------------------------------ generation
     def generate(self, prompt: str, max_tokens: int, emit=None) -> str:
@@ -139,6 +150,8 @@ class Engine:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
                              f"({self.config.max_seq})")
         with self.gen_lock:
+            if self.paused:
+                raise ServingPaused("the engine is not serving (paused by its control plane)")
             if self.world > 1:
                 self.transport.broadcast_command(OP_GENERATE, ids, max_tokens)
             return self._generate(ids, max_tokens, emit)
@@ -179,186 +192,41 @@ class Engine:
                 self.transport_ready.clear()
                 self.loop_idle.set()
 
-    # ------------------------------------------------------------- lifecycle
-    def status(self) -> dict:
-        arenas = {}
-        if self.loaded:
-            for a in self.loaded.arenas.values():
-                arenas[a.id] = {"address": a.address, "size": a.size, "resident": a.resident, "device": a.device}
-        return {"state": self.state, "rank": self.rank, "world": self.world, "device": self.device,
-                "arenas": arenas, "restores": self.restores, "last_error": self.last_error,
-                "config": self.config.to_json()}
+    # ------------------------------------------------------------- serving gate
+    def pause(self) -> None:
+        """Stop admitting generations; waits for the one in flight to finish."""
+        with self.gen_lock:
+            self.paused = True
 
-    def _expect(self, *states: str) -> None:
-        if self.state not in states:
-            raise EngineStateError(f"engine is {self.state!r}; this step needs {' or '.join(states)}")
+    def unpause(self) -> None:
+        with self.gen_lock:
+            self.paused = False
 
-    def quiesce(self, body: dict | None = None) -> dict:
-        """Stop serving, tear down the distributed transport, discard the KV cache."""
-        with self.state_lock:
-            self._expect("ready")
-            self.timing = Timing()
-            with self.gen_lock:
-                self.state = "quiescing"
-                with self.timing.span("engine.transport.release"):
-                    if self.world > 1:
-                        if self.rank == 0:
-                            self.transport.broadcast_command(OP_QUIESCE, [], 0)
-                        else:
-                            self.loop_idle.wait(timeout=120)
-                        self.transport.release()
-                    self.transport_ready.clear()
-                with self.timing.span("engine.kv.discard"):
-                    self.kv = None
-                    gc.collect()
-                    _malloc_trim()
-            self.state = "quiesced"
-            return {"spans": self.timing.spans}
-
-    def export(self, body: dict) -> dict:
-        """Write residual + manifest + replay plan (+ the model pack) from resident arenas.
-
-        ``body``: ``out_dir``, ``export_pack`` (default true), ``state_root``, ``model``.
-        """
-        out_dir, export_pack = body["out_dir"], bool(body.get("export_pack", True))
-        state_root, model = body.get("state_root"), body["model"]
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.pack import write_worker_payload
-
-        from coldsnap_engines.reference import hydration
-
-        with self.state_lock:
-            self._expect("quiesced")
-            cache = NodeCache(Path(state_root)) if (export_pack and state_root) else None
-            with self.timing.span("engine.payload.export") as sp:
-                rd = hydration.reader(self.loaded)
-                try:
-                    result = write_worker_payload(Path(out_dir), self.loaded.allocations(), self.loaded.extents,
-                                                  rd, export_pack=export_pack, cache=cache, model=model,
-                                                  safetensors_dir=self.model_dir)
-                finally:
-                    if rd is not self.loaded:
-                        hydration.close(rd)
-                sp["attrs"]["model_bytes"] = result.model_bytes
-            return {"payload": _payload_json(result), "spans": self.timing.spans}
-
-    def release(self, body: dict | None = None) -> dict:
-        """Free the weight memory (arenas keep their addresses) so the snapshot omits it."""
-        with self.state_lock:
-            self._expect("quiesced")
-            with self.timing.span("engine.weights.release"):
-                for a in self.loaded.arenas.values():
-                    a.release()
-                self.loaded.extents = list(self.loaded.extents)
-                gc.collect()
-                _malloc_trim()
-                if self.device != "cpu":
-                    self._shrunk = gpu_context.shrink(torch.device(self.device).index or 0)
-            self.state = "released"
-            return {"spans": self.timing.spans, "arenas": self.status()["arenas"]}
-
-    def resume(self, spec: dict) -> dict:
-        """After restore: re-create arenas at their addresses, rebuild the transport,
-        hydrate (unless warm), re-create a zeroed KV cache."""
-        with self.state_lock:
-            self._expect("released")
-            self.timing = Timing()
-            gpu_context.restore(self._shrunk)
-            self._shrunk = None
-            self.restores += 1
-            # The workload log was reset before CRIU ran: this marker is its first line.
-            print(json.dumps({"coldsnap": "restore-boundary", "operation_id": spec.get("operation_id"),
-                              "restores": self.restores, "provider": spec.get("provider"),
-                              "warm": bool(spec.get("warm")), "wall_unix": time.time()}),
-                  file=sys.stderr, flush=True)
-            with self.timing.span("engine.arenas.recreate"):
-                for a in self.loaded.arenas.values():
-                    a.recreate()
-                    if a.current_address() != a.address:
-                        raise EngineStateError(f"arena {a.id} moved from {a.address:#x} to {a.current_address():#x}")
-            with self.timing.span("engine.transport.rebuild"):
-                if self.world > 1:
-                    self.transport.rebind(spec["coordinator_endpoint"], spec.get("transport_env", {}))
-                self.transport.init(generation=spec.get("generation", self.restores))
-            if spec.get("warm"):
-                self.state = "warm"
-                return {"spans": self.timing.spans}
-            return self._hydrate_and_open(spec)
-
-    def _hydrate_and_open(self, spec: dict) -> dict:
-        from coldsnap_engines.reference import hydration
-
-        with self.timing.span("engine.hydrate") as sp:
-            stats = hydration.hydrate(self.loaded, spec)
-            sp["attrs"].update(stats)
-        with self.timing.span("engine.kv.alloc"):
-            self.kv = self.decoder.new_kv(self.device)
-        if self.device != "cpu":
-            torch.cuda.synchronize()
-        self.transport_ready.set()
-        self.state = "ready"
-        mat = spec.get("materialize", "off")
-        if spec.get("provider") == "recovery" and mat in ("async", "required"):
-            from coldsnap_engines.reference import hydration
-
-            if mat == "required":
-                with self.timing.span("engine.materialize"):
-                    stats["materialized"] = hydration.materialize(self.loaded, spec)
+    # ------------------------------------------------------------- transport
+    def release_transport(self) -> None:
+        """Tear down torch.distributed (rank 0 first tells the followers to park)."""
+        if self.world > 1:
+            if self.rank == 0:
+                self.transport.broadcast_command(OP_QUIESCE, [], 0)
             else:
-                threading.Thread(target=self._materialize_bg, args=(spec,), daemon=True).start()
-        return {"spans": self.timing.spans, "hydration": stats}
+                self.loop_idle.wait(timeout=120)
+            self.transport.release()
+        self.transport_ready.clear()
 
-    def _materialize_bg(self, spec: dict) -> None:
-        from coldsnap_engines.reference import hydration
+    def rebuild_transport(self, spec: dict, generation) -> None:
+        """Join the restore activation's transport (fresh endpoints from its coordinator)."""
+        if self.world > 1:
+            self.transport.rebind(spec["coordinator_endpoint"], spec.get("transport_env") or {})
+        self.transport.init(generation=spec.get("generation") or generation)
 
-        try:
-            self.materialized = hydration.materialize(self.loaded, spec)
-        except Exception as exc:
-            self.last_error = f"materialize: {exc}"
-
-    def finish_warm(self, spec: dict) -> dict:
-        """Complete a warm restore: hydrate and open."""
-        with self.state_lock:
-            self._expect("warm")
-            self.timing = Timing()
-            return self._hydrate_and_open(spec)
-
-    def sleep(self, body: dict | None = None) -> dict:
-        """Level-1 sleep: discard KV and release weights; process and transport stay."""
-        with self.state_lock:
-            self._expect("ready")
-            self.timing = Timing()
-            with self.gen_lock, self.timing.span("engine.sleep"):
-                self.state = "sleeping"
-                self.kv = None
-                for a in self.loaded.arenas.values():
-                    a.release()
-                gc.collect()
-                _malloc_trim()
-            return {"spans": self.timing.spans}
-
-    def wake(self, spec: dict) -> dict:
-        """Re-create weights from the payload (or safetensors), zero KV, serve again."""
-        with self.state_lock:
-            self._expect("sleeping")
-            self.timing = Timing()
-            for a in self.loaded.arenas.values():
-                a.recreate()
-            return self._hydrate_and_open(spec)
+    def open_transport(self) -> None:
+        """Let the followers' loop run again (after the KV cache exists)."""
+        self.transport_ready.set()
 
 
-def _payload_json(result) -> dict:
-    def ref(r):
-        if r is None:
-            return None
-        return {k: getattr(r, k) for k in ("path", "size", "sha256") if hasattr(r, k)}
+def free_memory() -> None:
+    """Collect garbage and give freed host (and cached GPU) memory back to the system."""
+    import gc
 
-    return {
-        "pack": ref(result.pack),
-        "residual": ref(result.residual),
-        "manifest": ref(result.manifest),
-        "replay": ref(result.replay),
-        "model_bytes": result.model_bytes,
-        "residual_bytes": result.residual_bytes,
-        "allocations": len(result.allocations) if hasattr(result.allocations, "__len__") else result.allocations,
-    }
+    gc.collect()
+    _malloc_trim()

@@ -6,7 +6,9 @@ outlives a request — a snapshot never has to carry client connections.
 
 Control (every rank, 127.0.0.1 only, bearer token from a 0600 file): the steps the
 in-unit activation runtime drives — status, quiesce, export, release, resume,
-finish-warm, sleep, wake — served by ``coldsnap_engines.common.control``.
+finish-warm, sleep, wake — served by ``coldsnap_engines.common.control`` over the
+shared ``Lifecycle`` and :class:`~coldsnap_engines.reference.control.ReferenceControl`,
+exactly as the vLLM and SGLang integrations are.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engine_control import (
+    ENV_COORDINATOR,
+    ENV_RANK,
+    ENV_SCOPE,
+    ENV_WORLD_SIZE,
+    READY,
+)
 
 from coldsnap_engines.common import control
 
@@ -57,7 +67,9 @@ def _reply(handler: BaseHTTPRequestHandler, code: int, obj: dict) -> None:
     handler.wfile.write(body)
 
 
-def make_serving_handler(engine):
+def make_serving_handler(engine, lifecycle):
+    from coldsnap_engines.reference.engine import ServingPaused
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"
         server_version = "coldsnap-reference"
@@ -67,8 +79,8 @@ def make_serving_handler(engine):
 
         def do_GET(self):
             if self.path == "/health":
-                ok = engine.state == "ready"
-                _reply(self, 200 if ok else 503, {"status": "ok" if ok else engine.state})
+                ok = lifecycle.state == READY
+                _reply(self, 200 if ok else 503, {"status": "ok" if ok else lifecycle.state})
             elif self.path == "/v1/models":
                 _reply(self, 200, {"object": "list", "data": [
                     {"id": engine.served_model_name, "object": "model", "owned_by": "coldsnap"}]})
@@ -79,8 +91,8 @@ def make_serving_handler(engine):
             if self.path != "/v1/completions":
                 _reply(self, 404, {"error": {"message": f"no route {self.path}"}})
                 return
-            if engine.state != "ready":
-                _reply(self, 503, {"error": {"message": f"engine is {engine.state}"}})
+            if lifecycle.state != READY:
+                _reply(self, 503, {"error": {"message": f"engine is {lifecycle.state}"}})
                 return
             try:
                 req = _json_body(self)
@@ -112,9 +124,13 @@ def make_serving_handler(engine):
                     self.wfile.flush()
 
                 try:
-                    engine.generate(prompt, max_tokens, emit=emit)
-                    end = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                           "choices": [{"text": "", "index": 0, "finish_reason": "length", "logprobs": None}]}
+                    try:
+                        engine.generate(prompt, max_tokens, emit=emit)
+                        end = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                               "choices": [{"text": "", "index": 0, "finish_reason": "length", "logprobs": None}]}
+                    except (ValueError, ServingPaused) as exc:  # headers are out: report in the stream
+                        end = {"error": {"message": str(exc), "type": "invalid_request_error"
+                                         if isinstance(exc, ValueError) else "service_unavailable"}}
                     self.wfile.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
                 except (BrokenPipeError, ConnectionResetError):
                     pass
@@ -123,6 +139,9 @@ def make_serving_handler(engine):
                 text = engine.generate(prompt, max_tokens)
             except ValueError as exc:
                 _reply(self, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
+                return
+            except ServingPaused as exc:
+                _reply(self, 503, {"error": {"message": str(exc)}})
                 return
             ntok = len(prompt.encode()) + 1
             _reply(self, 200, {"id": cid, "object": "text_completion", "created": created, "model": model,
@@ -144,12 +163,14 @@ def pick_device(requested: str) -> str:
 def serve(args: argparse.Namespace) -> int:
     import torch
 
+    from coldsnap_engines.common.lifecycle import Lifecycle
+    from coldsnap_engines.reference.control import ReferenceControl
     from coldsnap_engines.reference.engine import Engine
     from coldsnap_engines.reference.transport import Transport
 
     t0 = time.monotonic()
-    rank = int(os.environ.get("COLDSNAP_RANK", "0"))
-    world = int(os.environ.get("COLDSNAP_WORLD_SIZE", "1"))
+    rank = int(os.environ.get(ENV_RANK, "0"))
+    world = int(os.environ.get(ENV_WORLD_SIZE, "1"))
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
@@ -158,14 +179,16 @@ def serve(args: argparse.Namespace) -> int:
                     served_model_name=args.served_model_name or Path(args.model).name, max_seq=args.max_seq,
                     compile=args.compile)
     # The loopback control API the activation runtime drives (shared by every integration).
-    control.start_from_env(engine)
+    lifecycle = Lifecycle(ReferenceControl(engine))
+    control.start_from_env(lifecycle)
     transport = Transport(rank=rank, world=world, device=device,
-                          endpoint_file=os.environ.get("COLDSNAP_COORDINATOR"),
-                          scope=os.environ.get("COLDSNAP_SCOPE", "local"))
+                          endpoint_file=os.environ.get(ENV_COORDINATOR),
+                          scope=os.environ.get(ENV_SCOPE, "local"))
     log(f"rank {rank}/{world} loading {args.model} on {device}")
     engine.start(transport)
+    lifecycle.mark_ready()
     if rank == 0:
-        httpd = _Server((args.host, args.port), make_serving_handler(engine))
+        httpd = _Server((args.host, args.port), make_serving_handler(engine, lifecycle))
         threading.Thread(target=httpd.serve_forever, name="coldsnap-serving", daemon=True).start()
         log(f"serving {engine.served_model_name} on http://{args.host}:{args.port} "
             f"(ready in {time.monotonic() - t0:.2f}s)")

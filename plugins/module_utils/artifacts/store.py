@@ -43,12 +43,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts import overlay as overlay_mod
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.refs import local_refs
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
     atomic_write_json,
     file_lock,
     fsync_dir,
     is_temp_name,
+    rmtree_atomically,
     temp_path_for,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
@@ -93,25 +96,6 @@ def file_sha256(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return "sha256:" + h.hexdigest()
-
-
-def _rmtree_atomically(path: Path) -> None:
-    """Take ``path`` out of its directory with one rename, then delete it.
-
-    A crash in the middle leaves a temporary name (cleaned up later), never a
-    half-deleted directory under its real name.
-    """
-    path = Path(path)
-    if not os.path.lexists(path):
-        return
-    if path.is_symlink() or not path.is_dir():
-        path.unlink()
-        fsync_dir(path.parent)
-        return
-    doomed = temp_path_for(path)
-    os.rename(path, doomed)
-    fsync_dir(path.parent)
-    shutil.rmtree(doomed, ignore_errors=True)
 
 
 @dataclass(frozen=True)
@@ -197,33 +181,6 @@ class DeleteResult:
         return {"changed": self.changed, "identities": self.identities, "removed": self.removed,
                 "sources": self.sources, "cleanup": self.cleanup, "keep_payloads": self.keep_payloads,
                 "cleanup_hosts": self.cleanup_hosts}
-
-
-def local_refs(artifact: dict, *, artifact_sha256: str | None = None, kind: str = "generation") -> dict:
-    """The host-local things a descriptor references: its capture, capsules and payloads.
-
-    ``cleanup.remove_local`` takes a list of these. A payload is ``published``
-    when the descriptor pins a native provider revision: a shared published
-    object is never removed implicitly.
-    """
-    hosts_of_unit = {u["id"]: u["host"] for u in artifact["launch"]["units"]}
-    published = bool(artifact["weights"]["providers"]["native"].get("revision"))
-    payloads: dict[str, dict] = {}
-    for w in artifact["weights"]["workers"]:
-        p = w["payload"]
-        if not p:
-            continue
-        entry = payloads.setdefault(p["sha256"], {"sha256": p["sha256"], "size": p["size"], "hosts": [],
-                                                  "published": published})
-        host = hosts_of_unit.get(w["unit"])
-        if host and host not in entry["hosts"]:
-            entry["hosts"].append(host)
-    capsules = [{k: c.get(k) for k in ("unit", "host", "layout", "image_id", "location", "repository_digest")}
-                for c in artifact["capsule"]["units"]]
-    hosts = sorted({c["host"] for c in capsules} | set(hosts_of_unit.values()))
-    return {"kind": kind, "capture_id": artifact["capture_id"], "identity": artifact["identity"],
-            "artifact_sha256": artifact_sha256, "capsules": capsules,
-            "payloads": sorted(payloads.values(), key=lambda p: p["sha256"]), "hosts": hosts}
 
 
 def identity_info_of(request: dict) -> IdentityInfo:
@@ -352,8 +309,6 @@ class ArtifactStore:
 
     def retained_payloads(self, *, exclude: Iterable[str] = ()) -> set[str]:
         """Payload digests referenced by every retained generation and overlay (minus ``exclude`` identities)."""
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import overlay as overlay_mod
-
         skip = {_hex(i) for i in exclude}
         out: set[str] = set()
         if not self.root.is_dir():
@@ -509,8 +464,6 @@ class ArtifactStore:
 
     def _prune(self, idir: Path, keep: int) -> list[dict]:
         """Drop generations beyond the newest ``keep`` (never the current one); return what went."""
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import overlay as overlay_mod
-
         gens = self.generations(idir.name)
         current = self.current(idir.name)
         kept = {g.number for g in gens[-keep:]} | ({current.number} if current else set())
@@ -524,7 +477,7 @@ class ArtifactStore:
             except ColdSnapError:
                 art, refs = None, {"capture_id": g.capture_id, "capsules": [], "payloads": [], "hosts": []}
             overlays = overlay_mod.remove_overlays_of(self, idir.name, g.artifact_sha256)
-            _rmtree_atomically(g.path)
+            rmtree_atomically(g.path)
             source = _remove_source(g)
             pruned.append({"generation": g.as_dict(), "refs": refs, "overlays": overlays,
                            "source_removed": source})
@@ -541,8 +494,6 @@ class ArtifactStore:
         ``extra_artifacts`` are (descriptor, digest) pairs outside the store
         (e.g. the request's own artifact) whose local artifacts go too.
         """
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import overlay as overlay_mod
-
         wanted = {_hex(i) for i in identities}
         infos = [i for i in self.identities()
                  if (i.recipe == recipe and i.snapshot_driver == snapshot_driver) or i.identity in wanted]
@@ -574,9 +525,9 @@ class ArtifactStore:
                 with self.locked(ident) as idir:
                     for g in self.generations(ident):
                         _remove_source(g)
-                    _rmtree_atomically(idir / CURRENT)
+                    rmtree_atomically(idir / CURRENT)
                 # The lock file lives inside: remove the directory after releasing it.
-                _rmtree_atomically(self.identity_dir(ident))
+                rmtree_atomically(self.identity_dir(ident))
         keep = sorted(self.retained_payloads(exclude=doomed))
         cleanup = [r["refs"] for r in removed]
         hosts = sorted({h for r in cleanup for h in r.get("hosts", [])})

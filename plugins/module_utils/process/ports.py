@@ -6,47 +6,15 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import http.client
 import os
 import socket
-import struct
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
 
 TABLES = (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6))
 LISTEN, TIME_WAIT = "0A", "06"
-_LINGER_RESET = struct.pack("ii", 1, 0)
-
-
-@contextlib.contextmanager
-def engine_request(host: str, port: int, method: str, path: str, *, timeout: float, body: bytes | None = None,
-                   headers: dict | None = None) -> Iterator[http.client.HTTPResponse]:
-    """One request to an engine, on a connection that ends with a reset, not a FIN exchange.
-
-    Yields the response; on a normal exit whatever the caller left unread is read first (the
-    reply is complete before the reset), and the connection is closed in every case.
-    Every client of an engine's (captured) ports goes through here: the rank controller's
-    health polls, validation stream and control calls, and prepare's check of a running
-    engine. Engines close their HTTP connections first, so each request would leave a
-    TIME_WAIT connection on the engine's side of the port; on some kernels (the GPU hosts)
-    that keeps the port from being bound again for a minute, SO_REUSEADDR or not, and a
-    restore right after a capture waited for it (:func:`require_ports_free`). A reset from
-    this side (SO_LINGER 0) ends the engine's side at once.
-    """
-    conn = http.client.HTTPConnection(host, port, timeout=timeout)
-    try:
-        conn.request(method, path, body=body, headers={"Connection": "close", **(headers or {})})
-        with contextlib.suppress(OSError):
-            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
-        resp = conn.getresponse()
-        yield resp
-        resp.read()
-        resp.close()
-    finally:
-        conn.close()
 
 
 def tcp_rows(text: str) -> list[tuple[str, int, str, str]]:

@@ -7,7 +7,7 @@ architecture), every installed distribution (name, version and its RECORD file,
 which lists each installed file's hash) and the ColdSnap code that runs inside
 units (engine integrations and the collection's module_utils).
 
-Run as ``python -m ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.environment``
+Run as ``python -m ansible_collections.coldsnap.fleet.plugins.module_utils.units.environment``
 with the unit's interpreter to print it.
 """
 

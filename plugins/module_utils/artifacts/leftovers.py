@@ -1,6 +1,6 @@
 """Host side of delete and retention: remove what dropped descriptors alone referenced on this host.
 
-For each dropped descriptor (its :func:`.store.local_refs`) this removes, when present on
+For each dropped descriptor (its :func:`.refs.local_refs`) this removes, when present on
 this host:
 
 * its capture directory ``<state_root>/captures/<capture id>/``;
@@ -28,9 +28,8 @@ import re
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir, rmtree_atomically
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.store import _rmtree_atomically
 
 CAPTURE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
@@ -123,7 +122,7 @@ def remove_local(state_root: Path | str, refs: list[dict], *, keep_payloads: lis
         if os.path.lexists(path):
             removed["captures"].append(str(path))
             if not check_mode:
-                _rmtree_atomically(path)
+                rmtree_atomically(path)
 
     # Capsules: OCI layouts, extracted state, docker images.
     oci_root = state_root / "capsules" / "oci"
@@ -134,7 +133,7 @@ def remove_local(state_root: Path | str, refs: list[dict], *, keep_payloads: lis
             if os.path.lexists(extracted):
                 removed["extracted"].append(str(extracted))
                 if not check_mode:
-                    _rmtree_atomically(extracted)
+                    rmtree_atomically(extracted)
             if cap["layout"] == "oci-layout":
                 places = {oci_root / "sha256" / hexd}
                 if cap.get("host") == host and cap.get("location"):
@@ -149,7 +148,7 @@ def remove_local(state_root: Path | str, refs: list[dict], *, keep_payloads: lis
                         removed["capsules"].append({"unit": cap.get("unit"), "image_id": cap["image_id"],
                                                     "location": str(place)})
                         if not check_mode:
-                            _rmtree_atomically(place)
+                            rmtree_atomically(place)
             elif cap["layout"] == "docker":
                 outcome = _docker_remove(cap["image_id"], check_mode=check_mode, client=docker_client)
                 if outcome in ("removed", "would-remove"):

@@ -36,11 +36,16 @@ import os
 import shutil
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.refs import local_refs
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     IntegrityError,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir, temp_path_for
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
+    fsync_dir,
+    rmtree_atomically,
+    temp_path_for,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import (
     AnyJSON,
@@ -245,11 +250,11 @@ def build_overlay_artifact(request: dict, *, portable: dict, portable_sha256: st
                            evidence: list[dict], facts_by_host: dict, capsules: list[dict],
                            activation_digest: str) -> dict:
     """Artifact format 9 of an in-place capture on the target, whose parent is the portable descriptor."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.commit import (
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.commit import (
         build_artifact,
         by_unit,
     )
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
 
     ev, facts, caps = by_unit(request, evidence, facts_by_host, capsules)
     art = build_artifact(request, capture_id=capture_id, evidence=ev, facts=facts, capsules=caps,
@@ -268,7 +273,6 @@ def record_overlay(store, *, portable_path: Path | str, overlay_artifact: dict, 
     capture's host-local artifacts) are for the caller to remove when it was discarded.
     """
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.store import local_refs
 
     portable, portable_sha = read_descriptor(Path(portable_path))
     art = validate_artifact(overlay_artifact, document="overlay artifact")
@@ -329,7 +333,6 @@ def record_overlay(store, *, portable_path: Path | str, overlay_artifact: dict, 
 def list_overlays(store, identity: str) -> list[dict]:
     """Every overlay of an identity (well-formed or not) with its host-local references."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.store import local_refs
 
     base = store.identity_dir(identity) / "overlays"
     out: list[dict] = []
@@ -355,11 +358,10 @@ def list_overlays(store, identity: str) -> list[dict]:
 
 def remove_overlays_of(store, identity: str, portable_sha256: str) -> list[dict]:
     """Remove the overlays of one portable descriptor (its generation was pruned); return their refs."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.store import _rmtree_atomically
 
     hexd = portable_sha256.split(":", 1)[1]
     gone = [o for o in list_overlays(store, identity) if o["portable_sha256"] == f"sha256:{hexd}"]
     root = store.identity_dir(identity) / "overlays" / hexd
     if root.exists():
-        _rmtree_atomically(root)
+        rmtree_atomically(root)
     return gone

@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.commit import write_exclusive
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     IntegrityError,
@@ -33,7 +34,6 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact im
     load_artifact,
     validate_artifact,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot.commit import write_exclusive
 
 ARTIFACT_FILE = "artifact.json"
 PUBLISHABLE_STATES = ("accepted", "published")

@@ -64,7 +64,7 @@ def gpus() -> tuple[list[dict], str | None, str]:
 def gather(*, check_criu: bool = True, criu_binary: str | None = None) -> dict:
     """Everything admission needs about this host, as plain JSON."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.snapshot import criu as criu_mod
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
 
     gpu_list, driver, source = gpus()
     facts = {

@@ -1,0 +1,154 @@
+"""The one place that knows the layout of ColdSnap's state root on a host.
+
+::
+
+    <state root>/                          0700, owned by the user ColdSnap runs as
+        model-payloads/sha256/<hex>.pack   node cache (+ .coldsnap-validation.json records)
+        model-payloads/incoming/           payloads arriving from another host
+        activation-runtime/sha256/<hex>/   staged activation runtimes (content-addressed)
+        captures/<capture id>/units/<unit>/   a unit's captured state
+        capsules/oci/                      OCI-layout capsules (runtime host)
+        capsules/extracted/<hex>/          capsule state extracted for a restore
+        workloads/<recipe>/<unit>/         the running workload: target.log, control files
+        runs/<operation id>/               ansible-runner private data dir, unit specs, receipt
+        artifacts/                         committed descriptors (the artifact store)
+        locks/                             per-workload and per-artifact operation locks
+
+Modules, the controller, the activation runtime and (through the
+``coldsnap.fleet`` filters) the playbooks all derive paths here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_STATE_ROOT = "/var/lib/coldsnap"
+STATE_ROOT_ENV = "COLDSNAP_STATE_ROOT"
+# The argument spec entry every module that touches the state root declares.
+STATE_ROOT_ARG = {"type": "path", "default": DEFAULT_STATE_ROOT}
+
+PAYLOADS = "model-payloads"
+ACTIVATION_RUNTIME = "activation-runtime"
+CAPTURES = "captures"
+CAPSULES = "capsules"
+WORKLOADS = "workloads"
+RUNS = "runs"
+ARTIFACTS = "artifacts"
+LOCKS = "locks"
+
+
+def default_state_root() -> Path:
+    """``$COLDSNAP_STATE_ROOT``, else ``/var/lib/coldsnap`` for root, else ``$XDG_STATE_HOME/coldsnap``
+    (``~/.local/state/coldsnap``)."""
+    env = os.environ.get(STATE_ROOT_ENV)
+    if env:
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path(DEFAULT_STATE_ROOT)
+    xdg = os.environ.get("XDG_STATE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return base / "coldsnap"
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Paths below one state root."""
+
+    root: Path
+
+    def __init__(self, root: Path | str) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    # ------------------------------------------------------------ payloads
+    @property
+    def payloads(self) -> Path:
+        return self.root / PAYLOADS
+
+    @property
+    def payload_objects(self) -> Path:
+        return self.payloads / "sha256"
+
+    @property
+    def payload_incoming(self) -> Path:
+        return self.payloads / "incoming"
+
+    # ------------------------------------------------------ runtime staging
+    @property
+    def activation_runtimes(self) -> Path:
+        return self.root / ACTIVATION_RUNTIME / "sha256"
+
+    def activation_runtime(self, hex_digest: str) -> Path:
+        return self.activation_runtimes / hex_digest
+
+    # ------------------------------------------------------------ captures
+    @property
+    def captures(self) -> Path:
+        return self.root / CAPTURES
+
+    def capture(self, capture_id: str) -> Path:
+        return self.captures / capture_id
+
+    def capture_unit(self, capture_id: str, unit_id: str) -> Path:
+        return self.capture(capture_id) / "units" / unit_id
+
+    # ------------------------------------------------------------ capsules
+    @property
+    def capsules_oci(self) -> Path:
+        return self.root / CAPSULES / "oci"
+
+    @property
+    def capsules_extracted(self) -> Path:
+        return self.root / CAPSULES / "extracted"
+
+    def extracted_capsule(self, image_id: str) -> Path:
+        """Where a capsule's state is extracted: keyed by the capsule's image digest."""
+        return self.capsules_extracted / image_id.split(":", 1)[-1]
+
+    # ----------------------------------------------------------- workloads
+    @property
+    def workloads(self) -> Path:
+        return self.root / WORKLOADS
+
+    def workload(self, recipe: str, unit_id: str) -> Path:
+        return self.workloads / recipe / unit_id
+
+    # ---------------------------------------------------------------- runs
+    @property
+    def runs(self) -> Path:
+        return self.root / RUNS
+
+    def run(self, operation_id: str) -> Path:
+        return self.runs / operation_id
+
+    def unit_runs(self, operation_id: str) -> Path:
+        """Spec, evidence and log files of an operation's units (bound into rank containers)."""
+        return self.run(operation_id) / "units"
+
+    # ----------------------------------------------------------- artifacts
+    @property
+    def artifacts(self) -> Path:
+        return self.root / ARTIFACTS
+
+    @property
+    def locks(self) -> Path:
+        return self.root / LOCKS
+
+    # ---------------------------------------------------------- privacy
+    def ensure_private_root(self) -> Path:
+        """Create the state root 0700 (and make an existing one 0700): everything below is private
+        to the user ColdSnap runs as (CRIU images, capsules and descriptors hold process memory)."""
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = os.stat(self.root)
+        if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+            os.chmod(self.root, 0o700)
+        return self.root
+
+    def path(self, name: str, *parts: str) -> Path:
+        """A named location (``payloads``, ``payload_objects``, ``captures``, ``workloads`` ...) with
+        optional parts below it; used by the playbooks through the ``state_path`` filter."""
+        base = getattr(self, name, None)
+        if not isinstance(base, Path) or name.startswith("_"):
+            raise ValueError(f"unknown state location {name!r}")
+        return base.joinpath(*parts) if parts else base

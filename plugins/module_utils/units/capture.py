@@ -1,0 +1,106 @@
+"""Per-host capture steps: ``capture_units`` (start, validate and capture this host's units)
+and ``capture_running_units`` (capture restored units in place, for a target-local overlay)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, load_evidence
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.status import payload_state
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import build_specs
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import plan_weights
+
+
+def _existing(layout: StateLayout, capture_id: str, units: list[dict]) -> list[dict]:
+    return [load_evidence(p) for u in units if (p := layout.capture_unit(capture_id, u["id"]) / EVIDENCE_FILE).exists()]
+
+
+def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path, activation_digest: str,
+                  coordinator_endpoint: str | None, python: str | None, check_mode: bool,
+                  timeouts: dict | None = None, owner: dict | str | None = None) -> dict:
+    """Capture every unit of ``request`` placed on ``host``; idempotent per capture id."""
+    layout = StateLayout(state_root)
+    units = units_on_host(request, host)
+    if not units:
+        return {"changed": False, "units": [], "msg": f"no unit of this request is placed on {host}"}
+    existing = _existing(layout, capture_id, units)
+    if len(existing) == len(units):
+        return {"changed": False, "units": [public(e) for e in existing], "coldsnap_timing": timing_of(existing),
+                "msg": f"capture {capture_id} of {len(units)} unit(s) already complete on {host}"}
+    if existing:
+        raise ColdSnapError(f"capture {capture_id} is partially present on {host} "
+                            f"({len(existing)} of {len(units)} units)",
+                            fix=f"remove {layout.capture(capture_id)} or use a new operation id")
+    if check_mode:
+        return {"changed": True, "units": [], "msg": f"would capture {len(units)} unit(s) on {host}"}
+    runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
+                          python=python, owner=owner)
+    runtime.check_environment(units)
+    specs = build_specs(request, host=host, operation="capture", capture_id=capture_id, state_root=state_root,
+                        python=python, coordinator_endpoint=coordinator_endpoint, timeouts=timeouts)
+    evidence = runtime.capture(specs)
+    return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence)}
+
+
+def capture_running_units(request: dict, artifact: dict, *, host: str, capture_id: str, state_root: Path,
+                          activation_digest: str, coordinator_endpoint: str | None, python: str | None,
+                          check_mode: bool, payload_wait: float = 600.0, timeouts: dict | None = None) -> dict:
+    """Capture this host's running (restored) units in place, for a target-local overlay.
+
+    Every worker's model payload must be in this host's node cache with a
+    valid record first (an async materialization is waited for up to
+    ``payload_wait`` seconds): the overlay shares the payload and the engine is
+    resumed from it. Idempotent per capture id.
+    """
+    layout = StateLayout(state_root)
+    units = units_on_host(request, host)
+    if not units:
+        return {"changed": False, "units": [], "capture_id": capture_id,
+                "msg": f"no unit of this request is placed on {host}"}
+    runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
+                          python=python)
+    if not runtime.captures_in_place:
+        runtime.capture_running([])  # raises: says why and what to do
+    existing = _existing(layout, capture_id, units)
+    if len(existing) == len(units):
+        return {"changed": False, "units": [public(e) for e in existing], "coldsnap_timing": timing_of(existing),
+                "capture_id": capture_id, "msg": f"overlay capture {capture_id} already complete on {host}"}
+    if existing:
+        raise ColdSnapError(f"overlay capture {capture_id} is partially present on {host}",
+                            fix=f"remove {layout.capture(capture_id)} and capture the overlay again")
+    host_units = {u["id"] for u in units}
+    wanted = [w for w in artifact["weights"]["workers"] if w["unit"] in host_units]
+    if any(w["payload"] is None for w in wanted):
+        raise ColdSnapError("a target-local overlay shares the native model payload, but this capture has none",
+                            fix="capture the portable artifact with policy.weights.native.export enabled")
+    deadline = time.monotonic() + payload_wait
+    while True:
+        states = {w["worker"]: payload_state(state_root, w["payload"]["sha256"], w["payload"]["size"])
+                  for w in wanted}
+        if all(s == "verified" for s, _why in states.values()) or check_mode or time.monotonic() >= deadline:
+            break
+        time.sleep(0.5)
+    if check_mode:
+        return {"changed": True, "units": [], "capture_id": capture_id,
+                "msg": f"would capture {len(units)} running unit(s) on {host}"}
+    bad = {wid: f"{s} ({why})" for wid, (s, why) in states.items() if s != "verified"}
+    if bad:
+        raise ColdSnapError(f"the model payload is not materialized and verified on {host}: {bad}",
+                            fix="restore with policy.weights.native.materialize 'required' (or 'async' and wait), "
+                                "or stage the payload, before capturing an overlay")
+    native_policy = {**request["policy"], "weights": {**request["policy"]["weights"], "mode": "native"}}
+    plan = plan_weights({**request, "policy": native_policy}, artifact, host=host, state_root=state_root)
+    validation = {**request["validation"], "expected": request["validation"].get("expected")
+                  or artifact["acceptance"]["reply"]}
+    specs = build_specs(request, host=host, operation="capture-running", capture_id=capture_id,
+                        state_root=state_root, python=python, coordinator_endpoint=coordinator_endpoint,
+                        weights=plan, validation=validation, timeouts=timeouts)
+    evidence = runtime.capture_running(specs)
+    return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence),
+            "capture_id": capture_id}

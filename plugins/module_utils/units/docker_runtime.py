@@ -1,0 +1,610 @@
+"""Runtime ``docker``: the same unit flow as runtime ``host``, with each unit inside a rank container.
+
+The activation runtime (rank controller) runs as the container's command, PID 1
+of a fresh PID namespace, from the unit's digest-pinned image:
+
+* **capture** starts a rank container from the runtime image (``launch.units[].image``)
+  that runs ``coldsnap_activation capture``; it exits after the CRIU dump and
+  is removed. ``capsule_build`` then makes the capsule image (runtime image +
+  the unit state at its path).
+* **restore** starts a *fresh* container from the unit's capsule image under
+  the canonical name (``coldsnap-<recipe>-<unit>``) with ColdSnap's labels and
+  the workload log path; it runs ``coldsnap_activation restore`` with
+  ``supervise``, so the rank controller stays PID 1, reaps the restored engine
+  and the container lives exactly as long as the engine. Evict removes that
+  container.
+
+Paths are identical inside and outside: every state path is bind-mounted at
+its own absolute path (CRIU restores open files by path, so the restored
+process keeps its paths), model mounts are read-only at their targets, the
+staged activation runtime is read-only at ``/opt/coldsnap/activation``, and the
+container uses the host's network (the captured listening ports stay the
+host's). Only the rank container is privileged (``docker_unit.privilege_policy``).
+
+PIDs: a capture container raises its namespace's ``ns_last_pid`` before the
+rank controller starts, so the engine's pid and thread ids lie above
+:data:`PID_FLOOR`; a restore container's own processes (controller, CRIU) stay
+far below it, so CRIU can give the restored tree its captured ids.
+
+Ownership: afterwards every state path ColdSnap wrote (the capture directory,
+the workload directory, the unit run files, the node payload cache) is given to
+the invoking user's uid/gid (``docker_unit.chown_state_paths``), also when the
+run failed. Model packs keep their validation records valid across the chown
+(see :func:`normalize_ownership`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import dockerapi
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import (
+    LABEL_STATE_TARGET,
+    LABEL_UNIT,
+    CapsuleRef,
+    inspect_capsule,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    AdmissionError,
+    ColdSnapError,
+    UnitError,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, UnitSpec
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import records
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuMoves, admit_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
+    UnitRuntime,
+    raise_failures,
+    read_evidence,
+    run_concurrently,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import model_dir
+
+DOCKER_PYTHON = "/usr/bin/python3"
+# Captured engines get ids above this; a restore container's own processes stay below it.
+PID_FLOOR = 10000
+EVIDENCE = EVIDENCE_FILE
+_CAPTURE_SUFFIX = "-capture"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The invoking user: who owns the state ColdSnap writes."""
+
+    uid: int
+    gid: int
+
+
+def parse_owner(value: Any) -> Owner | None:
+    """``{'uid': U, 'gid': G}``, ``'U:G'`` or None (leave ownership as written)."""
+    if value in (None, "", {}):
+        return None
+    try:
+        if isinstance(value, dict):
+            uid, gid = int(value["uid"]), int(value["gid"])
+        else:
+            left, sep, right = str(value).partition(":")
+            if not sep:
+                raise ValueError(value)
+            uid, gid = int(left), int(right)
+    except (KeyError, TypeError, ValueError):
+        raise ColdSnapError(f"owner {value!r} is not a uid/gid pair",
+                            fix="pass coldsnap_owner as {'uid': 1000, 'gid': 1000} or '1000:1000'") from None
+    if uid < 0 or gid < 0:
+        raise ColdSnapError(f"owner {value!r} has a negative id", fix="pass the invoking user's numeric uid and gid")
+    return Owner(uid, gid)
+
+
+def _client(client: Any = None) -> Any:
+    return dockerapi.docker_client(client)
+
+
+def capture_container_name(recipe: str, unit_id: str) -> str:
+    return docker_unit.canonical_container_name(recipe, unit_id) + _CAPTURE_SUFFIX
+
+
+def canonical_name(request: dict, unit_id: str) -> str:
+    return docker_unit.canonical_container_name(request["workload"]["recipe"], unit_id)
+
+
+# ----------------------------------------------------------------------------- capsule helpers
+
+def capsule_entry(artifact: dict, unit_id: str) -> dict:
+    """The artifact's capsule record of ``unit_id`` (a docker capsule)."""
+    cap = next(c for c in artifact["capsule"]["units"] if c["unit"] == unit_id)
+    if cap["layout"] != "docker":
+        raise ColdSnapError(f"unit {unit_id}: the capsule is an {cap['layout']} capsule, runtime docker needs a "
+                            "docker image", fix="restore with launch.runtime 'host', or recapture with runtime docker")
+    return cap
+
+
+def capsule_image(artifact: dict, unit_id: str, *, client: Any = None) -> tuple[Any, str]:
+    """The local capsule image of ``unit_id`` (verified id and labels) and its state target."""
+    client = _client(client)
+    cap = capsule_entry(artifact, unit_id)
+    details = inspect_capsule(CapsuleRef.from_dict(cap), verify=True, client=client)
+    target = details.get("state_target") or ""
+    if not target.startswith("/"):
+        raise ColdSnapError(f"capsule {cap['image_id']} of unit {unit_id} does not record its state path",
+                            fix="recapture with this version of ColdSnap")
+    return client.images.get(cap["image_id"]), target
+
+
+def captured_evidence(image_id: str, state_target: str, *, client: Any = None) -> dict:
+    """The capture evidence inside a capsule image (read from a created, never started, container)."""
+    client = _client(client)
+    container = docker_unit.create_container(client, image_id, ["true"], network_mode="none",
+                                             labels={docker_unit.LABEL_ROLE: "capsule-read"})
+    try:
+        stream, _stat = container.get_archive(f"{state_target.rstrip('/')}/{EVIDENCE}")
+        data = b"".join(stream)
+    finally:
+        with contextlib.suppress(Exception):
+            container.remove(force=True)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        member = next((m for m in tar.getmembers() if m.isreg()), None)
+        if member is None:
+            raise ColdSnapError(f"capsule {image_id} holds no capture evidence at {state_target}",
+                                fix="recapture; this is not a ColdSnap unit capsule")
+        return json.loads(tar.extractfile(member).read())
+
+
+def capsule_criu_check(image_id: str, *, client: Any = None) -> dict:
+    """Run the capsule's own CRIU (``criu check``) on this host, inside a rank-privileged container."""
+    client = _client(client)
+    policy = docker_unit.privilege_policy(client, probe_image=image_id)
+    container = docker_unit.create_container(
+        client, image_id, ["sh", "-c", "criu --version; criu check"], network_mode="none",
+        labels={docker_unit.LABEL_ROLE: "criu-check"}, **docker_unit.docker_kwargs(policy))
+    try:
+        container.start()
+        code = int(container.wait(timeout=300).get("StatusCode", -1))
+        out = container.logs(stdout=True, stderr=True).decode("utf-8", "replace")
+    finally:
+        with contextlib.suppress(Exception):
+            container.remove(force=True)
+    version = next((ln.split(":", 1)[1].strip() for ln in out.splitlines() if ln.startswith("Version:")), None)
+    return {"installed": version is not None, "version": version, "check": code == 0 and "Looks good" in out,
+            "check_output": out[-1000:]}
+
+
+# ----------------------------------------------------------------------------- mounts
+
+def _covered(path: str, targets: list[str]) -> bool:
+    return any(path == t or path.startswith(t.rstrip("/") + "/") for t in targets)
+
+
+def model_mounts(request: dict, unit: dict) -> list[dict]:
+    """The unit's request mounts (model mounts read-only), plus the recovery source when no mount covers it."""
+    src = model_dir(request)
+    out = []
+    for m in unit.get("mounts", []):
+        holds_model = src is not None and (_covered(src, [m["target"]]) or _covered(m["target"], [src]))
+        if holds_model and not m.get("read_only", True):
+            raise ColdSnapError(f"unit {unit['id']}: model mount {m['source']} -> {m['target']} is writable",
+                                fix="mount model inputs read-only (read_only: true)")
+        kind = "model" if m.get("read_only", True) else "other"
+        out.append({"source": m["source"], "target": m["target"], "read_only": bool(m.get("read_only", True)),
+                    "kind": kind})
+    if src is not None and not _covered(src, [m["target"] for m in out]) and os.path.isdir(src):
+        out.append({"source": src, "target": src, "read_only": True, "kind": "model"})
+    return out
+
+
+def _state_mount(path: Path, *, read_only: bool = False) -> dict:
+    return {"source": str(path), "target": str(path), "read_only": read_only,
+            "kind": "other" if read_only else "state"}
+
+
+def _unit_mounts(request: dict, spec: UnitSpec, *, state_root: Path, activation_digest: str, run_dir: Path,
+                 bind_unit_dir: bool) -> list[dict]:
+    mounts = [docker_unit.activation_mount(state_root, activation_digest), *model_mounts(request, spec.unit)]
+    paths = [Path(spec.workload_dir), StateLayout(state_root).payloads, run_dir]
+    if bind_unit_dir:
+        paths.insert(0, Path(spec.unit_dir))
+    for p in paths:
+        p.mkdir(parents=True, exist_ok=True, mode=0o700)
+        mounts.append(_state_mount(p))
+    endpoint = (spec.coordinator or {}).get("endpoint_file")
+    if endpoint:
+        if not os.path.exists(endpoint):
+            raise ColdSnapError(f"coordinator endpoint {endpoint} is missing", fix="start the coordinator first")
+        mounts.append(_state_mount(Path(endpoint), read_only=True))
+    return mounts
+
+
+def docker_spec(spec: UnitSpec, *, unit_dir: str | None = None, supervise: bool = False) -> UnitSpec:
+    """A host-built unit spec made valid inside the rank container.
+
+    The container's Python and CRIU are the image's; GPUs handed to the
+    container by ordinal appear inside it as 0..n-1.
+    """
+    unit = {**spec.unit, "devices": list(range(len(spec.unit.get("devices", []))))}
+    return spec.replace(python=DOCKER_PYTHON, criu_binary=None, supervise=supervise, unit=unit,
+                        unit_dir=unit_dir if unit_dir is not None else spec.unit_dir)
+
+
+# ----------------------------------------------------------------------------- running rank containers
+
+def _write_spec(run_dir: Path, spec: UnitSpec) -> tuple[Path, Path]:
+    spec = spec.replace(t0_ns=time.monotonic_ns())
+    spec_path = run_dir / f"spec-{spec.operation}-{spec.unit_id}.json"
+    ev_path = run_dir / f"evidence-{spec.operation}-{spec.unit_id}.json"
+    ev_path.unlink(missing_ok=True)
+    atomic_write_json(spec_path, spec.to_json(), mode=0o600)
+    return spec_path, ev_path
+
+
+def _controller_argv(operation: str, spec_path: Path, ev_path: Path, *, raise_pids: bool) -> list[str]:
+    argv = [DOCKER_PYTHON, "-m", "coldsnap_activation", operation, "--spec", str(spec_path),
+            "--evidence", str(ev_path)]
+    if not raise_pids:
+        return argv
+    # The controller stays PID 1 (exec); everything it starts, the engine included, gets an id above the floor.
+    return ["/bin/sh", "-c", f'echo {PID_FLOOR - 1} > /proc/sys/kernel/ns_last_pid && exec "$@"',
+            "coldsnap-rank", *argv]
+
+
+def _read_evidence(ev_path: Path, uid: str, log_text: str, code: int | None) -> dict:
+    return read_evidence(ev_path, uid, log_text, code, who="rank container")
+
+
+def _logs(container: Any) -> str:
+    try:
+        return container.logs(stdout=True, stderr=True).decode("utf-8", "replace")
+    except Exception as exc:  # a removed container has no logs; say so instead of failing the report
+        return f"(no logs: {exc})"
+
+
+_raise_failures = raise_failures
+
+
+def _canonical_container(request: dict, unit_id: str, *, client: Any) -> Any | None:
+    docker = dockerapi.docker_module()
+    name = canonical_name(request, unit_id)
+    try:
+        c = client.containers.get(name)
+    except docker.errors.NotFound:
+        return None
+    if LABEL_UNIT not in (c.labels or {}):
+        raise AdmissionError(f"a container named {name!r} exists and is not a ColdSnap unit container",
+                             fix="rename or remove it; ColdSnap only replaces its own containers")
+    return c
+
+
+def _exists(client: Any, cid: str) -> bool:
+    docker = dockerapi.docker_module()
+    try:
+        client.containers.get(cid)
+        return True
+    except docker.errors.NotFound:
+        return False
+
+
+class DockerRuntime(UnitRuntime):
+    """Units as rank containers (one per unit, PID 1 = the activation runtime)."""
+
+    name = "docker"
+
+    def __init__(self, request: dict, *, client: Any = None, **kwargs: Any) -> None:
+        super().__init__(request, **kwargs)
+        self._client = client
+        self.owner = parse_owner(self.owner)
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = _client()
+        return self._client
+
+    @property
+    def run_dir(self) -> Path:
+        """Spec, evidence and log files of this operation's rank containers (bound into them)."""
+        return self.layout.unit_runs(self.request["id"])
+
+    # ------------------------------------------------------------ running units
+    def capture(self, specs: list[UnitSpec], *, timeout: float = 3600) -> list[dict]:
+        """Capture every spec's unit in its own rank container; return the evidence in order."""
+        client, request, run_dir = self.client, self.request, self.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        units = {u["id"]: u for u in request["launch"]["units"]}
+        started: list[tuple[UnitSpec, Any, Path]] = []
+        owned = _owned_paths(request, specs, state_root=self.state_root, run_dir=run_dir, capture=True)
+        try:
+            for host_spec in specs:
+                uid = host_spec.unit_id
+                spec = docker_spec(host_spec)
+                spec_path, ev_path = _write_spec(run_dir, spec)
+                mounts = _unit_mounts(request, spec, state_root=self.state_root,
+                                      activation_digest=self.activation_digest, run_dir=run_dir, bind_unit_dir=True)
+                labels = docker_unit.unit_labels(capture_id=spec.capture_id, unit=uid, operation_id=request["id"],
+                                                 recipe=request["workload"]["recipe"],
+                                                 log_path=Path(spec.workload_dir) / "target.log",
+                                                 extra={"org.coldsnap.phase": "capture"})
+                container = docker_unit.run_unit_container(
+                    image=units[uid]["image"], name=capture_container_name(request["workload"]["recipe"], uid),
+                    command=_controller_argv("capture", spec_path, ev_path, raise_pids=True),
+                    mounts=mounts, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET}, labels=labels,
+                    client=client, replace=True, gpus=[str(d) for d in units[uid].get("devices", [])] or None)
+                started.append((spec, container, ev_path))
+            results: list[dict] = [{} for _unit in started]
+
+            def wait(i: int, spec: UnitSpec, container: Any, ev_path: Path) -> None:
+                code = None
+                try:
+                    code = docker_unit.wait_unit(container, timeout=timeout)
+                except UnitError:
+                    docker_unit.stop_unit(container, timeout=5)
+                text = _logs(container)
+                (run_dir / f"activation-capture-{spec.unit_id}.log").write_text(text)
+                results[i] = _read_evidence(ev_path, spec.unit_id, text, code)
+
+            run_concurrently(wait, [(i, *x) for i, x in enumerate(started)])
+            raise_failures(results)
+            return results
+        finally:
+            for _spec, container, _ev in started:
+                docker_unit.remove_unit(container)
+            normalize_ownership(owned, state_root=self.state_root, owner=self.owner, client=client)
+
+    def restore(self, artifact: dict, specs: list[UnitSpec], *, timeout: float = 3600) -> list[dict]:
+        """Restore every spec's unit in a fresh container from its capsule image, under the canonical name.
+
+        Returns once every unit's rank controller reported (the containers keep
+        running their restored engines). A unit that failed leaves no container.
+        """
+        client, request, run_dir = self.client, self.request, self.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        units = {u["id"]: u for u in request["launch"]["units"]}
+        started: list[tuple[UnitSpec, Any, Path]] = []
+        owned = _owned_paths(request, specs, state_root=self.state_root, run_dir=run_dir, capture=False)
+        try:
+            for host_spec in specs:
+                uid = host_spec.unit_id
+                image, target = capsule_image(artifact, uid, client=client)
+                spec = docker_spec(host_spec, unit_dir=target, supervise=True)
+                spec_path, ev_path = _write_spec(run_dir, spec)
+                mounts = _unit_mounts(request, spec, state_root=self.state_root,
+                                      activation_digest=self.activation_digest, run_dir=run_dir, bind_unit_dir=False)
+                labels = docker_unit.unit_labels(capture_id=artifact["capture_id"], unit=uid,
+                                                 operation_id=request["id"], recipe=request["workload"]["recipe"],
+                                                 log_path=Path(spec.workload_dir) / "target.log")
+                container = docker_unit.run_unit_container(
+                    image=image.id, name=canonical_name(request, uid),
+                    command=_controller_argv(spec.operation, spec_path, ev_path, raise_pids=False),
+                    mounts=mounts, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET}, labels=labels,
+                    client=client, replace=True, gpus=[str(d) for d in units[uid].get("devices", [])] or None)
+                started.append((spec, container, ev_path))
+            results: list[dict] = [{} for _unit in started]
+
+            def wait(i: int, spec: UnitSpec, container: Any, ev_path: Path) -> None:
+                deadline = time.monotonic() + timeout
+                code = None
+                while not ev_path.exists():
+                    container.reload()
+                    if container.status in ("exited", "dead"):
+                        code = int(container.attrs.get("State", {}).get("ExitCode", -1))
+                        # The controller writes evidence before it exits; give a late write a moment.
+                        time.sleep(0.2)
+                        break
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.02)
+                text = _logs(container)
+                (run_dir / f"activation-{spec.operation}-{spec.unit_id}.log").write_text(text)
+                results[i] = _read_evidence(ev_path, spec.unit_id, text, code)
+
+            run_concurrently(wait, [(i, *x) for i, x in enumerate(started)])
+            raise_failures(results)
+            return results
+        except BaseException:
+            # Never leave a half-restored unit under the canonical name.
+            for _spec, container, _ev in started:
+                docker_unit.remove_unit(container)
+            raise
+        finally:
+            normalize_ownership(owned, state_root=self.state_root, owner=self.owner, client=client)
+
+    def lifecycle(self, specs: list[UnitSpec]) -> list[dict]:
+        """Run a lifecycle operation (status, sleep, wake, finish-warm) inside each unit's running container."""
+        client, request = self.client, self.request
+        docker = dockerapi.docker_module()
+        results: list[dict] = [{} for _spec in specs]
+        owned: list[Path] = []
+
+        def one(i: int, spec: UnitSpec) -> None:
+            uid = spec.unit_id
+            try:
+                container = client.containers.get(canonical_name(request, uid))
+            except docker.errors.NotFound:
+                results[i] = {"ok": True, "unit": uid, "workers": [], "state": "absent", "changed": False}
+                return
+            if container.status != "running":
+                results[i] = {"ok": True, "unit": uid, "workers": [], "state": "absent", "changed": False}
+                return
+            target = container.labels.get(LABEL_STATE_TARGET) or \
+                (container.image.labels or {}).get(LABEL_STATE_TARGET)
+            s = docker_spec(spec, unit_dir=target or spec.unit_dir)
+            # The workload directory is the one state path the running container has bound read-write.
+            where = Path(s.workload_dir) / ".coldsnap"
+            where.mkdir(mode=0o700, exist_ok=True)
+            owned.append(where)
+            spec_path, ev_path = _write_spec(where, s)
+            argv = [DOCKER_PYTHON, "-m", "coldsnap_activation", s.operation, "--spec", str(spec_path),
+                    "--evidence", str(ev_path)]
+            code, out = container.exec_run(argv, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET},
+                                           user="0", stdout=True, stderr=True)
+            results[i] = _read_evidence(ev_path, uid, (out or b"").decode("utf-8", "replace"), code)
+
+        try:
+            run_concurrently(one, list(enumerate(specs)))
+        finally:
+            if self.owner is not None:
+                docker_unit.chown_state_paths(owned, self.owner.uid, self.owner.gid, client=client)
+        raise_failures(results)
+        return results
+
+    def capture_running(self, specs: list[UnitSpec]) -> list[dict]:
+        raise ColdSnapError("target-local overlays are captured from runtime 'host' units only: a docker unit's "
+                            "running rank container has no writable capture directory for an in-place dump",
+                            fix="restore without -e coldsnap_capture_overlay (the portable artifact is used)")
+
+    # ------------------------------------------------------------------ restore
+    def check_environment(self, units: list[dict]) -> None:
+        """The unit's userspace is its image (digest-pinned in the request): nothing to check here."""
+
+    def prepare(self, artifact: dict, *, facts: dict, check_mode: bool) -> tuple[list[dict], bool]:
+        """Everything a docker restore needs on this host, checked before anything is evicted.
+
+        Per unit: the assigned capsule image is here and is the recorded one; its
+        own CRIU passes ``criu check`` on this kernel (admission uses that CRIU,
+        not the host's); the captured listening ports are free unless this
+        workload's canonical container holds them (it is evicted later); a
+        container of that name that ColdSnap does not own stops the restore.
+        """
+        client = self.client
+        plans = []
+        moves = GpuMoves(artifact, facts)
+        captured_units = {u["id"]: u for u in artifact["launch"]["units"]}
+        for u in units_on_host(self.request, self.host):
+            image, target = capsule_image(artifact, u["id"], client=client)
+            captured_root = target.split("/captures/", 1)[0]
+            if captured_root != str(self.state_root):
+                # The process reopens its files (the workload log among them) at their captured paths.
+                raise AdmissionError(f"unit {u['id']} was captured with state root {captured_root}, this host uses "
+                                     f"{self.state_root}", fix=f"restore with coldsnap_state_root {captured_root} (the "
+                                                               "state root is the same path on every host of a workload)")
+            criu = capsule_criu_check(image.id, client=client)
+            adm = admit_unit(artifact=artifact, unit_id=u["id"], facts={**facts, "criu": criu}, devices=u["devices"],
+                             host=self.host)
+            captured = captured_evidence(image.id, target, client=client)
+            moves.add(u, captured, captured_units[u["id"]])
+            running = _canonical_container(self.request, u["id"], client=client)
+            if running is None or running.status != "running":
+                for w in captured["workers"]:
+                    ports.require_ports_free([tuple(x) for x in w["listeners"]], unit=u["id"])
+            plans.append({"unit": u["id"], "admission": {**adm, "criu": criu["version"]}, "image": image.id,
+                          "state_target": target, "container": running.name if running is not None else None})
+        moves.admit(self.host)
+        return plans, False
+
+    def evict(self, *, check_mode: bool) -> list[dict]:
+        """Remove this workload's canonical unit containers on this host (the engines die with them)."""
+        client = self.client
+        stopped = []
+        for u in units_on_host(self.request, self.host):
+            c = _canonical_container(self.request, u["id"], client=client)
+            if c is None:
+                continue
+            stopped.append({"unit": u["id"], "container": c.name, "status": c.status})
+            if check_mode:
+                continue
+            c.remove(force=True)
+            # Wait until it is gone: its listening ports must be free for the restore.
+            deadline = time.monotonic() + 60
+            while _exists(client, c.id):
+                if time.monotonic() > deadline:
+                    raise ColdSnapError(f"container {c.name} was removed but is still listed after 60 s",
+                                        fix="check dockerd's health")
+                time.sleep(0.05)
+        return stopped
+
+
+# ----------------------------------------------------------------------------- ownership
+
+def _owned_paths(request: dict, specs: list[UnitSpec], *, state_root: Path, run_dir: Path,
+                 capture: bool) -> list[Path]:
+    """The exact state paths a rank container writes (created now, so they exist with the module's owner)."""
+    layout = StateLayout(state_root)
+    paths: list[Path] = [run_dir]
+    for s in specs:
+        wdir = Path(s.workload_dir)
+        wdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        paths.append(wdir.parent)  # workloads/<recipe>: the unit directories and the recipe directory itself
+        if capture:
+            Path(s.unit_dir).mkdir(parents=True, exist_ok=True, mode=0o700)
+            paths.append(layout.capture(s.capture_id))
+    root = layout.payloads
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    paths.append(root)
+    out: list[Path] = []
+    for p in paths:
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def normalize_ownership(paths: list[Path], *, state_root: Path, owner: Owner | None, client: Any = None) -> dict:
+    """Give ``paths`` to ``owner`` (keeping mode bits); keep model packs' validation records valid.
+
+    A pack's record binds its ctime, which chown changes. For each pack being
+    handed over whose record is valid right now, the record is re-written for
+    the new identity while the digest's lock is held across the chown, so the
+    next verification does not re-hash a pack whose bytes nothing touched.
+    (A verifier that runs as another user than the record's owner, other than
+    root, still re-hashes: records are trusted only from the verifier's user or root.)
+    """
+    if owner is None:
+        return {"changed": 0, "paths": []}
+    cache = NodeCache(state_root)
+    existing = [p for p in paths if os.path.lexists(p)]
+    if cache.locks.is_dir():
+        # The lock files first: the settle below must be able to open them as the owner.
+        docker_unit.chown_state_paths([cache.locks], owner.uid, owner.gid, client=client)
+    settle: list[tuple[Path, str, int, records.FileIdentity, str]] = []
+    with contextlib.ExitStack() as stack:
+        if cache.objects.is_dir() and cache.root in [Path(p) for p in existing]:
+            for pack in sorted(cache.objects.glob("*.pack")):
+                st = os.lstat(pack)
+                if (st.st_uid, st.st_gid) == (owner.uid, owner.gid) or not pack.is_file():
+                    continue
+                hexd = pack.name[:-5]
+                try:
+                    stack.enter_context(cache.lock(f"sha256:{hexd}", timeout=60))
+                except ColdSnapError:
+                    continue  # busy: it is re-hashed on its next verification instead
+                ident = records.FileIdentity.of(os.lstat(pack))
+                rec = records.record_path_for(pack)
+                if records.check_record(rec, hexd, ident.st_size, ident).valid:
+                    try:
+                        method = json.loads(rec.read_text()).get("method", "full-sha256")
+                    except (OSError, ValueError):
+                        continue
+                    settle.append((pack, hexd, ident.st_size, ident, method))
+        result = docker_unit.chown_state_paths(existing, owner.uid, owner.gid, client=client)
+        for pack, hexd, size, before, method in settle:
+            fd = os.open(pack, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                now = records.FileIdentity.of_fd(fd)
+                same = (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) == \
+                       (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns)
+                if not same:
+                    continue
+                # A record taken within a timestamp tick of the change would be racy: wait it out.
+                tick = records.timestamp_tick_ns(now)
+                while time.time_ns() - now.last_change_ns() < tick:
+                    time.sleep(tick / 1e9)
+                observed = time.time_ns()
+                if records.FileIdentity.of_fd(fd) != now:
+                    continue
+                rec = records.record_path_for(pack)
+                records.write_record(rec, hexd, size, now, observed, method=method)
+                if os.geteuid() == 0:
+                    os.lchown(rec, owner.uid, owner.gid)
+            finally:
+                os.close(fd)
+    return result

@@ -1,0 +1,189 @@
+"""Runtime ``host``: the activation runtime runs as a process with the host's Python.
+
+A restored engine keeps its captured pids (CRIU restores them in the host's pid
+namespace) and is kept by a subreaper, the unit keeper. The unit's userspace is
+pinned by ``environment_digest`` (the installed Python environment).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import CapsuleRef, extract_capsule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (
+    EVIDENCE_FILE,
+    UnitSpec,
+    load_evidence,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_client import engine_answers
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage, environment
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuMoves, admit_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
+    UnitRuntime,
+    raise_failures,
+    read_evidence,
+    run_concurrently,
+)
+
+
+class HostRuntime(UnitRuntime):
+    """Units as host processes."""
+
+    name = "host"
+    captures_in_place = True
+
+    # ------------------------------------------------------------ running units
+    def run(self, specs: list[UnitSpec], *, timeout: float = 3600) -> list[dict]:
+        return run_units(specs, state_root=self.state_root, activation_digest=self.activation_digest,
+                         timeout=timeout)
+
+    def capture(self, specs: list[UnitSpec]) -> list[dict]:
+        return self.run(specs)
+
+    def capture_running(self, specs: list[UnitSpec]) -> list[dict]:
+        return self.run(specs)
+
+    def restore(self, artifact: dict, specs: list[UnitSpec]) -> list[dict]:
+        return self.run(specs)
+
+    def lifecycle(self, specs: list[UnitSpec]) -> list[dict]:
+        return self.run(specs)
+
+    # ------------------------------------------------------------------ restore
+    def check_environment(self, units: list[dict]) -> None:
+        """Every unit's Python environment must be the pinned one."""
+        for u in units:
+            environment.require(u["environment_digest"], self.python or sys.executable, unit=u["id"], host=self.host)
+
+    def ensure_unit_state(self, artifact: dict, unit_id: str, *, check_mode: bool) -> tuple[Path, bool]:
+        """Make the unit's captured state available (extract its capsule when needed)."""
+        path = self.unit_dir(artifact, unit_id)
+        if (path / EVIDENCE_FILE).exists():
+            return path, False
+        cap = next(c for c in artifact["capsule"]["units"] if c["unit"] == unit_id)
+        if check_mode:
+            return path, True
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        extract_capsule(CapsuleRef.from_dict(cap), tmp, replace=True)
+        if not (tmp / EVIDENCE_FILE).exists():
+            raise ColdSnapError(f"capsule {cap['image_id']} of unit {unit_id} holds no captured state",
+                                fix="recapture; the capsule is not a ColdSnap unit capsule")
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.rename(tmp, path)
+        return path, True
+
+    def prepare(self, artifact: dict, *, facts: dict, check_mode: bool) -> tuple[list[dict], bool]:
+        units = units_on_host(self.request, self.host)
+        captured_units = {u["id"]: u for u in artifact["launch"]["units"]}
+        self.check_environment([captured_units[u["id"]] for u in units])
+        plans = []
+        changed = False
+        moves = GpuMoves(artifact, facts)
+        for u in units:
+            adm = admit_unit(artifact=artifact, unit_id=u["id"], facts=facts, devices=u["devices"], host=self.host)
+            path, extracted = self.ensure_unit_state(artifact, u["id"], check_mode=check_mode)
+            changed |= extracted
+            if not check_mode:
+                captured = load_evidence(path / EVIDENCE_FILE)
+                moves.add(u, captured, captured_units[u["id"]])
+                running = self.running_pid(u["id"])
+                for w in captured["workers"]:
+                    # The workload being replaced is evicted later; its own ports/pids don't count.
+                    if running and running == w["pid"]:
+                        continue
+                    ports.require_pids_free([w["pid"], *w["tids"]], unit=u["id"])
+                    if not running:
+                        ports.require_ports_free([tuple(x) for x in w["listeners"]], unit=u["id"])
+            plans.append({"unit": u["id"], "admission": adm, "unit_dir": str(path)})
+        moves.admit(self.host)
+        return plans, changed
+
+    def running_pid(self, unit_id: str) -> int | None:
+        """The pid of this workload's engine running on the host, if any (proven through its control API)."""
+        wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
+        for f in sorted(wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*"))):
+            try:
+                info = ec.ControlInfo.load(f)
+            except (OSError, ValueError):
+                continue
+            if engine_answers(info):
+                return info.pid
+        return None
+
+    def evict(self, *, check_mode: bool) -> list[dict]:
+        """SIGKILL this workload's engines and wait until their pids are free again."""
+        stopped = []
+        for u in units_on_host(self.request, self.host):
+            pid = self.running_pid(u["id"])
+            if pid is None:
+                continue
+            stopped.append({"unit": u["id"], "pid": pid})
+            if check_mode:
+                continue
+            os.kill(pid, signal.SIGKILL)
+            # Wait until the pid is gone, not just dead: the restore needs it free again.
+            deadline = time.monotonic() + 30
+            while Path(f"/proc/{pid}").exists():
+                if time.monotonic() > deadline:
+                    raise ColdSnapError(f"unit {u['id']}: engine pid {pid} was killed but not reaped within 30 s",
+                                        fix="its parent does not reap children; restart the unit's keeper or host init")
+                time.sleep(0.02)
+        return stopped
+
+
+def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_digest: str,
+              timeout: float = 3600) -> list[dict]:
+    """Run the activation runtime for every spec at once as host processes; their evidence in order.
+
+    All units are started before any is awaited (units of one activation meet at
+    coordinator phases). The first failure's message is raised with every unit's.
+    Files go to the operation's run directory (``runs/<operation id>/``).
+    """
+    layout = StateLayout(state_root)
+    adir = activation_stage.require_staged(layout.root, activation_digest)
+    run_dir = layout.run(specs[0].operation_id) if specs else layout.runs
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    procs = []
+    for base in specs:
+        spec = base.replace(t0_ns=time.monotonic_ns())
+        uid = spec.unit_id
+        spec_path = run_dir / f"spec-{spec.operation}-{uid}.json"
+        ev_path = run_dir / f"evidence-{spec.operation}-{uid}.json"
+        log_path = run_dir / f"activation-{spec.operation}-{uid}.log"
+        ev_path.unlink(missing_ok=True)
+        atomic_write_json(spec_path, spec.to_json(), mode=0o600)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(adir)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+        log = open(log_path, "ab")
+        os.fchmod(log.fileno(), 0o600)
+        p = subprocess.Popen([spec.python, "-m", "coldsnap_activation", spec.operation, "--spec", str(spec_path),
+                              "--evidence", str(ev_path)], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                             env=env, cwd="/")
+        procs.append((uid, p, ev_path, log, log_path))
+    results: list[dict] = [{} for _proc in procs]
+
+    def wait(i: int, proc: tuple) -> None:
+        uid, p, ev_path, log, log_path = proc
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        log.close()
+        results[i] = read_evidence(ev_path, uid, log_path.read_text(errors="replace"), p.returncode,
+                                   who="activation runtime")
+
+    run_concurrently(wait, list(enumerate(procs)))
+    raise_failures(results)
+    return results

@@ -1,0 +1,41 @@
+"""Per-host lifecycle steps of running units: status, sleep, wake, finish-warm (convergent)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import build_specs
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import plan_weights
+
+
+def _would_change(action: str, state: str | None) -> bool:
+    return (action == "sleep" and state == "ready") or (action in ("wake", "finish-warm")
+                                                        and state in ("sleeping", "warm"))
+
+
+def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: str, state_root: Path,
+                    activation_digest: str, python: str | None, check_mode: bool) -> dict:
+    """status / sleep / wake / finish-warm of this host's running units (convergent)."""
+    units = units_on_host(request, host)
+    if not units:
+        return {"changed": False, "units": []}
+    runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
+                          python=python)
+    capture_id = artifact["capture_id"] if artifact else request["id"]
+    unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units} if artifact else None
+    weights = plan_weights(request, artifact, host=host, state_root=state_root) if artifact else {}
+    validation = request.get("validation")
+    if validation and artifact:
+        validation = {**validation, "expected": validation.get("expected") or artifact["acceptance"]["reply"]}
+    op = "status" if check_mode else action
+    specs = build_specs(request, host=host, operation=op, capture_id=capture_id, state_root=state_root,
+                        python=python, weights=weights, validation=validation, unit_dirs=unit_dirs)
+    evidence = runtime.lifecycle(specs)
+    if check_mode:
+        would = any(_would_change(action, w.get("state")) for e in evidence for w in e.get("workers", []))
+        return {"changed": would, "units": [public(e) for e in evidence]}
+    return {"changed": any(e.get("changed") for e in evidence), "units": [public(e) for e in evidence],
+            "coldsnap_timing": timing_of(evidence)}

@@ -1,0 +1,56 @@
+"""Per-host restore steps: ``prepare_restore`` decides, without touching the running workload,
+whether this host can restore its units; ``evict`` stops the running workload (only after
+prepare passed everywhere); ``restore_units`` activates the units from their captured state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import build_specs
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import plan_weights
+
+
+def accepted_validation(request: dict, artifact: dict) -> dict:
+    """The request's validation with the artifact's acceptance reply as the expected one."""
+    return {**request["validation"], "expected": request["validation"].get("expected")
+            or artifact["acceptance"]["reply"]}
+
+
+def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, state_root: Path,
+                    check_mode: bool, python: str | None = None) -> dict:
+    """Everything restore needs on this host, checked without touching the running workload."""
+    runtime = runtime_for(request, host=host, state_root=state_root, python=python)
+    plans, changed = runtime.prepare(artifact, facts=facts, check_mode=check_mode)
+    weights = plan_weights(request, artifact, host=host, state_root=state_root) if plans else {}
+    return {"changed": changed, "units": plans, "weights": weights}
+
+
+def evict(request: dict, *, host: str, state_root: Path, check_mode: bool) -> dict:
+    """Stop the running engines of this workload on this host (after prepare passed everywhere)."""
+    stopped = runtime_for(request, host=host, state_root=state_root).evict(check_mode=check_mode)
+    return {"changed": bool(stopped), "stopped": stopped}
+
+
+def restore_units(request: dict, artifact: dict, *, host: str, state_root: Path, activation_digest: str,
+                  coordinator_endpoint: str | None, python: str | None, warm: bool,
+                  check_mode: bool, timeouts: dict | None = None, owner: dict | str | None = None) -> dict:
+    """Activate this host's units from their captured state."""
+    units = units_on_host(request, host)
+    if not units:
+        return {"changed": False, "units": []}
+    if check_mode:
+        return {"changed": True, "units": [], "msg": f"would restore {len(units)} unit(s) on {host}"}
+    runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
+                          python=python, owner=owner)
+    unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units}
+    specs = build_specs(request, host=host, operation="warm" if warm else "restore",
+                        capture_id=artifact["capture_id"], state_root=state_root, python=python,
+                        coordinator_endpoint=coordinator_endpoint,
+                        weights=plan_weights(request, artifact, host=host, state_root=state_root),
+                        validation=accepted_validation(request, artifact), unit_dirs=unit_dirs, warm=warm,
+                        timeouts=timeouts)
+    evidence = runtime.restore(artifact, specs)
+    return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence)}

@@ -1,0 +1,116 @@
+"""How this host's launch units run: one interface, two runtimes, chosen once per request.
+
+* :class:`~.host_runtime.HostRuntime` (``launch.runtime: host``): the activation
+  runtime is a process with the host's Python; restored engines are kept by a
+  subreaper (the unit keeper);
+* :class:`~.docker_runtime.DockerRuntime` (``launch.runtime: docker``): it runs
+  as PID 1 of the unit's rank container, from the unit's image at capture and
+  from its capsule image at restore.
+
+:func:`.runtimes.runtime_for` picks one; the per-operation steps (:mod:`.capture`,
+:mod:`.restore`, :mod:`.lifecycle`) build unit specs and call it, never asking
+which runtime it is.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, UnitSpec
+
+
+def run_concurrently(target, arg_tuples: list[tuple]) -> None:
+    """Call ``target(*args)`` for every tuple at once (one thread each) and wait for all of them.
+
+    The units of one activation meet at coordinator phases, so they must run side by side;
+    ``target`` records its own result or failure.
+    """
+    threads = [threading.Thread(target=target, args=args) for args in arg_tuples]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def read_evidence(ev_path: Path, uid: str, output: str, code: int | None, *, who: str) -> dict:
+    """The evidence a unit's activation runtime wrote, or a failure naming its last output."""
+    try:
+        return json.loads(Path(ev_path).read_text())
+    except (OSError, ValueError):
+        status = f"exited {code}" if code is not None else "stopped"
+        return {"ok": False, "unit": uid, "error": f"{who} {status} without evidence; its output:\n{output[-2000:]}"}
+
+
+def raise_failures(results: list[dict]) -> None:
+    """Raise one UnitError naming every failed unit, the root cause first."""
+    failed = [r for r in results if not r.get("ok")]
+    if failed:
+        # Prefer the root cause over "stopped because another unit failed".
+        failed.sort(key=lambda r: "another unit failed" in r.get("error", ""))
+        msg = "; ".join(f"unit {r.get('unit')}: {r.get('error')}" for r in failed)
+        raise UnitError(msg, details={"evidence": results})
+
+
+class UnitRuntime(ABC):
+    """The runtime of one request's units on one host."""
+
+    name: str = ""
+    #: Whether a running unit can be captured in place (target-local overlays).
+    captures_in_place: bool = False
+
+    def __init__(self, request: dict, *, host: str, state_root: Path | str, activation_digest: str | None = None,
+                 python: str | None = None, owner: Any = None) -> None:
+        self.request = request
+        self.host = host
+        self.layout = StateLayout(state_root)
+        self.state_root = self.layout.root
+        self.activation_digest = activation_digest
+        self.python = python
+        self.owner = owner
+
+    # --------------------------------------------------------- running units
+    @abstractmethod
+    def capture(self, specs: list[UnitSpec]) -> list[dict]:
+        """Start and capture every spec's unit; evidence in order."""
+
+    @abstractmethod
+    def restore(self, artifact: dict, specs: list[UnitSpec]) -> list[dict]:
+        """Restore every spec's unit from its captured state; evidence in order."""
+
+    @abstractmethod
+    def lifecycle(self, specs: list[UnitSpec]) -> list[dict]:
+        """status / sleep / wake / finish-warm / stop inside each running unit."""
+
+    def capture_running(self, specs: list[UnitSpec]) -> list[dict]:
+        """Capture running units in place (target-local overlay)."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- restore
+    @abstractmethod
+    def check_environment(self, units: list[dict]) -> None:
+        """The units' userspace is the pinned one (runtime host: the environment digest)."""
+
+    def unit_dir(self, artifact: dict, unit_id: str) -> Path:
+        """Where the unit's captured state is on this host: the capture host still has its capture
+        directory; elsewhere the capsule's state is extracted into a directory keyed by its digest
+        (a docker unit's container sees it at the state target its capsule image records)."""
+        cap = next(c for c in artifact["capsule"]["units"] if c["unit"] == unit_id)
+        local = self.layout.capture_unit(artifact["capture_id"], unit_id)
+        if (local / EVIDENCE_FILE).exists():
+            return local
+        return self.layout.extracted_capsule(cap["image_id"])
+
+    @abstractmethod
+    def prepare(self, artifact: dict, *, facts: dict, check_mode: bool) -> tuple[list[dict], bool]:
+        """Admission, capture state, pids and ports of every unit on this host, with the running
+        workload untouched; (per-unit plans, whether anything was changed on disk)."""
+
+    @abstractmethod
+    def evict(self, *, check_mode: bool) -> list[dict]:
+        """Stop this workload's running units on this host; what was stopped."""
