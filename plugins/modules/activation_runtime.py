@@ -67,6 +67,7 @@ from pathlib import Path
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
 
 
@@ -75,7 +76,7 @@ def main() -> None:
         argument_spec=dict(
             src=dict(type="path", required=True),
             digest=dict(type="str"),
-            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            state_root=dict(STATE_ROOT_ARG),
         ),
         supports_check_mode=True,
     )

@@ -93,10 +93,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.commit im
     by_unit,
     commit_artifact,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
-    checked_request,
-    run_guarded,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 
 
 def main() -> None:
@@ -114,7 +112,7 @@ def main() -> None:
     p = module.params
 
     def run() -> dict:
-        req = checked_request(p["request"])
+        req = validate_request(p["request"], document="request (module option)")
         evidence, facts, capsules = by_unit(req, p["evidence"], p["facts"], p["capsules"])
         art = build_artifact(req, capture_id=p["capture_id"] or req["id"], evidence=evidence, facts=facts,
                              capsules=capsules, activation_digest=p["activation_digest"])

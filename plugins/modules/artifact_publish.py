@@ -113,10 +113,8 @@ from pathlib import Path
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts import publication
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
-    checked_request,
-    run_guarded,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 
 
 def main() -> None:
@@ -139,7 +137,7 @@ def main() -> None:
 
     def run() -> dict:
         if p["state"] == "verified":
-            req = checked_request(p["request"]) if p["request"] else None
+            req = validate_request(p["request"], document="request (module option)") if p["request"] else None
             art, digest = publication.load_source(Path(p["source"]), expected_sha256=p["source_sha256"],
                                                   request=req)
             return {"changed": False, "path": p["source"], "sha256": digest, "artifact": art,

@@ -19,7 +19,7 @@ description:
   - O(state=promoted) stores the descriptor at O(artifact_path) as a new generation and points C(current) at it
     (an already stored descriptor is pointed at again - a rollback - or left alone when it is current), then
     prunes generations beyond the retention. It returns the host-local artifacts the pruned generations alone
-    referenced (RV(cleanup)) for M(coldsnap.fleet.local_artifacts).
+    referenced (RV(cleanup)) for M(coldsnap.fleet.artifact_leftovers).
   - O(state=absent) removes every stored descriptor (generations, overlays, and the committed output
     descriptors they were promoted from) of the request's recipe and snapshot driver, plus the descriptor at
     O(artifact_path) when it exists, and returns what to remove on the hosts and which payloads other retained
@@ -175,17 +175,16 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store imp
     identity_info_of,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
-    checked_request,
-    run_guarded,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 
 
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
             state=dict(type="str", default="query", choices=["promoted", "absent", "query", "overlay"]),
-            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            state_root=dict(STATE_ROOT_ARG),
             request=dict(type="dict", required=True),
             artifact_path=dict(type="path"),
             retention=dict(type="int"),
@@ -207,7 +206,7 @@ def main() -> None:
     store = ArtifactStore(Path(p["state_root"]))
 
     def run() -> dict:
-        req = checked_request(p["request"])
+        req = validate_request(p["request"], document="request (module option)")
         state = p["state"]
         if state == "promoted":
             return store.promote(p["artifact_path"], request=req, retention=p["retention"],

@@ -114,6 +114,7 @@ from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import publish
 
@@ -124,7 +125,7 @@ def main() -> None:
             state=dict(type="str", choices=["uploaded", "resolved"], default="uploaded"),
             artifact=dict(type="dict", required=True),
             host=dict(type="str"),
-            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            state_root=dict(STATE_ROOT_ARG),
             repository=dict(type="str", required=True),
             branch=dict(type="str", default="main"),
             create_branch=dict(type="bool", default=True),

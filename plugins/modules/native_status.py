@@ -78,18 +78,17 @@ summary:
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
-    checked_request,
-    run_guarded,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.status import native_status
 
 
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
-            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            state_root=dict(STATE_ROOT_ARG),
             request=dict(type="dict", required=True),
             artifact=dict(type="dict", required=True),
             host=dict(type="str", required=True),
@@ -100,7 +99,7 @@ def main() -> None:
     p = module.params
 
     def run() -> dict:
-        req = checked_request(p["request"])
+        req = validate_request(p["request"], document="request (module option)")
         art = validate_artifact(p["artifact"], document="artifact (module option)")
         return native_status(req, art, host=p["host"], state_root=Path(p["state_root"]), verify=p["verify"],
                              check_mode=module.check_mode)

@@ -100,18 +100,17 @@ coldsnap_timing:
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
-    checked_request,
-    run_guarded,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.capture import capture_running_units
 
 
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
-            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            state_root=dict(STATE_ROOT_ARG),
             request=dict(type="dict", required=True),
             artifact=dict(type="dict", required=True),
             host=dict(type="str", required=True),
@@ -127,7 +126,7 @@ def main() -> None:
     p = module.params
 
     def run() -> dict:
-        req = checked_request(p["request"])
+        req = validate_request(p["request"], document="request (module option)")
         art = validate_artifact(p["artifact"], document="artifact (module option)")
         return capture_running_units(req, art, host=p["host"], capture_id=p["capture_id"],
                                      state_root=Path(p["state_root"]), activation_digest=p["activation_digest"],

@@ -144,13 +144,14 @@ import traceback
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.stage import StageSource, stage_payload
 
 
 def run_module() -> None:
     module = AnsibleModule(
         argument_spec=dict(
-            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            state_root=dict(STATE_ROOT_ARG),
             sha256=dict(type="str", required=True),
             size=dict(type="int", required=True),
             lock_timeout=dict(type="float", default=1800.0),

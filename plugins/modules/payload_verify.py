@@ -104,6 +104,7 @@ import traceback
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
 
@@ -111,7 +112,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier im
 def run_module() -> None:
     module = AnsibleModule(
         argument_spec=dict(
-            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            state_root=dict(STATE_ROOT_ARG),
             sha256=dict(type="str", required=True),
             size=dict(type="int", required=True),
             path=dict(type="path"),

@@ -102,10 +102,9 @@ coldsnap_timing:
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
-    checked_request,
-    run_guarded,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.capture import capture_units
 
 
@@ -118,7 +117,7 @@ def main() -> None:
             activation_digest=dict(type="str", required=True),
             coordinator_endpoint_file=dict(type="path"),
             python=dict(type="path"),
-            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            state_root=dict(STATE_ROOT_ARG),
             timeouts=dict(type="dict", default={}),
             owner=dict(type="raw"),
         ),
@@ -127,7 +126,7 @@ def main() -> None:
     p = module.params
 
     def run() -> dict:
-        req = checked_request(p["request"])
+        req = validate_request(p["request"], document="request (module option)")
         return capture_units(req, host=p["host"], capture_id=p["capture_id"] or req["id"],
                              state_root=Path(p["state_root"]), activation_digest=p["activation_digest"],
                              coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],

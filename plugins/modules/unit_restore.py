@@ -117,11 +117,10 @@ from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
-    checked_request,
-    run_guarded,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import restore as ops
 
 
@@ -136,7 +135,7 @@ def main() -> None:
             activation_digest=dict(type="str"),
             coordinator_endpoint_file=dict(type="path"),
             python=dict(type="path"),
-            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            state_root=dict(STATE_ROOT_ARG),
             warm=dict(type="bool", default=False),
             timeouts=dict(type="dict", default={}),
             owner=dict(type="raw"),
@@ -148,7 +147,7 @@ def main() -> None:
     state_root = Path(p["state_root"])
 
     def run() -> dict:
-        req = checked_request(p["request"])
+        req = validate_request(p["request"], document="request (module option)")
         art = validate_artifact(p["artifact"], document="artifact (module option)")
         if art["identity"] != _identity(req):
             raise ColdSnapError("the request does not describe the captured workload (identity differs)",

@@ -28,6 +28,10 @@ generation's descriptor goes; what it alone referenced on the hosts (capture
 directory, capsules, capture-local payloads) is removed by
 :func:`.cleanup.remove_local`, which never removes a payload that any retained
 generation of any identity still references.
+
+Why one ~560-line unit: every operation on a lineage (promote, prune, delete, list)
+holds the identity lock and relies on the same crash-safety argument above; splitting
+them would spread that argument over several files.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ Two layouts, one content:
   ``<oci_root>/sha256/<manifest hex>/``.
 
 Capture never pushes; :mod:`.publish` does that explicitly later.
+
+Why one ~650-line unit: building, inspecting and extracting a capsule are one contract
+(labels, state target, layer shape) over two layouts (Docker image, OCI layout); keeping
+them together keeps what a build writes and what an extraction trusts side by side.
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_paths import (
+    check_capsule_paths,
+    looks_like_hf_cache,
+)
 
 CAPSULE_FORMAT = "1"
 LAYOUTS = ("docker", "oci-layout")
@@ -65,9 +73,6 @@ EXCLUDED_PATTERNS = ("*.pack", "*.pack.coldsnap-validation.json", "*.pack.part")
 # A derived cache holding these is model data, not a cache seed.
 MODEL_FILE_PATTERNS = ("*.safetensors", "*.pack", "*.bin.index.json", "*.safetensors.index.json")
 # Whole system trees a capsule must never overlay.
-SYSTEM_ROOTS = ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc", "/run", "/sbin", "/sys", "/usr",
-                "/var", "/tmp", "/root", "/home", "/opt", "/opt/coldsnap")
-NO_CAPSULE_UNDER = ("/proc", "/sys", "/dev")
 
 
 @dataclass(frozen=True)
@@ -117,69 +122,6 @@ class CapsuleBuild:
     build_key: str = ""
     dry_run: bool = False
     labels: dict[str, str] = field(default_factory=dict)
-
-
-# ----------------------------------------------------------------------------- path policy
-
-def _norm_abs(path: str, *, what: str) -> str:
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise ColdSnapError(f"{what} {path!r} is not an absolute path", fix="give an absolute path inside the unit")
-    if "\x00" in path or any(p == ".." for p in path.split("/")):
-        raise ColdSnapError(f"{what} {path!r} contains '..' or NUL", fix="give a normalized absolute path")
-    norm = posixpath.normpath(path)
-    return "/" if norm in ("/", "//") else norm
-
-
-def paths_overlap(a: str, b: str) -> bool:
-    """True when one absolute path is the other or lies below it (component-wise)."""
-    a, b = a.rstrip("/") or "/", b.rstrip("/") or "/"
-    if a in (b, "/") or b == "/":
-        return True
-    return a.startswith(b + "/") or b.startswith(a + "/")
-
-
-def looks_like_hf_cache(path: str) -> bool:
-    """Hugging Face hub caches: a 'huggingface' component, HF_HOME-style '.../hub', or 'models--*' dirs."""
-    parts = [p for p in path.split("/") if p]
-    if "huggingface" in parts or (parts and parts[-1] == "hub"):
-        return True
-    return any(p.startswith("models--") or p.startswith("datasets--") for p in parts)
-
-
-def check_capsule_paths(state_target: str, cache_paths: list[str], forbidden_paths: list[str]) -> tuple[str, list[str]]:
-    """Refuse capsule targets that would carry model data or overlay the system; return them normalized.
-
-    ``forbidden_paths`` are the request's mount targets (model mounts, the
-    activation runtime, ...): neither the state nor a cache may overlap one.
-    """
-    state = _norm_abs(state_target, what="capsule state target")
-    forbidden = [_norm_abs(p, what="forbidden path") for p in forbidden_paths]
-    caches: list[str] = []
-    candidates = [(state, "state target")] + [(_norm_abs(c, what="capsule cache path"), "cache path")
-                                              for c in cache_paths]
-    for norm, what in candidates:
-        if norm in SYSTEM_ROOTS or any(paths_overlap(norm, r) for r in NO_CAPSULE_UNDER):
-            raise ColdSnapError(f"capsule {what} {norm!r} would overlay a system directory",
-                                fix="use a dedicated directory such as /var/lib/coldsnap/state or /root/.cache/<engine>")
-        for f in forbidden:
-            if paths_overlap(norm, f):
-                raise ColdSnapError(f"capsule {what} {norm!r} overlaps the unit's mount {f!r}",
-                                    fix="model mounts and other launch mounts never enter a capsule; "
-                                        "remove the path from policy.cache.paths")
-        if what == "cache path":
-            if looks_like_hf_cache(norm):
-                raise ColdSnapError(f"capsule cache path {norm!r} looks like a Hugging Face cache",
-                                    fix="model bytes travel as payloads or pinned snapshots, never inside a capsule; "
-                                        "remove this path from policy.cache.paths")
-            if paths_overlap(norm, state):
-                raise ColdSnapError(f"capsule cache path {norm!r} overlaps the state target {state!r}",
-                                    fix="keep derived caches outside the capture state directory")
-            for other in caches:
-                if paths_overlap(norm, other):
-                    raise ColdSnapError(f"capsule cache paths {other!r} and {norm!r} overlap",
-                                        fix="declare each cache directory once, without nesting")
-            caches.append(norm)
-    return state, caches
 
 
 def _excluded(rel: str) -> bool:

@@ -19,10 +19,3 @@ def run_guarded(module, fn: Callable[[], dict], *, what: str) -> None:
                          exception=traceback.format_exc())
     else:
         module.exit_json(**result)
-
-
-def checked_request(value: dict) -> dict:
-    """Validate the request handed to a module (strict, same rules as the controller)."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
-
-    return validate_request(value, document="request (module option)")

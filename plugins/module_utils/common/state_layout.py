@@ -6,6 +6,7 @@
         model-payloads/sha256/<hex>.pack   node cache (+ .coldsnap-validation.json records)
         model-payloads/incoming/           payloads arriving from another host
         activation-runtime/sha256/<hex>/   staged activation runtimes (content-addressed)
+        activation-runtime/incoming/       the runtime's files as copied, before staging
         captures/<capture id>/units/<unit>/   a unit's captured state
         capsules/oci/                      OCI-layout capsules (runtime host)
         capsules/extracted/<hex>/          capsule state extracted for a restore
@@ -81,6 +82,11 @@ class StateLayout:
 
     def activation_runtime(self, hex_digest: str) -> Path:
         return self.activation_runtimes / hex_digest
+
+    @property
+    def activation_incoming(self) -> Path:
+        """Where the activation runtime's files land before they are staged by digest."""
+        return self.root / ACTIVATION_RUNTIME / "incoming"
 
     # ------------------------------------------------------------ captures
     @property

@@ -36,7 +36,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
 
 # Imported so that Ansible's module packer ships the server's modules with any
 # module that manages the daemon (the packer follows imports).
-from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import server as _server
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import serve as _server
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import (
     CoordinatorClient,
     CoordinatorError,
@@ -57,7 +57,9 @@ SERVER_CODE_MODULES = (
     "formats.strictjson",
     "coord.protocol",
     "coord.endpoint",
+    "coord.kv",
     "coord.server",
+    "coord.serve",
 )
 _LOG_TAIL_LINES = 20
 
@@ -405,7 +407,7 @@ def _collection_root() -> Path | None:
     if root is None:
         return None
     expected = root / "ansible_collections" / "coldsnap" / "fleet" / "plugins" / "module_utils" / "coord"
-    if (expected / "server.py").is_file() and (expected / "protocol.py").is_file():
+    if (expected / "serve.py").is_file() and (expected / "protocol.py").is_file():
         return root
     return None
 

@@ -1,5 +1,8 @@
 """The CSKV v1 coordinator server: one activation's authenticated key-value rendezvous.
 
+This module is the socket loop and the process entry point; what each operation does to
+the keys is :mod:`.kv`.
+
 Design (stdlib only, one thread):
 
 * a ``selectors`` event loop owns every socket and the whole store, so ``add`` and
@@ -32,42 +35,38 @@ every blocked ``get`` with ``internal`` (the key never appeared; the server is
 going away), lets requests already being received finish for up to
 ``shutdown_grace`` seconds, then closes what is left.
 
-Run as a process: ``python -m ansible_collections.coldsnap.fleet.plugins.module_utils.coord.server
---endpoint-file F --scope S [--address A] [--port P]`` (see :func:`main`).
+The process around it (descriptor, signals, daemonizing) is :mod:`.serve`.
+
+Why one ~600-line unit: the loop is one state machine over every connection's phase
+(header, token, body, wait, write, drain), its deadline timers and the slot count; split
+across modules its invariants (a slot per connection, a deadline per phase, no buffer sized
+before authentication) would no longer be visible in one place.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import heapq
 import hmac
 import itertools
-import json
-import os
 import resource
 import selectors
-import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_bytes
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import protocol as p
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint import (
-    EndpointDescriptor,
     check_address,
-    new_token,
-    read_endpoint,
-    write_endpoint,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.kv import (  # noqa: F401 (re-exported)
+    ENTRY_OVERHEAD,
+    KeyValueStore,
 )
 
-ENTRY_OVERHEAD = 64  # bytes charged per stored key on top of its key and value
 DEFAULT_ADDRESS = "127.0.0.1"
 _SCRATCH_SIZE = 64 * 1024
 _LISTEN_BACKLOG = 128
@@ -181,9 +180,7 @@ class CoordinatorServer:
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._accepting = True
         self._conns: set[_Conn] = set()
-        self._waiters: dict[bytes, list[_Conn]] = {}
-        self._store: dict[bytes, bytes] = {}
-        self._stored_bytes = 0
+        self._kv = KeyValueStore(self.limits.max_store_bytes)
         self._inflight = 0
         self._timers: list[tuple[float, int, int, _Conn]] = []
         self._seq = itertools.count()
@@ -221,9 +218,9 @@ class CoordinatorServer:
         return ServerStats(
             connections=len(self._conns),
             peak_connections=self._peak,
-            waiting_gets=sum(len(w) for w in list(self._waiters.values())),  # list(): one atomic copy
-            keys=len(self._store),
-            stored_bytes=self._stored_bytes,
+            waiting_gets=self._kv.waiting,
+            keys=len(self._kv),
+            stored_bytes=self._kv.stored_bytes,
             inflight_bytes=self._inflight,
             requests=self._requests,
             statuses=dict(self._statuses),
@@ -315,10 +312,9 @@ class CoordinatorServer:
             self._sel.unregister(self._listener)
             self._accepting = False
         self._listener.close()  # new clients get "connection refused" at once
-        for waiters in list(self._waiters.values()):
-            for conn in list(waiters):
-                self._unwait(conn)
-                self._reply(conn, p.Status.INTERNAL)
+        for conn in self._kv.take_all_waiters():
+            conn.wait_key = None
+            self._reply(conn, p.Status.INTERNAL)
         self._log("coordinator shutting down")
 
     def _accept(self) -> None:
@@ -478,34 +474,21 @@ class CoordinatorServer:
 
     def _dispatch(self, conn: _Conn, op: p.Op, key: bytes, value: bytes, timeout_ms: int) -> None:
         if op == p.Op.HEALTH:
-            status = p.Status.OK if not key and not value else p.Status.INVALID
-            self._reply(conn, status)
+            self._reply(conn, p.Status.OK if not key and not value else p.Status.INVALID)
         elif op == p.Op.GET:
             self._op_get(conn, key, value, timeout_ms)
-        elif op == p.Op.SET:
-            self._reply(conn, self._store_value(key, value))
-        elif op == p.Op.DELETE:
-            if value:
-                self._reply(conn, p.Status.INVALID)
-            elif key in self._store:
-                self._stored_bytes -= _entry_size(key, self._store.pop(key))
-                self._reply(conn, p.Status.OK)
-            else:
-                self._reply(conn, p.Status.NOT_FOUND)
-        elif op == p.Op.ADD:
-            self._op_add(conn, key, value)
-        elif op == p.Op.APPEND:
-            old = self._store.get(key, b"")
-            if len(old) + len(value) > p.MAX_VALUE:
-                self._reply(conn, p.Status.TOO_LARGE)
-            else:
-                self._reply(conn, self._store_value(key, old + value))
+        else:
+            status, reply, woken = self._kv.apply(op, key, value)
+            for waiter, stored in woken:
+                waiter.wait_key = None
+                self._reply(waiter, p.Status.OK, stored)
+            self._reply(conn, status, reply)
 
     def _op_get(self, conn: _Conn, key: bytes, value: bytes, timeout_ms: int) -> None:
         if value:
             self._reply(conn, p.Status.INVALID)
             return
-        found = self._store.get(key)
+        found = self._kv.get(key)
         if found is not None:
             self._reply(conn, p.Status.OK, found)
         elif timeout_ms == 0:
@@ -515,49 +498,16 @@ class CoordinatorServer:
         else:
             conn.phase = _WAIT
             conn.wait_key = key
-            self._waiters.setdefault(key, []).append(conn)
+            self._kv.wait(key, conn)
             self._watch(conn, selectors.EVENT_READ)  # to notice a waiter that hangs up
             self._set_deadline(conn, time.monotonic() + timeout_ms / 1000.0)
-
-    def _op_add(self, conn: _Conn, key: bytes, value: bytes) -> None:
-        delta = p.parse_int64(value)
-        current_raw = self._store.get(key)
-        current = 0 if current_raw is None else p.parse_int64(current_raw)
-        if delta is None or current is None:
-            self._reply(conn, p.Status.INVALID)
-            return
-        total = current + delta
-        if not p.INT64_MIN <= total <= p.INT64_MAX:
-            self._reply(conn, p.Status.INVALID)  # overflow: refused, the stored value is unchanged
-            return
-        new = p.format_int64(total)
-        status = self._store_value(key, new)
-        self._reply(conn, status, new if status == p.Status.OK else b"")
-
-    def _store_value(self, key: bytes, value: bytes) -> p.Status:
-        old = self._store.get(key)
-        new_total = self._stored_bytes + _entry_size(key, value)
-        if old is not None:
-            new_total -= _entry_size(key, old)
-        if new_total > self.limits.max_store_bytes:
-            return p.Status.TOO_LARGE
-        self._store[key] = value
-        self._stored_bytes = new_total
-        for waiter in self._waiters.pop(key, ()):
-            waiter.wait_key = None
-            self._reply(waiter, p.Status.OK, value)
-        return p.Status.OK
 
     def _unwait(self, conn: _Conn) -> None:
         key = conn.wait_key
         if key is None:
             return
         conn.wait_key = None
-        waiters = self._waiters.get(key)
-        if waiters and conn in waiters:
-            waiters.remove(conn)
-            if not waiters:
-                del self._waiters[key]
+        self._kv.unwait(key, conn)
 
     # -- writing ------------------------------------------------------------------------------
 
@@ -662,19 +612,13 @@ class CoordinatorServer:
         for conn in list(self._conns):
             self._close(conn)
         self._timers.clear()
-        self._waiters.clear()
         with contextlib.suppress(OSError):
             self._listener.close()
         self._sel.close()
         self._wake_r.close()
         self._wake_w.close()
-        self._store.clear()
-        self._stored_bytes = 0
+        self._kv.clear()
         self._closed = True
-
-
-def _entry_size(key: bytes, value: bytes) -> int:
-    return len(key) + len(value) + ENTRY_OVERHEAD
 
 
 def _clamp_to_fd_limit(wanted: int) -> int:
@@ -683,131 +627,3 @@ def _clamp_to_fd_limit(wanted: int) -> int:
     if soft == resource.RLIM_INFINITY:
         return wanted
     return max(1, min(wanted, soft - 32))
-
-
-# -- process entry point (daemon and `coldsnap coordinator serve`) ---------------------------
-
-
-def _stderr_log(msg: str) -> None:
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    sys.stderr.write(f"{stamp} [{os.getpid()}] {msg}\n")
-    sys.stderr.flush()
-
-
-def run_server_process(
-    endpoint_file: Path,
-    *,
-    scope: str,
-    address: str = DEFAULT_ADDRESS,
-    port: int = 0,
-    pid_file: Path | None = None,
-    limits: ServerLimits | None = None,
-    on_ready: Callable[[EndpointDescriptor], None] | None = None,
-    log: Callable[[str], None] = _stderr_log,
-) -> int:
-    """Serve one activation in this process until SIGTERM/SIGINT; returns an exit code.
-
-    Binds, writes the 0600 endpoint descriptor with a fresh token (and the pid
-    file), calls ``on_ready`` with the descriptor, serves, and on a graceful stop
-    removes both files when they still describe this process.
-    """
-    endpoint_file = Path(endpoint_file).absolute()
-    token = new_token()
-    server = CoordinatorServer(token, address=address, port=port, limits=limits, log=log)
-    descriptor = EndpointDescriptor(address=server.address, port=server.port, scope=scope, token=token)
-    write_endpoint(endpoint_file, descriptor)
-    if pid_file is not None:
-        atomic_write_bytes(Path(pid_file), f"{os.getpid()}\n".encode(), mode=0o600)
-
-    def _stop(signum: int, _frame: object) -> None:
-        server.shutdown(wait=False)
-
-    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    log(f"coordinator listening on {server.address}:{server.port} for scope {scope} "
-        f"(slots {server.max_connections}, endpoint {endpoint_file})")
-    try:
-        if on_ready is not None:
-            on_ready(descriptor)
-        server.serve_forever()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _remove_own_files(endpoint_file, token, pid_file)
-        log("coordinator stopped")
-    return 0
-
-
-def _remove_own_files(endpoint_file: Path, token: str, pid_file: Path | None) -> None:
-    """Remove the descriptor and pid file only if they are still ours (not a successor's)."""
-    with contextlib.suppress(OSError, ColdSnapError):
-        if hmac.compare_digest(read_endpoint(endpoint_file).token, token):
-            endpoint_file.unlink()
-    if pid_file is not None:
-        with contextlib.suppress(OSError, ValueError):
-            if int(Path(pid_file).read_text().strip()) == os.getpid():
-                Path(pid_file).unlink()
-
-
-def _daemonize() -> None:
-    """Fork once more so the server is not the starter's child (it cannot turn zombie there)."""
-    if os.fork() > 0:
-        os._exit(0)
-    os.chdir("/")
-
-
-def _ready_writer(fd: int | None) -> Callable[[dict], None]:
-    def write(message: dict) -> None:
-        if fd is None:
-            return
-        with contextlib.suppress(OSError):
-            os.write(fd, (json.dumps(message) + "\n").encode())
-            os.close(fd)
-
-    return write
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m ...coord.server``: serve one activation (the daemon the module starts)."""
-    parser = argparse.ArgumentParser(prog="coldsnap-coordinator", description=__doc__.splitlines()[0])
-    parser.add_argument("--endpoint-file", required=True, type=Path)
-    parser.add_argument("--scope", required=True)
-    parser.add_argument("--address", default=DEFAULT_ADDRESS)
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--pid-file", type=Path)
-    parser.add_argument("--ready-fd", type=int, help="write one JSON status line here once listening")
-    parser.add_argument("--daemonize", action="store_true", help="fork into the background first")
-    parser.add_argument("--max-connections", type=int, default=ServerLimits.max_connections)
-    parser.add_argument("--read-timeout", type=float, default=ServerLimits.read_timeout)
-    parser.add_argument("--max-store-bytes", type=int, default=ServerLimits.max_store_bytes)
-    args = parser.parse_args(argv)
-    os.umask(0o077)
-    if args.daemonize:
-        _daemonize()
-    ready = _ready_writer(args.ready_fd)
-    try:
-        limits = ServerLimits(
-            max_connections=args.max_connections,
-            read_timeout=args.read_timeout,
-            max_store_bytes=args.max_store_bytes,
-        )
-        return run_server_process(
-            args.endpoint_file,
-            scope=args.scope,
-            address=args.address,
-            port=args.port,
-            pid_file=args.pid_file,
-            limits=limits,
-            on_ready=lambda d: ready({"ok": True, "pid": os.getpid(), **d.public()}),
-        )
-    except ColdSnapError as exc:
-        ready({"ok": False, "error": str(exc)})
-        _stderr_log(f"coordinator failed to start: {exc}")
-        return 2
-    except OSError as exc:
-        ready({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
-        _stderr_log(f"coordinator failed: {exc}")
-        return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

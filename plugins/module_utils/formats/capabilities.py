@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import ENGINES
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import versions as v
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import ENGINES
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
     OPERATIONS,
     RUNTIMES,

@@ -15,7 +15,9 @@ from typing import Any
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_paths import cache_path_problems
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import ENGINES, engine_issues
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import (
     AnyJSON,
     Arr,
@@ -227,12 +229,22 @@ def load_request(text: str | bytes, *, document: str = "request") -> dict:
 
 
 def validate_request(value: Any, *, document: str = "request") -> dict:
-    """Validate an already-decoded request (from :func:`strict_loads`) and normalize it."""
+    """Validate an already-decoded request (from :func:`strict_loads`) and normalize it.
+
+    The one request validation, used by the controller, every module and any Python
+    caller: the schema (unknown fields, types, digests, revisions), the rules that span
+    fields (:func:`cross_check`, including the capsule path policy) and the engine's
+    rules (:func:`~.engines.engine_issues`). Every problem is reported at its JSON path.
+    """
     req = validate_document(REQUEST_SCHEMA, value, document=document)
     issues = cross_check(req)
     if issues:
         raise FormatError(issues, document=document)
-    return normalize(req)
+    out = normalize(req)
+    issues = engine_issues(out)
+    if issues:
+        raise FormatError(issues, document=document)
+    return out
 
 
 def cross_check(req: dict) -> list[FormatIssue]:
@@ -337,15 +349,11 @@ def cross_check(req: dict) -> list[FormatIssue]:
             add(f"{p}.port", f"port {s['port']} is already used on host {unit['host']!r}", "give each service its own port")
         endpoints.add(key)
 
-    all_targets = [(m["target"], u["id"]) for u in units for m in u["mounts"]]
-    for i, cpath in enumerate(req.get("policy", {}).get("cache", {}).get("paths", [])):
-        for target, uid in all_targets:
-            if _overlaps(cpath, target):
-                add(f"$.policy.cache.paths[{i}]", f"cache path {cpath!r} overlaps mount {target!r} of unit {uid!r}",
-                    "cache paths hold derived caches only; never a model mount or Hugging Face cache")
-        if "huggingface" in cpath.split("/") or cpath.rstrip("/").endswith("/hub"):
-            add(f"$.policy.cache.paths[{i}]", f"{cpath!r} looks like a Hugging Face cache",
-                "model bytes travel as payloads, never inside a capsule; remove this path")
+    # The capsule builder's own path policy, so a path it would refuse fails here, before the capture runs.
+    mount_targets = [m["target"] for u in units for m in u["mounts"]]
+    for i, problem, fix in cache_path_problems(req.get("policy", {}).get("cache", {}).get("paths", []),
+                                               mount_targets):
+        add(f"$.policy.cache.paths[{i}]", problem, fix)
 
     if op in NEEDS_ARTIFACT and "artifact" not in req:
         add("$.artifact", f"operation {op!r} needs the committed artifact", "add artifact.path (the artifact.json to use)")
@@ -381,15 +389,8 @@ def cross_check(req: dict) -> list[FormatIssue]:
     return issues
 
 
-def _overlaps(a: str, b: str) -> bool:
-    a, b = a.rstrip("/") + "/", b.rstrip("/") + "/"
-    return a.startswith(b) or b.startswith(a)
-
-
 def normalize(req: dict) -> dict:
     """Fill driver-owned and engine-owned defaults so the normalized form is explicit."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import ENGINES
-
     out = copy.deepcopy(req)
     contract = SNAPSHOT_DRIVERS[out["snapshot_driver"]["id"]]
     policy = out.setdefault("policy", {})
@@ -448,6 +449,15 @@ def identity(req: dict) -> str:
         "topology": topology(req),
         "snapshot_driver": req["snapshot_driver"]["id"],
     })
+
+
+def unit_hosts(req: dict) -> list[str]:
+    """Inventory hostnames of the launch units, in unit order, each once."""
+    out: list[str] = []
+    for u in req["launch"]["units"]:
+        if u["host"] not in out:
+            out.append(u["host"])
+    return out
 
 
 def units_on_host(req: dict, host: str) -> list[dict]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
 
 SKIP = ("__pycache__", ".pyc", ".pytest_cache")
@@ -43,7 +44,7 @@ def tree_digest(root: Path) -> str:
 
 
 def staged_path(state_root: Path, digest: str) -> Path:
-    return Path(state_root) / "activation-runtime" / "sha256" / parse_digest(digest, what="activation runtime digest")
+    return StateLayout(state_root).activation_runtime(parse_digest(digest, what="activation runtime digest"))
 
 
 def stage(source: Path, state_root: Path) -> tuple[str, Path, bool]:

@@ -28,9 +28,13 @@ far below it, so CRIU can give the restored tree its captured ids.
 
 Ownership: afterwards every state path ColdSnap wrote (the capture directory,
 the workload directory, the unit run files, the node payload cache) is given to
-the invoking user's uid/gid (``docker_unit.chown_state_paths``), also when the
+the invoking user's uid/gid (:mod:`.ownership`), also when the
 run failed. Model packs keep their validation records valid across the chown
 (see :func:`normalize_ownership`).
+
+Why one ~520-line unit: it is the whole of one runtime (capture, restore, lifecycle,
+prepare, evict in rank containers) behind :class:`~.runtime.UnitRuntime`; the container
+primitives are :mod:`.containers` and ownership is :mod:`.ownership`.
 """
 
 from __future__ import annotations
@@ -41,7 +45,6 @@ import json
 import os
 import tarfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +64,15 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, UnitSpec
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import records
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuMoves, admit_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import (  # noqa: F401 (re-exported)
+    Owner,
+    chown_state_paths,
+    normalize_ownership,
+    parse_owner,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
     UnitRuntime,
     raise_failures,
@@ -79,34 +86,6 @@ DOCKER_PYTHON = "/usr/bin/python3"
 PID_FLOOR = 10000
 EVIDENCE = EVIDENCE_FILE
 _CAPTURE_SUFFIX = "-capture"
-
-
-@dataclass(frozen=True)
-class Owner:
-    """The invoking user: who owns the state ColdSnap writes."""
-
-    uid: int
-    gid: int
-
-
-def parse_owner(value: Any) -> Owner | None:
-    """``{'uid': U, 'gid': G}``, ``'U:G'`` or None (leave ownership as written)."""
-    if value in (None, "", {}):
-        return None
-    try:
-        if isinstance(value, dict):
-            uid, gid = int(value["uid"]), int(value["gid"])
-        else:
-            left, sep, right = str(value).partition(":")
-            if not sep:
-                raise ValueError(value)
-            uid, gid = int(left), int(right)
-    except (KeyError, TypeError, ValueError):
-        raise ColdSnapError(f"owner {value!r} is not a uid/gid pair",
-                            fix="pass coldsnap_owner as {'uid': 1000, 'gid': 1000} or '1000:1000'") from None
-    if uid < 0 or gid < 0:
-        raise ColdSnapError(f"owner {value!r} has a negative id", fix="pass the invoking user's numeric uid and gid")
-    return Owner(uid, gid)
 
 
 def _client(client: Any = None) -> Any:
@@ -454,7 +433,7 @@ class DockerRuntime(UnitRuntime):
             run_concurrently(one, list(enumerate(specs)))
         finally:
             if self.owner is not None:
-                docker_unit.chown_state_paths(owned, self.owner.uid, self.owner.gid, client=client)
+                chown_state_paths(owned, self.owner.uid, self.owner.gid, client=client)
         raise_failures(results)
         return results
 
@@ -524,8 +503,6 @@ class DockerRuntime(UnitRuntime):
         return stopped
 
 
-# ----------------------------------------------------------------------------- ownership
-
 def _owned_paths(request: dict, specs: list[UnitSpec], *, state_root: Path, run_dir: Path,
                  capture: bool) -> list[Path]:
     """The exact state paths a rank container writes (created now, so they exist with the module's owner)."""
@@ -546,65 +523,3 @@ def _owned_paths(request: dict, specs: list[UnitSpec], *, state_root: Path, run_
         if p not in out:
             out.append(p)
     return out
-
-
-def normalize_ownership(paths: list[Path], *, state_root: Path, owner: Owner | None, client: Any = None) -> dict:
-    """Give ``paths`` to ``owner`` (keeping mode bits); keep model packs' validation records valid.
-
-    A pack's record binds its ctime, which chown changes. For each pack being
-    handed over whose record is valid right now, the record is re-written for
-    the new identity while the digest's lock is held across the chown, so the
-    next verification does not re-hash a pack whose bytes nothing touched.
-    (A verifier that runs as another user than the record's owner, other than
-    root, still re-hashes: records are trusted only from the verifier's user or root.)
-    """
-    if owner is None:
-        return {"changed": 0, "paths": []}
-    cache = NodeCache(state_root)
-    existing = [p for p in paths if os.path.lexists(p)]
-    if cache.locks.is_dir():
-        # The lock files first: the settle below must be able to open them as the owner.
-        docker_unit.chown_state_paths([cache.locks], owner.uid, owner.gid, client=client)
-    settle: list[tuple[Path, str, int, records.FileIdentity, str]] = []
-    with contextlib.ExitStack() as stack:
-        if cache.objects.is_dir() and cache.root in [Path(p) for p in existing]:
-            for pack in sorted(cache.objects.glob("*.pack")):
-                st = os.lstat(pack)
-                if (st.st_uid, st.st_gid) == (owner.uid, owner.gid) or not pack.is_file():
-                    continue
-                hexd = pack.name[:-5]
-                try:
-                    stack.enter_context(cache.lock(f"sha256:{hexd}", timeout=60))
-                except ColdSnapError:
-                    continue  # busy: it is re-hashed on its next verification instead
-                ident = records.FileIdentity.of(os.lstat(pack))
-                rec = records.record_path_for(pack)
-                if records.check_record(rec, hexd, ident.st_size, ident).valid:
-                    try:
-                        method = json.loads(rec.read_text()).get("method", "full-sha256")
-                    except (OSError, ValueError):
-                        continue
-                    settle.append((pack, hexd, ident.st_size, ident, method))
-        result = docker_unit.chown_state_paths(existing, owner.uid, owner.gid, client=client)
-        for pack, hexd, size, before, method in settle:
-            fd = os.open(pack, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            try:
-                now = records.FileIdentity.of_fd(fd)
-                same = (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) == \
-                       (before.st_dev, before.st_ino, before.st_size, before.st_mtime_ns)
-                if not same:
-                    continue
-                # A record taken within a timestamp tick of the change would be racy: wait it out.
-                tick = records.timestamp_tick_ns(now)
-                while time.time_ns() - now.last_change_ns() < tick:
-                    time.sleep(tick / 1e9)
-                observed = time.time_ns()
-                if records.FileIdentity.of_fd(fd) != now:
-                    continue
-                rec = records.record_path_for(pack)
-                records.write_record(rec, hexd, size, now, observed, method=method)
-                if os.geteuid() == 0:
-                    os.lchown(rec, owner.uid, owner.gid)
-            finally:
-                os.close(fd)
-    return result

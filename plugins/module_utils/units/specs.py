@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
-from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import normalize_restore_command
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import normalize_restore_command
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
     units_on_host,
     workers_of_unit,

@@ -7,6 +7,10 @@ Restore: ports/pids free -> CRIU restore (stopped) -> CUDA restore -> release ->
 resume (arenas at the same addresses, fresh transport from the coordinator,
 hydration, zeroed KV) -> exact validation.
 Every cross-unit step is a coordinator phase; any unit can fail the activation.
+
+Why one ~530-line unit: capture, capture in place, restore and the lifecycle verbs are one
+sequence of shared steps (engine control steps, export + release, dump, hydration bodies)
+and coordinator phases; the steps are methods here so every operation uses the same ones.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import CoordinatorClient
-from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.server import (
-    DEFAULT_ADDRESS,
-    ServerLimits,
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.serve import (
+    add_serve_arguments,
+    limits_from,
     run_server_process,
 )
 
@@ -24,15 +24,7 @@ def register(sub) -> None:
     csub = p.add_subparsers(dest="coordinator_command", metavar="ACTION", required=True)
 
     serve = csub.add_parser("serve", help="serve in the foreground until SIGTERM/SIGINT")
-    _endpoint_arg(serve)
-    serve.add_argument("--scope", required=True, help="operation id of the activation")
-    serve.add_argument("--address", default=DEFAULT_ADDRESS,
-                       help="IP address to listen on (default: loopback only)")
-    serve.add_argument("--port", type=int, default=0, help="TCP port (default 0: an ephemeral port)")
-    serve.add_argument("--pid-file", type=Path, help="write this process's pid here (0600)")
-    serve.add_argument("--max-connections", type=int, default=ServerLimits.max_connections)
-    serve.add_argument("--read-timeout", type=float, default=ServerLimits.read_timeout,
-                       help="seconds a client has to send its whole request")
+    add_serve_arguments(serve)  # the daemon's own options: one definition
     serve.set_defaults(func=run_serve)
 
     health = csub.add_parser("health", help="exit 0 when the coordinator answers ok")
@@ -61,7 +53,7 @@ def _endpoint_arg(parser) -> None:
 
 def run_serve(args) -> int:
     """Foreground server; prints the public endpoint as one JSON line when ready."""
-    limits = ServerLimits(max_connections=args.max_connections, read_timeout=args.read_timeout)
+    limits = limits_from(args)
 
     def ready(descriptor) -> None:
         print(json.dumps({**descriptor.public(), "endpoint_file": str(args.endpoint_file.absolute())}),

@@ -6,11 +6,11 @@ import json
 import sys
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import engine_issues
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
     artifact_json_schema,
     load_artifact,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import engine_issues
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import (
     load_receipt,
     receipt_json_schema,

@@ -1,8 +1,8 @@
-"""The controller engine: run an operation's playbook with ansible-runner, write receipt and timing.
+"""The controller's ansible-runner driver: run an operation's playbook with ansible-runner, write receipt and timing.
 
 Public entry points:
 
-* :func:`run_playbook` -> :class:`OperationResult`
+* :func:`run_playbook` -> :class:`OperationResult` (:class:`RunConfig` + :class:`PlaybookRun`)
 * :func:`operation_extravars`, :func:`set_stats_artifacts` (the CLI/AWX contract)
 * :func:`inventory_from_request`, :func:`default_state_root`
 """
@@ -23,7 +23,7 @@ from coldsnap.runner.contract import (
     resolve_playbook,
     set_stats_artifacts,
 )
-from coldsnap.runner.engine import OperationResult, default_state_root, run_playbook
+from coldsnap.runner.driver import OperationResult, PlaybookRun, RunConfig, default_state_root, run_playbook
 from coldsnap.runner.inventory import UNITS_GROUP, inventory_from_request
 
 __all__ = [
@@ -37,6 +37,8 @@ __all__ = [
     "STATS_RESULT_KEY",
     "UNITS_GROUP",
     "OperationResult",
+    "PlaybookRun",
+    "RunConfig",
     "default_state_root",
     "inventory_from_request",
     "operation_extravars",

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as du
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import ownership
 
 
 def _status(tmp_path: Path, capbnd: str) -> str:
@@ -82,7 +83,7 @@ def test_in_process_ownership_keeps_mode_bits_and_is_idempotent(tmp_path: Path) 
     os.chmod(state / "img", 0o2750)
     (state / "link").symlink_to("/etc/passwd")  # must be changed itself, never followed
     passwd_owner = os.stat("/etc/passwd").st_uid
-    res = du.chown_state_paths([state], 4242, 4343, method="in-process")
+    res = ownership.chown_state_paths([state], 4242, 4343, method="in-process")
     assert res["method"] == "in-process" and res["changed"] == 5
     for p in [state, state / "img", state / "img" / "pages.img", state / "suid", state / "link"]:
         st = os.lstat(p)
@@ -90,16 +91,16 @@ def test_in_process_ownership_keeps_mode_bits_and_is_idempotent(tmp_path: Path) 
     assert stat.S_IMODE(os.stat(state / "suid").st_mode) == 0o6755
     assert stat.S_IMODE(os.stat(state / "img").st_mode) == 0o2750
     assert os.stat("/etc/passwd").st_uid == passwd_owner
-    assert du.chown_state_paths([state], 4242, 4343, method="in-process")["changed"] == 0
+    assert ownership.chown_state_paths([state], 4242, 4343, method="in-process")["changed"] == 0
 
 
 def test_ownership_refuses_system_paths_and_symlinks(tmp_path: Path) -> None:
     for bad in ("/", "/etc", "/var", "relative"):
         with pytest.raises(ColdSnapError, match="not a dedicated"):
-            du.chown_state_paths([Path(bad)], 1000, 1000)
+            ownership.chown_state_paths([Path(bad)], 1000, 1000)
     (tmp_path / "l").symlink_to(tmp_path)
     with pytest.raises(ColdSnapError, match="symlink"):
-        du.chown_state_paths([tmp_path / "l"], 1000, 1000)
+        ownership.chown_state_paths([tmp_path / "l"], 1000, 1000)
     with pytest.raises(ColdSnapError, match="numeric"):
-        du.chown_state_paths([tmp_path], -1, 0)
-    assert du.chown_state_paths([tmp_path / "missing"], 1000, 1000) == {"method": "none", "changed": 0, "paths": []}
+        ownership.chown_state_paths([tmp_path], -1, 0)
+    assert ownership.chown_state_paths([tmp_path / "missing"], 1000, 1000) == {"method": "none", "changed": 0, "paths": []}

@@ -144,7 +144,7 @@ def test_server_code_modules_are_its_whole_import_closure() -> None:
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(_collection_root())!r})
-        import {PREFIX}.coord.server
+        import {PREFIX}.coord.serve
         print("\\n".join(sorted(m for m in sys.modules if m.startswith({PREFIX!r} + "."))))
     """)
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
@@ -198,9 +198,9 @@ def test_materialized_code_runs_the_server_alone(tmp_path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-S", "-c", textwrap.dedent(f"""
             import sys
-            from {PREFIX}.coord import server
-            assert server.__file__.startswith({str(code_dir)!r}), server.__file__
-            sys.exit(server.main(sys.argv[1:]))
+            from {PREFIX}.coord import serve
+            assert serve.__file__.startswith({str(code_dir)!r}), serve.__file__
+            sys.exit(serve.main(sys.argv[1:]))
         """), "--endpoint-file", str(endpoint_file), "--scope", "alone"],
         env=env, stderr=subprocess.PIPE, text=True,
     )

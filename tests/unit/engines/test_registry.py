@@ -7,7 +7,7 @@ import json
 
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import (
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import (
     ENGINES,
     VLLM_WORKER_EXTENSION,
     command_issues,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import engine_issues
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import engine_issues
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
     identity,
     load_request,
@@ -232,7 +232,8 @@ def test_n580_on_gpu_units_needs_a_template_capture(base):
     base["policy"]["process"]["backend"] = "criu"
     base["launch"]["units"][0]["devices"] = [0]
     base["launch"]["execution"]["workers"][0]["device_slot"] = 0
-    issues = {i.path: i.message for i in engine_issues(validate_request(base))}
+    # The engine's rules are part of the one request validation (CLI, modules, Python callers).
+    issues = problems(base)
     assert "pre-CUDA template capture" in issues["$.snapshot_driver.id"]
     base["launch"]["units"][0]["devices"] = []
     base["launch"]["execution"]["workers"][0]["device_slot"] = None

@@ -77,12 +77,12 @@ def test_delete_then_local_artifacts_converge(state_root, tmp_path):
     assert gone["changed"] and gone["cleanup"][0]["capture_id"] == "cap-1" and sha not in gone["keep_payloads"]
     local = {"refs": gone["cleanup"], "keep_payloads": gone["keep_payloads"], "host": "localhost",
              "state_root": str(state_root)}
-    dry = run_module("local_artifacts", local, "--check")
+    dry = run_module("artifact_leftovers", local, "--check")
     assert dry["changed"] and (state_root / "captures" / "cap-1").exists()
-    first = run_module("local_artifacts", local)
+    first = run_module("artifact_leftovers", local)
     assert first["changed"] and first["removed"]["payloads"][0]["sha256"] == sha
     assert not (state_root / "captures" / "cap-1").exists()
-    assert not run_module("local_artifacts", local)["changed"]
+    assert not run_module("artifact_leftovers", local)["changed"]
     assert not run_module("artifact_store", delete)["changed"]
 
 

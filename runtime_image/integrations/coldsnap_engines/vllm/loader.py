@@ -25,7 +25,10 @@ import os
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import ENGINES, preferred_load_format
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import (
+    ENGINES,
+    preferred_load_format,
+)
 
 from coldsnap_engines.common import worker
 from coldsnap_engines.common.allocations import AllocationTable, from_cumem, from_segments

@@ -169,7 +169,7 @@ def memory_regions_are_the_three_tags():
 
 @check
 def server_flags_named_by_the_engine_rules_exist():
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.engines import ENGINES
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import ENGINES
 
     spec = ENGINES["sglang"]
     # 0.5.23 generates its CLI from annotated config fields: --enable-memory-saver <- enable_memory_saver

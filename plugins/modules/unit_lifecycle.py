@@ -2,13 +2,13 @@
 # Copyright: ColdSnap maintainers
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Ansible module coldsnap.fleet.lifecycle."""
+"""Ansible module coldsnap.fleet.unit_lifecycle."""
 
 from __future__ import annotations
 
 DOCUMENTATION = r"""
 ---
-module: lifecycle
+module: unit_lifecycle
 short_description: Sleep, wake or inspect the running launch units on this host
 version_added: "0.1.0"
 description:
@@ -57,7 +57,7 @@ author:
 
 EXAMPLES = r"""
 - name: Put the workload to sleep
-  coldsnap.fleet.lifecycle:
+  coldsnap.fleet.unit_lifecycle:
     state: sleeping
     request: "{{ coldsnap_request }}"
     artifact: "{{ coldsnap_artifact }}"
@@ -80,11 +80,10 @@ units:
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import (
-    checked_request,
-    run_guarded,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.lifecycle import lifecycle_units
 
 ACTIONS = {"sleeping": "sleep", "running": "wake", "status": "status"}
@@ -99,7 +98,7 @@ def main() -> None:
             host=dict(type="str", required=True),
             activation_digest=dict(type="str", required=True),
             python=dict(type="path"),
-            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            state_root=dict(STATE_ROOT_ARG),
         ),
         required_if=[("state", "running", ["artifact"])],
         supports_check_mode=True,
@@ -107,7 +106,7 @@ def main() -> None:
     p = module.params
 
     def run() -> dict:
-        req = checked_request(p["request"])
+        req = validate_request(p["request"], document="request (module option)")
         art = validate_artifact(p["artifact"], document="artifact (module option)") if p["artifact"] else None
         return lifecycle_units(req, art, host=p["host"], action=ACTIONS[p["state"]], state_root=Path(p["state_root"]),
                                activation_digest=p["activation_digest"], python=p["python"],

@@ -2,13 +2,13 @@
 # Copyright: ColdSnap maintainers
 # GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
 # SPDX-License-Identifier: GPL-3.0-or-later
-"""Ansible module coldsnap.fleet.local_artifacts."""
+"""Ansible module coldsnap.fleet.artifact_leftovers."""
 
 from __future__ import annotations
 
 DOCUMENTATION = r"""
 ---
-module: local_artifacts
+module: artifact_leftovers
 short_description: Remove a host's copies of what dropped artifact descriptors alone referenced
 version_added: "0.1.0"
 description:
@@ -60,7 +60,7 @@ author:
 
 EXAMPLES = r"""
 - name: Remove what the deleted descriptors alone referenced on this host
-  coldsnap.fleet.local_artifacts:
+  coldsnap.fleet.artifact_leftovers:
     refs: "{{ hostvars['localhost'].coldsnap_deleted.cleanup }}"
     keep_payloads: "{{ hostvars['localhost'].coldsnap_deleted.keep_payloads }}"
     host: "{{ inventory_hostname }}"
@@ -89,13 +89,14 @@ kept:
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.leftovers import remove_local
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 
 
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
             state=dict(type="str", default="absent", choices=["absent"]),
-            state_root=dict(type="path", default="/var/lib/coldsnap"),
+            state_root=dict(STATE_ROOT_ARG),
             refs=dict(type="list", elements="dict", required=True),
             keep_payloads=dict(type="list", elements="str", default=[]),
             host=dict(type="str", required=True),
@@ -104,7 +105,7 @@ def main() -> None:
     )
     p = module.params
     run_guarded(module, lambda: remove_local(p["state_root"], p["refs"], keep_payloads=p["keep_payloads"],
-                                             host=p["host"], check_mode=module.check_mode), what="local_artifacts")
+                                             host=p["host"], check_mode=module.check_mode), what="artifact_leftovers")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""Run one operation's playbook through the ansible-runner Python API and write its receipt.
+"""The ansible-runner driver: run one operation's playbook through the ansible-runner Python API
+and write its receipt.
+
+As ansible-runner itself does, a configuration object (:class:`RunConfig`: what to run,
+checked and laid out in the private data directory) and a run object
+(:class:`PlaybookRun`: handlers, cancellation, receipt) instead of one function whose
+state lives in closures.
 
 Private data directory (one per operation id, reused when the same operation
 is replayed; each run gets its own artifact directory)::
@@ -23,6 +29,10 @@ Secret extra vars never enter ``env/``: they go to a 0600 file under
 ``secrets/`` passed as ``-e @file``; the file is deleted as soon as
 ansible-playbook has loaded its variables (its first event) and again when the
 run ends, whatever happens.
+
+Why one ~540-line unit: configuration, run and receipt of one ansible-runner run share the
+secret-handling and redaction rules described here; events, progress, inventory, timing and
+redaction themselves are separate modules of :mod:`coldsnap.runner`.
 """
 
 from __future__ import annotations
@@ -47,6 +57,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
     atomic_write_bytes,
     file_lock,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import (  # noqa: F401 (re-exported)
+    StateLayout,
+    default_state_root,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import OPERATIONS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
@@ -96,21 +110,6 @@ class OperationResult:
         if self.cancelled:
             return 130
         return 0 if self.succeeded else 1
-
-
-def default_state_root() -> Path:
-    """``/var/lib/coldsnap`` for root, else ``$XDG_STATE_HOME/coldsnap`` (``~/.local/state/coldsnap``).
-
-    ``COLDSNAP_STATE_ROOT`` overrides both.
-    """
-    env = os.environ.get("COLDSNAP_STATE_ROOT")
-    if env:
-        return Path(env)
-    if os.geteuid() == 0:
-        return Path("/var/lib/coldsnap")
-    xdg = os.environ.get("XDG_STATE_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".local" / "state"
-    return base / "coldsnap"
 
 
 def _private_dir(path: Path) -> Path:
@@ -184,6 +183,75 @@ class _Secrets:
             self.path.unlink(missing_ok=True)
 
 
+@dataclass(frozen=True)
+class RunConfig:
+    """One operation's run, checked before anything runs: what, where, with which variables."""
+
+    operation: str
+    operation_id: str
+    request: Mapping[str, Any] | None
+    playbook_path: Path
+    public_vars: Mapping[str, Any]
+    secret_vars: Mapping[str, Any]
+    inventory: Mapping[str, Any] | str | Path | None
+    state_root: Path
+    prepare_only: bool
+    caller_env: Mapping[str, str]
+    redactor: Redactor
+    verbosity: int = 0
+    keep_artifacts: int = 10
+
+    @classmethod
+    def build(cls, *, operation: str, request: Mapping[str, Any] | None, playbook: str | Path,
+              extravars: Mapping[str, Any], inventory: Mapping[str, Any] | str | Path | None, state_root: Path,
+              prepare_only: bool = False, envvars: Mapping[str, str] | None = None,
+              secret_extravars: Mapping[str, Any] | None = None, verbosity: int = 0,
+              keep_artifacts: int = 10) -> RunConfig:
+        """Check the inputs a user can get wrong (ColdSnapError with the fix) and split the variables."""
+        if operation not in OPERATIONS:
+            raise ColdSnapError(f"unknown operation {operation!r}", fix=f"use one of {', '.join(OPERATIONS)}")
+        if prepare_only and operation not in PREPARE_ONLY_OPERATIONS:
+            raise ColdSnapError(f"--prepare-only does not apply to operation {operation!r}",
+                                fix=f"use it with {' or '.join(PREPARE_ONLY_OPERATIONS)}")
+        if request is not None and request.get("operation") != operation:
+            raise ColdSnapError(f"the request is for operation {request.get('operation')!r}, not {operation!r}",
+                                fix=f"run 'coldsnap {request.get('operation')}', or change the request's operation")
+        operation_id = str(request["id"]) if request is not None else _generated_operation_id(operation)
+        if not OPERATION_ID_RE.match(operation_id):
+            raise ColdSnapError(f"operation id {operation_id!r} cannot name a run directory",
+                                fix="use letters, digits, '.', '_' and '-'")
+        if inventory is None and request is None:
+            raise ColdSnapError("no inventory and no request to build one from", fix="pass an inventory")
+        playbook_path = resolve_playbook(playbook)
+        public_vars = {k: v for k, v in extravars.items() if not is_secret_name(str(k))}
+        secret_vars = {k: v for k, v in extravars.items() if is_secret_name(str(k))}
+        for key, value in (secret_extravars or {}).items():
+            if key in public_vars:
+                raise ColdSnapError(f"extra var {key!r} is given both as public and as secret",
+                                    fix="pass it once, as a secret")
+            secret_vars[key] = value
+        caller_env = {str(k): str(v) for k, v in (envvars or {}).items()}
+        redactor = Redactor()
+        redactor.add_secret_named(dict(os.environ))  # ansible-runner hands the whole environment on
+        redactor.add_secret_named(caller_env)
+        redactor.add(secret_vars)
+        if isinstance(inventory, Mapping):
+            redactor.add_secret_named(inventory)
+        return cls(operation=operation, operation_id=operation_id, request=request, playbook_path=playbook_path,
+                   public_vars=public_vars, secret_vars=secret_vars, inventory=inventory,
+                   state_root=Path(state_root), prepare_only=prepare_only, caller_env=caller_env,
+                   redactor=redactor, verbosity=verbosity, keep_artifacts=keep_artifacts)
+
+    @property
+    def run_dir(self) -> Path:
+        return StateLayout(self.state_root).run(self.operation_id)
+
+    def write_private_data_dir(self) -> tuple[str, dict[str, str]]:
+        """Write env/, inventory/ and project; return (inventory path, secret env for the runner kwarg)."""
+        return _prepare_run_dir(self.run_dir, public_vars=self.public_vars, caller_env=self.caller_env,
+                                inventory=self.inventory, request=self.request)
+
+
 def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook: str | Path,
                  extravars: Mapping[str, Any], inventory: Mapping[str, Any] | str | Path | None,
                  state_root: Path, prepare_only: bool = False, timing_sink: TimingTarget = None,
@@ -209,54 +277,20 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
     except ImportError:
         raise ColdSnapError("the controller needs ansible-runner, which is not installed",
                             fix="pip install ansible-runner (it is a dependency of the coldsnap package)") from None
-    if operation not in OPERATIONS:
-        raise ColdSnapError(f"unknown operation {operation!r}", fix=f"use one of {', '.join(OPERATIONS)}")
-    if prepare_only and operation not in PREPARE_ONLY_OPERATIONS:
-        raise ColdSnapError(f"--prepare-only does not apply to operation {operation!r}",
-                            fix=f"use it with {' or '.join(PREPARE_ONLY_OPERATIONS)}")
-    if request is not None and request.get("operation") != operation:
-        raise ColdSnapError(f"the request is for operation {request.get('operation')!r}, not {operation!r}",
-                            fix=f"run 'coldsnap {request.get('operation')}', or change the request's operation")
-    operation_id = str(request["id"]) if request is not None else _generated_operation_id(operation)
-    if not OPERATION_ID_RE.match(operation_id):
-        raise ColdSnapError(f"operation id {operation_id!r} cannot name a run directory",
-                            fix="use letters, digits, '.', '_' and '-'")
-    if inventory is None and request is None:
-        raise ColdSnapError("no inventory and no request to build one from", fix="pass an inventory")
-    playbook_path = resolve_playbook(playbook)
-
-    public_vars = {k: v for k, v in extravars.items() if not is_secret_name(str(k))}
-    secret_vars = {k: v for k, v in extravars.items() if is_secret_name(str(k))}
-    for key, value in (secret_extravars or {}).items():
-        if key in public_vars:
-            raise ColdSnapError(f"extra var {key!r} is given both as public and as secret",
-                                fix="pass it once, as a secret")
-        secret_vars[key] = value
-    caller_env = {str(k): str(v) for k, v in (envvars or {}).items()}
-
-    redactor = Redactor()
-    redactor.add_secret_named(dict(os.environ))  # ansible-runner hands the whole environment on
-    redactor.add_secret_named(caller_env)
-    redactor.add(secret_vars)
-    if isinstance(inventory, Mapping):
-        redactor.add_secret_named(inventory)
-
-    state_root = Path(state_root)
-    state_root.mkdir(parents=True, exist_ok=True)
-    run_dir = _private_dir(_private_dir(state_root / "runs") / operation_id)
+    config = RunConfig.build(operation=operation, request=request, playbook=playbook, extravars=extravars,
+                             inventory=inventory, state_root=state_root, prepare_only=prepare_only, envvars=envvars,
+                             secret_extravars=secret_extravars, verbosity=verbosity, keep_artifacts=keep_artifacts)
+    StateLayout(config.state_root).ensure_private_root()
+    run_dir = _private_dir(_private_dir(config.state_root / "runs") / config.operation_id)
     try:
         lock = file_lock(run_dir / ".lock", timeout=0)
         lock.__enter__()
     except TimeoutError:
-        raise ColdSnapError(f"operation {operation_id} is already running (lock {run_dir / '.lock'})",
+        raise ColdSnapError(f"operation {config.operation_id} is already running (lock {run_dir / '.lock'})",
                             fix="wait for it to finish, or give this request a new id") from None
     try:
-        return _run_locked(
-            ansible_runner=ansible_runner, operation=operation, operation_id=operation_id, request=request,
-            playbook_path=playbook_path, public_vars=public_vars, secret_vars=secret_vars,
-            inventory=inventory, run_dir=run_dir, prepare_only=prepare_only, timing_sink=timing_sink,
-            progress=progress, cancel_event=cancel_event, caller_env=caller_env, redactor=redactor,
-            verbosity=verbosity, keep_artifacts=keep_artifacts, progress_stream=progress_stream)
+        return PlaybookRun(config, ansible_runner=ansible_runner, timing_sink=timing_sink, progress=progress,
+                           cancel_event=cancel_event, progress_stream=progress_stream).run()
     finally:
         lock.__exit__(None, None, None)
 
@@ -303,123 +337,135 @@ def _prepare_run_dir(run_dir: Path, *, public_vars: Mapping[str, Any], caller_en
     return inventory_arg, secret_env
 
 
-def _run_locked(*, ansible_runner: Any, operation: str, operation_id: str, request: Mapping[str, Any] | None,
-                playbook_path: Path, public_vars: Mapping[str, Any], secret_vars: Mapping[str, Any],
-                inventory: Mapping[str, Any] | str | Path | None, run_dir: Path, prepare_only: bool,
-                timing_sink: TimingTarget, progress: bool | None, cancel_event: threading.Event | None,
-                caller_env: Mapping[str, str], redactor: Redactor, verbosity: int, keep_artifacts: int,
-                progress_stream: IO[str] | None) -> OperationResult:
-    inventory_arg, secret_env = _prepare_run_dir(run_dir, public_vars=public_vars, caller_env=caller_env,
-                                                 inventory=inventory, request=request)
-    ident = _new_ident()
-    artifact_dir = _private_dir(_private_dir(run_dir / "artifacts") / ident)
-    stream = progress_stream if progress_stream is not None else sys.stderr
-    if progress is None:
-        progress = bool(getattr(stream, "isatty", lambda: False)())
-    reporter = ProgressReporter(progress, stream=stream)
-    timing = TimingStream(timing_sink, mirror=artifact_dir / "timing.ndjson")
-    recorder = SpanRecorder("controller", sink=timing)
-    started_at = dt.datetime.now(dt.UTC)
-    t0 = time.monotonic()
-    op_span = recorder.start_span(f"coldsnap.{operation}", operation=operation, operation_id=operation_id,
-                                  prepare_only=prepare_only, playbook=playbook_path.name)
-    reporter.header(f"coldsnap {operation}{' --prepare-only' if prepare_only else ''} {operation_id}: "
-                    f"{playbook_path.name} (run dir {run_dir})")
+class PlaybookRun:
+    """One run of a :class:`RunConfig`: ansible-runner's handlers, cancellation and the receipt."""
 
-    secrets_file = _Secrets(run_dir / "secrets", secret_vars)
-    stdout_log = open(artifact_dir / "stdout", "w", encoding="utf-8")
-    os.chmod(artifact_dir / "stdout", 0o600)
-    collector = EventCollector(recorder, parent_span_id=op_span["span_id"], redactor=redactor,
-                               progress=reporter, stdout_log=stdout_log, on_first_event=secrets_file.delete)
-    cancel_state: dict[str, Any] = {"at": None, "terminated": 0}
-    starting: dict[str, Any] = {}
-    runner_status = {"status": "unstarted"}
+    def __init__(self, config: RunConfig, *, ansible_runner: Any, timing_sink: TimingTarget = None,
+                 progress: bool | None = None, cancel_event: threading.Event | None = None,
+                 progress_stream: IO[str] | None = None) -> None:
+        self.config = config
+        self.ansible_runner = ansible_runner
+        self.cancel_event = cancel_event
+        self.run_dir = config.run_dir
+        self.ident = _new_ident()
+        self.artifact_dir = _private_dir(_private_dir(self.run_dir / "artifacts") / self.ident)
+        stream = progress_stream if progress_stream is not None else sys.stderr
+        if progress is None:
+            progress = bool(getattr(stream, "isatty", lambda: False)())
+        self.reporter = ProgressReporter(progress, stream=stream)
+        self.timing = TimingStream(timing_sink, mirror=self.artifact_dir / "timing.ndjson")
+        self.recorder = SpanRecorder("controller", sink=self.timing)
+        self.cancelled_at: float | None = None
+        self.terminated = 0
+        self.starting: dict[str, Any] = {}
+        self.runner_status = "unstarted"
 
-    def cancel_callback() -> bool:
-        if cancel_event is not None and cancel_event.is_set():
-            if cancel_state["at"] is None:
-                cancel_state["at"] = time.monotonic()
-                reporter.note("cancel requested: stopping ansible-playbook and the tasks it runs")
-                # Before ansible-runner kills ansible-playbook's group: its workers live in
-                # sessions of their own and would survive (see proctree).
-                pid = find_child(str(run_dir))
-                cancel_state["terminated"] = terminate_tree(pid) if pid else 0
+    # ------------------------------------------------------------- handlers
+    def _stop_tree(self) -> None:
+        """Before ansible-runner kills ansible-playbook's group: its workers live in sessions of their
+        own and would survive (see proctree)."""
+        self.cancelled_at = time.monotonic()
+        pid = find_child(str(self.run_dir))
+        self.terminated = terminate_tree(pid) if pid else 0
+
+    def cancel_callback(self) -> bool:
+        if self.cancel_event is not None and self.cancel_event.is_set():
+            if self.cancelled_at is None:
+                self.reporter.note("cancel requested: stopping ansible-playbook and the tasks it runs")
+                self._stop_tree()
             return True
         return False
 
-    def status_handler(data: dict, runner_config: Any = None) -> None:
+    def status_handler(self, data: dict, runner_config: Any = None) -> None:
         status = str(data.get("status"))
-        runner_status["status"] = status
+        self.runner_status = status
+        redactor = self.config.redactor
         if status == "starting":
             # The payload holds the whole environment: keep only a redacted copy.
-            starting.update({"command": redactor.scrub(list(data.get("command") or [])),
-                             "cwd": data.get("cwd"),
-                             "env": redactor.scrub(redact_env(dict(data.get("env") or {})))})
-        elif status == "running" and starting:
+            self.starting.update({"command": redactor.scrub(list(data.get("command") or [])),
+                                  "cwd": data.get("cwd"),
+                                  "env": redactor.scrub(redact_env(dict(data.get("env") or {})))})
+        elif status == "running" and self.starting:
             # ansible-runner wrote the full environment to artifacts/<ident>/command just before
             # this status; replace it before ansible-playbook is even spawned.
-            _write_private_json(artifact_dir / "command", starting)
+            _write_private_json(self.artifact_dir / "command", self.starting)
 
-    controller_error: str | None = None
-    rc: int | None = None
-    interrupted = False
-    try:
-        r = ansible_runner.run(
-            private_data_dir=str(run_dir), ident=ident, playbook=str(playbook_path), inventory=inventory_arg,
-            cmdline=secrets_file.cmdline, envvars=secret_env or None, settings=dict(RUNNER_SETTINGS),
-            suppress_env_files=True, quiet=True, fact_cache_type="memory", rotate_artifacts=keep_artifacts,
-            verbosity=verbosity or None, event_handler=collector, status_handler=status_handler,
-            cancel_callback=cancel_callback)
-        rc = r.rc
-        runner_status["status"] = r.status
-    except KeyboardInterrupt:
-        # An API caller without a cancel_event got SIGINT: stop the tree, write the receipt, re-raise below.
-        interrupted = True
-        cancel_state["at"] = time.monotonic()
-        pid = find_child(str(run_dir))
-        cancel_state["terminated"] = terminate_tree(pid) if pid else 0
-    except Exception as exc:  # the runner itself broke: still write a failed receipt
-        controller_error = redactor.text(f"{type(exc).__name__}: {exc}")
-    finally:
-        secrets_file.delete()
-        stdout_log.close()
-        _scrub_partial_events(artifact_dir / "job_events", redactor)
-        if starting:
-            # Belt and braces: the command artifact must hold the redacted environment only.
-            with contextlib.suppress(OSError):
-                _write_private_json(artifact_dir / "command", starting)
+    # ------------------------------------------------------------------ run
+    def run(self) -> OperationResult:
+        cfg, reporter, recorder = self.config, self.reporter, self.recorder
+        run_dir, artifact_dir, redactor = self.run_dir, self.artifact_dir, cfg.redactor
+        inventory_arg, secret_env = cfg.write_private_data_dir()
+        started_at = dt.datetime.now(dt.UTC)
+        t0 = time.monotonic()
+        op_span = recorder.start_span(f"coldsnap.{cfg.operation}", operation=cfg.operation,
+                                      operation_id=cfg.operation_id, prepare_only=cfg.prepare_only,
+                                      playbook=cfg.playbook_path.name)
+        reporter.header(f"coldsnap {cfg.operation}{' --prepare-only' if cfg.prepare_only else ''} "
+                        f"{cfg.operation_id}: {cfg.playbook_path.name} (run dir {run_dir})")
+        secrets_file = _Secrets(run_dir / "secrets", cfg.secret_vars)
+        stdout_log = open(artifact_dir / "stdout", "w", encoding="utf-8")
+        os.chmod(artifact_dir / "stdout", 0o600)
+        collector = EventCollector(recorder, parent_span_id=op_span["span_id"], redactor=redactor,
+                                   progress=reporter, stdout_log=stdout_log, on_first_event=secrets_file.delete)
+        controller_error: str | None = None
+        rc: int | None = None
+        interrupted = False
+        try:
+            r = self.ansible_runner.run(
+                private_data_dir=str(run_dir), ident=self.ident, playbook=str(cfg.playbook_path),
+                inventory=inventory_arg, cmdline=secrets_file.cmdline, envvars=secret_env or None,
+                settings=dict(RUNNER_SETTINGS), suppress_env_files=True, quiet=True, fact_cache_type="memory",
+                rotate_artifacts=cfg.keep_artifacts, verbosity=cfg.verbosity or None, event_handler=collector,
+                status_handler=self.status_handler, cancel_callback=self.cancel_callback)
+            rc = r.rc
+            self.runner_status = r.status
+        except KeyboardInterrupt:
+            # An API caller without a cancel_event got SIGINT: stop the tree, write the receipt, re-raise below.
+            interrupted = True
+            self._stop_tree()
+        except Exception as exc:  # the runner itself broke: still write a failed receipt
+            controller_error = redactor.text(f"{type(exc).__name__}: {exc}")
+        finally:
+            secrets_file.delete()
+            stdout_log.close()
+            _scrub_partial_events(artifact_dir / "job_events", redactor)
+            if self.starting:
+                # Belt and braces: the command artifact must hold the redacted environment only.
+                with contextlib.suppress(OSError):
+                    _write_private_json(artifact_dir / "command", self.starting)
 
-    cancelled = cancel_state["at"] is not None or runner_status["status"] == "canceled"
-    in_flight = collector.close_open_tasks("cancelled" if cancelled else "incomplete")
-    succeeded = (controller_error is None and not cancelled and runner_status["status"] == "successful"
-                 and rc == 0)
-    error = None if succeeded else _error(
-        collector, cancelled=cancelled, in_flight=in_flight, controller_error=controller_error,
-        runner_status=runner_status["status"], rc=rc)
-    recorder.end_span(op_span, status="ok" if succeeded else ("cancelled" if cancelled else "failed"),
-                      runner_status=runner_status["status"], rc=rc)
-    completed_at = dt.datetime.now(dt.UTC)
-    duration = time.monotonic() - t0
-    envelope = recorder.finish(operation_id)  # the stream's last event
-    timing.close()
+        cancelled = self.cancelled_at is not None or self.runner_status == "canceled"
+        in_flight = collector.close_open_tasks("cancelled" if cancelled else "incomplete")
+        succeeded = (controller_error is None and not cancelled and self.runner_status == "successful"
+                     and rc == 0)
+        error = None if succeeded else _error(
+            collector, cancelled=cancelled, in_flight=in_flight, controller_error=controller_error,
+            runner_status=self.runner_status, rc=rc)
+        recorder.end_span(op_span, status="ok" if succeeded else ("cancelled" if cancelled else "failed"),
+                          runner_status=self.runner_status, rc=rc)
+        completed_at = dt.datetime.now(dt.UTC)
+        duration = time.monotonic() - t0
+        envelope = recorder.finish(cfg.operation_id)  # the stream's last event
+        self.timing.close()
 
-    result = _result(collector, playbook_path=playbook_path, ident=ident, runner_status=runner_status["status"],
-                     rc=rc, cancelled=cancelled, in_flight=in_flight, timing_problems=timing.problems)
-    if cancelled:
-        result["runner"]["terminated_processes"] = cancel_state["terminated"]
-    receipt = build_receipt(operation_id=operation_id, operation=operation, prepare_only=prepare_only,
-                            succeeded=succeeded, request=request, started_at=started_at,
-                            completed_at=completed_at, duration_seconds=duration, timing=envelope,
-                            result=redactor.scrub(result), error=redactor.scrub(error))
-    write_receipt(artifact_dir / "receipt.json", receipt, mode=0o600)
-    receipt_path = write_receipt(run_dir / "receipt.json", receipt, mode=0o600)
-    reporter.header(f"coldsnap {operation} {operation_id}: {receipt['state']}"
-                    f"{' (cancelled)' if cancelled else ''} in {duration:.1f}s")
-    if interrupted:
-        raise KeyboardInterrupt
-    return OperationResult(operation_id=operation_id, operation=operation, succeeded=succeeded,
-                           cancelled=cancelled, receipt=receipt, receipt_path=receipt_path, run_dir=run_dir,
-                           artifact_dir=artifact_dir, runner_status=runner_status["status"], rc=rc)
+        result = _result(collector, playbook_path=cfg.playbook_path, ident=self.ident,
+                         runner_status=self.runner_status, rc=rc, cancelled=cancelled, in_flight=in_flight,
+                         timing_problems=self.timing.problems)
+        if cancelled:
+            result["runner"]["terminated_processes"] = self.terminated
+        receipt = build_receipt(operation_id=cfg.operation_id, operation=cfg.operation, prepare_only=cfg.prepare_only,
+                                succeeded=succeeded, request=cfg.request, started_at=started_at,
+                                completed_at=completed_at, duration_seconds=duration, timing=envelope,
+                                result=redactor.scrub(result), error=redactor.scrub(error))
+        write_receipt(artifact_dir / "receipt.json", receipt, mode=0o600)
+        receipt_path = write_receipt(run_dir / "receipt.json", receipt, mode=0o600)
+        reporter.header(f"coldsnap {cfg.operation} {cfg.operation_id}: {receipt['state']}"
+                        f"{' (cancelled)' if cancelled else ''} in {duration:.1f}s")
+        if interrupted:
+            raise KeyboardInterrupt
+        return OperationResult(operation_id=cfg.operation_id, operation=cfg.operation, succeeded=succeeded,
+                               cancelled=cancelled, receipt=receipt, receipt_path=receipt_path, run_dir=run_dir,
+                               artifact_dir=artifact_dir, runner_status=self.runner_status, rc=rc)
 
 
 def _scrub_partial_events(job_events: Path, redactor: Redactor) -> None:

@@ -1,0 +1,63 @@
+# Copyright: ColdSnap maintainers
+# Apache License 2.0 (see LICENSE)
+"""Filters the playbooks and roles use instead of repeating request and state-root logic:
+``unit_hosts``, ``host_units``, ``host_unit_ids``, ``state_root``, ``state_path``.
+
+Each is one function of module_utils (the same code the modules run)."""
+
+from __future__ import annotations
+
+from ansible.errors import AnsibleFilterError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import (
+    DEFAULT_STATE_ROOT,
+    StateLayout,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import unit_hosts, units_on_host
+
+
+def _request(value, name: str) -> dict:
+    if not isinstance(value, dict) or not isinstance(value.get("launch"), dict):
+        raise AnsibleFilterError(f"{name}: expected the ColdSnap request (coldsnap_request), got {type(value).__name__}")
+    return value
+
+
+def unit_hosts_filter(request) -> list[str]:
+    """Inventory hostnames of the request's launch units, in unit order, each once."""
+    return unit_hosts(_request(request, "unit_hosts"))
+
+
+def host_units_filter(request, host: str) -> list[dict]:
+    """The request's launch units placed on ``host``."""
+    return units_on_host(_request(request, "host_units"), host)
+
+
+def host_unit_ids_filter(request, host: str) -> list[str]:
+    """Ids of the request's launch units placed on ``host``."""
+    return [u["id"] for u in units_on_host(_request(request, "host_unit_ids"), host)]
+
+
+def state_root_filter(value=None) -> str:
+    """The state root: ``value`` when set, else ColdSnap's default (``/var/lib/coldsnap``)."""
+    return str(value) if value else DEFAULT_STATE_ROOT
+
+
+def state_path_filter(root, name: str, *parts: str) -> str:
+    """A named location below the state root (``payloads``, ``payload_objects``, ``payload_incoming``,
+    ``captures``, ``capsules_oci``, ``workloads``, ``runs``, ``artifacts`` ...)."""
+    try:
+        return str(StateLayout(state_root_filter(root)).path(name, *[str(p) for p in parts]))
+    except ValueError as exc:
+        raise AnsibleFilterError(f"state_path: {exc}") from None
+
+
+class FilterModule:
+    """ColdSnap filters."""
+
+    def filters(self):
+        return {
+            "unit_hosts": unit_hosts_filter,
+            "host_units": host_units_filter,
+            "host_unit_ids": host_unit_ids_filter,
+            "state_root": state_root_filter,
+            "state_path": state_path_filter,
+        }
