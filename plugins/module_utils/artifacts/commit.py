@@ -88,7 +88,9 @@ def build_artifact(request: dict, *, capture_id: str, evidence: dict[str, dict],
         "policy": {"process": request["policy"]["process"], "compatibility": request["policy"]["compatibility"],
                    "cache": request["policy"]["cache"]},
         "compatibility": {"units": platforms},
-        "capsule": {"units": [capsules[u["id"]] for u in units]},
+        "capsule": {"units": [{**capsules[u["id"]], **({"state": evidence[u["id"]]["state"]}
+                                                        if evidence[u["id"]].get("state") else {})}
+                              for u in units]},
         "runtime": {"kind": launch["runtime"],
                     "activation_runtime": {"abi": ACTIVATION_RUNTIME_ABI, "digest": activation_digest},
                     "criu_version": platforms[0]["criu_version"]},

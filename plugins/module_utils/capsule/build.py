@@ -69,7 +69,7 @@ RESERVED_LABELS = (LABEL_KIND, LABEL_FORMAT, LABEL_UNIT, LABEL_CAPTURE, LABEL_ST
                    LABEL_BASE)
 
 # Never inside a capsule: model packs and their validation records (model bytes travel as payloads).
-EXCLUDED_PATTERNS = ("*.pack", "*.pack.coldsnap-validation.json", "*.pack.part")
+EXCLUDED_PATTERNS = ("*.pack", "*.pack.coldsnap-validation.json", "*.pack.part", ".coldsnap-state-validation.json")
 # A derived cache holding these is model data, not a cache seed.
 MODEL_FILE_PATTERNS = ("*.safetensors", "*.pack", "*.bin.index.json", "*.safetensors.index.json")
 # Whole system trees a capsule must never overlay.

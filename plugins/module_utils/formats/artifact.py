@@ -77,6 +77,13 @@ CAPSULE = Obj({
     "bytes": Field(Int(minimum=0)),
     "repository_digest": Field(Nullable(Str(pattern=ids.IMAGE_REF, pattern_fix=ids.IMAGE_REF_FIX)), required=False,
                                default=None),
+    "state": Field(Obj({
+        "sha256": Field(Digest("of the unit's state-digests.json (size and SHA-256 of every captured file)")),
+        "size": Field(Int(minimum=0)),
+        "files": Field(Int(minimum=0)),
+        "bytes": Field(Int(minimum=0)),
+        "evidence_sha256": Field(Digest("of the unit's evidence.json")),
+    }), required=False, description="the captured state, sealed at capture and verified before any eviction"),
 })
 
 WORKER_WEIGHTS = Obj({

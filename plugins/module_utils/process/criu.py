@@ -131,19 +131,38 @@ class RestoreResult:
     seconds: float
 
 
-def restore(criu: Criu, images_dir: Path, *, leave_stopped: bool = False, sibling: bool = False,
+def private_work_dir(path: Path) -> Path:
+    """A fresh 0700 directory for CRIU's log and pid file (never the image directory, which is sealed
+    captured state and may come from a capsule someone else built)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise ColdSnapError(f"CRIU work directory {path} is a symbolic link", fix="remove it")
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    for name in ("restore.log", "restore.pid"):
+        p = path / name
+        if p.is_symlink() or p.exists():
+            p.unlink()
+    return path
+
+
+def restore(criu: Criu, images_dir: Path, *, work_dir: Path, leave_stopped: bool = False, sibling: bool = False,
             timeout: float = 600) -> RestoreResult:
-    """Restore the tree detached (``sibling``: as a child of the caller, for supervisors)."""
+    """Restore the tree detached (``sibling``: as a child of the caller, for supervisors).
+
+    CRIU writes its log and pid file into ``work_dir`` (``-W``), created fresh and private; the
+    image directory is only read.
+    """
     images_dir = Path(images_dir)
-    pidfile = images_dir / "restore.pid"
-    pidfile.unlink(missing_ok=True)
-    args = ["restore", "-D", str(images_dir), "-o", "restore.log", "-v2", "-d", "--pidfile", str(pidfile),
-            "--tcp-close", "--file-locks"]
+    work = private_work_dir(work_dir)
+    pidfile = work / "restore.pid"
+    args = ["restore", "-D", str(images_dir), "-W", str(work), "-o", "restore.log", "-v2", "-d",
+            "--pidfile", str(pidfile), "--tcp-close", "--file-locks"]
     if leave_stopped:
         args.append("--leave-stopped")
     if sibling:
         args.append("--restore-sibling")
-    secs = _run(criu, args, images_dir / "restore.log", "restore", timeout)
+    secs = _run(criu, args, work / "restore.log", "restore", timeout)
     return RestoreResult(int(pidfile.read_text().strip()), secs)
 
 

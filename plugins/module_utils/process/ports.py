@@ -81,9 +81,69 @@ def local_states(port: int, tables: dict[str, str] | None = None) -> list[str]:
     return states
 
 
-def require_ports_free(listeners: list[tuple[str, int]], *, unit: str, time_wait_grace: float = 65.0) -> None:
+def socket_owners() -> dict[str, set[int]]:
+    """Socket inode -> pids holding it (every process of this host that we may inspect)."""
+    owners: dict[str, set[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        owners.setdefault(target[8:-1], set()).add(int(proc.name))
+    return owners
+
+
+def port_holders(port: int) -> set[int]:
+    """Pids holding a TCP socket bound to ``port`` in any state but TIME_WAIT (which belongs to no one)."""
+    inodes = set()
+    for name, _family in TABLES:
+        with contextlib.suppress(OSError):
+            for _addr, p, state, inode in tcp_rows(Path(f"/proc/net/{name}").read_text()):
+                if p == port and state != TIME_WAIT and inode != "0":
+                    inodes.add(inode)
+    if not inodes:
+        return set()
+    owners = socket_owners()
+    return {pid for inode in inodes for pid in owners.get(inode, ())}
+
+
+def process_tree(root: int) -> set[int]:
+    """``root`` and every descendant (by parent pid), as this host sees them now."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(proc.name))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in tree:
+            tree.add(pid)
+            todo.extend(children.get(pid, []))
+    return tree
+
+
+def _describe(pids: set[int]) -> str:
+    out = []
+    for pid in sorted(pids)[:4]:
+        comm = "?"
+        with contextlib.suppress(OSError):
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        out.append(f"pid {pid} ({comm})")
+    return ", ".join(out) or "another process"
+
+
+def require_ports_free(listeners: list[tuple[str, int]], *, unit: str, time_wait_grace: float = 65.0,
+                       replaced: set[int] | frozenset[int] = frozenset()) -> None:
     """Every captured listener must be bindable again, or restore stops here.
 
+    ``replaced`` are the pids of the running workload this restore replaces (it is evicted
+    only after prepare passed on every host): a port they hold, and nobody else, is fine.
     A port held only by TIME_WAIT connections of a process that has exited (some kernels
     refuse the bind then, even with SO_REUSEADDR) frees itself within a minute: wait for
     it, up to ``time_wait_grace`` seconds. Anything else holding the port fails at once.
@@ -98,6 +158,9 @@ def require_ports_free(listeners: list[tuple[str, int]], *, unit: str, time_wait
                 s.bind((addr, port))
                 break
             except OSError as exc:
+                holders = port_holders(port) if exc.errno == errno.EADDRINUSE else set()
+                if holders and replaced and holders <= set(replaced):
+                    break  # the workload being replaced holds it: eviction frees it
                 states = local_states(port)
                 if exc.errno == errno.EADDRINUSE and states and all(st == TIME_WAIT for st in states):
                     deadline = deadline or time.monotonic() + time_wait_grace
@@ -106,12 +169,13 @@ def require_ports_free(listeners: list[tuple[str, int]], *, unit: str, time_wait
                         continue
                     holder = f"TIME_WAIT connections that outlived {time_wait_grace:.0f}s"
                 else:
-                    holder = port_holder(port)
+                    holder = _describe(holders - set(replaced)) if holders else port_holder(port)
                 raise AdmissionError(
                     f"unit {unit}: captured listening port {addr}:{port} is taken on this host by {holder} "
                     f"({exc.strerror})",
-                    fix="stop the process that holds the port (the workload being replaced is evicted only after "
-                        "prepare-only passes), or restore onto a host where the port is free",
+                    fix="stop the process that holds the port, or restore onto a host where it is free (only the "
+                        "workload this restore replaces may hold a captured port: it is evicted once prepare "
+                        "passed on every host)",
                 ) from None
             finally:
                 s.close()

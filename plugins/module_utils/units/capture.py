@@ -11,6 +11,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, load_evidence
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.status import payload_state
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import build_specs
@@ -18,7 +19,23 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights impor
 
 
 def _existing(layout: StateLayout, capture_id: str, units: list[dict]) -> list[dict]:
-    return [load_evidence(p) for u in units if (p := layout.capture_unit(capture_id, u["id"]) / EVIDENCE_FILE).exists()]
+    """Evidence of units already captured under ``capture_id`` (with their seal: a second run converges)."""
+    out = []
+    for u in units:
+        udir = layout.capture_unit(capture_id, u["id"])
+        if (udir / EVIDENCE_FILE).exists():
+            ev = load_evidence(udir / EVIDENCE_FILE)
+            if (udir / capture_state.DIGESTS_FILE).exists():
+                ev["state"] = capture_state.seal_of(udir)
+            out.append(ev)
+    return out
+
+
+def _sealed(layout: StateLayout, capture_id: str, evidence: list[dict]) -> list[dict]:
+    """Seal each unit's captured state (every file's size and digest) for the artifact to record."""
+    for ev in evidence:
+        ev["state"] = capture_state.seal(layout.capture_unit(capture_id, ev["unit"])).to_json()
+    return evidence
 
 
 def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path, activation_digest: str,
@@ -44,7 +61,7 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
     runtime.check_environment(units)
     specs = build_specs(request, host=host, operation="capture", capture_id=capture_id, state_root=state_root,
                         python=python, coordinator_endpoint=coordinator_endpoint, timeouts=timeouts)
-    evidence = runtime.capture(specs)
+    evidence = _sealed(layout, capture_id, runtime.capture(specs))
     return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence)}
 
 
@@ -101,6 +118,6 @@ def capture_running_units(request: dict, artifact: dict, *, host: str, capture_i
     specs = build_specs(request, host=host, operation="capture-running", capture_id=capture_id,
                         state_root=state_root, python=python, coordinator_endpoint=coordinator_endpoint,
                         weights=plan, validation=validation, timeouts=timeouts)
-    evidence = runtime.capture_running(specs)
+    evidence = _sealed(layout, capture_id, runtime.capture_running(specs))
     return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence),
             "capture_id": capture_id}

@@ -65,6 +65,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, UnitSpec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuMoves, admit_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import (  # noqa: F401 (re-exported)
@@ -140,6 +141,71 @@ def captured_evidence(image_id: str, state_target: str, *, client: Any = None) -
             raise ColdSnapError(f"capsule {image_id} holds no capture evidence at {state_target}",
                                 fix="recapture; this is not a ColdSnap unit capsule")
         return json.loads(tar.extractfile(member).read())
+
+
+def verify_image_state(image_id: str, state_target: str, recorded: dict | None, *, unit: str,
+                       client: Any = None) -> dict:
+    """Hash the capsule image's captured state (streamed out of a created, never started, container)
+    against what the capture sealed: every file, before anything is evicted."""
+    import hashlib
+
+    client = _client(client)
+    container = docker_unit.create_container(client, image_id, ["true"], network_mode="none",
+                                             labels={docker_unit.LABEL_ROLE: "capsule-verify"})
+    members: dict[str, tuple[str, int, str]] = {}
+    contents: dict[str, bytes] = {}
+    try:
+        stream, _stat = container.get_archive(state_target.rstrip("/"))
+        top = state_target.rstrip("/").rsplit("/", 1)[-1]
+        with tarfile.open(fileobj=_StreamReader(stream), mode="r|") as tar:
+            for m in tar:
+                if m.name == top or not m.name.startswith(top + "/"):
+                    continue
+                rel = m.name[len(top) + 1:]
+                if m.isdir():
+                    continue
+                if not m.isreg():
+                    members[rel] = ("link" if m.issym() or m.islnk() else "other", 0, "")
+                    continue
+                h = hashlib.sha256()
+                fh = tar.extractfile(m)
+                keep = rel in (capture_state.DIGESTS_FILE, EVIDENCE_FILE)
+                buf = bytearray()
+                while chunk := fh.read(1 << 20):
+                    h.update(chunk)
+                    if keep:
+                        buf += chunk
+                members[rel] = ("file", m.size, "sha256:" + h.hexdigest())
+                if keep:
+                    contents[rel] = bytes(buf)
+    finally:
+        with contextlib.suppress(Exception):
+            container.remove(force=True)
+    where = f"capsule image {image_id[:19]}:{state_target}"
+    stats = capture_state.verify_members(members, recorded, unit=unit, where=where)
+    listed = json.loads(contents[capture_state.DIGESTS_FILE])["files"]
+    capture_state.check_listing(members, listed, unit=unit, where=where)
+    return stats
+
+
+class _StreamReader:
+    """A file object over Docker's archive stream (an iterator of byte chunks)."""
+
+    def __init__(self, chunks: Any) -> None:
+        self._it = iter(chunks)
+        self._buf = b""
+
+    def read(self, n: int = -1) -> bytes:
+        while n < 0 or len(self._buf) < n:
+            try:
+                self._buf += next(self._it)
+            except StopIteration:
+                break
+        if n < 0:
+            data, self._buf = self._buf, b""
+        else:
+            data, self._buf = self._buf[:n], self._buf[n:]
+        return data
 
 
 def capsule_criu_check(image_id: str, *, client: Any = None) -> dict:
@@ -263,6 +329,16 @@ def _canonical_container(request: dict, unit_id: str, *, client: Any) -> Any | N
         raise AdmissionError(f"a container named {name!r} exists and is not a ColdSnap unit container",
                              fix="rename or remove it; ColdSnap only replaces its own containers")
     return c
+
+
+def _container_pids(container: Any) -> set[int]:
+    """Host pids of every process in a running container (its init and all descendants)."""
+    try:
+        container.reload()
+        init = int(container.attrs.get("State", {}).get("Pid") or 0)
+    except Exception:  # the container went away: it holds nothing
+        return set()
+    return ports.process_tree(init) if init > 0 else set()
 
 
 def _exists(client: Any, cid: str) -> bool:
@@ -470,14 +546,19 @@ class DockerRuntime(UnitRuntime):
             criu = capsule_criu_check(image.id, client=client)
             adm = admit_unit(artifact=artifact, unit_id=u["id"], facts={**facts, "criu": criu}, devices=u["devices"],
                              host=self.host)
+            cap = capsule_entry(artifact, u["id"])
+            state = (verify_image_state(image.id, target, cap.get("state"), unit=u["id"], client=client)
+                     if not check_mode else None)
             captured = captured_evidence(image.id, target, client=client)
             moves.add(u, captured, captured_units[u["id"]])
             running = _canonical_container(self.request, u["id"], client=client)
-            if running is None or running.status != "running":
-                for w in captured["workers"]:
-                    ports.require_ports_free([tuple(x) for x in w["listeners"]], unit=u["id"])
+            # Only the canonical container this restore replaces may hold a captured port.
+            replaced = _container_pids(running) if running is not None and running.status == "running" else set()
+            for w in captured["workers"]:
+                ports.require_ports_free([tuple(x) for x in w["listeners"]], unit=u["id"], replaced=replaced)
             plans.append({"unit": u["id"], "admission": {**adm, "criu": criu["version"]}, "image": image.id,
-                          "state_target": target, "container": running.name if running is not None else None})
+                          "state_target": target, "container": running.name if running is not None else None,
+                          "state": state})
         moves.admit(self.host)
         return plans, False
 

@@ -7,6 +7,7 @@ pinned by ``environment_digest`` (the installed Python environment).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,7 +16,10 @@ import time
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import CapsuleRef, extract_capsule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    ColdSnapError,
+    IntegrityError,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
@@ -27,7 +31,11 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_client import engine_answers
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage, environment
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import (
+    activation_stage,
+    capture_state,
+    environment,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuMoves, admit_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
     UnitRuntime,
@@ -94,20 +102,32 @@ class HostRuntime(UnitRuntime):
             adm = admit_unit(artifact=artifact, unit_id=u["id"], facts=facts, devices=u["devices"], host=self.host)
             path, extracted = self.ensure_unit_state(artifact, u["id"], check_mode=check_mode)
             changed |= extracted
+            plan = {"unit": u["id"], "admission": adm, "unit_dir": str(path)}
             if not check_mode:
+                plan["state"] = verify_unit_state(path, artifact, u["id"])
                 captured = load_evidence(path / EVIDENCE_FILE)
                 moves.add(u, captured, captured_units[u["id"]])
-                running = self.running_pid(u["id"])
+                # The workload being replaced is evicted only after prepare passed everywhere: its own
+                # pids and ports do not count, anyone else's do.
+                replaced = self.replaced_pids(u["id"])
                 for w in captured["workers"]:
-                    # The workload being replaced is evicted later; its own ports/pids don't count.
-                    if running and running == w["pid"]:
-                        continue
-                    ports.require_pids_free([w["pid"], *w["tids"]], unit=u["id"])
-                    if not running:
-                        ports.require_ports_free([tuple(x) for x in w["listeners"]], unit=u["id"])
-            plans.append({"unit": u["id"], "admission": adm, "unit_dir": str(path)})
+                    ports.require_pids_free([p for p in [w["pid"], *w["tids"]] if p not in replaced], unit=u["id"])
+                    ports.require_ports_free([tuple(x) for x in w["listeners"]], unit=u["id"], replaced=replaced)
+            plans.append(plan)
         moves.admit(self.host)
         return plans, changed
+
+    def replaced_pids(self, unit_id: str) -> set[int]:
+        """Every process and thread id of this workload's running unit (empty when none runs)."""
+        pid = self.running_pid(unit_id)
+        if pid is None:
+            return set()
+        out: set[int] = set()
+        for p in ports.process_tree(pid):
+            out.add(p)
+            with contextlib.suppress(OSError):
+                out.update(ports.tids_of(p))
+        return out
 
     def running_pid(self, unit_id: str) -> int | None:
         """The pid of this workload's engine running on the host, if any (proven through its control API)."""
@@ -122,24 +142,45 @@ class HostRuntime(UnitRuntime):
         return None
 
     def evict(self, *, check_mode: bool) -> list[dict]:
-        """SIGKILL this workload's engines and wait until their pids are free again."""
+        """SIGKILL this workload's engines (each whole process tree) and wait until their pids are free."""
         stopped = []
         for u in units_on_host(self.request, self.host):
             pid = self.running_pid(u["id"])
             if pid is None:
                 continue
-            stopped.append({"unit": u["id"], "pid": pid})
+            tree = ports.process_tree(pid)
+            stopped.append({"unit": u["id"], "pid": pid, "processes": len(tree)})
             if check_mode:
                 continue
-            os.kill(pid, signal.SIGKILL)
-            # Wait until the pid is gone, not just dead: the restore needs it free again.
+            for p in sorted(tree):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            # Wait until the pids are gone, not just dead: the restore needs them free again.
             deadline = time.monotonic() + 30
-            while Path(f"/proc/{pid}").exists():
+            while any(Path(f"/proc/{p}").exists() for p in tree):
                 if time.monotonic() > deadline:
                     raise ColdSnapError(f"unit {u['id']}: engine pid {pid} was killed but not reaped within 30 s",
                                         fix="its parent does not reap children; restart the unit's keeper or host init")
                 time.sleep(0.02)
         return stopped
+
+
+def verify_unit_state(path: Path, artifact: dict, unit_id: str) -> dict:
+    """The unit's captured state is what the capture sealed, and its workers' payload files are the ones
+    the artifact records (checked before anything is evicted)."""
+    cap = next(c for c in artifact["capsule"]["units"] if c["unit"] == unit_id)
+    stats = capture_state.verify(path, cap.get("state"), unit=unit_id)
+    listed = capture_state.listed_files(path)
+    for w in artifact["weights"]["workers"]:
+        if w["unit"] != unit_id:
+            continue
+        for key in ("residual", "manifest", "replay"):
+            rel = f"workers/{w['worker']}/{w[key]['path']}"
+            got = listed.get(rel)
+            if got is None or got["sha256"] != w[key]["sha256"] or got["size"] != w[key]["size"]:
+                raise IntegrityError(f"unit {unit_id}: worker {w['worker']}'s {w[key]['path']} is not the file the "
+                                     "artifact records", fix=capture_state.RECOVER)
+    return stats
 
 
 def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_digest: str,

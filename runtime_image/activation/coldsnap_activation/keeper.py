@@ -29,7 +29,10 @@ def _become_subreaper() -> None:
 
 def _write(result_file: Path, doc: dict) -> None:
     tmp = result_file.with_name(f".{result_file.name}.tmp")
-    tmp.write_text(json.dumps(doc))
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(doc))
     os.replace(tmp, result_file)
 
 
@@ -40,7 +43,8 @@ def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: st
 
     try:
         _become_subreaper()
-        res = criu_mod.restore(criu_mod.find_criu(criu_binary), images, leave_stopped=leave_stopped)
+        res = criu_mod.restore(criu_mod.find_criu(criu_binary), images, work_dir=result_file.parent,
+                               leave_stopped=leave_stopped)
     except (ColdSnapError, OSError) as exc:
         _write(result_file, {"ok": False, "error": str(exc)})
         return 1
@@ -54,12 +58,16 @@ def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: st
             continue
 
 
-def start(images: Path, *, leave_stopped: bool, criu_binary: str | None, log_path: Path,
+def start(images: Path, *, work_dir: Path, leave_stopped: bool, criu_binary: str | None, log_path: Path,
           timeout: float = 600) -> dict:
-    """Spawn a keeper for ``images`` and wait for its restore result (pid, seconds)."""
+    """Spawn a keeper for ``images`` and wait for its restore result (pid, seconds).
+
+    CRIU's log and the result go to ``work_dir`` (fresh, 0700), never into the image directory."""
     import subprocess
 
-    result_file = Path(images) / "keeper-result.json"
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process.criu import private_work_dir
+
+    result_file = private_work_dir(work_dir) / "keeper-result.json"
     result_file.unlink(missing_ok=True)
     args = [sys.executable, "-m", "coldsnap_activation", "keeper", "--images", str(images),
             "--result", str(result_file)]
@@ -67,7 +75,8 @@ def start(images: Path, *, leave_stopped: bool, criu_binary: str | None, log_pat
         args.append("--leave-stopped")
     if criu_binary:
         args += ["--criu", criu_binary]
-    with open(log_path, "ab") as log:
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(log_fd, "ab") as log:
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
                                 cwd="/", close_fds=True)
     deadline = time.monotonic() + timeout

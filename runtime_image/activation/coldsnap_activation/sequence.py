@@ -407,10 +407,11 @@ class Activation:
                                              pid=int(captured_ctl["pid"]))
                     atomic_write_json(h.control_file, control.to_json(), mode=0o600)
                     images = self.unit_dir / "criu" / wid
+                    work = self.workload_dir / f"criu-{wid}"
                     if spec.supervise:  # we are the container's PID 1: the tree becomes our child
-                        pid = criu_mod.restore(criu, images, leave_stopped=True, sibling=True).pid
+                        pid = criu_mod.restore(criu, images, work_dir=work, leave_stopped=True, sibling=True).pid
                     else:
-                        kept = keeper.start(images, leave_stopped=True, criu_binary=criu.binary,
+                        kept = keeper.start(images, work_dir=work, leave_stopped=True, criu_binary=criu.binary,
                                             log_path=self.workload_dir / "keeper.log")
                         if not kept["ok"]:
                             raise UnitError(f"unit {spec.unit_id}: {kept['error']}")
