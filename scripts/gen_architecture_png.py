@@ -12,8 +12,8 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "architecture.png"
 
@@ -39,14 +39,16 @@ RESTORE = ["validate request", "prepare: admission, payload,\ncapture state, pid
            "hydrate, zero KV", "exact reply", "receipt"]
 
 
-def box(ax, x, y, w, h, title, body, colour):
+def box(ax, xy, wh, title, body, *, colour):
+    (x, y), (w, h) = xy, wh
     ax.add_patch(FancyBboxPatch((x, y), w, h, boxstyle="round,pad=0.01,rounding_size=0.015", fc=colour,
                                 ec="#555", lw=0.8))
     ax.text(x + 0.012, y + h - 0.02, title, fontsize=9, fontweight="bold", va="top")
     ax.text(x + 0.012, y + 0.012, body, fontsize=7.2, va="bottom", family="monospace")
 
 
-def flow(ax, x, y0, title, steps, colour):
+def flow(ax, xy, title, steps, colour):
+    x, y0 = xy
     ax.text(x, y0 + 0.035, title, fontsize=10, fontweight="bold")
     h = 0.062
     for i, step in enumerate(steps):
@@ -68,17 +70,17 @@ def main() -> int:
     h, gap, y = 0.072, 0.018, 0.90
     for title, body, colour in LAYERS:
         y -= h
-        box(ax, 0.02, y, 0.56, h, title, body, colour)
+        box(ax, (0.02, y), (0.56, h), title, body, colour=colour)
         y -= gap
     ax.text(0.61, 0.92, "inside each launch unit", fontsize=10, fontweight="bold")
     uy = 0.82
     for title, body, colour in IN_UNIT:
-        box(ax, 0.61, uy, 0.29, 0.09, title, body, colour)
+        box(ax, (0.61, uy), (0.29, 0.09), title, body, colour=colour)
         uy -= 0.11
     ax.text(0.61, 0.58, "they import formats, common,\npayload, process, coord\n(tests/unit/test_layers.py)",
             fontsize=7.5)
-    flow(ax, 0.93, 0.90, "capture", CAPTURE, "#e2f0d9")
-    flow(ax, 1.22, 0.90, "restore", RESTORE, "#dbe9f6")
+    flow(ax, (0.93, 0.90), "capture", CAPTURE, "#e2f0d9")
+    flow(ax, (1.22, 0.90), "restore", RESTORE, "#dbe9f6")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(OUT, dpi=110)
     print(OUT)

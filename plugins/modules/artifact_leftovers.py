@@ -40,6 +40,13 @@ options:
     type: list
     elements: str
     default: []
+  keep_capsules:
+    description:
+      - Capsule image ids (docker image ids or OCI manifest digests) that retained descriptors still
+        reference; never removed. OCI-layout capsules are only removed at the path derived from their digest.
+    type: list
+    elements: str
+    default: []
   host:
     description: Inventory hostname of this host (capsule locations are only trusted on their capture host).
     type: str
@@ -99,13 +106,15 @@ def main() -> None:
             state_root=dict(STATE_ROOT_ARG),
             refs=dict(type="list", elements="dict", required=True),
             keep_payloads=dict(type="list", elements="str", default=[]),
+            keep_capsules=dict(type="list", elements="str", default=[]),
             host=dict(type="str", required=True),
         ),
         supports_check_mode=True,
     )
     p = module.params
     run_guarded(module, lambda: remove_local(p["state_root"], p["refs"], keep_payloads=p["keep_payloads"],
-                                             host=p["host"], check_mode=module.check_mode), what="artifact_leftovers")
+                                             keep_capsules=p["keep_capsules"], host=p["host"],
+                                             check_mode=module.check_mode), what="artifact_leftovers")
 
 
 if __name__ == "__main__":

@@ -227,6 +227,13 @@ def _absent(store: ArtifactStore, req: dict, artifact_path: str | None, check_mo
     extra = []
     identities = [identity_info_of(req).identity]
     if artifact_path and Path(artifact_path).is_file():
+        digest = file_sha256(Path(artifact_path))
+        pinned = (req.get("artifact") or {}).get("sha256")
+        if not store.holds(digest) and pinned != digest:
+            # Delete derives what it removes from a descriptor; a hand-edited one must not steer it.
+            raise ColdSnapError(f"artifact {artifact_path} ({digest}) is not a descriptor the artifact store holds",
+                                fix="delete with the descriptor the store committed (its current/ or a generation), "
+                                    "or pin this one with artifact.sha256 in the request")
         art = load_artifact(Path(artifact_path).read_bytes(), document=artifact_path)
         info = store.info(art["identity"])
         mine = art["identity"] == f"sha256:{identities[0]}" or (
@@ -236,7 +243,7 @@ def _absent(store: ArtifactStore, req: dict, artifact_path: str | None, check_mo
             raise ColdSnapError(f"artifact {artifact_path} does not belong to recipe {req['workload']['recipe']!r} "
                                 f"with snapshot driver {req['snapshot_driver']['id']}",
                                 fix="delete with the request of the workload that captured it")
-        extra.append((art, file_sha256(Path(artifact_path))))
+        extra.append((art, digest))
         identities.append(art["identity"])
     out = store.delete(recipe=req["workload"]["recipe"], snapshot_driver=req["snapshot_driver"]["id"],
                        identities=identities, extra_artifacts=extra, check_mode=check_mode).as_dict()

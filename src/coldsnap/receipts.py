@@ -32,22 +32,25 @@ def rfc3339(moment: dt.datetime) -> str:
 
 
 def build_receipt(*, operation_id: str, operation: str, prepare_only: bool, succeeded: bool,
-                  request: Mapping[str, Any] | None, started_at: dt.datetime, completed_at: dt.datetime,
-                  duration_seconds: float, timing: dict, result: dict | None, error: dict | None) -> dict:
-    """Assemble and validate a format-2 receipt (raises FormatError if it would be invalid)."""
+                  request: Mapping[str, Any] | None, started_at: dt.datetime, completed_at: dt.datetime | None,
+                  duration_seconds: float, timing: dict, result: dict | None, error: dict | None,
+                  running: bool = False) -> dict:
+    """Assemble and validate a format-2 receipt (raises FormatError if it would be invalid).
+
+    ``running``: the in-progress receipt written when a run starts (no completion time yet)."""
     receipt = {
         "format": RECEIPT_FORMAT,
         "kind": RECEIPT_KIND,
         "operation_id": operation_id,
         "operation": operation,
         "prepare_only": bool(prepare_only),
-        "state": "succeeded" if succeeded else "failed",
+        "state": "running" if running else ("succeeded" if succeeded else "failed"),
         "request_sha256": request_sha256(dict(request)) if request is not None else None,
         "engine": request["launch"]["engine"] if request is not None else None,
         "snapshot_driver": request["snapshot_driver"]["id"] if request is not None else None,
         "replay_semantics": replay_semantics(operation, prepare_only=prepare_only),
         "started_at": rfc3339(started_at),
-        "completed_at": rfc3339(completed_at),
+        "completed_at": rfc3339(completed_at) if completed_at is not None else None,
         "duration_seconds": round(max(duration_seconds, 0.0), 6),
         "timing": timing,
         "result": result,

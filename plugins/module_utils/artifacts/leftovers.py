@@ -98,7 +98,8 @@ def _docker_remove(image_id: str, *, check_mode: bool, client=None) -> str:
 
 
 def remove_local(state_root: Path | str, refs: list[dict], *, keep_payloads: list[str] | set[str], host: str,
-                 check_mode: bool = False, docker_client=None) -> dict:
+                 check_mode: bool = False, docker_client=None,
+                 keep_capsules: list[str] | set[str] = ()) -> dict:
     """Remove this host's copies of what ``refs`` reference; see the module docstring for what is kept."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.records import record_path_for
@@ -129,20 +130,23 @@ def remove_local(state_root: Path | str, refs: list[dict], *, keep_payloads: lis
     for r in refs:
         for cap in r.get("capsules", []):
             hexd = parse_digest(cap["image_id"], what=f"capsule image id of unit {cap.get('unit')!r}")
+            if cap["image_id"] in set(keep_capsules):
+                kept["capsules"].append({"image_id": cap["image_id"], "location": cap.get("location"),
+                                         "reason": "still referenced by a retained descriptor"})
+                continue
             extracted = state_root / "capsules" / "extracted" / hexd
             if os.path.lexists(extracted):
                 removed["extracted"].append(str(extracted))
                 if not check_mode:
                     rmtree_atomically(extracted)
             if cap["layout"] == "oci-layout":
+                # Only the place derived from the digest: a descriptor's ``location`` is never trusted
+                # to name what to delete.
                 places = {oci_root / "sha256" / hexd}
-                if cap.get("host") == host and cap.get("location"):
-                    loc = Path(cap["location"])
-                    if _inside(loc, state_root):
-                        places.add(loc)
-                    elif loc.exists():
-                        kept["capsules"].append({"image_id": cap["image_id"], "location": str(loc),
-                                                 "reason": "outside the state root; remove it yourself"})
+                loc = Path(cap["location"]) if cap.get("location") else None
+                if loc is not None and loc not in places and loc.exists():
+                    kept["capsules"].append({"image_id": cap["image_id"], "location": str(loc),
+                                             "reason": "not the digest-derived capsule path; remove it yourself"})
                 for place in sorted(places):
                     if os.path.lexists(place):
                         removed["capsules"].append({"unit": cap.get("unit"), "image_id": cap["image_id"],

@@ -347,7 +347,9 @@ def list_overlays(store, identity: str) -> list[dict]:
             entry = {"path": str(odir), "portable_sha256": f"sha256:{pdir.name}", "payloads": [],
                      "refs": {"kind": "overlay", "capture_id": None, "capsules": [], "payloads": [], "hosts": []}}
             try:
-                art = load_artifact((odir / ARTIFACT_FILE).read_bytes(), document=str(odir / ARTIFACT_FILE))
+                data = (odir / ARTIFACT_FILE).read_bytes()
+                entry["sha256"] = "sha256:" + hashlib.sha256(data).hexdigest()
+                art = load_artifact(data, document=str(odir / ARTIFACT_FILE))
                 entry["refs"] = local_refs(art, kind="overlay")
                 entry["payloads"] = [p["sha256"] for p in entry["refs"]["payloads"]]
             except (OSError, ColdSnapError):

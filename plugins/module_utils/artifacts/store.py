@@ -162,11 +162,13 @@ class PromoteResult:
     cleanup: list[dict] = field(default_factory=list)
     keep_payloads: list[str] = field(default_factory=list)
     cleanup_hosts: list[str] = field(default_factory=list)
+    keep_capsules: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"changed": self.changed, "generation": self.generation, "current": self.current,
                 "created": self.created, "pruned": self.pruned, "cleanup": self.cleanup,
-                "keep_payloads": self.keep_payloads, "cleanup_hosts": self.cleanup_hosts}
+                "keep_payloads": self.keep_payloads, "keep_capsules": self.keep_capsules,
+                "cleanup_hosts": self.cleanup_hosts}
 
 
 @dataclass
@@ -180,11 +182,12 @@ class DeleteResult:
     cleanup: list[dict] = field(default_factory=list)
     keep_payloads: list[str] = field(default_factory=list)
     cleanup_hosts: list[str] = field(default_factory=list)
+    keep_capsules: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"changed": self.changed, "identities": self.identities, "removed": self.removed,
                 "sources": self.sources, "cleanup": self.cleanup, "keep_payloads": self.keep_payloads,
-                "cleanup_hosts": self.cleanup_hosts}
+                "keep_capsules": self.keep_capsules, "cleanup_hosts": self.cleanup_hosts}
 
 
 def identity_info_of(request: dict) -> IdentityInfo:
@@ -313,22 +316,45 @@ class ArtifactStore:
 
     def retained_payloads(self, *, exclude: Iterable[str] = ()) -> set[str]:
         """Payload digests referenced by every retained generation and overlay (minus ``exclude`` identities)."""
+        return self._retained(exclude)[0]
+
+    def retained_capsules(self, *, exclude: Iterable[str] = ()) -> set[str]:
+        """Capsule image ids referenced by every retained generation and overlay (minus ``exclude``)."""
+        return self._retained(exclude)[1]
+
+    def _retained(self, exclude: Iterable[str]) -> tuple[set[str], set[str]]:
         skip = {_hex(i) for i in exclude}
-        out: set[str] = set()
+        payloads: set[str] = set()
+        capsules: set[str] = set()
         if not self.root.is_dir():
-            return out
+            return payloads, capsules
         for entry in os.scandir(self.root):
             if not (HEX_RE.match(entry.name) and entry.is_dir(follow_symlinks=False)) or entry.name in skip:
                 continue
             for gen in self.generations(entry.name):
                 try:
                     art = json.loads(gen.artifact_path.read_text())
-                    out.update(w["payload"]["sha256"] for w in art["weights"]["workers"] if w.get("payload"))
+                    payloads.update(w["payload"]["sha256"] for w in art["weights"]["workers"] if w.get("payload"))
+                    capsules.update(c["image_id"] for c in art["capsule"]["units"])
                 except (OSError, ValueError, KeyError, TypeError):
                     continue
             for ov in overlay_mod.list_overlays(self, entry.name):
-                out.update(ov.get("payloads", []))
-        return out
+                payloads.update(ov.get("payloads", []))
+                capsules.update(c.get("image_id") for c in ov.get("refs", {}).get("capsules", []) if c.get("image_id"))
+        return payloads, capsules
+
+    def holds(self, artifact_sha256: str) -> bool:
+        """Whether a generation or overlay of any identity is exactly this descriptor."""
+        if not self.root.is_dir():
+            return False
+        for entry in os.scandir(self.root):
+            if not (HEX_RE.match(entry.name) and entry.is_dir(follow_symlinks=False)):
+                continue
+            if any(g.artifact_sha256 == artifact_sha256 for g in self.generations(entry.name)):
+                return True
+            if any(o.get("sha256") == artifact_sha256 for o in overlay_mod.list_overlays(self, entry.name)):
+                return True
+        return False
 
     # ------------------------------------------------------------- promotion
     def promote(self, artifact_path: Path | str, *, request: dict, retention: int | None = None,
@@ -384,12 +410,13 @@ class ArtifactStore:
             if hook:
                 hook("pointer-written")
             pruned = self._prune(idir, keep)
-            keep_payloads = sorted(self.retained_payloads()) if pruned else []
+            keep_payloads, keep_capsules = (sorted(x) for x in self._retained(())) if pruned else ([], [])
         cleanup = [p["refs"] for p in pruned] + [o["refs"] for p in pruned for o in p["overlays"]]
         hosts = sorted({h for r in cleanup for h in r["hosts"]})
         return PromoteResult(changed=changed or bool(pruned), generation=gen.as_dict(),
                              current=str(self.current_artifact_path(info.identity)), created=created,
-                             pruned=pruned, cleanup=cleanup, keep_payloads=keep_payloads, cleanup_hosts=hosts)
+                             pruned=pruned, cleanup=cleanup, keep_payloads=keep_payloads, cleanup_hosts=hosts,
+                             keep_capsules=keep_capsules)
 
     def _plan_promote(self, info: IdentityInfo, artifact: dict, digest: str, source: Path, keep: int) -> PromoteResult:
         gens = self.generations(info.identity)
@@ -532,11 +559,12 @@ class ArtifactStore:
                     rmtree_atomically(idir / CURRENT)
                 # The lock file lives inside: remove the directory after releasing it.
                 rmtree_atomically(self.identity_dir(ident))
-        keep = sorted(self.retained_payloads(exclude=doomed))
+        keep, keep_caps = (sorted(x) for x in self._retained(doomed))
         cleanup = [r["refs"] for r in removed]
         hosts = sorted({h for r in cleanup for h in r.get("hosts", [])})
         return DeleteResult(changed=changed, identities=[i.as_dict() for i in infos], removed=removed,
-                            sources=sources, cleanup=cleanup, keep_payloads=keep, cleanup_hosts=hosts)
+                            sources=sources, cleanup=cleanup, keep_payloads=keep, cleanup_hosts=hosts,
+                            keep_capsules=keep_caps)
 
 
 def _source_matches(gen: Generation) -> bool:

@@ -73,11 +73,24 @@ def normalize_member_name(name: str, *, what: str = "archive member") -> str:
 
 
 def _link_target_inside(member_name: str, linkname: str) -> bool:
-    """True when a symlink at ``member_name`` pointing to ``linkname`` stays inside the root."""
-    if not linkname or linkname.startswith("/"):
+    """True when a symlink at ``member_name`` pointing to ``linkname`` can only resolve inside the root.
+
+    A textual check of ``dirname + target`` is not enough: a target may pass through
+    another symlink of the same archive (``a/up -> ..``, then ``b -> a/up/..``). So a
+    target must be relative and may never go up (no ``..`` component at all): every link
+    then points below its own directory, and no chain of such links can leave the root.
+    """
+    if not linkname or linkname.startswith("/") or "\x00" in linkname:
+        return False
+    if any(part == ".." for part in linkname.split("/")):
         return False
     joined = posixpath.normpath(posixpath.join(posixpath.dirname(member_name), linkname))
     return joined != ".." and not joined.startswith("../")
+
+
+# Extracted files and directories never keep set-user-ID, set-group-ID, sticky or
+# world-write bits, whatever the archive says.
+SAFE_MODE_MASK = 0o0775
 
 
 # ----------------------------------------------------------------------------- collecting
@@ -374,7 +387,7 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
                 target_name = normalize_member_name(target_name, what=f"{what} member") if target_name else ""
                 if not target_name:
                     if info.isdir():
-                        dir_modes.append((tmp, info.mode & 0o7777, int(info.mtime)))
+                        dir_modes.append((tmp, info.mode & SAFE_MODE_MASK, int(info.mtime)))
                         continue
                     raise ArchiveError(f"{what} member {info.name!r} maps onto the root", fix="rebuild the archive")
                 _no_symlink_on_path(tmp, target_name, what)
@@ -389,11 +402,16 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
                         if not stat.S_ISDIR(os.lstat(path).st_mode):
                             raise ArchiveError(f"{what} member {info.name!r} appears twice with different types",
                                                fix="rebuild the archive") from None
-                    dir_modes.append((path, info.mode & 0o7777, int(info.mtime)))
+                    dir_modes.append((path, info.mode & SAFE_MODE_MASK, int(info.mtime)))
                 elif os.path.lexists(path):
                     raise ArchiveError(f"{what} member {info.name!r} appears twice",
                                        fix="this archive is malformed; rebuild the capsule")
                 elif info.issym():
+                    # Checked against the name it gets below ``dest`` (select may strip a prefix).
+                    if not _link_target_inside(target_name, info.linkname):
+                        raise ArchiveError(f"{what} member {info.name!r} is a symlink to {info.linkname!r}, which "
+                                           "would resolve outside the extraction root",
+                                           fix="this archive is unsafe; rebuild the capsule from its source state")
                     os.symlink(info.linkname, path)
                 elif info.islnk():
                     link_src = normalize_member_name(info.linkname, what=f"{what} hard link target")
@@ -414,16 +432,17 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
                         if src is None:  # a regular file member always has a reader
                             raise AssertionError(f"tar member {info.name} has no data reader")
                         shutil.copyfileobj(src, out, CHUNK)
-                    os.chmod(path, info.mode & 0o7777)
+                    os.chmod(path, info.mode & SAFE_MODE_MASK)
                     os.utime(path, (info.mtime, info.mtime), follow_symlinks=False)
                     extracted[name] = target_name
                 written.append(target_name)
         reader.drain()
+        _links_stay_inside(tmp, what)
         if expected_digest is not None and reader.digest != expected_digest:
             raise IntegrityError(f"{what} has digest {reader.digest}, expected {expected_digest}",
                                  fix="the stored bytes are corrupt; pull or rebuild the capsule")
-        # The root is private while it fills; it opens up like a fresh mkdir unless the archive says otherwise.
-        os.chmod(tmp, 0o755)
+        # The root stays private (captured state is process memory); an archive entry for it may only narrow that.
+        os.chmod(tmp, 0o700)
         # Directory modes last: a read-only directory must not block its own members.
         for path, mode, mtime in sorted(dir_modes, key=lambda d: len(str(d[0])), reverse=True):
             os.chmod(path, mode)
@@ -444,6 +463,19 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
         _rmtree(tmp)
         raise
     return written
+
+
+def _links_stay_inside(root: Path, what: str) -> None:
+    """Defense in depth: every symlink extracted resolves (as far as it exists) inside ``root``."""
+    real_root = os.path.realpath(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                resolved = os.path.realpath(p)
+                if os.path.commonpath([resolved, real_root]) != real_root:
+                    raise ArchiveError(f"{what} member {os.path.relpath(p, root)!r} resolves outside the extraction "
+                                       "root", fix="this archive is unsafe; rebuild the capsule from its source state")
 
 
 def _rmtree(path: Path) -> None:

@@ -141,6 +141,10 @@ class StateLayout:
     def locks(self) -> Path:
         return self.root / LOCKS
 
+    def workload_lock(self, recipe: str) -> Path:
+        """The lock every operation on workload ``recipe`` holds (one at a time per state root)."""
+        return self.locks / f"workload-{recipe}.lock"
+
     # ---------------------------------------------------------- privacy
     def ensure_private_root(self) -> Path:
         """Create the state root 0700 (and make an existing one 0700): everything below is private

@@ -69,6 +69,9 @@ def run_server_process(
         server.shutdown(wait=False)
 
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    # The C-level handler also writes a byte to the loop's wake-up socket, so a signal that reaches
+    # the process while the loop sleeps in epoll_wait wakes it even before the Python handler runs.
+    old_wakeup = signal.set_wakeup_fd(server.wakeup_fileno(), warn_on_full_buffer=False)
     log(f"coordinator listening on {server.address}:{server.port} for scope {scope} "
         f"(slots {server.max_connections}, endpoint {endpoint_file})")
     try:
@@ -76,6 +79,7 @@ def run_server_process(
             on_ready(descriptor)
         server.serve_forever()
     finally:
+        signal.set_wakeup_fd(old_wakeup)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         _remove_own_files(endpoint_file, token, pid_file)
@@ -124,11 +128,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--read-timeout", type=float, default=ServerLimits.read_timeout,
                         help="seconds a client has to send its whole request")
     parser.add_argument("--max-store-bytes", type=int, default=ServerLimits.max_store_bytes)
+    parser.add_argument("--idle-timeout", type=float, default=ServerLimits.idle_timeout,
+                        help="exit after this many seconds without any client (0: never)")
 
 
 def limits_from(args: argparse.Namespace) -> ServerLimits:
     return ServerLimits(max_connections=args.max_connections, read_timeout=args.read_timeout,
-                        max_store_bytes=args.max_store_bytes)
+                        max_store_bytes=args.max_store_bytes, idle_timeout=args.idle_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,12 +87,25 @@ class ServerLimits:
     shutdown_grace: float = 2.0
     max_store_bytes: int = 256 * 1024 * 1024
     max_inflight_bytes: int = 64 * 1024 * 1024
+    # Header and token must arrive this soon after the accept: a client that authenticates
+    # sends them at once; a stalled one is closed before it can hold a slot for long.
+    auth_timeout: float = 2.0
+    # Unauthenticated connections one source address may hold; beyond it its oldest stalled one
+    # (connected longer than ``auth_grace`` and still short of its token) is closed.
+    max_unauthenticated_per_source: int = 64
+    auth_grace: float = 0.2
+    # The coordinator of an activation whose controller died exits after this long with no
+    # client at all (0: never). Phases hold their waiting clients' connections open.
+    idle_timeout: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ColdSnapError("coordinator max_connections must be >= 1", fix="give a positive slot count")
-        if min(self.read_timeout, self.write_timeout, self.drain_timeout) <= 0:
+        if min(self.read_timeout, self.write_timeout, self.drain_timeout, self.auth_timeout) <= 0:
             raise ColdSnapError("coordinator timeouts must be > 0", fix="give positive seconds")
+        if self.idle_timeout < 0 or self.max_unauthenticated_per_source < 1:
+            raise ColdSnapError("coordinator idle_timeout must be >= 0 and the per-source limit >= 1",
+                                fix="give 0 (never) or positive seconds, and a positive count")
         if self.max_inflight_bytes < p.MAX_KEY + p.MAX_VALUE:
             raise ColdSnapError(
                 f"coordinator max_inflight_bytes {self.max_inflight_bytes} cannot hold one maximal request",
@@ -113,6 +126,7 @@ class ServerStats:
     requests: int
     statuses: dict[str, int]
     deadline_closes: int
+    evicted_unauthenticated: int = 0
 
 
 @dataclass(eq=False)
@@ -131,6 +145,8 @@ class _Conn:
     timer_gen: int = 0
     drained: int = 0
     events: int = 0
+    source: str = ""
+    accepted: float = 0.0
 
 
 class CoordinatorServer:
@@ -195,6 +211,11 @@ class CoordinatorServer:
         self._peak = 0
         self._deadline_closes = 0
         self._statuses = dict.fromkeys((s.label for s in p.Status), 0)
+        # Connections that have not authenticated yet, oldest first (dicts keep insertion order).
+        self._preauth: dict[_Conn, None] = {}
+        self._preauth_by_source: dict[str, int] = {}
+        self._evicted = 0
+        self._last_activity = time.monotonic()
 
     # -- public -------------------------------------------------------------------------------
 
@@ -225,6 +246,7 @@ class CoordinatorServer:
             requests=self._requests,
             statuses=dict(self._statuses),
             deadline_closes=self._deadline_closes,
+            evicted_unauthenticated=self._evicted,
         )
 
     def serve_forever(self) -> None:
@@ -239,6 +261,10 @@ class CoordinatorServer:
         finally:
             self._close_all()
             self._stopped.set()
+
+    def wakeup_fileno(self) -> int:
+        """The write end of the loop's wake-up socket (for ``signal.set_wakeup_fd``)."""
+        return self._wake_w.fileno()
 
     def start_thread(self) -> threading.Thread:
         """Serve in a daemon thread (tests, benchmarks, in-process use); returns the thread."""
@@ -270,6 +296,10 @@ class CoordinatorServer:
     def _loop_once(self) -> bool:
         """One select round; True when the loop is finished."""
         now = time.monotonic()
+        if (self.limits.idle_timeout and not self._conns and self._stopping_since is None
+                and now - self._last_activity >= self.limits.idle_timeout):
+            self._log(f"coordinator idle for {self.limits.idle_timeout:.0f}s (its operation is gone): exiting")
+            self._stop_requested = True
         if self._stop_requested and self._stopping_since is None:
             self._begin_stop(now)
         if self._stopping_since is not None:
@@ -304,7 +334,11 @@ class CoordinatorServer:
             candidates.append(max(0.0, self._timers[0][0] - now))
         if self._stopping_since is not None:
             candidates.append(max(0.0, self._stopping_since + self.limits.shutdown_grace - now))
-        return min(candidates) if candidates else None
+        elif self.limits.idle_timeout and not self._conns:
+            candidates.append(max(0.0, self._last_activity + self.limits.idle_timeout - now))
+        # Never sleep long: a stop request is seen within a second even if its wake-up byte is lost.
+        candidates.append(1.0)
+        return min(candidates)
 
     def _begin_stop(self, now: float) -> None:
         self._stopping_since = now
@@ -318,9 +352,11 @@ class CoordinatorServer:
         self._log("coordinator shutting down")
 
     def _accept(self) -> None:
-        while len(self._conns) < self._max_conns:
+        while True:
+            if len(self._conns) >= self._max_conns and not self._evict_preauth(None):
+                break
             try:
-                sock, _addr = self._listener.accept()
+                sock, addr = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -330,15 +366,57 @@ class CoordinatorServer:
             sock.setblocking(False)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock)
+            now = time.monotonic()
+            self._last_activity = now
+            source = str(addr[0]) if isinstance(addr, tuple) and addr else ""
+            if self._preauth_by_source.get(source, 0) >= self.limits.max_unauthenticated_per_source:
+                self._evict_preauth(source)
+            conn = _Conn(sock, source=source, accepted=now)
             self._conns.add(conn)
+            self._preauth[conn] = None
+            self._preauth_by_source[source] = self._preauth_by_source.get(source, 0) + 1
             self._peak = max(self._peak, len(self._conns))
             self._watch(conn, selectors.EVENT_READ)
-            self._set_deadline(conn, time.monotonic() + self.limits.read_timeout)
+            self._set_deadline(conn, now + min(self.limits.read_timeout, self.limits.auth_timeout))
         if self._accepting:
-            # Every slot is taken: leave new clients in the backlog until one frees.
+            # Every slot is taken by authenticated clients: leave new ones in the backlog until one frees.
             self._sel.unregister(self._listener)
             self._accepting = False
+
+    def _evict_preauth(self, source: str | None) -> bool:
+        """Free a slot held by a stalled client: the oldest connection (of ``source``, or of anyone) that
+        has been open longer than ``auth_grace`` and, once whatever it already sent is read, still has
+        not authenticated. A flood of half-sent headers cannot keep authenticated clients waiting, and
+        a busy server never drops a client whose request is merely unread. False when none is stalled."""
+        now = time.monotonic()
+        for conn in list(self._preauth):
+            if source is not None and conn.source != source:
+                continue
+            if now - conn.accepted < self.limits.auth_grace:
+                return False  # oldest first: every later one is younger still
+            if conn.phase in (_HEADER, _TOKEN) and conn in self._conns:
+                self._on_readable(conn)
+            if conn not in self._conns:
+                return True  # reading it finished (or ended) it: its slot is free
+            if conn in self._preauth:
+                self._evicted += 1
+                self._close(conn)
+                return True
+        return False
+
+    def _read_pending(self, conn: _Conn) -> bool:
+        """Read what a connection has already sent; True when that moved it past authentication."""
+        self._on_readable(conn)
+        return conn in self._conns and conn not in self._preauth
+
+    def _authenticated(self, conn: _Conn) -> None:
+        if conn in self._preauth:
+            del self._preauth[conn]
+            left = self._preauth_by_source.get(conn.source, 1) - 1
+            if left > 0:
+                self._preauth_by_source[conn.source] = left
+            else:
+                self._preauth_by_source.pop(conn.source, None)
 
     def _watch(self, conn: _Conn, events: int) -> None:
         if conn.events == events:
@@ -369,6 +447,8 @@ class CoordinatorServer:
             if conn.phase == _WAIT:
                 self._unwait(conn)
                 self._reply(conn, p.Status.TIMEOUT)
+            elif conn.phase in (_HEADER, _TOKEN) and self._read_pending(conn):
+                continue  # its request was only unread (a busy loop): it goes on with a new deadline
             else:
                 # Stalled reader, writer that does not read, or drain done: free the slot.
                 if conn.phase in (_HEADER, _TOKEN, _BODY, _WRITE):
@@ -452,6 +532,9 @@ class CoordinatorServer:
             return
         conn.reserved = size
         self._inflight += size
+        self._authenticated(conn)
+        # Authenticated: the body may take the full read deadline (counted from the accept).
+        self._set_deadline(conn, conn.accepted + self.limits.read_timeout)
         self._start_phase(conn, _BODY, size)
 
     def _body_done(self, conn: _Conn) -> None:
@@ -590,6 +673,8 @@ class CoordinatorServer:
     def _close(self, conn: _Conn) -> None:
         if conn not in self._conns:
             return
+        self._authenticated(conn)  # no longer counted as waiting to authenticate
+        self._last_activity = time.monotonic()
         self._conns.discard(conn)
         self._release(conn)
         self._unwait(conn)

@@ -33,6 +33,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema impo
     json_schema_document,
     validate_document,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets import (
+    UNIT_SECRET_FIX,
+    is_secret_name,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
     REQUEST_FORMAT,
@@ -268,6 +272,9 @@ def cross_check(req: dict) -> list[FormatIssue]:
                 "list units in index order with indexes 0..n-1")
         if len(set(unit["devices"])) != len(unit["devices"]):
             add(f"{p}.devices", "a device ordinal appears twice", "list each GPU once")
+        for name in sorted(unit.get("environment", {})):
+            if is_secret_name(name):
+                add(f"{p}.environment.{name}", f"{name} looks like a credential", UNIT_SECRET_FIX)
         if launch["runtime"] == "docker":
             if "image" not in unit:
                 add(f"{p}.image", "runtime 'docker' needs a digest-pinned image", ids.IMAGE_REF_FIX)

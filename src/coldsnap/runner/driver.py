@@ -289,8 +289,40 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
         raise ColdSnapError(f"operation {config.operation_id} is already running (lock {run_dir / '.lock'})",
                             fix="wait for it to finish, or give this request a new id") from None
     try:
-        return PlaybookRun(config, ansible_runner=ansible_runner, timing_sink=timing_sink, progress=progress,
-                           cancel_event=cancel_event, progress_stream=progress_stream).run()
+        with _workload_lock(config):
+            return PlaybookRun(config, ansible_runner=ansible_runner, timing_sink=timing_sink, progress=progress,
+                               cancel_event=cancel_event, progress_stream=progress_stream).run()
+    finally:
+        lock.__exit__(None, None, None)
+
+
+# Operations that only read: they may run beside anything.
+READ_ONLY_OPERATIONS = ("status", "native-status")
+
+
+@contextlib.contextmanager
+def _workload_lock(config: RunConfig):
+    """One operation at a time per workload (recipe): two restores of one workload with different ids
+    must not both evict it. Read-only operations and runs without a request take no lock."""
+    recipe = ((config.request or {}).get("workload") or {}).get("recipe")
+    if not recipe or config.operation in READ_ONLY_OPERATIONS:
+        yield
+        return
+    path = StateLayout(config.state_root).workload_lock(recipe)
+    _private_dir(path.parent)
+    lock = file_lock(path, timeout=0)
+    try:
+        fd = lock.__enter__()
+    except TimeoutError:
+        holder = ""
+        with contextlib.suppress(OSError):
+            holder = path.read_text().strip()
+        raise ColdSnapError(f"another operation of workload {recipe!r} is running ({holder or 'see ' + str(path)})",
+                            fix="wait for it to finish; operations on one workload run one at a time") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{config.operation} {config.operation_id} pid {os.getpid()}\n".encode())
+        yield
     finally:
         lock.__exit__(None, None, None)
 
@@ -402,6 +434,13 @@ class PlaybookRun:
                                       playbook=cfg.playbook_path.name)
         reporter.header(f"coldsnap {cfg.operation}{' --prepare-only' if cfg.prepare_only else ''} "
                         f"{cfg.operation_id}: {cfg.playbook_path.name} (run dir {run_dir})")
+        # Until this run ends, its receipt says it is running: a controller killed mid-run never
+        # leaves the previous run's outcome standing in for this one.
+        write_receipt(run_dir / "receipt.json", build_receipt(
+            operation_id=cfg.operation_id, operation=cfg.operation, prepare_only=cfg.prepare_only, succeeded=False,
+            request=cfg.request, started_at=started_at, completed_at=None, duration_seconds=0.0, timing={},
+            result={"runner": {"ident": self.ident, "pid": os.getpid(), "status": "running"}}, error=None,
+            running=True), mode=0o600)
         secrets_file = _Secrets(run_dir / "secrets", cfg.secret_vars)
         stdout_log = open(artifact_dir / "stdout", "w", encoding="utf-8")
         os.chmod(artifact_dir / "stdout", 0o600)

@@ -20,21 +20,15 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets import (  # noqa: F401
+    SECRET_NAME_RE,
+    is_secret_name,
+)
+
 REDACTED = "<redacted>"
 MIN_SCRUB_LENGTH = 6
 
-# Names of variables that carry credentials. Deliberately broad: redacting a
-# harmless value (e.g. ANSIBLE_HOST_KEY_CHECKING) in a stored record costs
-# nothing, missing a credential costs a leak.
-SECRET_NAME_RE = re.compile(
-    r"TOKEN|PASSWORD|PASSWD|PASSPHRASE|SECRET|KEY|CREDENTIAL|PRIVATE|COOKIE|(?:^|_)PASS(?:$|_)|(?:^|_)AUTH(?:$|_)",
-    re.IGNORECASE,
-)
-
-
-def is_secret_name(name: str) -> bool:
-    """True when a variable called ``name`` must be treated as a credential."""
-    return bool(SECRET_NAME_RE.search(name))
+# Names of variables that carry credentials: one rule (module_utils/formats/secrets.py).
 
 
 def redact_env(env: Mapping[str, Any]) -> dict[str, Any]:

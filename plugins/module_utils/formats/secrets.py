@@ -1,0 +1,26 @@
+"""Which names carry credentials: one rule for the controller's redaction, the secret channel for
+extra variables, and the request's refusal of secrets in a unit's environment.
+
+Deliberately broad: treating a harmless value (e.g. ANSIBLE_HOST_KEY_CHECKING) as secret costs
+nothing, missing a credential costs a leak.
+"""
+
+from __future__ import annotations
+
+import re
+
+SECRET_NAME_RE = re.compile(
+    r"TOKEN|PASSWORD|PASSWD|PASSPHRASE|SECRET|KEY|CREDENTIAL|PRIVATE|COOKIE|(?:^|_)PASS(?:$|_)|(?:^|_)AUTH(?:$|_)",
+    re.IGNORECASE,
+)
+# Why a unit's environment may not hold one: the engine's environment is part of its memory, so a
+# capture would write it into the CRIU pages, the capsule layer and every copy of them.
+UNIT_SECRET_FIX = ("keep credentials out of launch.units[].environment: a process's environment is part of its "
+                   "memory and so of its snapshot and capsule. Pass what ColdSnap itself needs with "
+                   "'coldsnap ... --secret-env KEY=ENVVAR' or an AWX credential type (docs/awx.md), and give the "
+                   "engine local model files (model.source local-safetensors) instead of a Hub token")
+
+
+def is_secret_name(name: str) -> bool:
+    """True when a variable called ``name`` must be treated as a credential."""
+    return bool(SECRET_NAME_RE.search(name))
