@@ -73,16 +73,13 @@ def normalize_member_name(name: str, *, what: str = "archive member") -> str:
 
 
 def _link_target_inside(member_name: str, linkname: str) -> bool:
-    """True when a symlink at ``member_name`` pointing to ``linkname`` can only resolve inside the root.
+    """True when a symlink at ``member_name`` pointing to ``linkname`` stays inside the root as text.
 
-    A textual check of ``dirname + target`` is not enough: a target may pass through
-    another symlink of the same archive (``a/up -> ..``, then ``b -> a/up/..``). So a
-    target must be relative and may never go up (no ``..`` component at all): every link
-    then points below its own directory, and no chain of such links can leave the root.
+    Not enough alone: a target may pass through another symlink of the same archive
+    (``a/up -> ..``, then ``b -> a/up/..``); :func:`_links_stay_inside` checks the extracted
+    tree for that before anything is moved into place.
     """
     if not linkname or linkname.startswith("/") or "\x00" in linkname:
-        return False
-    if any(part == ".." for part in linkname.split("/")):
         return False
     joined = posixpath.normpath(posixpath.join(posixpath.dirname(member_name), linkname))
     return joined != ".." and not joined.startswith("../")
@@ -466,16 +463,32 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
 
 
 def _links_stay_inside(root: Path, what: str) -> None:
-    """Defense in depth: every symlink extracted resolves (as far as it exists) inside ``root``."""
-    real_root = os.path.realpath(root)
+    """Every extracted symlink's target walks only real directories of the tree: each component but
+    the last must exist below ``root`` as a directory that is not itself a link, and ``..`` never
+    climbs above ``root``. A chain through another link (``b -> a/up/..`` with ``a/up -> ..``) is
+    refused however its members were ordered."""
+    fix = "this archive is unsafe; rebuild the capsule from its source state"
     for dirpath, dirnames, filenames in os.walk(root):
         for name in dirnames + filenames:
-            p = os.path.join(dirpath, name)
-            if os.path.islink(p):
-                resolved = os.path.realpath(p)
-                if os.path.commonpath([resolved, real_root]) != real_root:
-                    raise ArchiveError(f"{what} member {os.path.relpath(p, root)!r} resolves outside the extraction "
-                                       "root", fix="this archive is unsafe; rebuild the capsule from its source state")
+            link = os.path.join(dirpath, name)
+            if not os.path.islink(link):
+                continue
+            rel_link = os.path.relpath(link, root)
+            parts = [p for p in os.path.relpath(dirpath, root).split("/") if p not in ("", ".")]
+            target = [p for p in os.readlink(link).split("/") if p not in ("", ".")]
+            for i, part in enumerate(target):
+                if part == "..":
+                    if not parts:
+                        raise ArchiveError(f"{what} member {rel_link!r} points above the extraction root", fix=fix)
+                    parts.pop()
+                    continue
+                parts.append(part)
+                if i == len(target) - 1:
+                    break
+                st = os.lstat(os.path.join(root, *parts)) if os.path.lexists(os.path.join(root, *parts)) else None
+                if st is None or not stat.S_ISDIR(st.st_mode):
+                    raise ArchiveError(f"{what} member {rel_link!r} points through {'/'.join(parts)!r}, which is "
+                                       "not a directory of the archive (a link, or missing)", fix=fix)
 
 
 def _rmtree(path: Path) -> None:

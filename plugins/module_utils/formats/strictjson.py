@@ -37,6 +37,32 @@ def _reject_constant(name: str) -> Any:
 
 
 _DECODER = json.JSONDecoder(object_pairs_hook=_pairs_hook, parse_constant=_reject_constant)
+# No ColdSnap document nests deeper than a dozen levels; a bound keeps hostile input (100,000
+# nested arrays) from exhausting the recursion of the decoder and of the schema walk.
+MAX_DEPTH = 64
+
+
+def _too_deep(text: str, limit: int = MAX_DEPTH) -> bool:
+    """Whether brackets outside strings nest deeper than ``limit`` (a linear scan, no recursion)."""
+    depth = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
 
 
 def strict_loads(text: str | bytes, *, document: str = "document") -> Any:
@@ -51,6 +77,10 @@ def strict_loads(text: str | bytes, *, document: str = "document") -> Any:
             ) from None
     if text.startswith("\ufeff"):
         text = text[1:]
+    if _too_deep(text):
+        raise FormatError([FormatIssue("$", f"nests arrays or objects more than {MAX_DEPTH} levels deep",
+                                       "no ColdSnap document is nested that deeply; check what produced it")],
+                          document=document)
     try:
         value, end = _DECODER.raw_decode(text, _skip_ws(text, 0))
     except json.JSONDecodeError as exc:
@@ -59,6 +89,9 @@ def strict_loads(text: str | bytes, *, document: str = "document") -> Any:
                          "fix the JSON syntax")],
             document=document,
         ) from None
+    except RecursionError:
+        raise FormatError([FormatIssue("$", "nests too deeply to decode", "check what produced the document")],
+                          document=document) from None
     except ValueError as exc:
         raise FormatError([FormatIssue("$", str(exc), "use finite numbers")], document=document) from None
     rest = _skip_ws(text, end)

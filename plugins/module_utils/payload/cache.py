@@ -139,11 +139,21 @@ class NodeCache:
         fsutil.fsync_dir(self.quarantine_dir)
         return target
 
-    def quarantined(self) -> list[Path]:
-        """Files currently held in quarantine."""
+    def quarantined(self, sha256: str | None = None) -> list[Path]:
+        """Files currently held in quarantine (only those of ``sha256`` when given), oldest name first."""
         if not self.quarantine_dir.is_dir():
             return []
-        return sorted(self.quarantine_dir.iterdir())
+        prefix = f"{parse_digest(sha256, what='model payload digest')}.pack." if sha256 else ""
+        return sorted(p for p in self.quarantine_dir.iterdir() if p.name.startswith(prefix))
+
+    def absence_reason(self, sha256: str) -> str:
+        """Why a payload is not in the cache: never there, or its last copy refused and quarantined."""
+        held = self.quarantined(sha256)
+        if not held:
+            return "not in the node cache"
+        last = held[-1]
+        return (f"its copy in the node cache was refused (corrupt or truncated: {last.stat().st_size} bytes) and "
+                f"moved to quarantine as {last}")
 
 
 def _remove_if_abandoned(path: Path) -> bool:

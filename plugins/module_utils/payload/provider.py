@@ -102,7 +102,7 @@ def resolve_provider(mode: str, *, state_root: Path | str, pack: PackRef | None,
             except ColdSnapError as exc:
                 reasons.append(f"cached copy refused: {exc.problem}")
         else:
-            reasons.append("not in the node cache")
+            reasons.append(cache.absence_reason(pack.sha256))
         for src in sources if payload is None else ():
             if src.kind == "huggingface" and not may_contact_hub(mode):
                 reasons.append(f"{src.describe()} skipped: {mode} never contacts the Hub")

@@ -38,9 +38,10 @@ def payload_state(state_root: Path | str, sha256: str, size: int) -> tuple[str, 
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
 
-    path = NodeCache(state_root).path_for(sha256)
+    cache = NodeCache(state_root)
+    path = cache.path_for(sha256)
     if not path.is_file():
-        return "missing", "not in the node cache"
+        return "missing", cache.absence_reason(sha256)
     try:
         check = PayloadVerifier().inspect(path, sha256, size)
     except ColdSnapError as exc:

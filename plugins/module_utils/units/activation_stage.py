@@ -30,6 +30,15 @@ def _files(root: Path) -> list[Path]:
     return sorted(out, key=lambda p: p.relative_to(root).as_posix())
 
 
+def bytecode_in(root: Path) -> list[str]:
+    """Compiled files or ``__pycache__`` directories below ``root`` (the digest excludes them)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        out += [os.path.join(dirpath, d) for d in dirnames if d == "__pycache__"]
+        out += [os.path.join(dirpath, f) for f in filenames if f.endswith((".pyc", ".pyo"))]
+    return sorted(out)
+
+
 def tree_digest(root: Path) -> str:
     """``sha256:<hex>`` over (relative path, executable bit, content) of every file."""
     root = Path(root)
@@ -49,9 +58,10 @@ def staged_path(state_root: Path, digest: str) -> Path:
 
 def stage(source: Path, state_root: Path) -> tuple[str, Path, bool]:
     """Copy ``source`` into the content-addressed store; (digest, path, changed)."""
+    StateLayout(state_root).ensure_private_root()
     digest = tree_digest(source)
     final = staged_path(state_root, digest)
-    if final.is_dir() and tree_digest(final) == digest:
+    if final.is_dir() and not bytecode_in(final) and tree_digest(final) == digest:
         return digest, final, False
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -68,9 +78,15 @@ def stage(source: Path, state_root: Path) -> tuple[str, Path, bool]:
         for f in files:
             p = os.path.join(dirpath, f)
             os.chmod(p, 0o755 if os.access(p, os.X_OK) else 0o644)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
+    final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if os.path.lexists(final):
+        # A damaged copy under the final name: move it aside first, so the name always holds a whole tree.
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
     fsync_dir(final.parent)
     return digest, final, True
 
@@ -81,6 +97,11 @@ def require_staged(state_root: Path, digest: str) -> Path:
     if not path.is_dir():
         raise IntegrityError(f"activation runtime {digest} is not staged at {path}",
                              fix="run the coldsnap.fleet.activation role (or stage it with the unit module)")
+    bytecode = bytecode_in(path)
+    if bytecode:
+        # Python would run these instead of the digested sources (the runtime never writes them).
+        raise IntegrityError(f"staged activation runtime at {path} holds bytecode the digest does not cover "
+                             f"({bytecode[0]})", fix=f"remove {path} and stage it again")
     got = tree_digest(path)
     if got != digest:
         raise IntegrityError(f"staged activation runtime at {path} has digest {got}, expected {digest}",

@@ -393,7 +393,7 @@ class DockerRuntime(UnitRuntime):
                 container = docker_unit.run_unit_container(
                     image=units[uid]["image"], name=capture_container_name(request["workload"]["recipe"], uid),
                     command=_controller_argv("capture", spec_path, ev_path, raise_pids=True),
-                    mounts=mounts, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET}, labels=labels,
+                    mounts=mounts, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET, "PYTHONDONTWRITEBYTECODE": "1"}, labels=labels,
                     client=client, replace=True, gpus=[str(d) for d in units[uid].get("devices", [])] or None)
                 started.append((spec, container, ev_path))
             results: list[dict] = [{} for _unit in started]
@@ -441,7 +441,7 @@ class DockerRuntime(UnitRuntime):
                 container = docker_unit.run_unit_container(
                     image=image.id, name=canonical_name(request, uid),
                     command=_controller_argv(spec.operation, spec_path, ev_path, raise_pids=False),
-                    mounts=mounts, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET}, labels=labels,
+                    mounts=mounts, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET, "PYTHONDONTWRITEBYTECODE": "1"}, labels=labels,
                     client=client, replace=True, gpus=[str(d) for d in units[uid].get("devices", [])] or None)
                 started.append((spec, container, ev_path))
             results: list[dict] = [{} for _unit in started]
@@ -501,7 +501,7 @@ class DockerRuntime(UnitRuntime):
             spec_path, ev_path = _write_spec(where, s)
             argv = [DOCKER_PYTHON, "-m", "coldsnap_activation", s.operation, "--spec", str(spec_path),
                     "--evidence", str(ev_path)]
-            code, out = container.exec_run(argv, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET},
+            code, out = container.exec_run(argv, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET, "PYTHONDONTWRITEBYTECODE": "1"},
                                            user="0", stdout=True, stderr=True)
             results[i] = _read_evidence(ev_path, uid, (out or b"").decode("utf-8", "replace"), code)
 

@@ -204,7 +204,7 @@ def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_diges
         log_path = run_dir / f"activation-{spec.operation}-{uid}.log"
         ev_path.unlink(missing_ok=True)
         atomic_write_json(spec_path, spec.to_json(), mode=0o600)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": os.pathsep.join(
             [str(adir)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
         log = open(log_path, "ab")
         os.fchmod(log.fileno(), 0o600)

@@ -69,10 +69,11 @@ def result_message(res: Mapping[str, Any], *, failed: bool) -> str | None:
         stderr = res.get("stderr")
         if isinstance(stderr, str) and stderr.strip():
             parts.append("stderr: " + " / ".join(stderr.strip().splitlines()[-5:]))
-        if not parts and isinstance(res.get("results"), list):
+        if isinstance(res.get("results"), list):
+            # A loop's failure: Ansible sets only "One or more items failed"; the cause is in the items.
             inner = [result_message(r, failed=True) for r in res["results"]
                      if isinstance(r, Mapping) and r.get("failed")]
-            parts.extend(m for m in inner if m)
+            parts.extend(m for m in inner if m and m not in parts)
     return _truncate("; ".join(parts)) if parts else None
 
 

@@ -139,7 +139,8 @@ def test_corrupt_residual_fails_closed_and_leaves_no_process(captured, state_roo
         data[len(data) // 2] ^= 0xFF
         blob.write_bytes(bytes(data))
         res = wl.run(wl.request("restore", artifact=artifact))
-        err = failed(res, phase_word="activate")
+        # Checked before anything is evicted (the captured state is sealed at capture).
+        err = failed(res, phase_word="prepare")
         assert "residual" in err["message"] or "weights.blob" in err["message"] or "sha256" in err["message"].lower()
         deadline = time.monotonic() + 20
         while wl.engines() and time.monotonic() < deadline:

@@ -106,7 +106,7 @@ def test_extract_state_and_all_preserve_modes(state: Path, tmp_path: Path) -> No
     assert (dest / "weights.blob").read_bytes() == b"residual"
     assert (dest / "criu" / "pages-1.img").read_bytes() == (state / "criu" / "pages-1.img").read_bytes()
     assert os.readlink(dest / "criu" / "latest") == "pages-1.img"
-    assert stat.S_IMODE(os.stat(dest / "tool").st_mode) == 0o4750
+    assert stat.S_IMODE(os.stat(dest / "tool").st_mode) == 0o750, "modes kept, set-id bits never"
     assert not (dest / PACK).exists()
     everything = tmp_path / "all"
     extract_capsule(ref.as_dict(), everything, part="all")
