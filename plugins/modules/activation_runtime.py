@@ -60,6 +60,14 @@ path:
   returned: success
   type: str
   sample: /var/lib/coldsnap/activation-runtime/sha256/5b2e8a0c7d1f4e3b9a6c2d8e0f1a3b5c7d9e2f4a6b8c0d1e3f5a7b9c2d4e6f80
+cleaned:
+  description:
+    - Leftovers of killed operations removed from the state root (temporary extraction and staging names whose
+      writer is gone, payloads copied from another host but never staged for an hour).
+  returned: success
+  type: list
+  elements: str
+  sample: [/var/lib/coldsnap/capsules/extracted/.9f3e....tmp-4242]
 """
 
 from pathlib import Path
@@ -69,6 +77,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.housekeeping import clean_stale_temps
 
 
 def main() -> None:
@@ -88,11 +97,13 @@ def main() -> None:
             raise IntegrityError(f"activation runtime at {p['src']} has digest {digest}, expected {p['digest']}",
                                  fix="copy the runtime files of the matching collection version")
         path = activation.staged_path(Path(p["state_root"]), digest)
+        # What killed operations left behind (temporary names nothing reads) goes first.
+        cleaned = clean_stale_temps(Path(p["state_root"]), check_mode=module.check_mode)
         if module.check_mode:
             staged = path.is_dir() and activation.tree_digest(path) == digest
-            return {"changed": not staged, "digest": digest, "path": str(path)}
+            return {"changed": not staged or bool(cleaned), "digest": digest, "path": str(path), "cleaned": cleaned}
         digest, path, changed = activation.stage(Path(p["src"]), Path(p["state_root"]))
-        return {"changed": changed, "digest": digest, "path": str(path)}
+        return {"changed": changed or bool(cleaned), "digest": digest, "path": str(path), "cleaned": cleaned}
 
     run_guarded(module, run, what="activation_runtime")
 

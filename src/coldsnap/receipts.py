@@ -65,7 +65,7 @@ def receipt_bytes(receipt: Mapping[str, Any]) -> bytes:
     return (json.dumps(receipt, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
 
 
-def write_receipt(path: Path, receipt: Mapping[str, Any], *, mode: int = 0o644) -> Path:
+def write_receipt(path: Path, receipt: Mapping[str, Any], *, mode: int = 0o600) -> Path:
     """Validate and write a receipt atomically; returns the path."""
     validate_receipt(dict(receipt))
     atomic_write_bytes(Path(path), receipt_bytes(receipt), mode=mode)

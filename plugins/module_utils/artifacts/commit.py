@@ -163,7 +163,7 @@ def write_exclusive(final: Path, doc: dict) -> None:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(final)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # the launch and its placement: private
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write((json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())

@@ -120,7 +120,7 @@ def write_blob_bytes(layout: Path, data: bytes, media_type: str) -> Descriptor:
     digest = digest_bytes(data)
     path = blob_path(layout, digest)
     if not path.exists():
-        atomic_write_bytes(path, data, mode=0o644)
+        atomic_write_bytes(path, data, mode=0o600)
     return Descriptor(media_type, digest, len(data))
 
 
@@ -138,7 +138,7 @@ def write_blob_stream(layout: Path, media_type: str, produce: Callable[[IO[bytes
             fh.flush()
             os.fsync(fh.fileno())
         final = blob_path(layout, writer.digest)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, 0o600)
         os.replace(tmp, final)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -172,9 +172,9 @@ def verify_blob(layout: Path, desc: Descriptor, *, what: str) -> None:
 
 def write_layout_files(layout: Path, manifest_desc: Descriptor) -> None:
     """Write ``oci-layout`` and an ``index.json`` naming the one manifest."""
-    atomic_write_bytes(Path(layout) / "oci-layout", json_bytes(LAYOUT_FILE), mode=0o644)
+    atomic_write_bytes(Path(layout) / "oci-layout", json_bytes(LAYOUT_FILE), mode=0o600)
     index = {"schemaVersion": 2, "mediaType": MEDIA_INDEX, "manifests": [manifest_desc.as_dict()]}
-    atomic_write_bytes(Path(layout) / "index.json", json_bytes(index), mode=0o644)
+    atomic_write_bytes(Path(layout) / "index.json", json_bytes(index), mode=0o600)
 
 
 def _load_json_blob(layout: Path, desc: Descriptor, *, what: str) -> dict[str, Any]:

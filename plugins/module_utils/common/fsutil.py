@@ -42,7 +42,7 @@ def fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_writer(final: Path, *, mode: int = 0o644, binary: bool = True) -> Iterator[IO[Any]]:
+def atomic_writer(final: Path, *, mode: int = 0o600, binary: bool = True) -> Iterator[IO[Any]]:
     """Write ``final`` atomically. On any exception the temp file is removed."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -65,13 +65,13 @@ def atomic_writer(final: Path, *, mode: int = 0o644, binary: bool = True) -> Ite
         raise
 
 
-def atomic_write_bytes(final: Path, data: bytes, *, mode: int = 0o644) -> None:
+def atomic_write_bytes(final: Path, data: bytes, *, mode: int = 0o600) -> None:
     """Write bytes atomically with the given mode."""
     with atomic_writer(final, mode=mode) as fh:
         fh.write(data)
 
 
-def atomic_write_json(final: Path, obj: Any, *, mode: int = 0o644) -> None:
+def atomic_write_json(final: Path, obj: Any, *, mode: int = 0o600) -> None:
     """Write a JSON document (sorted keys, trailing newline) atomically."""
     data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
     atomic_write_bytes(final, data, mode=mode)

@@ -324,6 +324,9 @@ class CoordinatorServer:
                 except Exception as exc:
                     self._fail(conn, exc)
         self._fire_timers(time.monotonic())
+        if not self._accepting and self._stopping_since is None and self._preauth:
+            # Every slot is taken: once the oldest unauthenticated client has had its grace, it makes room.
+            self._evict_preauth(None)
         return False
 
     def _next_timeout(self, now: float) -> float | None:
@@ -336,6 +339,9 @@ class CoordinatorServer:
             candidates.append(max(0.0, self._stopping_since + self.limits.shutdown_grace - now))
         elif self.limits.idle_timeout and not self._conns:
             candidates.append(max(0.0, self._last_activity + self.limits.idle_timeout - now))
+        if not self._accepting and self._preauth:
+            oldest = next(iter(self._preauth))
+            candidates.append(max(0.0, oldest.accepted + self.limits.auth_grace - now))
         # Never sleep long: a stop request is seen within a second even if its wake-up byte is lost.
         candidates.append(1.0)
         return min(candidates)

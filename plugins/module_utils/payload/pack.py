@@ -215,7 +215,7 @@ def _json_bytes(doc: dict) -> bytes:
 
 def _write_json(path: Path, doc: dict) -> FileRef:
     data = _json_bytes(doc)
-    fsutil.atomic_write_bytes(path, data, mode=0o644)
+    fsutil.atomic_write_bytes(path, data, mode=0o600)
     return FileRef(path.name, len(data), "sha256:" + hashlib.sha256(data).hexdigest())
 
 
@@ -224,7 +224,7 @@ def _write_residual(path: Path, extents: Sequence[ResidualExtent], reader: Alloc
     h = hashlib.sha256()
     total = 0
     try:
-        with fsutil.atomic_writer(path, mode=0o644) as fh:
+        with fsutil.atomic_writer(path, mode=0o600) as fh:
             for e in extents:
                 for off, n in _chunks(e.offset, e.size):
                     data = _read(reader, e.allocation, off, n)

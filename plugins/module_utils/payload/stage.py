@@ -222,7 +222,7 @@ def _stage_huggingface(cache: NodeCache, hexd: str, size: int, source: StageSour
                                      f"expected sha256:{hexd}",
                                      fix="the repository does not hold this payload at that revision")
             os.fsync(fd)
-            os.fchmod(fd, 0o444)
+            os.fchmod(fd, 0o400)
             cache.ensure_dirs()
             final = cache.objects / f"{hexd}.pack"
             os.rename(got, final)  # same file system: atomic, and only after the digest matched

@@ -72,7 +72,7 @@ class PackWriter:
         final = self.cache.objects / (f"{self.expected_hex}.pack" if self.expected_hex else INCOMING)
         for _i in range(5):
             tmp = fsutil.temp_path_for(final)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
             # A cleaner may have taken the flock between create and flock and removed the name: retry.
             try:
@@ -141,7 +141,7 @@ class PackWriter:
                     self._discard()
                     self.committed = True
                     return CommitResult(PackRef.for_digest(digest, self.written), final, True, False, self.written)
-            os.fchmod(self.fd, 0o444)  # content-addressed objects are never edited in place
+            os.fchmod(self.fd, 0o400)  # content-addressed objects are never edited in place, and private
             os.rename(self.tmp, final)
             fsutil.fsync_dir(final.parent)
             self.tmp = None

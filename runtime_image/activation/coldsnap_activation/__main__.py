@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +12,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything the runtime (and CRIU, its child) writes is private: images hold process memory.
+    os.umask(0o077)
     if argv[:1] == ["keeper"]:
         k = argparse.ArgumentParser(prog="coldsnap_activation keeper")
         k.add_argument("--images", required=True, type=Path)

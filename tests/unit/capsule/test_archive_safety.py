@@ -176,3 +176,36 @@ def test_written_layers_are_deterministic_and_round_trip(tmp_path: Path) -> None
     safe_extract(io.BytesIO(out1.getvalue()), dest, expected_digest=d1[0])
     assert (dest / "s" / "g").read_bytes() == b"abc"
     assert os.stat(dest / "s" / "g").st_ino == os.stat(dest / "s" / "d" / "f").st_ino
+
+
+@pytest.mark.parametrize("extra", [[_file("b/escaped", b"pwned")], []], ids=["written-through", "links-only"])
+def test_a_symlink_chain_that_climbs_through_another_link_is_refused(sandbox: Path, extra) -> None:
+    """``a/up -> ..`` is inside as text, ``b -> a/up/..`` too; together they leave the root."""
+    data = _tar([_dir("a"), _link("a/up", ".."), _link("b", "a/up/.."), *extra])
+    with pytest.raises(ArchiveError):
+        safe_extract(io.BytesIO(data), sandbox / "work" / "dest")
+    _assert_nothing_written(sandbox)
+
+
+def test_links_are_checked_against_the_name_they_get_below_the_destination(sandbox: Path) -> None:
+    """A state prefix stripped by ``select`` moves a link up one level: ``state/x -> ../..`` is inside
+    the archive as text but outside ``dest`` once ``state/`` is dropped."""
+    data = _tar([_dir("state"), _link("state/x", "../.."), _file("state/ok", b"1")])
+
+    def select(name: str) -> str | None:
+        return name[len("state/"):] if name.startswith("state/") else ("" if name == "state" else None)
+
+    with pytest.raises(ArchiveError):
+        safe_extract(io.BytesIO(data), sandbox / "work" / "dest", select=select)
+    _assert_nothing_written(sandbox)
+
+
+@pytest.mark.parametrize("mode", [0o6777, 0o4755, 0o2750, 0o1777, 0o666])
+def test_set_id_sticky_and_world_write_bits_never_survive_extraction(sandbox: Path, mode: int) -> None:
+    data = _tar([_dir("d", mode), _file("d/f", b"x", mode)])
+    dest = sandbox / "work" / "dest"
+    safe_extract(io.BytesIO(data), dest)
+    for p in (dest / "d", dest / "d" / "f"):
+        got = stat.S_IMODE(os.stat(p).st_mode)
+        assert got & 0o7002 == 0, f"{p}: {oct(got)}"
+        assert got == mode & 0o775

@@ -109,3 +109,14 @@ def test_every_operation_has_a_verb(capsys) -> None:
             main([op, "--help"])
         assert exc.value.code == 0
         assert f"playbooks/{op.replace('-', '_')}.yml" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("verb", ["validate", "restore"])
+def test_hostile_nesting_exits_2_with_one_message(tmp_path, capsys, verb) -> None:
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    argv = [verb, "--request-json", str(path)] + (["--state-root", str(tmp_path / "s")] if verb != "validate" else [])
+    rc, _out, err = _run(capsys, *argv)
+    assert rc == 2
+    assert "levels deep" in err and "Traceback" not in err
+    assert not (tmp_path / "s").exists()

@@ -227,3 +227,38 @@ def test_bytes_changed_behind_the_observer_are_demoted_to_the_residual(rig):
     rig["handle"].call("POST", "/release")
     rig["handle"].call("POST", "/resume", _spec(rig, out, payload, "recovery"))
     assert _snapshot(rig["arenas"]) == before, "recovery replays only verified bytes; the rest is residual"
+
+
+def test_the_token_is_read_from_the_control_file_so_a_restore_can_replace_it(rig):
+    """A restored engine keeps its captured token in memory; the runtime writes a fresh one into the
+    0600 control file before the restore, and only that one opens the control API."""
+    h = rig["handle"]
+    old = json.loads(h.control_file.read_text())
+    assert h.call("GET", "/status")["state"] == "ready"
+    fresh = {**old, "token": "f" * 64}
+    h.control_file.write_text(json.dumps(fresh))
+    with pytest.raises(UnitError, match="unauthorized"):
+        h.call("GET", "/status")
+    h.adopt(fresh["pid"], fresh)
+    assert h.call("GET", "/status")["state"] == "ready"
+
+
+def test_export_writes_only_below_the_state_roots_captures(rig, monkeypatch):
+    """With the token, a local user could otherwise make the root engine write anywhere."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+
+    state_root = rig["tmp"] / "state"
+    monkeypatch.setenv(ec.ENV_STATE_ROOT, str(state_root))
+    h = rig["handle"]
+    assert h.call("POST", "/quiesce")["state"] == "quiesced"
+    outside = rig["tmp"] / "home" / "evil"
+    for body in ({"out_dir": str(outside), "model": rig["model"], "state_root": str(state_root)},
+                 {"out_dir": str(state_root / "captures" / ".." / "evil"), "model": rig["model"]},
+                 {"out_dir": str(state_root / "captures" / "c1" / "w"), "model": rig["model"],
+                  "state_root": str(rig["tmp"] / "other-root")}):
+        with pytest.raises(UnitError, match=r"may write only below|node cache of"):
+            h.call("POST", "/export", body)
+    assert not (rig["tmp"] / "home").exists() and not (state_root / "evil").exists()
+    r = h.call("POST", "/export", {"out_dir": str(state_root / "captures" / "c1" / "units" / "u" / "workers" / "w"),
+                                   "model": rig["model"], "state_root": str(state_root)})
+    assert r["payload"]["model_bytes"] > 0

@@ -238,3 +238,18 @@ def test_n580_on_gpu_units_needs_a_template_capture(base):
     base["launch"]["units"][0]["devices"] = []
     base["launch"]["execution"]["workers"][0]["device_slot"] = None
     assert not engine_issues(validate_request(base))
+
+
+@pytest.mark.parametrize("name", ["HF_TOKEN", "API_PASSWORD", "OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY"])
+def test_secrets_in_a_unit_environment_are_refused_with_the_way_to_pass_them(base, name):
+    base["launch"]["units"][0]["environment"][name] = "hunter2"
+    p = problems(base)
+    where = f"$.launch.units[0].environment.{name}"
+    assert "credential" in p[where] and "--secret-env" in p[where]
+    assert "hunter2" not in json.dumps(p), "the value itself is never echoed"
+
+
+def test_hostile_nesting_is_a_clear_format_error_not_a_crash():
+    with pytest.raises(FormatError) as exc:
+        strict_loads("[" * 100_000 + "]" * 100_000)
+    assert "levels deep" in str(exc.value)

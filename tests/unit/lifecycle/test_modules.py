@@ -93,3 +93,40 @@ def test_native_status_module_reports_without_changing(state_root):
     res = run_module("native_status", {"request": req, "artifact": art, "host": "localhost",
                                        "state_root": str(state_root)})
     assert not res["changed"] and res["workers"][0]["state"] == "verified" and res["summary"] == {"verified": 1}
+
+
+def test_delete_refuses_a_hand_edited_descriptor_and_never_follows_its_locations(state_root, tmp_path):
+    """A descriptor the store does not hold (or the request does not pin) cannot steer delete: its
+    capsule location pointing at model-payloads/ and another recipe's retained capsule id remove nothing."""
+    sha, size = put_pack(state_root, b"someone else's model")
+    other_req = make_request(recipe="other")
+    other = make_artifact(other_req, capture_id="cap-other", pack=(sha, size), state_root=state_root)
+    other_cap = Path(other["capsule"]["units"][0]["location"])
+    other_cap.mkdir(parents=True)
+    (other_cap / "index.json").write_text("{}")
+    run_module("artifact_store", {"state": "promoted", "request": other_req, "state_root": str(state_root),
+                                  "artifact_path": str(write_artifact(tmp_path / "other", other))})
+    req = make_request()
+    mine = make_artifact(req, capture_id="cap-mine", state_root=state_root)
+    run_module("artifact_store", {"state": "promoted", "request": req, "state_root": str(state_root),
+                                  "artifact_path": str(write_artifact(tmp_path / "mine", mine))})
+    evil = json.loads(json.dumps(mine))
+    evil["capsule"]["units"][0]["location"] = str(state_root / "model-payloads")
+    evil["capsule"]["units"][0]["image_id"] = other["capsule"]["units"][0]["image_id"]
+    evil_path = write_artifact(tmp_path / "evil", evil)
+    res = run_module("artifact_store", {"state": "absent", "state_root": str(state_root), "artifact_path":
+                                        str(evil_path), "request": make_request(operation="delete",
+                                                                                artifact=evil_path)})
+    assert res["failed"] and "not a descriptor the artifact store holds" in res["msg"], res
+    assert evil_path.exists()
+    # Even refs from such a descriptor, handed to the host side directly, remove nothing they name.
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.leftovers import remove_local
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.refs import local_refs
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import ArtifactStore
+
+    store = ArtifactStore(state_root)
+    out = remove_local(state_root, [local_refs(evil)], keep_payloads=sorted(store.retained_payloads()),
+                       keep_capsules=sorted(store.retained_capsules()), host="localhost")
+    assert (state_root / "model-payloads" / "sha256" / f"{sha.split(':')[1]}.pack").exists()
+    assert other_cap.is_dir(), "another recipe's retained capsule stays"
+    assert any(k["image_id"] == other["capsule"]["units"][0]["image_id"] for k in out["kept"]["capsules"])

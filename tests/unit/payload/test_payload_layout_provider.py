@@ -107,3 +107,28 @@ def test_resolve_provider_uses_cache_then_local_source(tmp_path):
     missing = PackRef.for_digest("sha256:" + "9" * 64, 4096)
     with pytest.raises(ColdSnapError, match="not available"):
         resolve_provider("native", state_root=host, pack=missing, recovery_enabled=True, sources=[src])
+
+
+def test_a_truncated_pack_is_reported_as_refused_not_as_missing(tmp_path):
+    """After the verifier quarantines a truncated copy, the provider says what happened to it."""
+    import hashlib
+    import os
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import PayloadRef
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.provider import resolve_provider
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
+
+    data = os.urandom(8192)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    cache = NodeCache(tmp_path)
+    cache.ensure_dirs()
+    cache.path_for(digest).write_bytes(data[:5000])
+    with pytest.raises(ColdSnapError, match="5000 bytes"):
+        PayloadVerifier().verify(cache, digest, 8192)
+    with pytest.raises(ColdSnapError) as exc:
+        resolve_provider("native", state_root=tmp_path, pack=PayloadRef.for_pack(digest, 8192),
+                         recovery_enabled=True)
+    assert "truncated" in str(exc.value) and "quarantine" in str(exc.value)
+    assert "not in the node cache" not in str(exc.value)

@@ -1,0 +1,187 @@
+"""The prepare boundary holds (issue: reliability and security), with real CRIU and a running
+workload: a capture whose state was tampered with, or a captured port held by someone else,
+fails in prepare and the running engine keeps serving; the state is private; a restored engine
+answers only to a fresh control token; one operation runs per workload at a time."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+from snapshot_workload import Workload
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
+
+UNIT = "unit-0"
+WORKER = "worker-0"
+
+
+@pytest.fixture(scope="module")
+def running(state_root, tiny_model, env_digest):
+    """Capture once, restore once: the workload runs from that capture while the tests tamper."""
+    wl = Workload(state_root, tiny_model, env_digest, tp=1, name="boundary")
+    cap = wl.run(wl.request("capture"))
+    assert cap.succeeded, cap.receipt["error"]
+    artifact = Path(cap.receipt["result"]["operation"]["artifact"])
+    art = json.loads(artifact.read_text())
+    control = state_root / "workloads" / wl.name / UNIT / f"control-{WORKER}.json"
+    capture_token = json.loads(control.read_text())["token"]
+    res = wl.run(wl.request("restore", artifact=artifact))
+    assert res.succeeded, res.receipt["error"]
+    yield wl, artifact, art, capture_token
+    wl.stop()
+
+
+def unit_dir(state_root: Path, art: dict) -> Path:
+    return state_root / "captures" / art["capture_id"] / "units" / UNIT
+
+
+def still_serving(wl: Workload, pids: list[int]) -> None:
+    assert wl.engines() == pids, "a failed prepare must leave the running workload alone"
+    assert wl.complete(max_tokens=4)
+
+
+def flip(path: Path, offsets: list[int]) -> bytes:
+    original = path.read_bytes()
+    data = bytearray(original)
+    for off in offsets:
+        data[off] ^= 0x5A
+    path.write_bytes(bytes(data))
+    return original
+
+
+@pytest.mark.parametrize("target", ["workers/worker-0/weights.blob", "workers/worker-0/native-manifest.json",
+                                    "criu/worker-0/pstree.img", "criu/worker-0/pages-1.img"])
+def test_tampered_capture_state_fails_in_prepare_and_the_workload_keeps_serving(running, state_root, target):
+    wl, artifact, art, _token = running
+    pids = wl.engines()
+    assert pids
+    path = unit_dir(state_root, art) / target
+    size = path.stat().st_size
+    # pstree.img: its magic; pages: three bytes in the middle; the others: one byte.
+    offsets = [0] if target.endswith("pstree.img") else [size // 2, size // 2 + 1, size // 2 + 2] \
+        if target.endswith("pages-1.img") else [size // 3]
+    original = flip(path, offsets)
+    try:
+        res = wl.run(wl.request("restore", artifact=artifact))
+        assert not res.succeeded
+        err = res.receipt["error"]
+        assert "prepare" in (err["phase"] or ""), err
+        assert target.rsplit("/", 1)[-1] in err["message"], err["message"]
+        still_serving(wl, pids)
+    finally:
+        path.write_bytes(original)
+    assert wl.run(wl.request("restore", artifact=artifact), prepare_only=True).succeeded
+
+
+def test_an_unlisted_file_among_the_criu_images_is_refused(running, state_root):
+    wl, artifact, art, _token = running
+    planted = unit_dir(state_root, art) / "criu" / WORKER / "fs-1.img"
+    assert not planted.exists()
+    planted.write_bytes(b"\x00" * 16)
+    try:
+        res = wl.run(wl.request("restore", artifact=artifact), prepare_only=True)
+        assert not res.succeeded and "fs-1.img" in res.receipt["error"]["message"]
+    finally:
+        planted.unlink()
+
+
+def test_a_foreign_holder_of_a_captured_port_fails_prepare_only(running, state_root):
+    """Another generation runs (it holds the serving port); a stranger holds a listener of the new
+    capture: prepare-only must say so, naming the holder, instead of evicting later and failing."""
+    wl, _artifact, art, _token = running
+    second = wl.run(wl.request("capture"))
+    assert second.succeeded, second.receipt["error"]
+    # Capturing evicted nothing but started a fresh engine, dumped and stopped it: the first
+    # generation still serves.
+    pids = wl.engines()
+    art2_path = Path(second.receipt["result"]["operation"]["artifact"])
+    art2 = json.loads(art2_path.read_text())
+    ev2 = json.loads((unit_dir(state_root, art2) / "evidence.json").read_text())
+    held_by_workload = {p for _a, p in json.loads((unit_dir(state_root, art) / "evidence.json").read_text())
+                        ["workers"][0]["listeners"]}
+    free = [(a, p) for a, p in ev2["workers"][0]["listeners"] if p not in held_by_workload]
+    assert free, "the second capture's control port differs from the running one's"
+    addr, port = free[0]
+    squatter = subprocess.Popen([sys.executable, "-c", (
+        "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+        f"s.bind(({addr!r}, {port})); s.listen(); print('up', flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "up"
+        res = wl.run(wl.request("restore", artifact=art2_path), prepare_only=True)
+        assert not res.succeeded
+        msg = res.receipt["error"]["message"]
+        assert f"{addr}:{port}" in msg and f"pid {squatter.pid}" in msg, msg
+        still_serving(wl, pids)
+    finally:
+        squatter.kill()
+        squatter.wait()
+
+
+def test_state_is_private_to_its_owner(running, state_root):
+    wl, artifact, art, _token = running
+    assert stat.S_IMODE(os.stat(state_root).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(artifact).st_mode) & 0o077 == 0, "the artifact holds the launch: 0600"
+    ctl = state_root / "workloads" / wl.name / UNIT / f"control-{WORKER}.json"
+    assert stat.S_IMODE(os.stat(ctl).st_mode) == 0o600
+
+    def as_nobody(path: Path) -> int:
+        return subprocess.run([sys.executable, "-c", f"open({str(path)!r}, 'rb').read(1)"], check=False,
+                              capture_output=True, preexec_fn=lambda: (os.setgid(65534), os.setuid(65534))).returncode
+
+    assert as_nobody(unit_dir(state_root, art) / "criu" / WORKER / "pages-1.img") != 0
+    assert as_nobody(ctl) != 0
+    # No control file (and so no token) inside the captured state or its capsule.
+    for f in unit_dir(state_root, art).rglob("control/*.json"):
+        assert "token" not in json.loads(f.read_text())
+
+
+def _status(port: int, token: str) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request("GET", "/status", headers={"Authorization": f"Bearer {token}"})
+    code = conn.getresponse().status
+    conn.close()
+    return code
+
+
+def test_a_restored_engine_answers_only_its_fresh_token(running, state_root):
+    wl, _artifact, _art, capture_token = running
+    info = json.loads((state_root / "workloads" / wl.name / UNIT / f"control-{WORKER}.json").read_text())
+    assert info["token"] != capture_token
+    assert _status(info["port"], info["token"]) == 200
+    assert _status(info["port"], capture_token) == 401, "the token in the capture's memory opens nothing"
+
+
+def test_one_operation_per_workload_at_a_time_and_receipts_say_running(running, state_root):
+    """Two restores of one workload with different ids: the second is refused while the first runs,
+    whose receipt says 'running' (never the outcome of an earlier run)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+    wl, artifact, _art, _token = running
+    pids = wl.engines()
+    first = wl.request("restore", artifact=artifact)
+    receipt = state_root / "runs" / first["id"] / "receipt.json"
+    outcome: dict = {}
+    t = threading.Thread(target=lambda: outcome.setdefault("first", wl.run(first, prepare_only=True)))
+    t.start()
+    seen_running = False
+    for _i in range(600):
+        if receipt.exists() and json.loads(receipt.read_text())["state"] == "running":
+            seen_running = True
+            break
+        threading.Event().wait(0.02)
+    assert seen_running, "a run's receipt says it is running while it runs"
+    with pytest.raises(ColdSnapError, match="another operation of workload"):
+        wl.run(wl.request("restore", artifact=artifact), prepare_only=True)
+    t.join()
+    assert outcome["first"].succeeded, outcome["first"].receipt["error"]
+    assert json.loads(receipt.read_text())["state"] == "succeeded"
+    still_serving(wl, pids)

@@ -1,0 +1,54 @@
+"""FAULTS.md 15 under a flood: more clients than slots send half a header and stall; authenticated
+clients are still served at once (a stalled client, not an unread one, gives up its slot), and a
+coordinator whose operation is gone exits by itself."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from cskv_testlib import client_for
+
+
+def test_authenticated_clients_are_served_while_stalled_clients_outnumber_the_slots(make_server):
+    server = make_server(max_connections=32, read_timeout=30.0, auth_timeout=20.0, auth_grace=0.05)
+    stalled = []
+    try:
+        for _i in range(120):
+            s = socket.create_connection((server.address, server.port), timeout=5)
+            s.sendall(b"CSKV\x01")  # half a header, then nothing
+            stalled.append(s)
+        # Well under the 20-s authentication deadline those clients were given: they lost their slots
+        # because they stalled, not because time ran out.
+        client = client_for(server, io_timeout=3.0, connect_timeout=3.0)
+        for i in range(20):
+            client.set(f"k{i}", b"v")
+            assert client.get(f"k{i}") == b"v"
+        assert server.stats().evicted_unauthenticated > 0
+    finally:
+        for s in stalled:
+            s.close()
+
+
+def test_one_source_cannot_hold_every_unauthenticated_slot(make_server):
+    server = make_server(max_connections=256, max_unauthenticated_per_source=8, auth_grace=0.05)
+    held = [socket.create_connection((server.address, server.port), timeout=5) for _i in range(40)]
+    try:
+        for s in held:
+            s.sendall(b"CS")
+        threading.Event().wait(0.1)  # past the grace a client gets to send its request
+        client = client_for(server, io_timeout=3.0, connect_timeout=3.0)
+        client.health()
+        # Each new connection from a source at its limit closes that source's oldest stalled one.
+        assert server.stats().evicted_unauthenticated >= 1
+        assert server.stats().connections <= 40
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_an_idle_coordinator_exits_on_its_own(make_server):
+    server = make_server(idle_timeout=0.3)
+    done = threading.Event()
+    threading.Thread(target=lambda: (server._stopped.wait(10), done.set()), daemon=True).start()
+    assert done.wait(10), "a coordinator nobody talks to exits after its idle timeout"

@@ -1,0 +1,103 @@
+"""Host-side rules that keep a restore honest: who may hold a captured port, what a killed run
+leaves behind, and the staged activation runtime's integrity."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    AdmissionError,
+    IntegrityError,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage, housekeeping
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def held_port():
+    """A listener held by a child process (so its pid is not ours)."""
+    proc = subprocess.Popen([sys.executable, "-c", (
+        "import socket,sys,time; s=socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+        "print(s.getsockname()[1], flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    yield proc, port
+    proc.kill()
+    proc.wait()
+
+
+def test_a_port_held_by_the_replaced_workload_is_fine_and_a_strangers_is_not(held_port):
+    proc, port = held_port
+    assert ports.port_holders(port) == {proc.pid}
+    ports.require_ports_free([("127.0.0.1", port)], unit="u", replaced=ports.process_tree(proc.pid))
+    with pytest.raises(AdmissionError) as exc:
+        ports.require_ports_free([("127.0.0.1", port)], unit="u", replaced={os.getpid()})
+    assert f"pid {proc.pid}" in str(exc.value) and f"127.0.0.1:{port}" in str(exc.value)
+
+
+def test_process_tree_holds_the_root_and_its_descendants():
+    child = subprocess.Popen(["sh", "-c", "sleep 30 & wait"])
+    try:
+        deadline = time.monotonic() + 5
+        while len(ports.process_tree(child.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        tree = ports.process_tree(child.pid)
+        assert child.pid in tree and len(tree) == 2
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_leftovers_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
+    root = tmp_path / "state"
+    extracted = root / "capsules" / "extracted"
+    extracted.mkdir(parents=True)
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = extracted / f".{'a' * 64}.tmp-{dead.pid}"
+    stale.mkdir()
+    live = extracted / f".{'b' * 64}.tmp-{os.getpid()}"
+    live.mkdir()
+    incoming = root / "model-payloads" / "incoming"
+    incoming.mkdir(parents=True)
+    old, fresh = incoming / f"{'c' * 64}.pack", incoming / f"{'d' * 64}.pack"
+    old.write_bytes(b"x")
+    fresh.write_bytes(b"y")
+    os.utime(old, (time.time() - 2 * housekeeping.INCOMING_MAX_AGE_S,) * 2)
+    assert sorted(housekeeping.clean_stale_temps(root, check_mode=True)) == sorted([str(stale), str(old)])
+    assert stale.exists()
+    housekeeping.clean_stale_temps(root)
+    assert not stale.exists() and not old.exists() and live.exists() and fresh.exists()
+
+
+def test_a_staged_runtime_with_planted_bytecode_is_refused_and_restaged(tmp_path):
+    src = REPO / "runtime_image" / "activation"
+    digest, path, changed = activation_stage.stage(src, tmp_path / "state")
+    assert changed and not activation_stage.bytecode_in(path)
+    assert oct(os.stat(tmp_path / "state").st_mode & 0o777) == "0o700"
+    cache = path / "coldsnap_activation" / "__pycache__"
+    cache.mkdir()
+    (cache / "sequence.cpython-311.pyc").write_bytes(b"evil")
+    with pytest.raises(IntegrityError, match="bytecode"):
+        activation_stage.require_staged(tmp_path / "state", digest)
+    again_digest, again_path, again_changed = activation_stage.stage(src, tmp_path / "state")
+    assert again_changed and again_digest == digest and not activation_stage.bytecode_in(again_path)
+    assert activation_stage.require_staged(tmp_path / "state", digest) == again_path
+
+
+def test_ports_free_refuses_a_live_listener_even_without_a_workload():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    try:
+        with pytest.raises(AdmissionError, match="taken"):
+            ports.require_ports_free([("127.0.0.1", s.getsockname()[1])], unit="u")
+    finally:
+        s.close()
