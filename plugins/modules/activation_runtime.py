@@ -17,13 +17,16 @@ description:
     executable bit and bytes. Units run it from there (runtime C(host)) or mount it read-only
     (runtime C(docker)), so it can be fixed without recapturing a capsule while its ABI matches.
   - With O(digest), the staged copy must have exactly that digest (the module fails otherwise).
+  - With O(digest) and no O(src), nothing is staged: the module reports whether that digest is already
+    staged (and intact) on the host, so a role copies the files only when they are missing.
 extends_documentation_fragment:
   - coldsnap.fleet.state
 options:
   src:
-    description: Directory on the host holding the runtime files (the role copies them there first).
+    description:
+      - Directory on the host holding the runtime files (the role copies them there first).
+      - Omit it (with O(digest)) to only ask whether that digest is staged.
     type: path
-    required: true
   digest:
     description: Expected digest C(sha256:<hex>); refuse anything else.
     type: str
@@ -42,6 +45,12 @@ author:
 """
 
 EXAMPLES = r"""
+- name: Is this runtime already staged here? (copy the files only if not)
+  coldsnap.fleet.activation_runtime:
+    digest: "{{ lookup('coldsnap.fleet.activation_digest') }}"
+    state_root: /var/lib/coldsnap
+  register: runtime_check
+
 - name: Stage the activation runtime
   coldsnap.fleet.activation_runtime:
     src: /var/lib/coldsnap/activation-runtime/incoming
@@ -50,6 +59,11 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+staged:
+  description: Whether the digest is staged and intact on the host (after this run).
+  returned: success
+  type: bool
+  sample: true
 digest:
   description: Content digest of the staged runtime.
   returned: success
@@ -83,15 +97,24 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units.housekeeping 
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
-            src=dict(type="path", required=True),
+            src=dict(type="path"),
             digest=dict(type="str"),
             state_root=dict(STATE_ROOT_ARG),
         ),
+        required_one_of=[("src", "digest")],
         supports_check_mode=True,
     )
     p = module.params
 
     def run() -> dict:
+        if not p["src"]:
+            # Only ask: is this digest staged here (intact, no stray bytecode)?
+            path = activation.staged_path(Path(p["state_root"]), p["digest"])
+            cleaned = clean_stale_temps(Path(p["state_root"]), check_mode=module.check_mode)
+            staged = (path.is_dir() and not activation.bytecode_in(path)
+                      and activation.tree_digest(path) == p["digest"])
+            return {"changed": bool(cleaned), "staged": staged, "digest": p["digest"], "path": str(path),
+                    "cleaned": cleaned}
         digest = activation.tree_digest(Path(p["src"]))
         if p["digest"] and digest != p["digest"]:
             raise IntegrityError(f"activation runtime at {p['src']} has digest {digest}, expected {p['digest']}",
@@ -101,9 +124,11 @@ def main() -> None:
         cleaned = clean_stale_temps(Path(p["state_root"]), check_mode=module.check_mode)
         if module.check_mode:
             staged = path.is_dir() and activation.tree_digest(path) == digest
-            return {"changed": not staged or bool(cleaned), "digest": digest, "path": str(path), "cleaned": cleaned}
+            return {"changed": not staged or bool(cleaned), "staged": staged, "digest": digest, "path": str(path),
+                    "cleaned": cleaned}
         digest, path, changed = activation.stage(Path(p["src"]), Path(p["state_root"]))
-        return {"changed": changed or bool(cleaned), "digest": digest, "path": str(path), "cleaned": cleaned}
+        return {"changed": changed or bool(cleaned), "staged": True, "digest": digest, "path": str(path),
+                "cleaned": cleaned}
 
     run_guarded(module, run, what="activation_runtime")
 
