@@ -79,7 +79,33 @@ def cc_problem() -> str | None:
     return None
 
 
-NEEDS = {"criu": criu_problem, "docker": docker_problem, "registry": registry_problem, "cc": cc_problem}
+def vllm_python() -> str | None:
+    """The python of vLLM's engine environment (scripts/engine-env.sh vllm), if it is built."""
+    if os.environ.get("COLDSNAP_VLLM_PYTHON"):
+        return os.environ["COLDSNAP_VLLM_PYTHON"]
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["bash", str(repo / "scripts" / "engine-env.sh"), "vllm", "--print-python"],
+                         check=False, capture_output=True, text=True).stdout.strip()
+    return out if out and Path(out).exists() and (Path(out).parents[1] / "READY").exists() else None
+
+
+def vllm_problem() -> str | None:
+    if vllm_python() is None:
+        return "vLLM's engine environment is not built (run scripts/engine-env.sh vllm)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def vllm_engine_python() -> str:
+    """The python of vLLM's engine environment (the ``vllm`` marker fails or skips without it)."""
+    python = vllm_python()
+    if python is None:
+        pytest.fail(vllm_problem() or "no vLLM engine environment")
+    return python
+
+
+NEEDS = {"criu": criu_problem, "docker": docker_problem, "registry": registry_problem, "cc": cc_problem,
+         "vllm": vllm_problem}
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

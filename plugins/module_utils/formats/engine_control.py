@@ -183,6 +183,8 @@ class HydrationBody:
     def to_json(self) -> dict:
         out = asdict(self)
         out["pack"] = self.pack.to_json() if self.pack else None
+        if out["workers"] is None:
+            del out["workers"]  # one worker per endpoint: no per-rank overrides
         return out
 
     def get(self, key: str, default: Any = None) -> Any:

@@ -61,6 +61,20 @@ class EngineSpec:
     max_workers_reason: str = ""
     # The n580 boundary on GPUs: a context-free pre-exec template (no CUDA context captured).
     gpu_template_capture: bool = False
+    # Flags the serve command needs on GPU units only (sleep mode exists on CUDA, not on CPU).
+    gpu_required_args: tuple[str, ...] = ()
+    gpu_required_options: tuple[tuple[str, str], ...] = ()
+    # How the unit is launched so its process tree can be snapshot: a private /dev/shm (multi-process
+    # engines share ring buffers and IPC sockets there), environment the integration needs, and CRIU's
+    # --link-remap for files held open but unlinked (POSIX semaphores).
+    private_shm: bool = False
+    unit_environment: tuple[tuple[str, str], ...] = ()
+    criu_link_remap: bool = False
+
+    def launcher(self) -> dict:
+        """The unit launcher settings the activation runtime applies (recorded in the unit spec)."""
+        return {"private_shm": self.private_shm, "environment": dict(self.unit_environment),
+                "criu_link_remap": self.criu_link_remap}
 
     def as_capability(self) -> dict:
         return {
@@ -85,9 +99,15 @@ ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(
         name="vllm", adapter_schema="vllm-v1", canonical_writer=True, default_materialize="async",
         sleep_wake=True, warm_restore=True, integration="coldsnap_engines.vllm",
-        required_args=("--enable-sleep-mode",),
-        required_options=(("--sleep-mode-backend", "coldsnap"), ("--worker-extension-cls", VLLM_WORKER_EXTENSION)),
+        required_options=(("--worker-extension-cls", VLLM_WORKER_EXTENSION),),
+        gpu_required_args=("--enable-sleep-mode",),
+        gpu_required_options=(("--sleep-mode-backend", "coldsnap"),),
         plugin_env=(EnvList("VLLM_PLUGINS", "coldsnap", required=True),),
+        # API server, engine core and workers share ring buffers, a semaphore and ZMQ IPC sockets:
+        # all of them go into a private /dev/shm that the snapshot takes with the tree.
+        private_shm=True, criu_link_remap=True,
+        unit_environment=(("VLLM_RPC_BASE_PATH", "/dev/shm"), ("VLLM_NO_USAGE_STATS", "1"),
+                          ("VLLM_DO_NOT_TRACK", "1")),
         load_format_flag="--load-format",
         capture_load_formats=("auto", "safetensors", "fastsafetensors", "instanttensor"),
         loader_preference=("instanttensor", "fastsafetensors"),
@@ -201,15 +221,17 @@ def preferred_load_format(engine: str, configured: str | None, installed: Iterab
     return configured or "auto"
 
 
-def command_issues(engine: str, command: Sequence[str], environment: Mapping[str, str]) -> list[tuple[str, str, str]]:
-    """Capture-time rules for one unit: ``[(field, problem, fix)]`` with field 'command' or 'environment'."""
+def command_issues(engine: str, command: Sequence[str], environment: Mapping[str, str], *,
+                   gpu: bool = False) -> list[tuple[str, str, str]]:
+    """Capture-time rules for one unit: ``[(field, problem, fix)]`` with field 'command' or 'environment'.
+    ``gpu``: the unit has devices (some flags exist on GPU builds only)."""
     spec = engine_spec(engine)
     out: list[tuple[str, str, str]] = []
-    for arg in spec.required_args:
+    for arg in spec.required_args + (spec.gpu_required_args if gpu else ()):
         if not has_flag(command, arg):
             out.append(("command", f"engine {spec.name!r} capture needs {arg} in the serve command",
                         f"add {arg} to the command"))
-    for flag, value in spec.required_options:
+    for flag, value in spec.required_options + (spec.gpu_required_options if gpu else ()):
         got = command_option(command, flag)
         if got != value:
             now = "it is missing" if got is None else f"it is {got!r}"
@@ -281,6 +303,7 @@ def engine_issues(request: dict) -> list[FormatIssue]:
         ))
     if request["operation"] == "capture":
         for i, unit in enumerate(launch["units"]):
-            for where, problem, fix in command_issues(spec.name, unit["command"], unit.get("environment", {})):
+            for where, problem, fix in command_issues(spec.name, unit["command"], unit.get("environment", {}),
+                                                      gpu=bool(unit["devices"])):
                 issues.append(FormatIssue(f"$.launch.units[{i}].{where}", problem, fix))
     return issues

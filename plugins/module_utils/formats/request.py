@@ -35,7 +35,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema impo
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets import (
     UNIT_SECRET_FIX,
-    is_secret_name,
+    is_credential_name,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
@@ -273,7 +273,7 @@ def cross_check(req: dict) -> list[FormatIssue]:
         if len(set(unit["devices"])) != len(unit["devices"]):
             add(f"{p}.devices", "a device ordinal appears twice", "list each GPU once")
         for name in sorted(unit.get("environment", {})):
-            if is_secret_name(name):
+            if is_credential_name(name):
                 add(f"{p}.environment.{name}", f"{name} looks like a credential", UNIT_SECRET_FIX)
         if launch["runtime"] == "docker":
             if "image" not in unit:

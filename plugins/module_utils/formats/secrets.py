@@ -22,5 +22,16 @@ UNIT_SECRET_FIX = ("keep credentials out of launch.units[].environment: a proces
 
 
 def is_secret_name(name: str) -> bool:
-    """True when a variable called ``name`` must be treated as a credential."""
+    """True when a variable called ``name`` must be treated as a credential (redaction: broad)."""
     return bool(SECRET_NAME_RE.search(name))
+
+
+# Refusing is stricter than redacting: a word of the name (split at '_') must name a credential,
+# so HF_TOKEN, API_PASSWORD or AWS_SECRET_ACCESS_KEY are refused and TOKENIZERS_PARALLELISM is not.
+CREDENTIAL_WORDS = frozenset({"TOKEN", "TOKENS", "PASSWORD", "PASSWD", "PASSPHRASE", "PASS", "SECRET", "SECRETS",
+                              "KEY", "APIKEY", "CREDENTIAL", "CREDENTIALS", "PRIVATE", "COOKIE", "AUTH", "PAT"})
+
+
+def is_credential_name(name: str) -> bool:
+    """True when an environment variable called ``name`` names a credential."""
+    return any(word in CREDENTIAL_WORDS for word in name.upper().split("_"))

@@ -106,18 +106,50 @@ def _run(criu: Criu, args: list[str], log_path: Path, what: str, timeout: float)
 
 
 @dataclass(frozen=True)
+class CriuOptions:
+    """What a unit's process tree needs from CRIU, decided at capture and recorded in its evidence.
+
+    ``link_remap``: files the tree holds open but has unlinked (a POSIX semaphore in
+    ``/dev/shm``) are saved and re-linked (``--link-remap``). ``mount_namespace``: the tree has
+    a mount namespace of its own (a private ``/dev/shm``, see the activation runtime's launcher);
+    CRIU takes it and its tmpfs contents into the image, and a restore needs ``--root /``.
+    """
+
+    link_remap: bool = False
+    mount_namespace: bool = False
+
+    def dump_args(self) -> list[str]:
+        return ["--link-remap"] if self.link_remap else []
+
+    def restore_args(self) -> list[str]:
+        out = ["--link-remap"] if self.link_remap else []
+        if self.mount_namespace:
+            out += ["--root", "/"]
+        return out
+
+    def to_json(self) -> dict:
+        return {"link_remap": self.link_remap, "mount_namespace": self.mount_namespace}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> CriuOptions:
+        data = data or {}
+        return cls(link_remap=bool(data.get("link_remap")), mount_namespace=bool(data.get("mount_namespace")))
+
+
+@dataclass(frozen=True)
 class DumpResult:
     images_dir: str
     bytes: int
     seconds: float
 
 
-def dump(criu: Criu, pid: int, images_dir: Path, *, leave_running: bool = False, timeout: float = 600) -> DumpResult:
+def dump(criu: Criu, pid: int, images_dir: Path, *, leave_running: bool = False, timeout: float = 600,
+         options: CriuOptions | None = None) -> DumpResult:
     """Checkpoint the process tree rooted at ``pid`` into ``images_dir``."""
     images_dir = Path(images_dir)
-    images_dir.mkdir(parents=True, exist_ok=True)
+    images_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     args = ["dump", "-t", str(pid), "-D", str(images_dir), "-o", "dump.log", "-v2",
-            "--tcp-close", "--skip-in-flight", "--file-locks"]
+            "--tcp-close", "--skip-in-flight", "--file-locks", *(options or CriuOptions()).dump_args()]
     if leave_running:
         args.append("--leave-running")
     secs = _run(criu, args, images_dir / "dump.log", "dump", timeout)
@@ -147,7 +179,7 @@ def private_work_dir(path: Path) -> Path:
 
 
 def restore(criu: Criu, images_dir: Path, *, work_dir: Path, leave_stopped: bool = False, sibling: bool = False,
-            timeout: float = 600) -> RestoreResult:
+            timeout: float = 600, options: CriuOptions | None = None) -> RestoreResult:
     """Restore the tree detached (``sibling``: as a child of the caller, for supervisors).
 
     CRIU writes its log and pid file into ``work_dir`` (``-W``), created fresh and private; the
@@ -156,8 +188,9 @@ def restore(criu: Criu, images_dir: Path, *, work_dir: Path, leave_stopped: bool
     images_dir = Path(images_dir)
     work = private_work_dir(work_dir)
     pidfile = work / "restore.pid"
-    args = ["restore", "-D", str(images_dir), "-W", str(work), "-o", "restore.log", "-v2", "-d",
-            "--pidfile", str(pidfile), "--tcp-close", "--file-locks"]
+    args = ["restore", "-D", str(images_dir.absolute()), "-W", str(work.absolute()), "-o", "restore.log", "-v2", "-d",
+            "--pidfile", str(pidfile.absolute()), "--tcp-close", "--file-locks",
+            *(options or CriuOptions()).restore_args()]
     if leave_stopped:
         args.append("--leave-stopped")
     if sibling:

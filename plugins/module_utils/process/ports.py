@@ -186,6 +186,24 @@ def tids_of(pid: int) -> list[int]:
     return sorted(int(t.name) for t in Path(f"/proc/{pid}/task").iterdir())
 
 
+def tree_tids(root: int) -> list[int]:
+    """Every thread id of every process of the tree rooted at ``root`` (a multi-process engine)."""
+    out: set[int] = set()
+    for pid in process_tree(root):
+        with contextlib.suppress(OSError):
+            out.update(tids_of(pid))
+    return sorted(out)
+
+
+def tree_listeners(root: int) -> list[tuple[str, int]]:
+    """The TCP listeners of every process of the tree rooted at ``root`` (CRIU restores them all)."""
+    out: set[tuple[str, int]] = set()
+    for pid in process_tree(root):
+        with contextlib.suppress(OSError):
+            out.update(listeners_of(pid))
+    return sorted(out)
+
+
 def require_pids_free(pids: list[int], *, unit: str) -> None:
     """CRIU restores processes and threads with their captured ids: they must be unused here."""
     for pid in pids:

@@ -79,12 +79,29 @@ def of_python(python: str, *, describe_it: bool = False) -> str:
         r = subprocess.run([python, "-P", "-m", __name__, *(["--describe"] if describe_it else [])],
                            check=False, capture_output=True, text=True, timeout=120, cwd="/")
     except OSError as exc:
-        raise ColdSnapError(f"cannot run the unit's Python {python}: {exc.strerror}",
-                            fix="set coldsnap_python to the runtime environment's interpreter") from None
+        raise AdmissionError(f"cannot run the unit's Python {python}: {exc.strerror}",
+                             fix="install the unit's engine environment on this host (scripts/engine-env.sh for "
+                                 "vLLM, scripts/setup-venv.sh for the reference engine) at the captured path, or "
+                                 "set coldsnap_python to the runtime environment's interpreter") from None
     if r.returncode != 0:
         raise ColdSnapError(f"{python} cannot compute its environment digest: {r.stderr.strip()[-300:]}",
                             fix="install the coldsnap runtime environment (scripts/setup-venv.sh) on the host")
     return r.stdout.strip()
+
+
+def unit_python(command: list[str], default: str) -> str:
+    """The interpreter a unit's engine runs: the command's own Python (``/venv/bin/python -m ...``),
+    the ``python`` beside a console script (``/venv/bin/vllm``), else ``default``."""
+    if not command:
+        return default
+    first = Path(command[0])
+    if first.name.startswith("python"):
+        return str(first)
+    if first.is_absolute():
+        sibling = first.with_name("python")
+        if sibling.exists():
+            return str(sibling)
+    return default
 
 
 def require(expected: str, python: str, *, unit: str, host: str) -> None:

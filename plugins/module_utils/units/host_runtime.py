@@ -72,7 +72,8 @@ class HostRuntime(UnitRuntime):
     def check_environment(self, units: list[dict]) -> None:
         """Every unit's Python environment must be the pinned one."""
         for u in units:
-            environment.require(u["environment_digest"], self.python or sys.executable, unit=u["id"], host=self.host)
+            python = environment.unit_python(u["command"], self.python or sys.executable)
+            environment.require(u["environment_digest"], python, unit=u["id"], host=self.host)
 
     def ensure_unit_state(self, artifact: dict, unit_id: str, *, check_mode: bool) -> tuple[Path, bool]:
         """Make the unit's captured state available (extract its capsule when needed)."""
@@ -175,7 +176,7 @@ def verify_unit_state(path: Path, artifact: dict, unit_id: str) -> dict:
         if w["unit"] != unit_id:
             continue
         for key in ("residual", "manifest", "replay"):
-            rel = f"workers/{w['worker']}/{w[key]['path']}"
+            rel = w[key]["path"]  # relative to the unit directory (workers/<worker>/<file>)
             got = listed.get(rel)
             if got is None or got["sha256"] != w[key]["sha256"] or got["size"] != w[key]["size"]:
                 raise IntegrityError(f"unit {unit_id}: worker {w['worker']}'s {w[key]['path']} is not the file the "

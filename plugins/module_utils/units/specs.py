@@ -13,7 +13,10 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import normalize_restore_command
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import (
+    engine_spec,
+    normalize_restore_command,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
     units_on_host,
     workers_of_unit,
@@ -75,5 +78,6 @@ def build_specs(request: dict, *, host: str, operation: str, capture_id: str, st
             "warm": warm,
             "t0_ns": None,
             "supervise": supervise,
+            "launcher": engine_spec(launch["engine"]).launcher(),
         }))
     return specs

@@ -7,6 +7,7 @@ import contextlib
 import http.client
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_clie
     EngineClient,
     pid_alive,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports import process_tree
 
 
 class EngineHandle:
@@ -33,8 +35,13 @@ class EngineHandle:
         self._control: ec.ControlInfo | None = None
 
     # ----------------------------------------------------------- processes
-    def spawn(self, command: list[str], env: dict[str, str]) -> int:
-        """Start the engine in its own session, stdout/stderr appended to the workload log."""
+    def spawn(self, command: list[str], env: dict[str, str], *, private_shm: bool = False) -> int:
+        """Start the engine in its own session, stdout/stderr appended to the workload log.
+
+        ``private_shm``: through the launcher (``launch.py``), which gives it a mount namespace with a
+        private ``/dev/shm`` and then execs the command (same pid)."""
+        if private_shm:
+            command = [sys.executable, str(Path(__file__).with_name("launch.py")), "--private-shm", "--", *command]
         self.workload_dir.mkdir(parents=True, exist_ok=True)
         self.control_file.unlink(missing_ok=True)
         log_fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
@@ -70,10 +77,13 @@ class EngineHandle:
         return None
 
     def kill(self) -> None:
+        """SIGKILL the engine and every process it started (a multi-process engine's whole tree)."""
         if self.pid is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, 9)
+        tree = process_tree(self.pid) if self.alive() else {self.pid}
+        for pid in sorted(tree):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
         self.reap(10)
 
     def log_tail(self, lines: int = 15) -> str:

@@ -36,7 +36,8 @@ def _write(result_file: Path, doc: dict) -> None:
     os.replace(tmp, result_file)
 
 
-def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: str | None) -> int:
+def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: str | None,
+        options: dict | None = None) -> int:
     """Restore ``images`` as our descendant, report, then reap until the tree is gone."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
     from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
@@ -44,7 +45,7 @@ def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: st
     try:
         _become_subreaper()
         res = criu_mod.restore(criu_mod.find_criu(criu_binary), images, work_dir=result_file.parent,
-                               leave_stopped=leave_stopped)
+                               leave_stopped=leave_stopped, options=criu_mod.CriuOptions.from_json(options))
     except (ColdSnapError, OSError) as exc:
         _write(result_file, {"ok": False, "error": str(exc)})
         return 1
@@ -59,7 +60,7 @@ def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: st
 
 
 def start(images: Path, *, work_dir: Path, leave_stopped: bool, criu_binary: str | None, log_path: Path,
-          timeout: float = 600) -> dict:
+          timeout: float = 600, options: dict | None = None) -> dict:
     """Spawn a keeper for ``images`` and wait for its restore result (pid, seconds).
 
     CRIU's log and the result go to ``work_dir`` (fresh, 0700), never into the image directory."""
@@ -75,6 +76,8 @@ def start(images: Path, *, work_dir: Path, leave_stopped: bool, criu_binary: str
         args.append("--leave-stopped")
     if criu_binary:
         args += ["--criu", criu_binary]
+    if options:
+        args += ["--options", json.dumps(options)]
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     with os.fdopen(log_fd, "ab") as log:
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,

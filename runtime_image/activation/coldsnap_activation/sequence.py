@@ -55,6 +55,7 @@ def _engine_env(spec: UnitSpec, worker: dict) -> dict[str, str]:
         "LANG": "C.UTF-8",
         "PYTHONUNBUFFERED": "1",
     }
+    env.update(spec.launcher.get("environment") or {})  # what the engine's integration needs (the registry)
     env.update(spec.unit.get("environment", {}))
     env.update(spec.transport_env)
     env.update({
@@ -153,6 +154,9 @@ class Activation:
                         for w in spec.workers]
         self.readiness: dict | None = None
         self.reply: str | None = None
+        # What the engine's process tree needs from CRIU (the registry says; the evidence records it).
+        self.criu_options = criu_mod.CriuOptions(link_remap=bool(spec.launcher.get("criu_link_remap")),
+                                                 mount_namespace=bool(spec.launcher.get("private_shm")))
 
     # ------------------------------------------------------------- helpers
     def _since_t0(self, t_ns: int | None) -> float | None:
@@ -233,9 +237,13 @@ class Activation:
     def _dump(self, h: EngineHandle, criu, *, cuda: bool, memory: dict, payload: dict, leave_running: bool) -> dict:
         """CRIU-dump one worker's process tree (its CUDA state already checkpointed) and describe it."""
         wid = h.worker["id"]
-        tids, listeners = ports.tids_of(h.pid), ports.listeners_of(h.pid)
+        # The whole tree (an engine may run several processes): CRIU restores every pid, thread id and
+        # listener of it, so a restore must find all of them free.
+        tids, listeners = ports.tree_tids(h.pid), ports.tree_listeners(h.pid)
+        options = self.criu_options
         with self.rec.span("unit.criu.dump", worker=wid, **({"leave_running": True} if leave_running else {})) as sp:
-            res = criu_mod.dump(criu, h.pid, self.unit_dir / "criu" / wid, leave_running=leave_running)
+            res = criu_mod.dump(criu, h.pid, self.unit_dir / "criu" / wid, leave_running=leave_running,
+                                options=options)
             sp["attrs"]["bytes"] = res.bytes
         # Where the engine listened for control, never its token: a restore writes a fresh one.
         info = h.control_info()
@@ -247,7 +255,7 @@ class Activation:
                 "gpu_uuids": gpu_uuids, "host_gpu_uuids": host_gpus,
                 "listeners": [list(x) for x in listeners], "cuda": cuda,
                 "memory_at_checkpoint": memory, "payload": payload,
-                "criu": {"bytes": res.bytes, "dump_seconds": res.seconds}}
+                "criu": {"bytes": res.bytes, "dump_seconds": res.seconds, "options": options.to_json()}}
 
     def _hydration(self, h: EngineHandle, *, generation: str, provider: str, materialize: str,
                    warm: bool = False) -> dict:
@@ -280,7 +288,8 @@ class Activation:
                 probe = PortProbe(spec.service["address"], spec.service["port"], self.t0).start()
             with self.rec.span("unit.engine.start"):
                 for h in self.handles:
-                    h.spawn(list(spec.unit["command"]), _engine_env(spec, h.worker))
+                    h.spawn(list(spec.unit["command"]), _engine_env(spec, h.worker),
+                            private_shm=self.criu_options.mount_namespace)
                 for h in self.handles:
                     h.wait_control(spec.timeout("start", 900))
                 for h in self.handles:
@@ -408,11 +417,13 @@ class Activation:
                     atomic_write_json(h.control_file, control.to_json(), mode=0o600)
                     images = self.unit_dir / "criu" / wid
                     work = self.workload_dir / f"criu-{wid}"
+                    options = criu_mod.CriuOptions.from_json((cw.get("criu") or {}).get("options"))
                     if spec.supervise:  # we are the container's PID 1: the tree becomes our child
-                        pid = criu_mod.restore(criu, images, work_dir=work, leave_stopped=True, sibling=True).pid
+                        pid = criu_mod.restore(criu, images, work_dir=work, leave_stopped=True, sibling=True,
+                                               options=options).pid
                     else:
                         kept = keeper.start(images, work_dir=work, leave_stopped=True, criu_binary=criu.binary,
-                                            log_path=self.workload_dir / "keeper.log")
+                                            log_path=self.workload_dir / "keeper.log", options=options.to_json())
                         if not kept["ok"]:
                             raise UnitError(f"unit {spec.unit_id}: {kept['error']}")
                         pid = kept["pid"]
@@ -423,7 +434,8 @@ class Activation:
             self.phases.wait("restore/criu", spec.timeout("phase", 600))
             with self.rec.span("unit.cuda.restore"):
                 for h in self.handles:
-                    os.kill(h.pid, signal.SIGCONT)
+                    for pid in sorted(ports.process_tree(h.pid)):  # CRIU left the whole tree stopped
+                        os.kill(pid, signal.SIGCONT)
                     cw = by_worker[h.worker["id"]]
                     if cw["cuda"]:
                         # The unit may run on other GPUs than at capture (placement): remap by UUID.

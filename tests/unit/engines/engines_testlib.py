@@ -28,7 +28,7 @@ def model_identity(ident: dict) -> dict:
 
 def arenas_for(model_dir: Path, rank: int, world: int):
     """The reference engine's layout for one rank: (config, plan, {id: CpuArena})."""
-    from coldsnap_engines.reference.arena import make_arena
+    from coldsnap_engines.common.arena import make_arena
     from coldsnap_engines.reference.config import ModelConfig
     from coldsnap_engines.reference.loader import plan_layout, tensor_index
 

@@ -83,7 +83,7 @@ def _snapshot(arenas) -> dict:
 
 @pytest.fixture
 def rig(tmp_path):
-    from coldsnap_engines.reference.arena import CpuArena
+    from coldsnap_engines.common.arena import CpuArena
 
     model_dir = tmp_path / "model"
     ident = make_reference_model(model_dir)

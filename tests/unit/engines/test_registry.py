@@ -81,8 +81,11 @@ def test_vllm_capture_requirements(drop, needle):
     cmd = list(VLLM_OK)
     i = cmd.index(drop)
     del cmd[i: i + (1 if drop == "--enable-sleep-mode" else 2)]
-    issues = command_issues("vllm", cmd, VLLM_ENV)
+    # Sleep mode (and its backend flag) exists on GPU builds only: required on GPU units.
+    issues = command_issues("vllm", cmd, VLLM_ENV, gpu=True)
     assert len(issues) == 1 and needle in issues[0][1]
+    if drop != "--worker-extension-cls":
+        assert command_issues("vllm", cmd, VLLM_ENV, gpu=False) == [], "vLLM's CPU build has no sleep mode"
 
 
 def test_vllm_capture_needs_a_safetensors_format_and_the_plugin_allow_list():

@@ -249,6 +249,12 @@ def test_secrets_in_a_unit_environment_are_refused_with_the_way_to_pass_them(bas
     assert "hunter2" not in json.dumps(p), "the value itself is never echoed"
 
 
+@pytest.mark.parametrize("name", ["TOKENIZERS_PARALLELISM", "KEYBOARD_LAYOUT", "OMP_NUM_THREADS", "PASSTHROUGH_MODE"])
+def test_ordinary_names_that_contain_credential_words_are_accepted(base, name):
+    base["launch"]["units"][0]["environment"][name] = "1"
+    validate_request(base)
+
+
 def test_hostile_nesting_is_a_clear_format_error_not_a_crash():
     with pytest.raises(FormatError) as exc:
         strict_loads("[" * 100_000 + "]" * 100_000)

@@ -11,8 +11,9 @@ rollback are the shared :class:`~coldsnap_engines.common.lifecycle.Lifecycle`'s.
 from __future__ import annotations
 
 from coldsnap_engines.common.allocations import AllocationTable, LiveAllocation
+from coldsnap_engines.common.arena import free_host_memory
 from coldsnap_engines.common.local import LocalControl
-from coldsnap_engines.reference.engine import Engine, free_memory
+from coldsnap_engines.reference.engine import Engine
 
 
 class ReferenceControl(LocalControl):
@@ -60,7 +61,7 @@ class ReferenceControl(LocalControl):
         if "weights" in tags:
             for a in self.eng.loaded.arenas.values():
                 a.release()
-            free_memory()
+            free_host_memory()
 
     def _recreate(self, tags: tuple[str, ...]) -> None:
         from coldsnap_engines.common.lifecycle import EngineStateError

@@ -9,7 +9,6 @@ and SGLang run under.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import sysconfig
@@ -18,23 +17,13 @@ from pathlib import Path
 
 import torch
 
+from coldsnap_engines.common.arena import free_host_memory
 from coldsnap_engines.common.lifecycle import Timing
 from coldsnap_engines.reference import loader, tokenizer
 from coldsnap_engines.reference.config import ModelConfig
 from coldsnap_engines.reference.model import Decoder
 
 OP_GENERATE, OP_QUIESCE = 1, 2
-
-
-def _malloc_trim() -> None:
-    """Give freed host (and cached GPU) memory back so the snapshot does not carry it."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
 
 
 def require_cpu_compiler() -> None:
@@ -140,7 +129,7 @@ class Engine:
     def drop_kv(self) -> None:
         """Discard the KV cache and give its memory back (a snapshot must not carry it)."""
         self.kv = None
-        free_memory()
+        free_host_memory()
 
     # ------------------------------------------------------------ generation
     def generate(self, prompt: str, max_tokens: int, emit=None) -> str:
@@ -222,11 +211,3 @@ class Engine:
     def open_transport(self) -> None:
         """Let the followers' loop run again (after the KV cache exists)."""
         self.transport_ready.set()
-
-
-def free_memory() -> None:
-    """Collect garbage and give freed host (and cached GPU) memory back to the system."""
-    import gc
-
-    gc.collect()
-    _malloc_trim()

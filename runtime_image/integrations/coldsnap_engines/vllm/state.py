@@ -21,6 +21,7 @@ class WorkerState:
     armed: dict | None = None  # hydration spec for the next wake (set through collective RPC)
     last_hydration: dict | None = None
     shrunk: object | None = None  # gpu_context.Shrunk: what release took from the CUDA context
+    arena: object | None = None  # cpu.WeightArena: the parameters' stable allocation on CPU
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     def arm(self, spec: dict | None) -> None:

@@ -22,7 +22,7 @@ TRANSPORT_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "UCX_", "TP_SOCKET_IFNAME")
 
 def for_rank(spec: dict | None, rank: int) -> dict | None:
     """A worker's part of a request: ``spec['workers'][rank]`` when the unit holds several workers."""
-    if spec and "workers" in spec:
+    if spec and spec.get("workers"):
         return {**{k: v for k, v in spec.items() if k != "workers"}, **spec["workers"][rank]}
     return spec
 
@@ -100,6 +100,27 @@ class ColdSnapWorkerExtension:
         """First thing on resume, before any kernel runs: give the context its stack reservation back."""
         gpu_context.restore(STATE.shrunk)  # type: ignore[arg-type]
         STATE.shrunk = None
+
+    # ---- CPU: no sleep mode; the weight arena and the KV cache are released in place ----------
+    def coldsnap_release(self, tags: list[str]) -> dict:
+        """Drop the pages of the weight arena and/or the KV cache (addresses kept; they read back as
+        zeros): what a snapshot, or a level-2 sleep, must not carry."""
+        from coldsnap_engines.common.arena import free_host_memory
+        from coldsnap_engines.vllm.cpu import release_kv
+
+        out = {"weights": 0, "kv_cache": 0}
+        if "weights" in tags and STATE.arena is not None:
+            out["weights"] = STATE.arena.release()
+        if "kv_cache" in tags:
+            out["kv_cache"] = release_kv(self.model_runner)  # type: ignore[attr-defined]
+        free_host_memory()
+        return out
+
+    def coldsnap_hydrate(self, spec: dict) -> dict:
+        """Fill the weight arena at its captured address from the pack + residual or the replay plan."""
+        mine = for_rank(spec, int(self.rank))  # type: ignore[attr-defined]
+        STATE.last_hydration = payload_worker.hydrate(weights_table(self._coldsnap_model()), mine or {})
+        return STATE.last_hydration
 
     def coldsnap_materialize(self, spec: dict) -> dict:
         """Write the resident model bytes into the node cache (recovery read-through cache)."""

@@ -1,5 +1,6 @@
-"""Stable weight allocations: memory at a fixed virtual address that can be released
-before a snapshot and re-created at the same address on restore.
+"""Stable allocations: memory at a fixed virtual address that can be released before a
+snapshot and re-created at the same address on restore (the reference engine's arenas,
+and the vLLM integration's weight arena on CPU).
 
 CPU: a private anonymous mmap. ``release`` drops its pages (MADV_DONTNEED) so the
 CRIU image does not carry them; CRIU restores the mapping at the same address,
@@ -11,7 +12,9 @@ CUDA: a VMM reservation (cuMemAddressReserve) with physical memory mapped into i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import mmap
 from dataclasses import dataclass
 
@@ -226,3 +229,47 @@ def make_arena(arena_id: str, size: int, device: str):
         return CpuArena(arena_id, size)
     index = int(device.split(":", 1)[1]) if ":" in device else 0
     return CudaArena(arena_id, size, index)
+
+
+PAGE = mmap.PAGESIZE
+
+
+@functools.cache
+def _libc():
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
+def release_interior(address: int, size: int) -> int:
+    """Drop the pages wholly inside ``[address, address + size)`` (MADV_DONTNEED): they leave the
+    process image and read back as zeros, the mapping stays. For memory ColdSnap did not allocate
+    (an engine's KV cache); returns the bytes released."""
+    lo = (address + PAGE - 1) // PAGE * PAGE
+    hi = (address + size) // PAGE * PAGE
+    if hi <= lo:
+        return 0
+    if _libc().madvise(lo, hi - lo, mmap.MADV_DONTNEED) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise(MADV_DONTNEED) of {hi - lo} bytes at {lo:#x} failed")
+    return hi - lo
+
+
+def free_host_memory() -> None:
+    """Collect garbage and give freed host (and cached GPU) memory back to the system, so a snapshot
+    taken next does not carry it."""
+    import gc
+
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    torch = _torch_if_loaded()
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _torch_if_loaded():
+    import sys
+
+    return sys.modules.get("torch")

