@@ -97,11 +97,16 @@ def vllm_problem() -> str | None:
 
 @pytest.fixture(scope="session")
 def vllm_engine_python() -> str:
-    """The python of vLLM's engine environment (the ``vllm`` marker fails or skips without it)."""
-    python = vllm_python()
-    if python is None:
+    """The python of vLLM's engine environment, linked to this checkout's integrations (the ``vllm``
+    marker fails or skips when the environment is not built)."""
+    if vllm_python() is None:
         pytest.fail(vllm_problem() or "no vLLM engine environment")
-    return python
+    if os.environ.get("COLDSNAP_VLLM_PYTHON"):
+        return os.environ["COLDSNAP_VLLM_PYTHON"]
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["bash", str(repo / "scripts" / "engine-env.sh"), "vllm"],
+                         check=True, capture_output=True, text=True)
+    return out.stdout.strip().splitlines()[-1]
 
 
 NEEDS = {"criu": criu_problem, "docker": docker_problem, "registry": registry_problem, "cc": cc_problem,

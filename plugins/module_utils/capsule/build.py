@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import posixpath
+import shutil
 import tarfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,8 +52,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_paths import (
+    cache_path_problems,
     check_capsule_paths,
     looks_like_hf_cache,
+    paths_overlap,
 )
 
 CAPSULE_FORMAT = "1"
@@ -602,6 +605,60 @@ def extract_capsule(ref: CapsuleRef | dict, dest: Path, *, part: str = "state", 
     with open(oci.blob_path(img.layout, layer.digest), "rb") as fh:
         return archive.safe_extract(fh, Path(dest), expected_digest=layer.digest, select=select,
                                     what=f"capsule layer {layer.digest} of unit {ref.unit!r}", replace=replace)
+
+
+# Where a host-runtime restore never adds cache files (a capsule run as a container may overlay anything
+# its capture declared; the host's own system trees are not the capsule's to change).
+NO_HOST_CACHE_UNDER = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/boot", "/proc", "/sys", "/dev")
+
+
+def restore_caches(ref: CapsuleRef | dict, cache_paths: list[str], scratch: Path) -> list[str]:
+    """Add the files of the capsule's derived caches that this host lacks, at their own paths.
+
+    A restored process maps compiled kernels from its cache directories (vLLM's
+    ``torch_compile_cache``); a host that never ran the engine lacks them. Only
+    absent files are added, never one that exists (a cache is keyed by content,
+    and a file in use must not change under its users). The layer digest is
+    checked while it streams; ``scratch`` (a new directory on the state root) is
+    removed afterwards. Returns the paths added.
+    """
+    if isinstance(ref, dict):
+        ref = CapsuleRef.from_dict(ref)
+    for i, problem, fix in cache_path_problems(cache_paths, []):
+        raise ColdSnapError(f"artifact policy.cache.paths[{i}]: {problem}", fix=fix)
+    for c in cache_paths:
+        if any(paths_overlap(c, d) for d in NO_HOST_CACHE_UNDER):
+            raise ColdSnapError(f"artifact policy.cache.paths: {c!r} lies in a system directory this host "
+                                "does not let a restore write into",
+                                fix="keep derived caches under /root/.cache, /var/cache or the engine's own cache root")
+    prefixes = [c.strip("/") for c in cache_paths if c.strip("/")]
+    if not prefixes or ref.layout != "oci-layout":
+        return []
+    img = oci.open_layout(Path(ref.location), expected_manifest=ref.image_id, verify_layers=False,
+                          what=f"capsule of unit {ref.unit!r}")
+
+    def select(name: str) -> str | None:
+        return name if any(name == p or name.startswith(p + "/") for p in prefixes) else None
+
+    added: list[str] = []
+    try:
+        for layer in img.layers:
+            with open(oci.blob_path(img.layout, layer.digest), "rb") as fh:
+                archive.safe_extract(fh, scratch, expected_digest=layer.digest, select=select,
+                                     what=f"capsule layer {layer.digest} of unit {ref.unit!r}", replace=True)
+            for dirpath, dirnames, filenames in os.walk(scratch):
+                rel = os.path.relpath(dirpath, scratch)
+                target_dir = "/" + ("" if rel == "." else rel)
+                for name in [*filenames, *(d for d in dirnames if os.path.islink(os.path.join(dirpath, d)))]:
+                    target = os.path.join(target_dir, name)
+                    if os.path.lexists(target):
+                        continue
+                    os.makedirs(target_dir, mode=0o755, exist_ok=True)
+                    shutil.move(os.path.join(dirpath, name), target)
+                    added.append(target)
+    finally:
+        archive._rmtree(scratch)
+    return sorted(added)
 
 
 class _ChunkReader:

@@ -15,8 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import CapsuleRef, extract_capsule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import (
+    CapsuleRef,
+    extract_capsule,
+    restore_caches,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    AdmissionError,
     ColdSnapError,
     IntegrityError,
 )
@@ -29,7 +34,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import
     UnitSpec,
     load_evidence,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import files, ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_client import engine_answers
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import (
     activation_stage,
@@ -114,9 +119,34 @@ class HostRuntime(UnitRuntime):
                 for w in captured["workers"]:
                     ports.require_pids_free([p for p in [w["pid"], *w["tids"]] if p not in replaced], unit=u["id"])
                     ports.require_ports_free([tuple(x) for x in w["listeners"]], unit=u["id"], replaced=replaced)
+                plan["caches_added"] = self.require_files(artifact, u["id"], captured, path)
             plans.append(plan)
         moves.admit(self.host)
         return plans, changed
+
+    def require_files(self, artifact: dict, unit_id: str, captured: dict, unit_dir: Path) -> int:
+        """Every file the captured tree maps or holds open must be here at its captured size (CRIU
+        restores them by path). Derived caches the capsule carries are added where this host lacks
+        them; anything else missing fails prepare, naming the file. Returns how many files were added."""
+        recorded = [f for w in captured["workers"] for f in w.get("files", [])]
+        problems = files.file_problems(recorded)
+        added = 0
+        caches = [c for c in artifact["policy"]["cache"]["paths"]
+                  if any(files.under(path, c) for path, _ in problems)]
+        if caches:
+            cap = next(c for c in artifact["capsule"]["units"] if c["unit"] == unit_id)
+            scratch = unit_dir.with_name(f".{unit_dir.name}.caches-{os.getpid()}")
+            added = len(restore_caches(CapsuleRef.from_dict(cap), caches, scratch))
+            problems = files.file_problems(recorded)
+        if problems:
+            shown = "; ".join(f"{p} ({why})" for p, why in problems[:5])
+            more = f" and {len(problems) - 5} more" if len(problems) > 5 else ""
+            raise AdmissionError(
+                f"unit {unit_id} on {self.host}: the captured processes use files this host lacks or holds in "
+                f"another version: {shown}{more}",
+                fix="install the same engine environment and files here; for derived caches (compiled kernels), "
+                    "declare their directory in policy.cache.paths at capture so the capsule carries them")
+        return added
 
     def replaced_pids(self, unit_id: str) -> set[int]:
         """Every process and thread id of this workload's running unit (empty when none runs)."""

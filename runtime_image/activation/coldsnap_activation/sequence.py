@@ -37,6 +37,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda_mod
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import files as files_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 
 from coldsnap_activation import keeper
@@ -240,6 +241,8 @@ class Activation:
         # The whole tree (an engine may run several processes): CRIU restores every pid, thread id and
         # listener of it, so a restore must find all of them free.
         tids, listeners = ports.tree_tids(h.pid), ports.tree_listeners(h.pid)
+        # The files it maps or holds open: a restore host must have them (checked in prepare).
+        used = files_mod.tree_files(h.pid)
         options = self.criu_options
         with self.rec.span("unit.criu.dump", worker=wid, **({"leave_running": True} if leave_running else {})) as sp:
             res = criu_mod.dump(criu, h.pid, self.unit_dir / "criu" / wid, leave_running=leave_running,
@@ -253,7 +256,7 @@ class Activation:
         gpu_uuids, host_gpus = gpu_placement(self.spec, h.worker) if cuda else ([], [])
         return {"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
                 "gpu_uuids": gpu_uuids, "host_gpu_uuids": host_gpus,
-                "listeners": [list(x) for x in listeners], "cuda": cuda,
+                "listeners": [list(x) for x in listeners], "files": used, "cuda": cuda,
                 "memory_at_checkpoint": memory, "payload": payload,
                 "criu": {"bytes": res.bytes, "dump_seconds": res.seconds, "options": options.to_json()}}
 

@@ -6,6 +6,7 @@ client's answers identical to those of the same server started cold, without Col
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -96,6 +97,47 @@ def test_recovery_restore_replays_the_pinned_safetensors(captured, cold_answers)
     res = _restored(wl, artifact, mode="recovery")
     assert res.receipt["result"]["operation"]["units"][0]["reply"] == art["acceptance"]["reply"]
     assert openai_answers(wl.port) == cold_answers
+
+
+def test_a_host_without_the_compiled_kernels_gets_them_from_the_capsule(captured, cold_answers):
+    """The worker maps kernels vLLM compiled at capture; a host that never compiled them (here: the cache
+    moved away) gets the capsule's copy in prepare, and restore answers as before."""
+    wl, artifact, art = captured
+    cache = wl.cache_root / "torch_compile_cache"
+    ev = json.loads((wl.state_root / "captures" / art["capture_id"] / "units" / "unit-0" / "evidence.json").read_text())
+    mapped = [f["path"] for f in ev["workers"][0]["files"] if f["path"].startswith(str(cache) + "/")]
+    assert mapped, "the captured worker maps compiled kernels from the cache"
+    wl.stop()
+    shutil.rmtree(cache)
+    res = _restored(wl, artifact)
+    assert res.receipt["result"]["operation"]["prepared"][0]["units"][0]["caches_added"] >= len(mapped)
+    assert all(Path(p).exists() for p in mapped)
+    assert openai_answers(wl.port) == cold_answers
+
+
+def test_a_host_missing_a_file_the_tree_maps_fails_in_prepare_and_keeps_the_running_server(captured, tmp_path):
+    """Without the cache in the capsule, a missing kernel is named in prepare; the running server stays."""
+    wl, artifact, art = captured
+    if not wl.engines():
+        _restored(wl, artifact)
+    running = wl.engines()
+    other = json.loads(json.dumps(art))
+    other["policy"]["cache"]["paths"] = []
+    path = tmp_path / "artifact.json"
+    path.write_text(json.dumps(other))
+    cache = wl.cache_root / "torch_compile_cache"
+    aside = tmp_path / "aside"
+    shutil.move(cache, aside)
+    try:
+        res = wl.run(wl.request("restore", artifact=path))
+    finally:
+        shutil.move(aside, cache)
+    assert not res.succeeded
+    err = res.receipt["error"]
+    assert "prepare" in (err["phase"] or "") and str(cache) in err["message"] and "absent" in err["message"], err
+    assert "policy.cache.paths" in (err.get("fix") or err["message"])
+    assert wl.engines() == running, "nothing was evicted"
+    assert openai_answers(wl.port)
 
 
 def test_sleep_releases_and_wake_brings_the_same_answers(captured, cold_answers):

@@ -52,6 +52,9 @@ class VllmWorkload:
         self.env_digest = env_digest
         self.port = free_port()
         self.name = name
+        # vLLM's compiled kernels (torch_compile_cache): the restored worker maps them, so the capsule
+        # carries them and a host without them gets them back before CRIU restores.
+        self.cache_root = state_root / "vllm-cache"
         self.counter = 0
 
     def request(self, operation: str, *, artifact: Path | None = None, mutate=None) -> dict:
@@ -66,7 +69,7 @@ class VllmWorkload:
                           "source": {"kind": "local-safetensors", "path": str(self.model_dir)}},
                 "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": [],
                            "command": serve_command(self.python, self.model_dir, self.port),
-                           "environment": dict(ENGINE_ENV),
+                           "environment": {**ENGINE_ENV, "VLLM_CACHE_ROOT": str(self.cache_root)},
                            "mounts": [{"source": str(self.model_dir), "target": str(self.model_dir),
                                        "read_only": True}],
                            "environment_digest": self.env_digest}],
@@ -77,6 +80,7 @@ class VllmWorkload:
                               "adapter": {"schema": "vllm-v1", "digest": "sha256:" + "7" * 64}},
             },
             "policy": {"process": {"backend": "criu"},
+                       "cache": {"paths": [str(self.cache_root / "torch_compile_cache")]},
                        "weights": {"mode": "auto", "native": {"export": True, "materialize": "off"}}},
             "validation": {"health_path": "/health", "prompt": PROMPT, "max_tokens": 12, "expected": None},
             "workload": {"recipe": self.name, "served_model_name": SERVED},

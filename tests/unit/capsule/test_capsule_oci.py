@@ -19,6 +19,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build impor
     build_capsule_detailed,
     extract_capsule,
     inspect_capsule,
+    restore_caches,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
@@ -125,6 +126,32 @@ def test_cache_paths_are_copied_to_their_absolute_paths(state: Path, tmp_path: P
     names = _layer_names(res.ref)
     assert "root/.cache/vllm/triton/kernel.cubin" in names
     assert inspect_capsule(res.ref)["cache_paths"] == ["/root/.cache/vllm"]
+
+
+def test_restore_caches_adds_only_the_files_this_host_lacks(state: Path, tmp_path: Path) -> None:
+    staged = tmp_path / "staged"
+    (staged / "ab12").mkdir(parents=True)
+    (staged / "ab12" / "kernel.so").write_bytes(b"compiled")
+    (staged / "ab12" / "other.so").write_bytes(b"captured copy")
+    host_cache = tmp_path / "host" / "torch_compile_cache"
+    res = _build(state, tmp_path / "c", cache_paths=[str(host_cache)], cache_sources={str(host_cache): staged})
+    (host_cache / "ab12").mkdir(parents=True)
+    (host_cache / "ab12" / "other.so").write_bytes(b"host copy")  # present here: never replaced
+    scratch = tmp_path / "scratch"
+    added = restore_caches(res.ref, [str(host_cache)], scratch)
+    assert added == [str(host_cache / "ab12" / "kernel.so")]
+    assert (host_cache / "ab12" / "kernel.so").read_bytes() == b"compiled"
+    assert (host_cache / "ab12" / "other.so").read_bytes() == b"host copy"
+    assert not scratch.exists()
+    assert restore_caches(res.ref, [str(host_cache)], scratch) == []
+
+
+@pytest.mark.parametrize("cache_path", ["/etc/cron.d", "/usr/lib/x", "/root/.cache/huggingface"])
+def test_restore_caches_never_writes_into_system_trees(state: Path, tmp_path: Path, cache_path: str) -> None:
+    res = _build(state, tmp_path / "c")
+    with pytest.raises(ColdSnapError, match=r"policy\.cache\.paths"):
+        restore_caches(res.ref, [cache_path], tmp_path / "scratch")
+    assert not (tmp_path / "scratch").exists()
 
 
 @pytest.mark.parametrize(("cache_path", "message"), [
