@@ -9,14 +9,16 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 ---
 module: unit_lifecycle
-short_description: Sleep, wake or inspect the running launch units on this host
+short_description: Sleep, wake, stop or inspect the running launch units on this host
 version_added: "0.1.0"
 description:
   - Live, node-local lifecycle of a running workload, not a snapshot. O(state=sleeping) discards the KV
     cache and releases the weight memory while the process, its CUDA context and its distributed
     transport stay. O(state=running) re-creates the weights at their addresses from the verified model
     payload (or the pinned safetensors), zeroes the KV cache and runs the exact validation request; it also
-    finishes a warm restore. O(state=status) only reports.
+    finishes a warm restore. O(state=stopped) ends the unit's engines (each whole process tree, or the
+    unit container) and keeps everything on disk - captures, artifacts, payloads, the model cache - so
+    the workload can be restored again. O(state=status) only reports.
   - Convergent - a unit already in the wanted state is left alone and reports no change.
 extends_documentation_fragment:
   - coldsnap.fleet.state
@@ -25,7 +27,7 @@ options:
   state:
     description: Wanted state of the units.
     type: str
-    choices: [sleeping, running, status]
+    choices: [sleeping, running, stopped, status]
     default: status
   artifact:
     description: The workload's artifact (for the weight provider and the accepted reply).
@@ -63,11 +65,19 @@ EXAMPLES = r"""
     artifact: "{{ coldsnap_artifact }}"
     host: "{{ inventory_hostname }}"
     activation_digest: "{{ coldsnap_activation.digest }}"
+
+- name: Stop the workload (a later restore brings it back)
+  coldsnap.fleet.unit_lifecycle:
+    state: stopped
+    request: "{{ coldsnap_request }}"
+    host: "{{ inventory_hostname }}"
+    activation_digest: "{{ coldsnap_activation.digest }}"
 """
 
 RETURN = r"""
 units:
-  description: Per-unit state after the run (C(ready), C(sleeping), C(warm), C(absent)).
+  description: Per-unit state after the run (C(ready), C(sleeping), C(warm), C(absent), C(stopped)); a stopped
+    unit lists the engine it ended under C(stopped) (null when none ran).
   returned: success
   type: list
   elements: dict
@@ -86,7 +96,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact im
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.lifecycle import lifecycle_units
 
-ACTIONS = {"sleeping": "sleep", "running": "wake", "status": "status"}
+ACTIONS = {"sleeping": "sleep", "running": "wake", "stopped": "stop", "status": "status"}
 
 
 def main() -> None:

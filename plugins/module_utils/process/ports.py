@@ -138,8 +138,14 @@ def _describe(pids: set[int]) -> str:
     return ", ".join(out) or "another process"
 
 
+RESTORE_PORT_FIX = ("stop the process that holds the port, or restore onto a host where it is free (only the "
+                    "workload this restore replaces may hold a captured port: it is evicted once prepare "
+                    "passed on every host)")
+
+
 def require_ports_free(listeners: list[tuple[str, int]], *, unit: str, time_wait_grace: float = 65.0,
-                       replaced: set[int] | frozenset[int] = frozenset()) -> None:
+                       replaced: set[int] | frozenset[int] = frozenset(), what: str = "captured listening port",
+                       fix: str = RESTORE_PORT_FIX) -> None:
     """Every captured listener must be bindable again, or restore stops here.
 
     ``replaced`` are the pids of the running workload this restore replaces (it is evicted
@@ -171,11 +177,8 @@ def require_ports_free(listeners: list[tuple[str, int]], *, unit: str, time_wait
                 else:
                     holder = _describe(holders - set(replaced)) if holders else port_holder(port)
                 raise AdmissionError(
-                    f"unit {unit}: captured listening port {addr}:{port} is taken on this host by {holder} "
-                    f"({exc.strerror})",
-                    fix="stop the process that holds the port, or restore onto a host where it is free (only the "
-                        "workload this restore replaces may hold a captured port: it is evicted once prepare "
-                        "passed on every host)",
+                    f"unit {unit}: {what} {addr}:{port} is taken on this host by {holder} ({exc.strerror})",
+                    fix=fix,
                 ) from None
             finally:
                 s.close()

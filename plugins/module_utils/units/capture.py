@@ -11,6 +11,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, load_evidence
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.status import payload_state
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
@@ -38,6 +39,19 @@ def _sealed(layout: StateLayout, capture_id: str, evidence: list[dict]) -> list[
     return evidence
 
 
+def _require_service_ports_free(request: dict, units: list[dict]) -> None:
+    """Capture starts each engine on its own serving ports: they must be free, or the engine would
+    die on its bind half-way through (a running generation of the workload holds them, say)."""
+    ids = {u["id"] for u in units}
+    for svc in request["launch"]["execution"]["services"]:
+        if svc["unit"] in ids:
+            ports.require_ports_free(
+                [(svc.get("address") or "0.0.0.0", svc["port"])], unit=svc["unit"], time_wait_grace=5.0,
+                what=f"serving port of service {svc['id']!r}",
+                fix="capture starts a fresh engine on this port and never stops what runs: stop the running "
+                    "workload first (coldsnap.fleet.unit_lifecycle state=stopped), or capture onto a free port")
+
+
 def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path, activation_digest: str,
                   coordinator_endpoint: str | None, python: str | None, check_mode: bool,
                   timeouts: dict | None = None, owner: dict | str | None = None) -> dict:
@@ -59,6 +73,7 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
     runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
                           python=python, owner=owner)
     runtime.check_environment(units)
+    _require_service_ports_free(request, units)
     specs = build_specs(request, host=host, operation="capture", capture_id=capture_id, state_root=state_root,
                         python=python, coordinator_endpoint=coordinator_endpoint, timeouts=timeouts)
     evidence = _sealed(layout, capture_id, runtime.capture(specs))

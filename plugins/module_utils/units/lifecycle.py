@@ -1,4 +1,4 @@
-"""Per-host lifecycle steps of running units: status, sleep, wake, finish-warm (convergent)."""
+"""Per-host lifecycle steps of running units: status, sleep, wake, finish-warm, stop (convergent)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,19 @@ def _would_change(action: str, state: str | None) -> bool:
 
 def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: str, state_root: Path,
                     activation_digest: str, python: str | None, check_mode: bool) -> dict:
-    """status / sleep / wake / finish-warm of this host's running units (convergent)."""
+    """status / sleep / wake / finish-warm / stop of this host's running units (convergent)."""
     units = units_on_host(request, host)
     if not units:
         return {"changed": False, "units": []}
     runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
                           python=python)
+    if action == "stop":
+        # The engines (whole process trees, or the unit containers) go; captures, artifacts, payloads and
+        # the model cache stay, so the workload can be restored again.
+        stopped = {s["unit"]: s for s in runtime.evict(check_mode=check_mode)}
+        return {"changed": bool(stopped),
+                "units": [{"unit": u["id"], "host": host, "state": "stopped",
+                           "stopped": stopped.get(u["id"])} for u in units]}
     capture_id = artifact["capture_id"] if artifact else request["id"]
     unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units} if artifact else None
     weights = plan_weights(request, artifact, host=host, state_root=state_root) if artifact else {}

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from snapshot_workload import Workload
+from snapshot_workload import Workload, free_port
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
@@ -46,6 +46,14 @@ def unit_dir(state_root: Path, art: dict) -> Path:
 def still_serving(wl: Workload, pids: list[int]) -> None:
     assert wl.engines() == pids, "a failed prepare must leave the running workload alone"
     assert wl.complete(max_tokens=4)
+
+
+def still_serving_at(wl: Workload, pids: list[int], port: int) -> None:
+    current, wl.port = wl.port, port
+    try:
+        still_serving(wl, pids)
+    finally:
+        wl.port = current
 
 
 def flip(path: Path, offsets: list[int]) -> bytes:
@@ -94,36 +102,49 @@ def test_an_unlisted_file_among_the_criu_images_is_refused(running, state_root):
 
 
 def test_a_foreign_holder_of_a_captured_port_fails_prepare_only(running, state_root):
-    """Another generation runs (it holds the serving port); a stranger holds a listener of the new
-    capture: prepare-only must say so, naming the holder, instead of evicting later and failing."""
+    """A capture onto the port the running generation serves is refused up front; a newer capture (on
+    another port) whose listener a stranger holds fails prepare-only, naming the holder, instead of
+    evicting later and failing."""
     wl, _artifact, art, _token = running
-    second = wl.run(wl.request("capture"))
-    assert second.succeeded, second.receipt["error"]
-    # Capturing evicted nothing but started a fresh engine, dumped and stopped it: the first
-    # generation still serves.
     pids = wl.engines()
-    art2_path = Path(second.receipt["result"]["operation"]["artifact"])
-    art2 = json.loads(art2_path.read_text())
-    ev2 = json.loads((unit_dir(state_root, art2) / "evidence.json").read_text())
-    held_by_workload = {p for _a, p in json.loads((unit_dir(state_root, art) / "evidence.json").read_text())
-                        ["workers"][0]["listeners"]}
-    free = [(a, p) for a, p in ev2["workers"][0]["listeners"] if p not in held_by_workload]
-    assert free, "the second capture's control port differs from the running one's"
-    addr, port = free[0]
-    squatter = subprocess.Popen([sys.executable, "-c", (
-        "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-        f"s.bind(({addr!r}, {port})); s.listen(); print('up', flush=True); time.sleep(120)")],
-        stdout=subprocess.PIPE, text=True)
+    # Capture starts a fresh engine on the workload's serving port, which the running generation holds:
+    # refused before anything starts, naming the holder; the running generation is untouched.
+    refused = wl.run(wl.request("capture"))
+    assert not refused.succeeded
+    msg = refused.receipt["error"]["message"]
+    assert "serving port of service 'api'" in msg and f":{wl.port} " in msg and f"pid {pids[0]}" in msg, msg
+    still_serving(wl, pids)
+    serving_port = wl.port
+    wl.port = free_port()  # the second generation serves elsewhere; its restore is checked, never run
     try:
-        assert squatter.stdout.readline().strip() == "up"
-        res = wl.run(wl.request("restore", artifact=art2_path), prepare_only=True)
-        assert not res.succeeded
-        msg = res.receipt["error"]["message"]
-        assert f"{addr}:{port}" in msg and f"pid {squatter.pid}" in msg, msg
-        still_serving(wl, pids)
+        second = wl.run(wl.request("capture"))
+        assert second.succeeded, second.receipt["error"]
+        # Capturing evicted nothing but started a fresh engine, dumped and stopped it: the first
+        # generation still serves.
+        art2_path = Path(second.receipt["result"]["operation"]["artifact"])
+        art2 = json.loads(art2_path.read_text())
+        ev2 = json.loads((unit_dir(state_root, art2) / "evidence.json").read_text())
+        held_by_workload = {p for _a, p in json.loads((unit_dir(state_root, art) / "evidence.json").read_text())
+                            ["workers"][0]["listeners"]}
+        free = [(a, p) for a, p in ev2["workers"][0]["listeners"] if p not in held_by_workload]
+        assert free, "the second capture's control port differs from the running one's"
+        addr, port = free[0]
+        squatter = subprocess.Popen([sys.executable, "-c", (
+            "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+            f"s.bind(({addr!r}, {port})); s.listen(); print('up', flush=True); time.sleep(120)")],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            assert squatter.stdout.readline().strip() == "up"
+            res = wl.run(wl.request("restore", artifact=art2_path), prepare_only=True)
+            assert not res.succeeded
+            msg = res.receipt["error"]["message"]
+            assert f"{addr}:{port}" in msg and f"pid {squatter.pid}" in msg, msg
+            still_serving_at(wl, pids, serving_port)
+        finally:
+            squatter.kill()
+            squatter.wait()
     finally:
-        squatter.kill()
-        squatter.wait()
+        wl.port = serving_port
 
 
 def test_state_is_private_to_its_owner(running, state_root):
@@ -185,3 +206,39 @@ def test_one_operation_per_workload_at_a_time_and_receipts_say_running(running, 
     assert outcome["first"].succeeded, outcome["first"].receipt["error"]
     assert json.loads(receipt.read_text())["state"] == "succeeded"
     still_serving(wl, pids)
+
+
+def test_stopped_ends_the_engines_keeps_the_capture_and_converges(running, state_root):
+    """unit_lifecycle state=stopped: the engine tree goes (its port frees), the capture stays restorable,
+    and a second run changes nothing. Runs last: it stops the module's running workload."""
+    from coldsnap._collection import collection_root
+
+    wl, artifact, art, _token = running
+    pids = wl.engines()
+    assert pids
+    req = wl.request("restore", artifact=artifact)
+    args = {"state": "stopped", "request": req, "host": "localhost", "state_root": str(state_root),
+            "activation_digest": art["runtime"]["activation_runtime"]["digest"]}
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(collection_root()),
+           "ANSIBLE_PYTHON_INTERPRETER": sys.executable, "ANSIBLE_LOCALHOST_WARNING": "false",
+           "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false", "ANSIBLE_LOAD_CALLBACK_PLUGINS": "true",
+           "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json", "ANSIBLE_NOCOLOR": "1"}
+
+    def stop(*extra: str) -> dict:
+        proc = subprocess.run([str(Path(sys.executable).parent / "ansible"), "localhost", "-m",
+                               "coldsnap.fleet.unit_lifecycle", "-a", json.dumps(args), *extra],
+                              capture_output=True, text=True, env=env, timeout=300, check=False)
+        text = proc.stdout
+        return json.loads(text[text.index("{"):])["plays"][0]["tasks"][0]["hosts"]["localhost"]
+
+    dry = stop("--check")
+    assert dry["changed"] and wl.engines() == pids, dry
+    first = stop()
+    assert first["changed"] and first["units"][0]["state"] == "stopped", first
+    assert first["units"][0]["stopped"]["pid"] == pids[0]
+    assert wl.engines() == [] and not Path(f"/proc/{pids[0]}").exists()
+    again = stop()
+    assert not again["changed"] and again["units"][0]["stopped"] is None, again
+    assert unit_dir(state_root, art).joinpath("evidence.json").exists(), "the capture stays"
+    res = wl.run(wl.request("restore", artifact=artifact))
+    assert res.succeeded, res.receipt["error"]
