@@ -73,6 +73,7 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
     runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
                           python=python, owner=owner)
     runtime.check_environment(units)
+    runtime.check_capture_free(units)
     _require_service_ports_free(request, units)
     specs = build_specs(request, host=host, operation="capture", capture_id=capture_id, state_root=state_root,
                         python=python, coordinator_endpoint=coordinator_endpoint, timeouts=timeouts)

@@ -73,6 +73,20 @@ class HostRuntime(UnitRuntime):
     def lifecycle(self, specs: list[UnitSpec]) -> list[dict]:
         return self.run(specs)
 
+    def check_capture_free(self, units: list[dict]) -> None:
+        """A capture runs the workload's engine where the running one keeps its control file and log:
+        with the workload running here, it would take them over (the running server could then no longer
+        be slept, stopped or replaced). Refused before anything starts."""
+        recipe = self.request["workload"]["recipe"]
+        for u in units:
+            pid = self.running_pid(u["id"])
+            if pid is not None:
+                raise ColdSnapError(
+                    f"unit {u['id']}: workload {recipe!r} is running on {self.host} (engine pid {pid}); a capture "
+                    "would start a second engine in its place",
+                    fix="stop it first (coldsnap.fleet.unit_lifecycle state=stopped; a restore brings it back), "
+                        "or capture under another workload.recipe")
+
     # ------------------------------------------------------------------ restore
     def check_environment(self, units: list[dict]) -> None:
         """Every unit's Python environment must be the pinned one."""

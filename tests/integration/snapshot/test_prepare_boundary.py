@@ -48,14 +48,6 @@ def still_serving(wl: Workload, pids: list[int]) -> None:
     assert wl.complete(max_tokens=4)
 
 
-def still_serving_at(wl: Workload, pids: list[int], port: int) -> None:
-    current, wl.port = wl.port, port
-    try:
-        still_serving(wl, pids)
-    finally:
-        wl.port = current
-
-
 def flip(path: Path, offsets: list[int]) -> bytes:
     original = path.read_bytes()
     data = bytearray(original)
@@ -101,50 +93,69 @@ def test_an_unlisted_file_among_the_criu_images_is_refused(running, state_root):
         planted.unlink()
 
 
-def test_a_foreign_holder_of_a_captured_port_fails_prepare_only(running, state_root):
-    """A capture onto the port the running generation serves is refused up front; a newer capture (on
-    another port) whose listener a stranger holds fails prepare-only, naming the holder, instead of
-    evicting later and failing."""
-    wl, _artifact, art, _token = running
+def test_a_capture_never_takes_over_the_running_workload(running, state_root):
+    """The workload runs: capturing it again (same port, or another one) is refused before anything
+    starts, naming the engine; the running generation keeps serving and stays manageable."""
+    wl, _artifact, _art, _token = running
     pids = wl.engines()
-    # Capture starts a fresh engine on the workload's serving port, which the running generation holds:
-    # refused before anything starts, naming the holder; the running generation is untouched.
-    refused = wl.run(wl.request("capture"))
-    assert not refused.succeeded
-    msg = refused.receipt["error"]["message"]
-    assert "serving port of service 'api'" in msg and f":{wl.port} " in msg and f"pid {pids[0]}" in msg, msg
-    still_serving(wl, pids)
-    serving_port = wl.port
-    wl.port = free_port()  # the second generation serves elsewhere; its restore is checked, never run
-    try:
-        second = wl.run(wl.request("capture"))
-        assert second.succeeded, second.receipt["error"]
-        # Capturing evicted nothing but started a fresh engine, dumped and stopped it: the first
-        # generation still serves.
-        art2_path = Path(second.receipt["result"]["operation"]["artifact"])
-        art2 = json.loads(art2_path.read_text())
-        ev2 = json.loads((unit_dir(state_root, art2) / "evidence.json").read_text())
-        held_by_workload = {p for _a, p in json.loads((unit_dir(state_root, art) / "evidence.json").read_text())
-                            ["workers"][0]["listeners"]}
-        free = [(a, p) for a, p in ev2["workers"][0]["listeners"] if p not in held_by_workload]
-        assert free, "the second capture's control port differs from the running one's"
-        addr, port = free[0]
-        squatter = subprocess.Popen([sys.executable, "-c", (
-            "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-            f"s.bind(({addr!r}, {port})); s.listen(); print('up', flush=True); time.sleep(120)")],
-            stdout=subprocess.PIPE, text=True)
+    for port in (wl.port, free_port()):
+        serving, wl.port = wl.port, port
         try:
-            assert squatter.stdout.readline().strip() == "up"
-            res = wl.run(wl.request("restore", artifact=art2_path), prepare_only=True)
-            assert not res.succeeded
-            msg = res.receipt["error"]["message"]
-            assert f"{addr}:{port}" in msg and f"pid {squatter.pid}" in msg, msg
-            still_serving_at(wl, pids, serving_port)
+            refused = wl.run(wl.request("capture"))
         finally:
-            squatter.kill()
-            squatter.wait()
+            wl.port = serving
+        assert not refused.succeeded
+        msg = refused.receipt["error"]["message"]
+        assert f"workload {wl.name!r} is running" in msg and f"pid {pids[0]}" in msg, msg
+        assert "state=stopped" in msg
+        still_serving(wl, pids)
+
+
+def test_a_capture_onto_a_port_a_stranger_holds_is_refused_before_starting(state_root, tiny_model, env_digest):
+    wl = Workload(state_root, tiny_model, env_digest, tp=1, name="boundary-port")
+    squatter = subprocess.Popen([sys.executable, "-c", (
+        "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+        f"s.bind(('0.0.0.0', {wl.port})); s.listen(); print('up', flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "up"
+        res = wl.run(wl.request("capture"))
+        assert not res.succeeded
+        msg = res.receipt["error"]["message"]
+        assert "serving port of service 'api'" in msg and f":{wl.port} " in msg and f"pid {squatter.pid}" in msg
+        assert not (state_root / "workloads" / wl.name).exists() or not wl.engines()
     finally:
-        wl.port = serving_port
+        squatter.kill()
+        squatter.wait()
+
+
+def test_a_foreign_holder_of_a_captured_port_fails_prepare_only(running, state_root, tiny_model, env_digest):
+    """A workload runs; a stranger holds a listener of another workload's capture: prepare-only must
+    say so, naming the holder, instead of evicting later and failing; the running one is untouched."""
+    wl, _artifact, _art, _token = running
+    pids = wl.engines()
+    other = Workload(state_root, tiny_model, env_digest, tp=1, name="boundary-other")
+    cap = other.run(other.request("capture"))
+    assert cap.succeeded, cap.receipt["error"]
+    art2_path = Path(cap.receipt["result"]["operation"]["artifact"])
+    art2 = json.loads(art2_path.read_text())
+    ev2 = json.loads((unit_dir(state_root, art2) / "evidence.json").read_text())
+    addr, port = next((a, p) for a, p in ev2["workers"][0]["listeners"] if p != other.port)
+    squatter = subprocess.Popen([sys.executable, "-c", (
+        "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+        f"s.bind(({addr!r}, {port})); s.listen(); print('up', flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "up"
+        res = other.run(other.request("restore", artifact=art2_path), prepare_only=True)
+        assert not res.succeeded
+        msg = res.receipt["error"]["message"]
+        assert f"{addr}:{port}" in msg and f"pid {squatter.pid}" in msg, msg
+        assert other.engines() == []
+        still_serving(wl, pids)
+    finally:
+        squatter.kill()
+        squatter.wait()
 
 
 def test_state_is_private_to_its_owner(running, state_root):
@@ -154,10 +165,11 @@ def test_state_is_private_to_its_owner(running, state_root):
     ctl = state_root / "workloads" / wl.name / UNIT / f"control-{WORKER}.json"
     assert stat.S_IMODE(os.stat(ctl).st_mode) == 0o600
 
-    def as_nobody(path: Path) -> int:
-        return subprocess.run([sys.executable, "-c", f"open({str(path)!r}, 'rb').read(1)"], check=False,
-                              capture_output=True, preexec_fn=lambda: (os.setgid(65534), os.setuid(65534))).returncode
+    def as_nobody(path: Path | str) -> int:
+        return subprocess.run(["cat", str(path)], check=False, capture_output=True,
+                              preexec_fn=lambda: (os.setgroups([]), os.setgid(65534), os.setuid(65534))).returncode
 
+    assert as_nobody("/etc/passwd") == 0, "nobody can read what anyone may read"
     assert as_nobody(unit_dir(state_root, art) / "criu" / WORKER / "pages-1.img") != 0
     assert as_nobody(ctl) != 0
     # No control file (and so no token) inside the captured state or its capsule.
