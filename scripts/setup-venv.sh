@@ -20,7 +20,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip
   # torch 2.13.0 is the CPU build these machines carry; a newer range would pull a CUDA build.
   "$venv/bin/python" -m pip install -q "torch==2.13.0"
-  "$venv/bin/python" -m pip install -q -e "${here}[engine,test]"
+  "$venv/bin/python" -m pip install -q -e "${here}[engine,timeline,test]"
   echo "$want" > "$stamp"
 else
   log "dependencies up to date"

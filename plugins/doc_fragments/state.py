@@ -1,6 +1,13 @@
 # Copyright: ColdSnap maintainers
 # Apache License 2.0 (see LICENSE)
-"""Shared option documentation for coldsnap.fleet modules."""
+"""Shared option documentation for coldsnap.fleet modules.
+
+Every module of the action group ``coldsnap.fleet.coldsnap`` (meta/runtime.yml) accepts the
+options the group shares, so that ``module_defaults`` for ``group/coldsnap.fleet.coldsnap``
+can set them once for all of its modules: ``DOCUMENTATION`` for a module that uses them,
+``UNUSED`` for one that only accepts them. Their argument-spec entries come from
+``module_utils/common/state_layout.py`` (``STATE_ROOT_ARG``).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +20,19 @@ options:
       - ColdSnap's state directory on the host. It holds C(model-payloads/sha256/),
         C(activation-runtime/sha256/), C(captures/), C(capsules/), C(workloads/) and C(runs/).
       - Use the same path on every host of a workload (restored processes keep their paths).
+      - Shared by the modules of the action group C(coldsnap.fleet.coldsnap); set it once for all of
+        them with C(module_defaults).
+    type: path
+    default: /var/lib/coldsnap
+"""
+
+    UNUSED = r"""
+options:
+  state_root:
+    description:
+      - ColdSnap's state directory, shared by the modules of the action group C(coldsnap.fleet.coldsnap).
+      - This module accepts it so that C(module_defaults) for C(group/coldsnap.fleet.coldsnap) can set it
+        for the whole group, and does not use it.
     type: path
     default: /var/lib/coldsnap
 """

@@ -17,9 +17,11 @@ description:
     executable bit and bytes. Units run it from there (runtime C(host)) or mount it read-only
     (runtime C(docker)), so it can be fixed without recapturing a capsule while its ABI matches.
   - With O(digest), the staged copy must have exactly that digest (the module fails otherwise).
-  - With O(digest) and no O(src), nothing is staged: the module reports whether that digest is already
+  - With O(digest) and no O(src), nothing is staged; the module reports whether that digest is already
     staged (and intact) on the host, so a role copies the files only when they are missing.
 extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
 options:
   src:
@@ -33,13 +35,12 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Reports whether the runtime would be staged.
+    details: Reports whether the runtime would be staged.
   diff_mode:
     support: none
-    description: No diff.
   idempotent:
     support: full
-    description: An already staged digest reports no change.
+    details: An already staged digest reports no change.
 author:
   - ColdSnap maintainers (@coldsnap)
 """

@@ -19,6 +19,9 @@ description:
     (the task fails); committing the identical artifact again reports no change.
   - Runs on the control node (C(delegate_to) localhost) after every unit was captured and its capsule built.
 extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
+  - coldsnap.fleet.state.UNUSED
   - coldsnap.fleet.state.REQUEST
 options:
   capture_id:
@@ -45,13 +48,12 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Builds and validates the artifact without writing it.
+    details: Builds and validates the artifact without writing it.
   diff_mode:
     support: none
-    description: No diff.
   idempotent:
     support: full
-    description: The same artifact committed twice reports no change.
+    details: The same artifact committed twice reports no change.
 author:
   - ColdSnap maintainers (@coldsnap)
 """
@@ -76,8 +78,9 @@ path:
   sample: /var/lib/coldsnap/artifacts/pending/op-20261129-0001/artifact.json
 sha256:
   description: Digest of the descriptor file.
-  returned: success
+  returned: success, not in check mode
   type: str
+  sample: sha256:9f3e4c0d8b7a6f5e4d3c2b1a0f9e8d7c6b5a4f3e2d1c0b9a8f7e6d5c4b3a2f10
 artifact:
   description: The artifact document.
   returned: success
@@ -94,6 +97,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.commit im
     commit_artifact,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 
 
@@ -106,6 +110,7 @@ def main() -> None:
             facts=dict(type="dict", required=True),
             capsules=dict(type="list", elements="dict", required=True),
             activation_digest=dict(type="str", required=True),
+            state_root=dict(STATE_ROOT_ARG),
         ),
         supports_check_mode=True,
     )

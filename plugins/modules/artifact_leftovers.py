@@ -23,6 +23,8 @@ description:
     touched. A docker capsule image that a container still uses is kept and reported.
   - Convergent - what is already gone reports no change.
 extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
 options:
   state:
@@ -54,13 +56,12 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Reports what would be removed and removes nothing.
+    details: Reports what would be removed and removes nothing.
   diff_mode:
     support: none
-    description: No diff.
   idempotent:
     support: full
-    description: A second run finds nothing left and reports no change.
+    details: A second run finds nothing left and reports no change.
 author:
   - ColdSnap maintainers (@coldsnap)
 """

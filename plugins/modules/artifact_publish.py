@@ -24,6 +24,10 @@ description:
     is never modified.
   - Content-idempotent - the same derived content already committed there reports no change; a different
     descriptor there, or the source itself, is never replaced.
+extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
+  - coldsnap.fleet.state.UNUSED
 options:
   state:
     description: What to do.
@@ -56,13 +60,12 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Verifies and derives the descriptor without writing it.
+    details: Verifies and derives the descriptor without writing it.
   diff_mode:
     support: none
-    description: No diff.
   idempotent:
     support: full
-    description: Committing the same published content again reports no change.
+    details: Committing the same published content again reports no change.
 author:
   - ColdSnap maintainers (@coldsnap)
 """
@@ -114,6 +117,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts import publication
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 
 
@@ -128,6 +132,7 @@ def main() -> None:
             capsules=dict(type="list", elements="dict"),
             repository=dict(type="str"),
             native=dict(type="dict"),
+            state_root=dict(STATE_ROOT_ARG),
         ),
         required_if=[("state", "committed", ("source_sha256", "artifact_dir"))],
         required_by={"capsules": ("repository",)},

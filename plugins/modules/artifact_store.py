@@ -33,6 +33,8 @@ description:
     exact NVIDIA driver versions; an overlay identical to the portable capture is discarded.
   - Runs on the control node.
 extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
 options:
@@ -69,13 +71,12 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Reports what would be promoted, pruned, removed or recorded, and changes nothing.
+    details: Reports what would be promoted, pruned, removed or recorded, and changes nothing.
   diff_mode:
     support: none
-    description: No diff.
   idempotent:
     support: full
-    description: Promoting the current descriptor again, or deleting what is already gone, reports no change.
+    details: Promoting the current descriptor again, or deleting what is already gone, reports no change.
 author:
   - ColdSnap maintainers (@coldsnap)
 """
@@ -110,6 +111,10 @@ generation:
   returned: when state is promoted
   type: dict
   sample: {identity: "sha256:5b1e...", generation: "000003", path: /var/lib/coldsnap/artifacts/5b1e.../000003/artifact.json}
+created:
+  description: Whether the promoted descriptor was stored as a new generation (not one already stored).
+  returned: when state is promoted
+  type: bool
 current:
   description: Path of the identity's current descriptor (through the C(current) link).
   returned: when state is promoted or query
@@ -125,6 +130,16 @@ removed:
   returned: when state is absent
   type: list
   elements: dict
+identities:
+  description: The workload identities whose descriptors O(state=absent) removed.
+  returned: when state is absent
+  type: list
+  elements: dict
+sources:
+  description: Committed output descriptors removed with them (the ones generations were promoted from).
+  returned: when state is absent
+  type: list
+  elements: str
 cleanup:
   description: Host-local references (capture, capsules, payloads) of every dropped descriptor.
   returned: when state is promoted or absent
@@ -140,6 +155,15 @@ keep_payloads:
   returned: when state is promoted or absent
   type: list
   elements: str
+keep_capsules:
+  description: Capsule image ids retained descriptors still reference (never removed).
+  returned: when state is promoted or absent
+  type: list
+  elements: str
+identity:
+  description: The request's workload identity, C(sha256:<hex>).
+  returned: when state is query
+  type: str
 generations:
   description: Stored generations of the request's identity, oldest first.
   returned: when state is query

@@ -26,17 +26,18 @@ description:
 author: ColdSnap maintainers (@coldsnap)
 attributes:
   check_mode:
-    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
     details: Reports whether a capsule would be built; nothing is written.
   diff_mode:
-    description: Will return details on what has changed when in diff mode.
     support: none
   idempotent:
-    description: A second run with the same arguments reports no change.
     support: full
-    details: Unchanged inputs find the capsule already built (OCI layouts are content-addressed;
-      docker capsules have a content-derived image id, so the same inputs give the same id).
+    details: Unchanged inputs find the capsule already built (OCI layouts are content-addressed; docker
+      capsules have a content-derived image id, so the same inputs give the same id).
+extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
+  - coldsnap.fleet.state.UNUSED
 options:
   unit:
     description: Launch unit id.
@@ -146,6 +147,7 @@ from pathlib import Path
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import build_capsule_detailed
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 
 
 def main() -> None:
@@ -162,6 +164,7 @@ def main() -> None:
             "base_image": {"type": "str"},
             "oci_root": {"type": "path"},
             "labels": {"type": "dict", "default": {}},
+            "state_root": dict(STATE_ROOT_ARG),
         },
         required_if=[("layout", "docker", ("base_image",)), ("layout", "oci-layout", ("oci_root",))],
         supports_check_mode=True,

@@ -26,17 +26,18 @@ description:
 author: ColdSnap maintainers (@coldsnap)
 attributes:
   check_mode:
-    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
     details: Reports what would be pushed or pulled; contacts the registry read-only.
   diff_mode:
-    description: Will return details on what has changed when in diff mode.
     support: none
   idempotent:
-    description: A second run with the same arguments reports no change.
     support: full
-    details: Publication is content-idempotent; a capsule the registry already serves is not pushed again, and a
-      capsule already present and verified is not pulled again.
+    details: Publication is content-idempotent; a capsule the registry already serves is not pushed again, and
+      a capsule already present and verified is not pulled again.
+extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
+  - coldsnap.fleet.state.UNUSED
 options:
   state:
     description: What to do.
@@ -129,6 +130,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import publish
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import CapsuleRef, inspect_capsule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 
 
 def _entries(module: AnsibleModule) -> list[dict]:
@@ -256,6 +258,7 @@ def main() -> None:
             "registry_password": {"type": "str", "no_log": True},
             "registry_token": {"type": "str", "no_log": True},
             "insecure_registry": {"type": "bool"},
+            "state_root": dict(STATE_ROOT_ARG),
         },
         required_one_of=[("artifact", "capsules")],
         mutually_exclusive=[("artifact", "capsules"), ("registry_token", "registry_username")],

@@ -18,6 +18,10 @@ description:
     O(endpoint_file). Only processes of the same user can read the token; it is generated inside the
     server process and never returned, logged or passed on a command line.
   - A pid file (C(<endpoint_file>.pid)) and the server's log (C(<endpoint_file>.log)) live beside it.
+extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
+  - coldsnap.fleet.state.UNUSED
 options:
   state:
     description:
@@ -59,13 +63,10 @@ options:
     default: 15
 attributes:
   check_mode:
-    description: Can run in check_mode and return changed status prediction without modifying target.
     support: full
   diff_mode:
-    description: Will return details on what has changed when in diff mode.
     support: none
   idempotent:
-    description: A second run with the same arguments reports no change.
     support: full
 notes:
   - The token never leaves the 0600 endpoint file; consumers on the host read that file.
@@ -147,6 +148,7 @@ import traceback
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.daemon import (
     coordinator_status,
     start_coordinator,
@@ -183,6 +185,7 @@ def main() -> None:
             "scope": {"type": "str"},
             "python": {"type": "path"},
             "timeout": {"type": "float", "default": 15.0},
+            "state_root": dict(STATE_ROOT_ARG),
         },
         required_if=[("state", "started", ["scope"])],
         supports_check_mode=True,

@@ -16,6 +16,10 @@ description:
     installed, else C(nvidia-smi)) with model, compute capability, memory and UUID, the NVIDIA driver
     version, the CRIU version and the result of C(criu check).
   - The facts are returned under RV(ansible_facts.coldsnap_host) so later plays read them from hostvars.
+extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
+  - coldsnap.fleet.state.UNUSED
 options:
   check_criu:
     description: Run C(criu check) (a second or two). Disable for a quick inventory.
@@ -27,13 +31,12 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Read-only; runs the same in check mode.
+    details: Read-only; runs the same in check mode.
   diff_mode:
     support: none
-    description: Nothing changes.
   idempotent:
     support: full
-    description: Never changes anything.
+    details: Never changes anything.
 author:
   - ColdSnap maintainers (@coldsnap)
 """
@@ -70,6 +73,7 @@ ansible_facts:
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_facts import gather
 
 
@@ -78,6 +82,7 @@ def main() -> None:
         argument_spec=dict(
             check_criu=dict(type="bool", default=True),
             criu_binary=dict(type="path"),
+            state_root=dict(STATE_ROOT_ARG),
         ),
         supports_check_mode=True,
     )

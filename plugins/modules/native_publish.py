@@ -23,6 +23,10 @@ description:
     immutable commit (C(HfApi.list_repo_refs)) and checks that every payload of the descriptor is at that
     commit with its SHA-256 and size (C(HfApi.get_paths_info)). The commit id, never the branch, is what
     the published descriptor records.
+extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
+  - coldsnap.fleet.state
 options:
   state:
     description: Upload on a capture host, or resolve on the control node.
@@ -36,10 +40,6 @@ options:
   host:
     description: Inventory hostname of this capture host (O(state=uploaded)).
     type: str
-  state_root:
-    description: ColdSnap state root (the node payload cache is C(<state_root>/model-payloads)).
-    type: path
-    default: /var/lib/coldsnap
   repository:
     description: Hugging Face repository (C(policy.weights.native.repository)), C(org/name).
     type: str
@@ -61,13 +61,12 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Re-hashes read-only and reports what would be uploaded; uploads nothing.
+    details: Re-hashes read-only and reports what would be uploaded; uploads nothing.
   diff_mode:
     support: none
-    description: No diff.
   idempotent:
     support: full
-    description: Objects the branch already holds are not uploaded again; resolving changes nothing.
+    details: Objects the branch already holds are not uploaded again; resolving changes nothing.
 requirements:
   - huggingface_hub
 notes:
@@ -106,6 +105,14 @@ commit:
   type: str
 revision:
   description: The immutable commit the branch resolved to (O(state=resolved)).
+  returned: when state is resolved
+  type: str
+repository:
+  description: The repository the revision belongs to.
+  returned: when state is resolved
+  type: str
+branch:
+  description: The branch that was resolved.
   returned: when state is resolved
   type: str
 """

@@ -21,6 +21,8 @@ description:
   - Reads validation records only; nothing is hashed unless O(verify) is set, which runs the full verifier on
     present and stale packs (a fresh record is written, a corrupt pack is quarantined and reported C(corrupt)).
 extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
 options:
@@ -39,13 +41,12 @@ options:
 attributes:
   check_mode:
     support: full
-    description: With O(verify), verifies read-only (no record written, nothing quarantined).
+    details: With O(verify), verifies read-only (no record written, nothing quarantined).
   diff_mode:
     support: none
-    description: No diff.
   idempotent:
     support: full
-    description: Reporting changes nothing; a second O(verify) run finds the records valid and reports no change.
+    details: Reporting changes nothing; a second O(verify) run finds the records valid and reports no change.
 author:
   - ColdSnap maintainers (@coldsnap)
 """
@@ -60,6 +61,10 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+host:
+  description: The inventory hostname reported on (O(host)).
+  returned: success
+  type: str
 workers:
   description: One entry per worker owned by this host.
   returned: success

@@ -22,6 +22,8 @@ description:
   - The result is a capture directory like M(coldsnap.fleet.unit_capture)'s; build its capsules with
     M(coldsnap.fleet.capsule_build) and record it with M(coldsnap.fleet.artifact_store) O(coldsnap.fleet.artifact_store#module:state=overlay).
 extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
 options:
@@ -58,13 +60,12 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Reports whether a capture would run.
+    details: Reports whether a capture would run.
   diff_mode:
     support: none
-    description: No diff.
   idempotent:
     support: full
-    description: A completed capture id is reported again without changes.
+    details: A completed capture id is reported again without changes.
 author:
   - ColdSnap maintainers (@coldsnap)
 """
@@ -87,13 +88,13 @@ capture_id:
   type: str
   sample: chat-restore-7.overlay
 units:
-  description: Evidence of each unit captured in place.
+  description: Evidence of each unit captured in place (empty in check mode).
   returned: success
   type: list
   elements: dict
 coldsnap_timing:
   description: Spans of each unit on its own clock.
-  returned: success
+  returned: when this host has units to capture, not in check mode
   type: dict
 """
 

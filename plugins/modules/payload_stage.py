@@ -23,6 +23,8 @@ description:
 author:
   - ColdSnap maintainers (@coldsnap)
 extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
 options:
   sha256:
@@ -68,14 +70,11 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Can run in check mode and report what would change.
     details: Verifies an existing payload without writing anything and reports whether a real run would stage.
   diff_mode:
     support: none
-    description: No diff output.
   idempotent:
     support: full
-    description: A second run with the same arguments reports C(changed=false).
 requirements:
   - huggingface_hub on the host for O(source.kind=huggingface)
 """
@@ -108,6 +107,14 @@ path:
   returned: success
   type: str
   sample: /var/lib/coldsnap/model-payloads/sha256/6d3421ea50b46ddbdd2bee6af7f19d59c2b08fcd4717960983309346adc2dddc.pack
+sha256:
+  description: Digest of the payload (O(sha256)).
+  returned: success
+  type: str
+size:
+  description: Size of the payload in bytes (O(size)).
+  returned: success
+  type: int
 verified:
   description: The payload is present and passed verification (in check mode, when it was already present).
   returned: success

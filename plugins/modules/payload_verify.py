@@ -23,6 +23,8 @@ description:
 author:
   - ColdSnap maintainers (@coldsnap)
 extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
 options:
   sha256:
@@ -41,14 +43,11 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Can run in check mode and report what would change.
     details: Verifies without writing a validation record, taking the lock or quarantining.
   diff_mode:
     support: none
-    description: No diff output.
   idempotent:
     support: full
-    description: A second run with the same arguments reports C(changed=false).
     details: A second run reuses the record written by the first and reports C(changed=false).
 notes:
   - C(changed) is true when a validation record was (or, in check mode, would be) written.
@@ -69,8 +68,8 @@ EXAMPLES = r"""
 
 RETURN = r"""
 verified:
-  description: The payload passed verification.
-  returned: success
+  description: The payload passed verification (false when the task failed on it).
+  returned: always
   type: bool
   sample: true
 record_reused:
@@ -88,6 +87,19 @@ path:
   returned: success
   type: str
   sample: /var/lib/coldsnap/model-payloads/sha256/6d3421ea50b46ddbdd2bee6af7f19d59c2b08fcd4717960983309346adc2dddc.pack
+record_written:
+  description: A fresh validation record was written (never in check mode).
+  returned: success
+  type: bool
+  sample: true
+sha256:
+  description: Digest of the payload (O(sha256)).
+  returned: success
+  type: str
+size:
+  description: Size of the payload in bytes (O(size)).
+  returned: success
+  type: int
 record_status:
   description: What the verifier found before hashing (valid, absent, stale, racy, untrusted, malformed).
   returned: success

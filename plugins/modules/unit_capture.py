@@ -22,6 +22,8 @@ description:
   - The evidence (readiness timings, validation reply, payload identities, CRIU image size) is written to
     C(<state_root>/captures/<capture_id>/units/<unit>/evidence.json) and returned.
 extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
 options:
@@ -55,13 +57,12 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Reports what would be captured; starts nothing.
+    details: Reports what would be captured; starts nothing.
   diff_mode:
     support: none
-    description: No diff.
   idempotent:
     support: full
-    description: A capture id whose units all have evidence on this host reports no change.
+    details: A capture id whose units all have evidence on this host reports no change.
 notes:
   - Needs root (CRIU) and CRIU >= 4 on the host.
 author:
@@ -74,7 +75,7 @@ EXAMPLES = r"""
     request: "{{ coldsnap_request }}"
     host: "{{ inventory_hostname }}"
     state_root: /var/lib/coldsnap
-    activation_digest: "{{ coldsnap_activation.digest }}"
+    activation_digest: "{{ coldsnap_host_activation.digest }}"
     coordinator_endpoint_file: /var/lib/coldsnap/runs/op-1/coordinator.json
   register: captured
 """
@@ -95,7 +96,7 @@ units:
           payload: {pack: {sha256: "sha256:bfc7...", size: 3440640, path: model-payloads/sha256/bfc7....pack}}
 coldsnap_timing:
   description: Spans of each unit on its own clock (C(unit:<id>)), imported into the receipt.
-  returned: success
+  returned: when this host has units to capture, not in check mode
   type: dict
 """
 

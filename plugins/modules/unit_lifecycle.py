@@ -21,6 +21,8 @@ description:
     the workload can be restored again. O(state=status) only reports.
   - Convergent - a unit already in the wanted state is left alone and reports no change.
 extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
 options:
@@ -30,7 +32,10 @@ options:
     choices: [sleeping, running, stopped, status]
     default: status
   artifact:
-    description: The workload's artifact (for the weight provider and the accepted reply).
+    description:
+      - The workload's artifact descriptor (format 9) - the weight provider and the accepted reply.
+      - Required when O(state=running) (the weights come back from its payloads); optional for
+        O(state=sleeping), O(state=stopped) and O(state=status).
     type: dict
   host:
     description: Inventory hostname of this host.
@@ -46,13 +51,12 @@ options:
 attributes:
   check_mode:
     support: full
-    description: Reports whether a unit would change state.
+    details: Reports whether a unit would change state.
   diff_mode:
     support: none
-    description: No diff.
   idempotent:
     support: full
-    description: A second run reports no change.
+    details: A second run reports no change.
 author:
   - ColdSnap maintainers (@coldsnap)
 """
@@ -64,14 +68,14 @@ EXAMPLES = r"""
     request: "{{ coldsnap_request }}"
     artifact: "{{ coldsnap_artifact }}"
     host: "{{ inventory_hostname }}"
-    activation_digest: "{{ coldsnap_activation.digest }}"
+    activation_digest: "{{ coldsnap_host_activation.digest }}"
 
 - name: Stop the workload (a later restore brings it back)
   coldsnap.fleet.unit_lifecycle:
     state: stopped
     request: "{{ coldsnap_request }}"
     host: "{{ inventory_hostname }}"
-    activation_digest: "{{ coldsnap_activation.digest }}"
+    activation_digest: "{{ coldsnap_host_activation.digest }}"
 """
 
 RETURN = r"""
@@ -85,6 +89,12 @@ units:
     - unit: unit-0
       state: sleeping
       workers: [{worker: worker-0, pid: 4242, state: sleeping}]
+coldsnap_timing:
+  description:
+    - Spans and marks of each unit on its own clock (C(spans), C(marks)), which the controller imports into
+      the operation's timing.
+  returned: when this host has units and state is not stopped, not in check mode
+  type: dict
 """
 
 from pathlib import Path

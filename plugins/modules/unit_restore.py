@@ -25,6 +25,8 @@ description:
     fresh transport endpoints from the coordinator, hydration, zeroed KV - and validates the exact reply.
     O(warm=true) stops before hydration; a later wake finishes it.
 extends_documentation_fragment:
+  - coldsnap.fleet.attributes
+  - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
 options:
@@ -70,12 +72,10 @@ options:
 attributes:
   check_mode:
     support: full
-    description: C(prepare) runs its checks read-only; C(evict) and C(activate) only report.
+    details: C(prepare) runs its checks read-only; C(evict) and C(activate) only report.
   diff_mode:
     support: none
-    description: No diff.
   idempotent:
-    description: A second run with the same arguments reports no change.
     support: partial
     details: C(prepare) and C(evict) converge; C(activate) replaces (reconcile-replace semantics).
 author:
@@ -94,8 +94,8 @@ EXAMPLES = r"""
 
 RETURN = r"""
 units:
-  description: Per-unit admission records (prepare) or restore evidence (activate).
-  returned: success
+  description: Per-unit admission records (prepare) or restore evidence (activate; empty in check mode).
+  returned: when phase is prepare or activate
   type: list
   elements: dict
 weights:
@@ -109,7 +109,7 @@ stopped:
   elements: dict
 coldsnap_timing:
   description: Unit-clock spans of the activation (activate).
-  returned: when phase is activate
+  returned: when phase is activate and this host has units to restore, not in check mode
   type: dict
 """
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
 STATUS_COLORS = {
     "failed": "#d62728",
     "error": "#d62728",
@@ -147,9 +149,13 @@ def timeline_model(receipt: Mapping[str, Any]) -> TimelineModel:
 
 def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) -> Path:
     """Write the timeline PNG of ``receipt`` to ``out``; returns ``out``."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError:
+        raise ColdSnapError("coldsnap timeline needs matplotlib, which is not installed",
+                            fix="pip install 'coldsnap[timeline]'") from None
 
     model = timeline_model(receipt)
     # Lane geometry: each lane is as tall as its number of sub-rows; lanes listed top to bottom.

@@ -20,7 +20,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[3]
 VENV_BIN = Path(sys.executable).parent
 # Never shipped (galaxy.yml build_ignore): caches, virtualenvs, ansible-test's and ansible-lint's copies.
-NEVER_SHIPPED = (".venv/", ".ansible/", "tests/output/", ".git/", "__pycache__/", ".pytest_cache/", ".ruff_cache/")
+NEVER_SHIPPED = (".venv/", ".ansible/", ".cache/", "tests/output/", ".git/", "__pycache__/", ".pytest_cache/",
+                 ".ruff_cache/")
 
 
 def _ansible(tool: str, *args: str, collections: Path, cwd: Path) -> subprocess.CompletedProcess:
@@ -59,6 +60,9 @@ def test_tarball_ships_the_collection_and_nothing_else(installed: tuple[Path, Pa
                    "playbooks/restore.yml", "roles/coldsnap_host/tasks/main.yml", "changelogs/changelog.yaml",
                    # the host role stages the activation runtime from <playbooks>/../runtime_image/activation
                    "runtime_image/activation/coldsnap_activation/__main__.py",
+                   # ansible-builder's view of the collection's dependencies
+                   "meta/execution-environment.yml", "requirements.txt", "bindep.txt",
+                   *(f"roles/{r.name}/README.md" for r in (REPO / "roles").iterdir()),
                    *(f"plugins/modules/{m}.py" for m in modules)]:
         assert needed in names, needed
     info = manifest["collection_info"]

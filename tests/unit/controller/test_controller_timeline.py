@@ -74,3 +74,18 @@ def test_render_png_without_spans(tmp_path: Path) -> None:
     empty = {"operation": "status", "operation_id": "x", "state": "succeeded", "timing": {"spans": [], "marks": []}}
     width, height = _png_size(render_timeline(empty, tmp_path / "t.png").read_bytes())
     assert width > 0 and height > 0
+
+
+def test_without_matplotlib_the_cli_names_the_extra(tmp_path: Path, monkeypatch, capsys) -> None:
+    """matplotlib is the optional extra ``timeline``: without it, one line says what to install."""
+    import sys
+
+    from coldsnap.cli import main
+
+    for name in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.figure", "matplotlib.patches"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    receipt = Path(__file__).resolve().parents[2] / "fixtures" / "receipts" / "restore-reference-tiny.json"
+    assert main(["timeline", str(receipt), "-o", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'coldsnap[timeline]'" in err, err
+    assert not (tmp_path / "t.png").exists()
