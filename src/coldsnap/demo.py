@@ -62,6 +62,60 @@ def reference_request(*, operation: str, op_id: str, model_dir: Path, model: dic
     return validate_request(req)
 
 
+VLLM_SERVED = "llama-tiny"
+VLLM_ENGINE_ENV = {"VLLM_PLUGINS": "coldsnap", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+                   "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def vllm_serve_command(python: str, model_dir: Path, port: int, *, served: str = VLLM_SERVED,
+                       extension: bool = True) -> list[str]:
+    """vLLM's own OpenAI server on CPU, small enough for two cores (``extension``: ColdSnap's worker
+    extension, which a capture requires; without it, the server as a user starts it)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import VLLM_WORKER_EXTENSION
+
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-batched-tokens", "256", "--max-num-seqs", "4"]
+    if extension:
+        cmd += ["--worker-extension-cls", VLLM_WORKER_EXTENSION]
+    return cmd
+
+
+def vllm_request(*, operation: str, op_id: str, recipe: str, python: str, model_dir: Path, model: dict, port: int,
+                 env_digest: str, cache_root: Path, prompt: str, artifact: Path | None = None,
+                 artifact_dir: Path | None = None, served: str = VLLM_SERVED) -> dict:
+    """A request for vLLM's OpenAI server on CPU on localhost (one unit, one worker), with vLLM's compiled
+    kernels (``cache_root``/torch_compile_cache) declared so the capsule carries them."""
+    req = {
+        "format": 4, "kind": "coldsnap-operation-request", "operation": operation, "id": op_id,
+        "snapshot_driver": {"id": DRIVER},
+        "launch": {
+            "engine": "vllm", "runtime": "host",
+            "model": {"id": model["id"], "revision": model["revision"],
+                      "source": {"kind": "local-safetensors", "path": str(model_dir)}},
+            "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": [],
+                       "command": vllm_serve_command(python, model_dir, port, served=served),
+                       "environment": {**VLLM_ENGINE_ENV, "VLLM_CACHE_ROOT": str(cache_root)},
+                       "mounts": [{"source": str(model_dir), "target": str(model_dir), "read_only": True}],
+                       "environment_digest": env_digest}],
+            "execution": {"workers": [{"id": "worker-0", "unit": "unit-0", "rank": 0, "device_slot": None}],
+                          "groups": [{"kind": "tensor", "workers": ["worker-0"]}],
+                          "services": [{"id": "api", "unit": "unit-0", "port": port, "health_path": "/health"}],
+                          "adapter": {"schema": "vllm-v1", "digest": "sha256:" + "7" * 64}},
+        },
+        "policy": {"process": {"backend": "criu"},
+                   "cache": {"paths": [str(cache_root / "torch_compile_cache")]},
+                   "weights": {"mode": "auto", "native": {"export": True, "materialize": "off"}}},
+        "validation": {"health_path": "/health", "prompt": prompt, "max_tokens": 12, "expected": None},
+        "workload": {"recipe": recipe, "served_model_name": served},
+    }
+    if artifact_dir is not None:
+        req["output"] = {"artifact_dir": str(artifact_dir)}
+    if artifact is not None:
+        req["artifact"] = {"path": str(artifact)}
+    return req
+
+
 def _kill_workload(state_root: Path, recipe: str) -> None:
     for f in (state_root / "workloads" / recipe).glob("*/control-*.json"):
         try:

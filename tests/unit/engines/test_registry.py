@@ -148,3 +148,17 @@ def test_sglang_refuses_materialization_and_more_workers(reference_request):
     w.append({**w[0], "id": "worker-1", "rank": 1})
     msgs = {i.path: i.message for i in engine_issues(req)}
     assert "at most 1 worker" in msgs["$.launch.execution.workers"]
+
+
+def test_vllm_cpu_units_hold_one_worker_gpu_units_may_hold_more(reference_request):
+    req = _as_engine(reference_request, "vllm", VLLM_OK, VLLM_ENV)
+    unit = req["launch"]["units"][0]
+    w = req["launch"]["execution"]["workers"]
+    w.append({**w[0], "id": "worker-1", "rank": 1})
+    req["launch"]["execution"]["groups"][0]["workers"] = ["worker-0", "worker-1"]
+    unit["devices"] = []
+    issue = {i.path: i for i in engine_issues(req)}["$.launch.units[0]"]
+    assert "holds 2 workers (worker-0, worker-1)" in issue.message and "gloo TCP" in issue.message
+    assert "tensor parallel size 1" in issue.fix
+    unit["devices"] = ["GPU-0", "GPU-1"]
+    assert "$.launch.units[0]" not in {i.path for i in engine_issues(req)}
