@@ -111,6 +111,15 @@ def nvidia_major(version: str) -> int:
         raise AdmissionError(f"cannot read NVIDIA driver version {version!r}") from exc
 
 
+def nvidia_version(version: str) -> tuple[int, ...]:
+    """'580.159.03' -> (580, 159, 3): NVIDIA driver versions compare component by component."""
+    try:
+        return tuple(int(part) for part in str(version).strip().split("."))
+    except ValueError as exc:
+        raise AdmissionError(f"cannot read NVIDIA driver version {version!r}",
+                             fix="report the driver as nvidia-smi prints it (e.g. 580.159.03)") from exc
+
+
 def admit_driver(driver_id: str, *, nvidia_driver: str | None, gpu_workers_per_unit: int) -> DriverAdmission:
     """Admit a host for ``driver_id``; raise AdmissionError naming the floor otherwise.
 

@@ -33,6 +33,7 @@ REPLAY_SEMANTICS = {
     "status": "convergent",
     "native-status": "convergent",
     "delete": "convergent",
+    "stop": "convergent",
 }
 PREPARE_ONLY_SEMANTICS = "safe-repeat"
 SEMANTICS = tuple(sorted(set(REPLAY_SEMANTICS.values()) | {PREPARE_ONLY_SEMANTICS}))

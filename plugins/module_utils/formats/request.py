@@ -44,7 +44,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions im
 )
 
 OPERATIONS = ("capture", "restore", "warm", "publish", "publish-native", "sleep", "wake", "status",
-              "native-status", "delete")
+              "native-status", "delete", "stop")
 ENGINE_NAMES = ("reference", "vllm", "sglang")
 RUNTIMES = ("host", "docker")
 WEIGHT_MODES = ("auto", "native", "recovery", "cache-only-auto")

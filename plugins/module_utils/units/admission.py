@@ -12,14 +12,19 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import (
     SNAPSHOT_DRIVERS,
     admit_driver,
-    nvidia_major,
+    nvidia_version,
 )
 
 
-def admit_unit(*, artifact: dict, unit_id: str, facts: dict, devices: list[int], host: str) -> dict:
-    """Return the admission record for one unit on one host, or raise AdmissionError."""
+def admit_unit(*, artifact: dict, unit_id: str, facts: dict, devices: list[int], host: str,
+               policy: dict | None = None) -> dict:
+    """Return the admission record for one unit on one host, or raise AdmissionError.
+
+    ``policy`` is the restore request's ``policy.compatibility`` (the operator decides at restore
+    time); without one, the capture's applies.
+    """
     platform = next(p for p in artifact["compatibility"]["units"] if p["unit"] == unit_id)
-    policy = artifact["policy"]["compatibility"]
+    policy = {**artifact["policy"]["compatibility"], **(policy or {})}
     where = f"unit {unit_id} on {host}"
     if facts["arch"] != platform["arch"]:
         raise AdmissionError(f"{where}: CPU architecture {facts['arch']} differs from the capture's {platform['arch']}",
@@ -57,7 +62,8 @@ def admit_unit(*, artifact: dict, unit_id: str, facts: dict, devices: list[int],
                                      f"the capture {cap['compute_capability']}", fix="restore onto the captured GPU model")
         driver = facts.get("nvidia_driver")
         floor = artifact["snapshot_driver"].get("captured_nvidia_driver")
-        if policy["enforce_captured_driver_floor"] and floor and driver and nvidia_major(driver) < nvidia_major(floor):
+        if (policy["enforce_captured_driver_floor"] and floor and driver
+                and nvidia_version(driver) < nvidia_version(floor)):
             raise AdmissionError(f"{where}: NVIDIA driver {driver} is older than the captured floor {floor}",
                                  fix="upgrade the driver, or set policy.compatibility.enforce_captured_driver_floor "
                                      "to false (the snapshot driver's own minimum still applies)")

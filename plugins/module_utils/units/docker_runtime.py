@@ -545,7 +545,7 @@ class DockerRuntime(UnitRuntime):
                                                                "state root is the same path on every host of a workload)")
             criu = capsule_criu_check(image.id, client=client)
             adm = admit_unit(artifact=artifact, unit_id=u["id"], facts={**facts, "criu": criu}, devices=u["devices"],
-                             host=self.host)
+                             host=self.host, policy=self.request["policy"].get("compatibility"))
             cap = capsule_entry(artifact, u["id"])
             state = (verify_image_state(image.id, target, cap.get("state"), unit=u["id"], client=client)
                      if not check_mode else None)
@@ -561,6 +561,14 @@ class DockerRuntime(UnitRuntime):
                           "state": state})
         moves.admit(self.host)
         return plans, False
+
+    def presence(self, unit_id: str) -> str:
+        c = _canonical_container(self.request, unit_id, client=self.client)
+        if c is None:
+            return "stopped"
+        with contextlib.suppress(Exception):
+            c.reload()
+        return "running" if c.status == "running" else "crashed"
 
     def evict(self, *, check_mode: bool) -> list[dict]:
         """Remove this workload's canonical unit containers on this host (the engines die with them)."""

@@ -119,7 +119,8 @@ class HostRuntime(UnitRuntime):
         changed = False
         moves = GpuMoves(artifact, facts)
         for u in units:
-            adm = admit_unit(artifact=artifact, unit_id=u["id"], facts=facts, devices=u["devices"], host=self.host)
+            adm = admit_unit(artifact=artifact, unit_id=u["id"], facts=facts, devices=u["devices"], host=self.host,
+                             policy=self.request["policy"].get("compatibility"))
             path, extracted = self.ensure_unit_state(artifact, u["id"], check_mode=check_mode)
             changed |= extracted
             plan = {"unit": u["id"], "admission": adm, "unit_dir": str(path)}
@@ -186,8 +187,15 @@ class HostRuntime(UnitRuntime):
                 return info.pid
         return None
 
+    def presence(self, unit_id: str) -> str:
+        if self.running_pid(unit_id) is not None:
+            return "running"
+        wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
+        return "crashed" if any(wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*"))) else "stopped"
+
     def evict(self, *, check_mode: bool) -> list[dict]:
-        """SIGKILL this workload's engines (each whole process tree) and wait until their pids are free."""
+        """SIGKILL this workload's engines (each whole process tree), wait until their pids are free, and
+        remove their control files (the workload is stopped, not crashed)."""
         stopped = []
         for u in units_on_host(self.request, self.host):
             pid = self.running_pid(u["id"])
@@ -207,6 +215,11 @@ class HostRuntime(UnitRuntime):
                     raise ColdSnapError(f"unit {u['id']}: engine pid {pid} was killed but not reaped within 30 s",
                                         fix="its parent does not reap children; restart the unit's keeper or host init")
                 time.sleep(0.02)
+        if not check_mode:
+            for u in units_on_host(self.request, self.host):
+                wdir = self.layout.workload(self.request["workload"]["recipe"], u["id"])
+                for f in wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*")):
+                    f.unlink(missing_ok=True)
         return stopped
 
 

@@ -31,6 +31,17 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
         return {"changed": bool(stopped),
                 "units": [{"unit": u["id"], "host": host, "state": "stopped",
                            "stopped": stopped.get(u["id"])} for u in units]}
+    if action == "status":
+        # A unit whose engine does not run is reported (stopped, or crashed when it was never stopped);
+        # only the running ones are asked.
+        presence = {u["id"]: runtime.presence(u["id"]) for u in units}
+        idle = [{"unit": u["id"], "host": host, "state": presence[u["id"]], "workers": []}
+                for u in units if presence[u["id"]] != "running"]
+        units = [u for u in units if presence[u["id"]] == "running"]
+        if not units:
+            return {"changed": False, "units": idle}
+    else:
+        idle = []
     capture_id = artifact["capture_id"] if artifact else request["id"]
     unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units} if artifact else None
     weights = plan_weights(request, artifact, host=host, state_root=state_root) if artifact else {}
@@ -40,9 +51,10 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
     op = "status" if check_mode else action
     specs = build_specs(request, host=host, operation=op, capture_id=capture_id, state_root=state_root,
                         python=python, weights=weights, validation=validation, unit_dirs=unit_dirs)
-    evidence = runtime.lifecycle(specs)
+    running = {u["id"] for u in units}
+    evidence = runtime.lifecycle([s for s in specs if s.unit["id"] in running])
     if check_mode:
         would = any(_would_change(action, w.get("state")) for e in evidence for w in e.get("workers", []))
-        return {"changed": would, "units": [public(e) for e in evidence]}
-    return {"changed": any(e.get("changed") for e in evidence), "units": [public(e) for e in evidence],
+        return {"changed": would, "units": [*idle, *(public(e) for e in evidence)]}
+    return {"changed": any(e.get("changed") for e in evidence), "units": [*idle, *(public(e) for e in evidence)],
             "coldsnap_timing": timing_of(evidence)}

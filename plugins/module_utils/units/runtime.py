@@ -91,6 +91,11 @@ class UnitRuntime(ABC):
         """Capture running units in place (target-local overlay)."""
         raise NotImplementedError
 
+    @abstractmethod
+    def presence(self, unit_id: str) -> str:
+        """``running`` (an engine of this workload answers here), ``crashed`` (one was started and is
+        gone without being stopped) or ``stopped`` (none runs, or it was stopped)."""
+
     def check_capture_free(self, units: list[dict]) -> None:
         """A capture may start on this host: nothing of the workload that it would disturb runs here
         (by default nothing can be: a container capture runs in a container of its own)."""

@@ -1,4 +1,4 @@
-"""``coldsnap capture|restore|warm|publish|publish-native|sleep|wake|status|native-status|delete``.
+"""``coldsnap capture|restore|warm|publish|publish-native|sleep|wake|status|native-status|delete|stop``.
 
 Every operation verb does the same: validate the request strictly (before any
 host is touched), run the collection's ``playbooks/<operation>.yml`` through
@@ -42,6 +42,7 @@ HELP = {
     "sleep": "put a restored workload to sleep",
     "wake": "wake a sleeping (or warm-restored) workload",
     "status": "report the state of a workload",
+    "stop": "stop a workload's engines, keeping everything on disk for the next restore",
     "native-status": "report the native payload state of an artifact on each host",
     "delete": "delete an artifact generation and what only it references",
 }

@@ -8,10 +8,12 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -252,5 +254,24 @@ def test_stopped_ends_the_engines_keeps_the_capture_and_converges(running, state
     again = stop()
     assert not again["changed"] and again["units"][0]["stopped"] is None, again
     assert unit_dir(state_root, art).joinpath("evidence.json").exists(), "the capture stays"
+    # status reports a stopped workload in a successful receipt; `coldsnap stop` converges.
+    status = wl.run(wl.request("status"))
+    assert status.succeeded, status.receipt["error"]
+    assert [u["state"] for u in status.receipt["result"]["operation"]["units"]] == ["stopped"]
+    again = wl.run(wl.request("stop"))
+    assert again.succeeded and again.receipt["replay_semantics"] == "convergent", again.receipt["error"]
+    res = wl.run(wl.request("restore", artifact=artifact))
+    assert res.succeeded, res.receipt["error"]
+    # An engine killed behind ColdSnap's back is reported crashed, not stopped; `coldsnap stop` cleans up.
+    os.kill(wl.engines()[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while wl.engines() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status = wl.run(wl.request("status"))
+    assert status.succeeded, status.receipt["error"]
+    assert [u["state"] for u in status.receipt["result"]["operation"]["units"]] == ["crashed"]
+    assert wl.run(wl.request("stop")).succeeded
+    status = wl.run(wl.request("status"))
+    assert [u["state"] for u in status.receipt["result"]["operation"]["units"]] == ["stopped"]
     res = wl.run(wl.request("restore", artifact=artifact))
     assert res.succeeded, res.receipt["error"]

@@ -193,3 +193,37 @@ def test_a_vllm_command_without_the_integration_is_refused_at_validation(vllm, t
     rc = main(["validate", "--request-json", str(path)])
     err = capsys.readouterr().err
     assert rc == 2 and "--worker-extension-cls coldsnap_engines.vllm.worker.ColdSnapWorkerExtension" in err
+
+
+@pytest.mark.registry
+def test_a_host_without_the_capture_restores_the_published_descriptor(captured, cold_answers, tmp_path):
+    """Publish the capsule to a real registry (Debian's docker-registry), drop the local capture and
+    capsule as a fresh host would lack them, and restore the published descriptor: the capsule is pulled
+    by digest, verified, extracted, and the server answers as the cold one. Runs last: it removes the
+    module's local capture."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "capsule_helpers_vllm", Path(__file__).resolve().parents[1] / "capsule" / "capsule_helpers.py")
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    wl, artifact, art = captured
+    wl.stop()
+    out = tmp_path / "published"
+    with helpers.docker_registry(tmp_path / "registry") as addr:
+        def to_registry(req):
+            req["operation"] = "publish"
+            req["output"] = {"artifact_dir": str(out)}
+            req["policy"]["capsule"]["repository"] = f"{addr}/coldsnap/vllm"
+
+        pub = wl.run(wl.request("restore", artifact=artifact, mutate=to_registry))
+        assert pub.succeeded, pub.receipt["error"]
+        published = json.loads((out / "artifact.json").read_text())
+        ref = published["capsule"]["units"][0]["repository_digest"]
+        assert ref.startswith(f"{addr}/coldsnap/vllm@sha256:")
+        shutil.rmtree(wl.state_root / "captures" / art["capture_id"])
+        shutil.rmtree(wl.state_root / "capsules")
+        res = wl.run(wl.request("restore", artifact=out / "artifact.json"))
+        assert res.succeeded, res.receipt["error"]
+    assert res.receipt["result"]["operation"]["units"][0]["reply"] == art["acceptance"]["reply"]
+    assert openai_answers(wl.port) == cold_answers

@@ -26,6 +26,7 @@ EXPECTED = {
     "status": "convergent",
     "native-status": "convergent",
     "delete": "convergent",
+    "stop": "convergent",
 }
 
 

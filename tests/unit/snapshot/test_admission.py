@@ -74,6 +74,28 @@ def test_driver_floor_can_be_relaxed_but_not_the_contract_minimum(gpu_artifact):
         admit(art, facts(nvidia_driver="570.1", gpus=[{**H200, "nvidia_driver": "570.1"}]))
 
 
+def test_the_driver_floor_compares_the_whole_version(gpu_artifact):
+    """580.65 is older than a 580.159.04 floor, though both are branch 580."""
+    old = "580.65.06"
+    with pytest.raises(AdmissionError, match=r"580\.65\.06 is older than the captured floor 580\.159\.04"):
+        admit(gpu_artifact, facts(nvidia_driver=old, gpus=[{**H200, "nvidia_driver": old}]))
+    newer = "580.159.10"
+    assert admit(gpu_artifact, facts(nvidia_driver=newer, gpus=[{**H200, "nvidia_driver": newer}]))["row"]
+
+
+def test_the_restore_request_sets_the_compatibility_policy(gpu_artifact):
+    """The operator decides at restore time: the restore request's policy wins over the capture's."""
+    art = copy.deepcopy(gpu_artifact)
+    old = facts(nvidia_driver="580.65.06", gpus=[{**H200, "nvidia_driver": "580.65.06"}])
+    relaxed = {"enforce_captured_driver_floor": False, "kernel": "capability"}
+    assert admit_unit(artifact=art, unit_id="unit-0", facts=old, devices=[0], host="gpu-7", policy=relaxed)["row"]
+    art["policy"]["compatibility"]["enforce_captured_driver_floor"] = False
+    strict = {"enforce_captured_driver_floor": True, "kernel": "exact"}
+    with pytest.raises(AdmissionError, match=r"kernel 6\.1\.0 differs"):
+        admit_unit(artifact=art, unit_id="unit-0", facts=facts(kernel="6.1.0"), devices=[0], host="gpu-7",
+                   policy=strict)
+
+
 def test_exact_kernel_policy(gpu_artifact):
     art = copy.deepcopy(gpu_artifact)
     art["policy"]["compatibility"]["kernel"] = "exact"
