@@ -118,6 +118,10 @@ def seal(unit_dir: Path | str) -> Seal:
     doc = {"format": FORMAT, "kind": DIGESTS_KIND, "files": files}
     data = (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode()
     atomic_write_bytes(unit_dir / DIGESTS_FILE, data, mode=0o600)
+    owner = unit_dir.stat()
+    if os.geteuid() == 0 and (owner.st_uid, owner.st_gid) != (0, 0):
+        # The unit directory belongs to the workload's owner (coldsnap_owner): so does its seal.
+        os.chown(unit_dir / DIGESTS_FILE, owner.st_uid, owner.st_gid)
     evidence_sha, _n = _sha256_file(unit_dir / EVIDENCE_FILE)
     return Seal(sha256="sha256:" + hashlib.sha256(data).hexdigest(), size=len(data), files=len(files),
                 bytes=total, evidence_sha256=evidence_sha)
