@@ -27,7 +27,7 @@ import tarfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
@@ -510,3 +510,23 @@ def iter_members(fileobj: IO[bytes]) -> Iterator[tarfile.TarInfo]:
             if info.isreg() or info.islnk():
                 files.add(name)
             yield info
+
+
+class ChunkReader:
+    """A file object over an iterator of byte chunks (Docker's archive stream)."""
+
+    def __init__(self, chunks: Any) -> None:
+        self._it = iter(chunks)
+        self._buf = b""
+
+    def read(self, n: int = -1) -> bytes:
+        while n < 0 or len(self._buf) < n:
+            try:
+                self._buf += next(self._it)
+            except StopIteration:
+                break
+        if n < 0:
+            data, self._buf = self._buf, b""
+        else:
+            data, self._buf = self._buf[:n], self._buf[n:]
+        return data

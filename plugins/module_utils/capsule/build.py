@@ -661,26 +661,6 @@ def restore_caches(ref: CapsuleRef | dict, cache_paths: list[str], scratch: Path
     return sorted(added)
 
 
-class _ChunkReader:
-    """A file object over an iterator of byte chunks (Docker's archive stream)."""
-
-    def __init__(self, chunks: Any) -> None:
-        self._it = iter(chunks)
-        self._buf = b""
-
-    def read(self, n: int = -1) -> bytes:
-        while n < 0 or len(self._buf) < n:
-            try:
-                self._buf += next(self._it)
-            except StopIteration:
-                break
-        if n < 0:
-            data, self._buf = self._buf, b""
-        else:
-            data, self._buf = self._buf[:n], self._buf[n:]
-        return data
-
-
 def _extract_docker_state(ref: CapsuleRef, dest: Path, *, replace: bool, client: Any) -> list[str]:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import dockerapi
 
@@ -701,7 +681,7 @@ def _extract_docker_state(ref: CapsuleRef, dest: Path, *, replace: bool, client:
                                          labels={LABEL_KIND: "capsule-extract"})
     try:
         stream, _stat = container.get_archive(target)
-        return archive.safe_extract(_ChunkReader(stream), dest, select=select, replace=replace,
+        return archive.safe_extract(archive.ChunkReader(stream), dest, select=select, replace=replace,
                                     what=f"state of docker capsule {ref.image_id} (unit {ref.unit!r})")
     finally:
         container.remove(force=True)

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import dockerapi
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import archive, dockerapi
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import (
     LABEL_STATE_TARGET,
     LABEL_UNIT,
@@ -157,7 +157,7 @@ def verify_image_state(image_id: str, state_target: str, recorded: dict | None, 
     try:
         stream, _stat = container.get_archive(state_target.rstrip("/"))
         top = state_target.rstrip("/").rsplit("/", 1)[-1]
-        with tarfile.open(fileobj=_StreamReader(stream), mode="r|") as tar:
+        with tarfile.open(fileobj=archive.ChunkReader(stream), mode="r|") as tar:
             for m in tar:
                 if m.name == top or not m.name.startswith(top + "/"):
                     continue
@@ -186,26 +186,6 @@ def verify_image_state(image_id: str, state_target: str, recorded: dict | None, 
     listed = json.loads(contents[capture_state.DIGESTS_FILE])["files"]
     capture_state.check_listing(members, listed, unit=unit, where=where)
     return stats
-
-
-class _StreamReader:
-    """A file object over Docker's archive stream (an iterator of byte chunks)."""
-
-    def __init__(self, chunks: Any) -> None:
-        self._it = iter(chunks)
-        self._buf = b""
-
-    def read(self, n: int = -1) -> bytes:
-        while n < 0 or len(self._buf) < n:
-            try:
-                self._buf += next(self._it)
-            except StopIteration:
-                break
-        if n < 0:
-            data, self._buf = self._buf, b""
-        else:
-            data, self._buf = self._buf[:n], self._buf[n:]
-        return data
 
 
 def capsule_criu_check(image_id: str, *, client: Any = None) -> dict:

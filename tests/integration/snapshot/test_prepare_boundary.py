@@ -5,6 +5,7 @@ answers only to a fresh control token; one operation runs per workload at a time
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -39,6 +40,21 @@ def running(state_root, tiny_model, env_digest):
     assert res.succeeded, res.receipt["error"]
     yield wl, artifact, art, capture_token
     wl.stop()
+
+
+@contextlib.contextmanager
+def squatting(addr: str, port: int):
+    """A stranger's process listening on ``addr:port`` for the duration."""
+    squatter = subprocess.Popen([sys.executable, "-c", (
+        "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+        f"s.bind(({addr!r}, {port})); s.listen(); print('up', flush=True); time.sleep(120)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline().strip() == "up"
+        yield squatter
+    finally:
+        squatter.kill()
+        squatter.wait()
 
 
 def unit_dir(state_root: Path, art: dict) -> Path:
@@ -115,20 +131,12 @@ def test_a_capture_never_takes_over_the_running_workload(running, state_root):
 
 def test_a_capture_onto_a_port_a_stranger_holds_is_refused_before_starting(state_root, tiny_model, env_digest):
     wl = Workload(state_root, tiny_model, env_digest, tp=1, name="boundary-port")
-    squatter = subprocess.Popen([sys.executable, "-c", (
-        "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-        f"s.bind(('0.0.0.0', {wl.port})); s.listen(); print('up', flush=True); time.sleep(120)")],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert squatter.stdout.readline().strip() == "up"
+    with squatting("0.0.0.0", wl.port) as squatter:
         res = wl.run(wl.request("capture"))
         assert not res.succeeded
         msg = res.receipt["error"]["message"]
         assert "serving port of service 'api'" in msg and f":{wl.port} " in msg and f"pid {squatter.pid}" in msg
         assert not (state_root / "workloads" / wl.name).exists() or not wl.engines()
-    finally:
-        squatter.kill()
-        squatter.wait()
 
 
 def test_a_foreign_holder_of_a_captured_port_fails_prepare_only(running, state_root, tiny_model, env_digest):
@@ -143,21 +151,13 @@ def test_a_foreign_holder_of_a_captured_port_fails_prepare_only(running, state_r
     art2 = json.loads(art2_path.read_text())
     ev2 = json.loads((unit_dir(state_root, art2) / "evidence.json").read_text())
     addr, port = next((a, p) for a, p in ev2["workers"][0]["listeners"] if p != other.port)
-    squatter = subprocess.Popen([sys.executable, "-c", (
-        "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-        f"s.bind(({addr!r}, {port})); s.listen(); print('up', flush=True); time.sleep(120)")],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert squatter.stdout.readline().strip() == "up"
+    with squatting(addr, port) as squatter:
         res = other.run(other.request("restore", artifact=art2_path), prepare_only=True)
         assert not res.succeeded
         msg = res.receipt["error"]["message"]
         assert f"{addr}:{port}" in msg and f"pid {squatter.pid}" in msg, msg
         assert other.engines() == []
         still_serving(wl, pids)
-    finally:
-        squatter.kill()
-        squatter.wait()
 
 
 def test_state_is_private_to_its_owner(running, state_root):
