@@ -24,3 +24,16 @@ def print_json(obj: Any) -> None:
     """Pretty JSON on stdout."""
     json.dump(obj, sys.stdout, indent=2, sort_keys=False)
     sys.stdout.write("\n")
+
+
+def stdout_is_terminal() -> bool:
+    """True when stdout is a terminal (a person reads it); False when piped or redirected."""
+    try:
+        return sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed stream
+        return False
+
+
+def wants_json(args: Any) -> bool:
+    """Machine output: ``--json`` given, or stdout is not a terminal (scripts keep the JSON they had)."""
+    return bool(getattr(args, "json", False)) or not stdout_is_terminal()

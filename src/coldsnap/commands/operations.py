@@ -2,10 +2,12 @@
 
 Every operation verb does the same: validate the request strictly (before any
 host is touched), run the collection's ``playbooks/<operation>.yml`` through
-ansible-runner, and write receipt format 2. stdout carries the receipt JSON
-(or, with ``--receipt-json``, nothing but what ``--timing-ndjson -`` streams);
-progress and the summary go to stderr. Exit status: 0 succeeded, 1 failed,
-130 cancelled (SIGINT/SIGTERM), 2 for a request or usage error.
+ansible-runner, and write receipt format 2. When stdout is a terminal it gets
+a short summary for people; with ``--json``, or when stdout is piped, it carries
+the receipt JSON (or, with ``--receipt-json``, nothing but what
+``--timing-ndjson -`` streams); progress and the one-line summary go to stderr.
+Exit status: 0 succeeded, 1 failed, 130 cancelled (SIGINT/SIGTERM), 2 for a
+request or usage error.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import OPERATIONS
 
-from coldsnap.commands._io import print_json
+from coldsnap.commands._io import print_json, wants_json
 from coldsnap.commands.validate import load_checked_request
 from coldsnap.receipts import write_receipt
 from coldsnap.runner import (
@@ -32,6 +34,10 @@ from coldsnap.runner import (
     playbook_for,
     run_playbook,
 )
+from coldsnap.summary import format_summary
+
+STATE_ROOT_HELP = ("state directory (default: $COLDSNAP_STATE_ROOT, /var/lib/coldsnap for root, "
+                   "$XDG_STATE_HOME/coldsnap otherwise)")
 
 HELP = {
     "capture": "capture a running, validated server into an artifact",
@@ -59,9 +65,10 @@ def register(sub) -> None:
         p.add_argument("--receipt-json", metavar="PATH", help="write the receipt here instead of stdout")
         p.add_argument("--timing-ndjson", metavar="PATH|-", help="stream timing events (NDJSON) live to a file or stdout")
         p.add_argument("--inventory", metavar="PATH", help="Ansible inventory (default: built from the request)")
-        p.add_argument("--state-root", metavar="PATH",
-                       help="state directory (default: $COLDSNAP_STATE_ROOT, /var/lib/coldsnap for root, "
-                            "$XDG_STATE_HOME/coldsnap otherwise)")
+        p.add_argument("--state-root", metavar="PATH", help=STATE_ROOT_HELP)
+        p.add_argument("--json", action="store_true",
+                       help="print the receipt JSON on stdout even on a terminal (the default when stdout is "
+                            "piped); without it a terminal gets a short summary")
         p.add_argument("-e", "--extra-var", dest="extra_vars", action="append", default=[], metavar="KEY=VALUE",
                        help="extra variable for the playbook (a string; secret-looking names travel as secrets)")
         p.add_argument("--secret-env", action="append", default=[], metavar="KEY=ENVVAR",
@@ -151,11 +158,15 @@ def run(args) -> int:
     receipt = result.receipt
     if args.receipt_json:
         write_receipt(Path(args.receipt_json), receipt)
-    elif args.timing_ndjson == "-":
-        pass  # stdout carries the NDJSON stream; the receipt stays in the run directory
+    human = args.timing_ndjson != "-" and not wants_json(args)
+    if human:
+        # A person at a terminal: the summary instead of 10-60 KB of JSON (the receipt is on disk).
+        print(format_summary(receipt, receipt_path=args.receipt_json or result.receipt_path))
+    elif args.receipt_json or args.timing_ndjson == "-":
+        pass  # stdout carries nothing, or the NDJSON stream; the receipt is in the file / the run directory
     else:
         print_json(receipt)
-    if not args.quiet:
+    if not args.quiet and not human:
         where = args.receipt_json or (str(result.receipt_path) if args.timing_ndjson == "-" else "stdout")
         line = f"coldsnap {operation}: {receipt['state']}{' (cancelled)' if result.cancelled else ''}"
         if receipt["error"]:
