@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "capabilities",
     "validate",
     "operations",
+    "runs",
     "payload",
     "coordinator",
     "timeline",
