@@ -3,8 +3,16 @@
 One lane per clock and host: ``controller`` (the operation span), ``controller
 -> <host>`` (the tasks the controller ran on that host, measured on the
 controller's clock), and ``unit:<id> @ <host>`` (spans a unit recorded on its
-own clock). Monotonic clocks of different hosts cannot be compared, so every
-clock is drawn relative to its own first event; the axis label says so.
+own clock). Monotonic times of different clocks are never subtracted. Instead
+every span also records the wall-clock time of its start (``wall_start_unix_ns``,
+taken by :class:`SpanRecorder` next to the monotonic reading, on the host that
+measured it; marks carry ``wall_unix_ns``), so each clock has an anchor: the
+wall-clock time of its zero, ``wall - monotonic`` (the median over its events,
+which a wall-clock step in mid-run cannot drag). Clocks with an anchor are drawn
+on one axis, seconds since the operation started; a clock without one (an old
+or foreign receipt) falls back to its own first event and its lane says so.
+Units on the controller's host share its wall clock, so their spans land where
+they happened; units elsewhere are off by the hosts' clock skew (NTP: ms).
 Overlapping spans of one lane (nested spans, parallel tasks) stack in sub-rows.
 
 Uses matplotlib's object API with the Agg canvas (no pyplot, no global backend
@@ -13,7 +21,8 @@ switch), so it works headless and inside other programs.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import statistics
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +42,10 @@ STATUS_COLORS = {
 PHASE_PALETTE = ("#1f77b4", "#17becf", "#8c564b", "#e377c2", "#bcbd22", "#aec7e8", "#98df8a", "#ffbb78",
                  "#c5b0d5", "#c49c94")
 BAD_STATUSES = ("failed", "error", "unreachable", "cancelled", "incomplete", "skipped")
+# A wall-clock reading before 2001-09-09 (1e18 ns) is no reading: tests and old tools write 0.
+MIN_WALL_NS = 1_000_000_000_000_000_000
+ALIGNED_LABEL = "seconds since the operation started (unit clocks placed by their recorded wall-clock anchor)"
+UNALIGNED_NOTE = "lanes marked (own t=0) have no wall-clock anchor and start at their own first event"
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,30 @@ class TimelineModel:
     bars: tuple[Bar, ...]
     legend: Mapping[str, str]
     marks: tuple[tuple[str, float, str], ...] = ()
+    # Lanes whose clock had no wall-clock anchor: drawn relative to their own first event.
+    unaligned_lanes: tuple[str, ...] = ()
+    anchors: Mapping[str, int] | None = None
+
+
+def _wall(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= MIN_WALL_NS:
+        return value
+    return None
+
+
+def clock_anchors(spans: Iterable[Mapping[str, Any]], marks: Iterable[Mapping[str, Any]] = ()) -> dict[str, int]:
+    """Per clock, the wall-clock time (Unix ns) of its zero: the median of ``wall - monotonic`` over its
+    spans (``wall_start_unix_ns`` - ``start_ns``) and marks (``wall_unix_ns`` - ``t_ns``)."""
+    samples: dict[str, list[int]] = {}
+    for s in spans:
+        wall = _wall(s.get("wall_start_unix_ns"))
+        if wall is not None and isinstance(s.get("start_ns"), int):
+            samples.setdefault(str(s.get("clock")), []).append(wall - s["start_ns"])
+    for m in marks:
+        wall = _wall(m.get("wall_unix_ns"))
+        if wall is not None and isinstance(m.get("t_ns"), int):
+            samples.setdefault(str(m.get("clock")), []).append(wall - m["t_ns"])
+    return {clock: statistics.median_low(values) for clock, values in samples.items()}
 
 
 def _lane(span: Mapping[str, Any]) -> str:
@@ -93,13 +130,27 @@ def timeline_model(receipt: Mapping[str, Any]) -> TimelineModel:
     spans = [s for s in (receipt.get("timing") or {}).get("spans", [])
              if isinstance(s, Mapping) and isinstance(s.get("start_ns"), int)
              and (s.get("end_ns") is None or isinstance(s.get("end_ns"), int))]
-    origins: dict[str, int] = {}
+    marks_in = [m for m in (receipt.get("timing") or {}).get("marks", [])
+                if isinstance(m, Mapping) and isinstance(m.get("t_ns"), int)]
+    # Every clock's own first event (the fallback origin of a clock without an anchor).
+    firsts: dict[str, int] = {}
     for s in spans:
         clock = str(s.get("clock"))
-        origins[clock] = min(origins.get(clock, s["start_ns"]), s["start_ns"])
-    for m in (receipt.get("timing") or {}).get("marks", []):
-        if isinstance(m, Mapping) and m.get("clock") in origins and isinstance(m.get("t_ns"), int):
-            origins[m["clock"]] = min(origins[m["clock"]], m["t_ns"])
+        firsts[clock] = min(firsts.get(clock, s["start_ns"]), s["start_ns"])
+    for m in marks_in:
+        if m.get("clock") in firsts:
+            firsts[m["clock"]] = min(firsts[m["clock"]], m["t_ns"])
+    anchors = {c: a for c, a in clock_anchors(spans, marks_in).items() if c in firsts}
+    # One axis for the anchored clocks: zero is the operation's start (the controller clock's first
+    # event), else the earliest anchored event.
+    if "controller" in anchors:
+        zero_wall = firsts["controller"] + anchors["controller"]
+    elif anchors:
+        zero_wall = min(firsts[c] + a for c, a in anchors.items())
+    else:
+        zero_wall = 0
+    # origins[clock]: the clock reading drawn at x = 0 on that clock's lanes.
+    origins = {c: (zero_wall - anchors[c] if c in anchors else first) for c, first in firsts.items()}
 
     phase_colors: dict[str, str] = {}
     legend: dict[str, str] = {}
@@ -130,8 +181,8 @@ def timeline_model(receipt: Mapping[str, Any]) -> TimelineModel:
         bars.append(Bar(lane=lane, row=row, start_s=start, end_s=end, name=str(s.get("name")), color_key=key,
                         color=color))
     marks: list[tuple[str, float, str]] = []
-    for m in (receipt.get("timing") or {}).get("marks", []):
-        if not (isinstance(m, Mapping) and m.get("clock") in origins and isinstance(m.get("t_ns"), int)):
+    for m in marks_in:
+        if m.get("clock") not in origins:
             continue
         lane = _lane({"clock": m["clock"], "host": m.get("host"), "attrs": m.get("attrs") or {}})
         if lane in lane_order:
@@ -143,8 +194,11 @@ def timeline_model(receipt: Mapping[str, Any]) -> TimelineModel:
     title = (f"coldsnap {receipt.get('operation', '?')}{' --prepare-only' if receipt.get('prepare_only') else ''}"
              f" {receipt.get('operation_id', '')}: {state}"
              + (f" in {duration:.2f} s" if isinstance(duration, int | float) else ""))
+    unaligned = tuple(lane for lane in lane_order
+                      if anchors and not any(_lane(s) == lane and s.get("clock") in anchors for s in spans))
     return TimelineModel(title=title, lanes=tuple(lane_order), rows={k: len(v) for k, v in placed.items()},
-                         bars=tuple(bars), legend=legend, marks=tuple(marks))
+                         bars=tuple(bars), legend=legend, marks=tuple(marks), unaligned_lanes=unaligned,
+                         anchors=anchors)
 
 
 def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) -> Path:
@@ -166,15 +220,16 @@ def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) ->
         y += model.rows.get(lane, 1) + 0.6
     total_rows = max(y, 1.0)
     x_max = max((b.end_s for b in model.bars), default=1.0) or 1.0
+    x_min = min(0.0, min((b.start_s for b in model.bars), default=0.0))  # a span before the operation started
 
     fig = Figure(figsize=(13, min(2.2 + 0.42 * total_rows, 40)), dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     for b in model.bars:
         row_y = offsets[b.lane] + b.row
-        width = max(b.end_s - b.start_s, x_max * 0.002)  # instant spans stay visible
+        width = max(b.end_s - b.start_s, (x_max - x_min) * 0.002)  # instant spans stay visible
         ax.barh(row_y, width, left=b.start_s, height=0.8, color=b.color, edgecolor="#333333", linewidth=0.4)
-        if width >= x_max * 0.06:
+        if width >= (x_max - x_min) * 0.06:
             label = b.name if len(b.name) <= 48 else b.name[:45] + "..."
             ax.text(b.start_s + width / 2, row_y, label, ha="center", va="center", fontsize=7, clip_on=True,
                     color="white" if b.color_key in ("failed", "error", "unreachable", "cancelled") else "black")
@@ -183,11 +238,17 @@ def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) ->
         ax.text(t, offsets[lane] - 0.55, name, fontsize=6, ha="center", va="bottom")
     ticks = [offsets[lane] + (model.rows.get(lane, 1) - 1) / 2 for lane in model.lanes]
     ax.set_yticks(ticks)
-    ax.set_yticklabels(list(model.lanes), fontsize=8)
+    ax.set_yticklabels([f"{lane} (own t=0)" if lane in model.unaligned_lanes else lane for lane in model.lanes],
+                       fontsize=8)
     ax.set_ylim(total_rows, -0.8)
-    ax.set_xlim(0, x_max * 1.02)
-    ax.set_xlabel("seconds since the first event on each lane's clock "
-                  "(clocks of different hosts/units are not aligned)", fontsize=9)
+    ax.set_xlim(x_min - (x_max - x_min) * 0.01 if x_min < 0 else 0, x_max * 1.02)
+    if not model.anchors:
+        xlabel = "seconds since the first event on each lane's clock (no wall-clock anchors: clocks not aligned)"
+    elif model.unaligned_lanes:
+        xlabel = f"{ALIGNED_LABEL}; {UNALIGNED_NOTE}"
+    else:
+        xlabel = ALIGNED_LABEL
+    ax.set_xlabel(xlabel, fontsize=9)
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
     ax.set_title(model.title, fontsize=11)
     if model.legend:

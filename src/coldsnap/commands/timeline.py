@@ -12,8 +12,9 @@ from coldsnap.commands._io import read_input
 
 def register(sub) -> None:
     p = sub.add_parser("timeline", help="draw a receipt's timing as a Gantt-style PNG",
-                       description="One lane per clock/host/unit; each clock is drawn relative to its own "
-                                   "first event (clocks of different hosts are never compared).")
+                       description="One lane per clock/host/unit, on one axis: seconds since the operation "
+                                   "started. Unit clocks are placed by the wall-clock time their spans recorded "
+                                   "(a clock without one starts at its own first event, and its lane says so).")
     p.add_argument("receipt", metavar="RECEIPT.json|-", help="receipt (format 2)")
     p.add_argument("-o", "--output", metavar="PNG", default="timeline.png", help="output file (default: %(default)s)")
     p.set_defaults(func=run)
