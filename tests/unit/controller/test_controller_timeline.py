@@ -1,10 +1,12 @@
-"""The timeline PNG: lanes per clock/host, each clock relative to its own first event."""
+"""The timeline PNG: lanes per clock/host on one axis (wall-clock anchors), or per clock without anchors."""
 
 from __future__ import annotations
 
 import struct
 import zlib
 from pathlib import Path
+
+import pytest
 
 from coldsnap.timeline import render_timeline, timeline_model
 
@@ -89,3 +91,91 @@ def test_without_matplotlib_the_cli_names_the_extra(tmp_path: Path, monkeypatch,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "pip install 'coldsnap[timeline]'" in err, err
     assert not (tmp_path / "t.png").exists()
+
+
+# ----------------------------------------------------------------------------- one axis for all clocks
+
+WALL0 = 1_795_951_617_872_942_871  # the wall clock when the operation started (Unix ns)
+
+
+def _anchored(name: str, clock: str, start: int, end: int, *, anchor: int, unit_host: str | None = None,
+              **attrs) -> dict:
+    """A span as SpanRecorder writes it: wall_start_unix_ns = the clock's anchor + start_ns."""
+    return {**_span(name, clock, start, end, unit_host=unit_host, **attrs), "wall_start_unix_ns": anchor + start}
+
+
+def test_unit_spans_land_at_their_true_offset() -> None:
+    # The controller's monotonic clock reads 5e12 at the start; unit-0's (another host, or a restored process
+    # in a time namespace) reads 777e9 when the operation is 10.5 s old; unit-1 has no anchor (an old receipt).
+    c0, u0 = 5_000_000_000_000, 777_000_000_000
+    a_ctl = WALL0 - c0
+    a_unit = WALL0 + 10_500_000_000 - u0
+    spans = [
+        _anchored("coldsnap.restore", "controller", c0, c0 + 12_000_000_000, anchor=a_ctl),
+        _anchored("Restore the units on this host", "controller", c0 + 10_200_000_000, c0 + 10_900_000_000,
+                  anchor=a_ctl, host="gpu-a"),
+        _anchored("unit.admission", "unit:unit-0", u0, u0 + 1_000_000, anchor=a_unit, unit_host="gpu-a"),
+        _anchored("unit.criu.restore", "unit:unit-0", u0, u0 + 141_000_000, anchor=a_unit, unit_host="gpu-a"),
+        # one wall reading stepped by NTP in mid-run: the median keeps the anchor
+        _anchored("unit.resume", "unit:unit-0", u0 + 142_000_000, u0 + 154_000_000, anchor=a_unit + 2_000_000_000,
+                  unit_host="gpu-a"),
+        _anchored("unit.http.ready", "unit:unit-0", u0 + 154_000_000, u0 + 200_000_000, anchor=a_unit,
+                  unit_host="gpu-a"),
+        _span("unit.hydrate", "unit:unit-1", 42_000_000_000, 42_500_000_000, unit_host="gpu-b"),
+    ]
+    marks = [{"name": "first_token", "clock": "unit:unit-0", "host": "gpu-a", "unit": "unit-0",
+              "t_ns": u0 + 261_000_000, "wall_unix_ns": a_unit + u0 + 261_000_000, "attrs": {}}]
+    receipt = {"operation": "restore", "operation_id": "op-8", "state": "succeeded", "duration_seconds": 12.0,
+               "timing": {"spans": spans, "marks": marks}}
+    model = timeline_model(receipt)
+    bars = {b.name: b for b in model.bars}
+    assert bars["coldsnap.restore"].start_s == 0.0 and bars["coldsnap.restore"].end_s == 12.0
+    assert bars["unit.admission"].start_s == pytest.approx(10.5, abs=1e-9)
+    assert bars["unit.criu.restore"].end_s == pytest.approx(10.641, abs=1e-9)
+    assert bars["unit.resume"].start_s == pytest.approx(10.642, abs=1e-9)
+    task = bars["Restore the units on this host"]
+    assert task.start_s <= bars["unit.admission"].start_s and bars["unit.http.ready"].end_s <= task.end_s
+    assert model.marks[0] == ("unit:unit-0 @ gpu-a", pytest.approx(10.761, abs=1e-9), "first_token")
+    # Without an anchor a clock still starts at its own first event, and its lane says so.
+    assert bars["unit.hydrate"].start_s == 0.0
+    assert model.unaligned_lanes == ("unit:unit-1 @ gpu-b",)
+    assert set(model.anchors) == {"controller", "unit:unit-0"}
+
+
+def test_alignment_through_the_controller_import(tmp_path: Path, monkeypatch) -> None:
+    """Real recorders: a unit clock 1 h ahead of the controller's (another host's monotonic clock), its spans
+    going through the module result and the controller's import, land inside the task that ran them."""
+    import time
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import timing_of
+
+    from coldsnap.runner.events import normalize_unit_timing
+
+    ctl = SpanRecorder("controller")
+    op = ctl.start_span("coldsnap.restore")
+    time.sleep(0.05)
+    task = ctl.start_span("Restore the units on this host", host="gpu-a")
+    real = time.monotonic_ns
+    monkeypatch.setattr(time, "monotonic_ns", lambda: real() + 3_600_000_000_000)
+    unit = SpanRecorder("unit:unit-0", host="gpu-a", unit="unit-0")
+    time.sleep(0.02)
+    with unit.span("unit.criu.restore"):
+        time.sleep(0.03)
+    unit.mark("first_token")
+    monkeypatch.setattr(time, "monotonic_ns", real)
+    time.sleep(0.02)
+    ctl.end_span(task)
+    ctl.end_span(op)
+    evidence = [{"unit": "unit-0", "timing": {"spans": unit.spans, "marks": unit.marks, "t0_ns": 0}}]
+    spans, marks, problems = normalize_unit_timing(timing_of(evidence), host="gpu-a", tag="gpu-a#1.1")
+    assert not problems
+    ctl.import_spans(spans, marks)
+    model = timeline_model({"operation": "restore", "operation_id": "op-9", "state": "succeeded",
+                            "timing": ctl.finish("op-9")})
+    bars = {b.name: b for b in model.bars}
+    criu, ran = bars["unit.criu.restore"], bars["Restore the units on this host"]
+    assert ran.start_s >= 0.05
+    assert ran.start_s + 0.02 <= criu.start_s + 0.005 and criu.end_s <= ran.end_s
+    assert criu.end_s - criu.start_s == pytest.approx(0.03, abs=0.02)
+    assert not model.unaligned_lanes
