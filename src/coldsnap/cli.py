@@ -2,6 +2,8 @@
 
 Each sub-command lives in ``coldsnap.commands.<name>`` and registers itself;
 errors a user can fix exit 2 with one clear message, unexpected ones exit 1.
+Without the collection coldsnap.fleet, ``--help`` and ``--version`` still work and
+every command says how to install it.
 """
 
 from __future__ import annotations
@@ -11,9 +13,8 @@ import importlib
 import os
 import sys
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, FormatError
-
 from coldsnap import __version__
+from coldsnap._collection import CollectionNotFound
 
 COMMAND_MODULES = (
     "capabilities",
@@ -28,12 +29,18 @@ COMMAND_MODULES = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="coldsnap",
-        description="Snapshot running LLM inference servers and restore them fast (Ansible collection coldsnap.fleet).",
-    )
+DESCRIPTION = "Snapshot running LLM inference servers and restore them fast (Ansible collection coldsnap.fleet)."
+
+
+def _base_parser(**kwargs) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coldsnap", description=DESCRIPTION, **kwargs)
     parser.add_argument("--version", action="version", version=f"coldsnap {__version__}")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full parser; CollectionNotFound when the collection is not importable."""
+    parser = _base_parser()
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         try:
@@ -46,8 +53,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _without_collection(argv: list[str] | None, missing: CollectionNotFound) -> int:
+    """Help and version work; any command fails with how to install the collection."""
+    parser = _base_parser(formatter_class=argparse.RawDescriptionHelpFormatter, epilog=(
+        "The commands are unavailable: the Ansible collection coldsnap.fleet is not importable.\n"
+        f"Looked in: {', '.join(map(str, missing.searched))}\nFix: {missing.fix}"))
+    parser.add_argument("command", nargs="?", help="(needs the collection coldsnap.fleet)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    print(f"coldsnap: error: {missing}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except CollectionNotFound as missing:
+        return _without_collection(argv, missing)
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+        ColdSnapError,
+        FormatError,
+    )
+
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -136,7 +136,7 @@ def run_demo(*, preset: str, state_root: Path, port: int, tp: int, keep_running:
     from coldsnap_engines.reference.config import PRESETS
     from coldsnap_engines.reference.weights import make_model
 
-    from coldsnap.runner import operation_extravars, run_playbook
+    from coldsnap import api
 
     def say(msg: str) -> None:
         print(f"==> {msg}", file=sys.stderr, flush=True)
@@ -152,28 +152,24 @@ def run_demo(*, preset: str, state_root: Path, port: int, tp: int, keep_running:
                             state_root=state_root, env_digest=env_digest, artifact_dir=art_dir, tp=tp)
     _kill_workload(state_root, cap["workload"]["recipe"])
     say("capture: cold start, validation, quiesce, payload export, CRIU dump (coldsnap.fleet.capture)")
-    capture = run_playbook(operation="capture", request=cap, playbook="coldsnap.fleet.capture",
-                           extravars=operation_extravars(cap, state_root=state_root), inventory=None,
-                           state_root=state_root)
+    capture = api.capture(cap, state_root=state_root, progress=None)
     if not capture.succeeded:
-        print(json.dumps(capture.receipt, indent=2), file=out)
-        say(f"capture failed: {capture.receipt['error']['message']}")
+        print(json.dumps(capture.raw, indent=2), file=out)
+        say(f"capture failed: {capture.error.message}")
         return 1
-    artifact = Path(capture.receipt["result"]["operation"]["artifact"])
+    artifact = Path(capture.result["operation"]["artifact"])
     res = reference_request(operation="restore", op_id=res_id, model_dir=model_dir, model=ident, port=port,
                             state_root=state_root, env_digest=env_digest, artifact=artifact, tp=tp)
     say("restore: prepare on every host, CRIU restore, hydration, validation (coldsnap.fleet.restore)")
-    restore = run_playbook(operation="restore", request=res, playbook="coldsnap.fleet.restore",
-                           extravars=operation_extravars(res, state_root=state_root), inventory=None,
-                           state_root=state_root)
-    print(json.dumps(restore.receipt, indent=2), file=out)
+    restore = api.restore(res, state_root=state_root, progress=None)
+    print(json.dumps(restore.raw, indent=2), file=out)
     if not restore.succeeded:
-        say(f"restore failed: {restore.receipt['error']['message']}")
+        say(f"restore failed: {restore.error.message}")
         return 1
     art = json.loads(artifact.read_text())
-    print(comparison_table(art, restore.receipt, capture_receipt=capture.receipt), file=out)
-    print(f"\ncapture receipt: {capture.receipt_path}\nrestore receipt: {restore.receipt_path}\n"
-          f"timeline:        coldsnap timeline {restore.receipt_path} -o restore-timeline.png", file=out)
+    print(comparison_table(art, restore.raw, capture_receipt=capture.raw), file=out)
+    print(f"\ncapture receipt: {capture.path}\nrestore receipt: {restore.path}\n"
+          f"timeline:        coldsnap timeline {restore.path} -o restore-timeline.png", file=out)
     if not keep_running:
         _kill_workload(state_root, res["workload"]["recipe"])
     else:

@@ -1,13 +1,13 @@
 """``coldsnap capture|restore|warm|publish|publish-native|sleep|wake|status|native-status|delete|stop``.
 
-Every operation verb does the same: validate the request strictly (before any
-host is touched), run the collection's ``playbooks/<operation>.yml`` through
-ansible-runner, and write receipt format 2. When stdout is a terminal it gets
-a short summary for people; with ``--json``, or when stdout is piped, it carries
-the receipt JSON (or, with ``--receipt-json``, nothing but what
-``--timing-ndjson -`` streams); progress and the one-line summary go to stderr.
-Exit status: 0 succeeded, 1 failed, 130 cancelled (SIGINT/SIGTERM), 2 for a
-request or usage error.
+Every operation verb does the same, through :mod:`coldsnap.api`: validate the
+request strictly (before any host is touched), run the collection's
+``playbooks/<operation>.yml`` through ansible-runner, and write receipt format 2.
+When stdout is a terminal it gets a short summary for people; with ``--json``, or
+when stdout is piped, it carries the receipt JSON (or, with ``--receipt-json``,
+nothing but what ``--timing-ndjson -`` streams); progress and the one-line summary
+go to stderr. Exit status: 0 succeeded, 1 failed, 130 cancelled (SIGINT/SIGTERM),
+2 for a request or usage error.
 """
 
 from __future__ import annotations
@@ -23,41 +23,21 @@ from pathlib import Path
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import OPERATIONS
 
+from coldsnap import api
 from coldsnap.commands._io import print_json, wants_json
-from coldsnap.commands.validate import load_checked_request
 from coldsnap.receipts import write_receipt
-from coldsnap.runner import (
-    PREPARE_ONLY_OPERATIONS,
-    RESERVED_EXTRAVARS,
-    default_state_root,
-    operation_extravars,
-    playbook_for,
-    run_playbook,
-)
+from coldsnap.runner import PREPARE_ONLY_OPERATIONS
 from coldsnap.summary import format_summary
 
 STATE_ROOT_HELP = ("state directory (default: $COLDSNAP_STATE_ROOT, /var/lib/coldsnap for root, "
                    "$XDG_STATE_HOME/coldsnap otherwise)")
 
-HELP = {
-    "capture": "capture a running, validated server into an artifact",
-    "restore": "restore a captured artifact (admission, staging, evict, restore, validate)",
-    "warm": "warm restore: stop after the transport rebuild; a later wake finishes it",
-    "publish": "publish the capsules of an artifact to an OCI registry",
-    "publish-native": "publish the native model payload of an artifact",
-    "sleep": "put a restored workload to sleep",
-    "wake": "wake a sleeping (or warm-restored) workload",
-    "status": "report the state of a workload",
-    "stop": "stop a workload's engines, keeping everything on disk for the next restore",
-    "native-status": "report the native payload state of an artifact on each host",
-    "delete": "delete an artifact generation and what only it references",
-}
-
 
 def register(sub) -> None:
     for verb in OPERATIONS:
-        p = sub.add_parser(verb, help=HELP[verb],
-                           description=f"{HELP[verb]}. Runs playbooks/{verb.replace('-', '_')}.yml.")
+        summary = api.SUMMARIES[verb]
+        p = sub.add_parser(verb, help=summary,
+                           description=f"{summary}. Runs playbooks/{verb.replace('-', '_')}.yml.")
         p.add_argument("--request-json", metavar="PATH|-", required=True, help="operation request (format 4)")
         p.add_argument("--prepare-only", action="store_true",
                        help="admission, staging and verification only; the running workload is untouched"
@@ -89,18 +69,10 @@ def _key_values(items: list[str], option: str) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.isidentifier():
             raise ColdSnapError(f"{option} {item!r} is not KEY=VALUE", fix=f"write it as {option} name=value")
-        if key in RESERVED_EXTRAVARS:
-            raise ColdSnapError(f"{option} {key} is set by the controller",
-                                fix=f"leave out {key}; the controller passes {', '.join(RESERVED_EXTRAVARS)}")
         if key in out:
             raise ColdSnapError(f"{option} {key} is given twice", fix="give each variable once")
         out[key] = value
     return out
-
-
-def resolve_state_root(cli_value: str | None) -> Path:
-    """--state-root, else $COLDSNAP_STATE_ROOT, else the per-user default."""
-    return Path(cli_value).expanduser() if cli_value else default_state_root()
 
 
 @contextmanager
@@ -125,51 +97,36 @@ def cancel_on_signals() -> Iterator[threading.Event]:
 
 
 def run(args) -> int:
-    operation = args.operation
-    prepare_only = bool(args.prepare_only)
-    if prepare_only and operation not in PREPARE_ONLY_OPERATIONS:
-        raise ColdSnapError(f"--prepare-only does not apply to '{operation}'",
-                            fix=f"use it with {' or '.join(PREPARE_ONLY_OPERATIONS)}, or leave it out")
-    request = load_checked_request(args.request_json)
-    if request["operation"] != operation:
-        raise ColdSnapError(
-            f"request {args.request_json} is for operation {request['operation']!r}, not {operation!r}",
-            fix=f"run 'coldsnap {request['operation']}', or set the request's operation to {operation!r}")
     extra = _key_values(args.extra_vars, "-e")
-    secret_env = _key_values(args.secret_env, "--secret-env")
     secrets: dict[str, str] = {}
-    for key, env_name in secret_env.items():
+    for key, env_name in _key_values(args.secret_env, "--secret-env").items():
         if key in extra:
             raise ColdSnapError(f"{key} is given both by -e and by --secret-env", fix="give it once")
         if env_name not in os.environ:
             raise ColdSnapError(f"--secret-env {key}={env_name}: environment variable {env_name} is not set",
                                 fix=f"export {env_name} first")
         secrets[key] = os.environ[env_name]
-    state_root = resolve_state_root(args.state_root)
-    playbook = args.playbook or playbook_for(operation)
-    extravars = {**extra, **operation_extravars(request, prepare_only=prepare_only, state_root=state_root)}
     progress = False if args.quiet else (True if args.progress else None)
 
     with cancel_on_signals() as cancel:
-        result = run_playbook(operation=operation, request=request, playbook=playbook, extravars=extravars,
-                              inventory=args.inventory, state_root=state_root, prepare_only=prepare_only,
-                              timing_sink=args.timing_ndjson, progress=progress, cancel_event=cancel,
-                              secret_extravars=secrets, verbosity=args.verbose)
-    receipt = result.receipt
+        receipt = api.run(args.operation, args.request_json, prepare_only=args.prepare_only,
+                          inventory=args.inventory, state_root=args.state_root, extravars=extra, secrets=secrets,
+                          playbook=args.playbook, timing_sink=args.timing_ndjson, progress=progress,
+                          cancel_event=cancel, verbosity=args.verbose)
     if args.receipt_json:
-        write_receipt(Path(args.receipt_json), receipt)
+        write_receipt(Path(args.receipt_json), receipt.raw)
     human = args.timing_ndjson != "-" and not wants_json(args)
     if human:
         # A person at a terminal: the summary instead of 10-60 KB of JSON (the receipt is on disk).
-        print(format_summary(receipt, receipt_path=args.receipt_json or result.receipt_path))
+        print(format_summary(receipt.raw, receipt_path=args.receipt_json or receipt.path))
     elif args.receipt_json or args.timing_ndjson == "-":
         pass  # stdout carries nothing, or the NDJSON stream; the receipt is in the file / the run directory
     else:
-        print_json(receipt)
+        print_json(receipt.raw)
     if not args.quiet and not human:
-        where = args.receipt_json or (str(result.receipt_path) if args.timing_ndjson == "-" else "stdout")
-        line = f"coldsnap {operation}: {receipt['state']}{' (cancelled)' if result.cancelled else ''}"
-        if receipt["error"]:
-            line += f": {receipt['error']['message']}"
+        where = args.receipt_json or (str(receipt.path) if args.timing_ndjson == "-" else "stdout")
+        line = f"coldsnap {args.operation}: {receipt.state}{' (cancelled)' if receipt.cancelled else ''}"
+        if receipt.error:
+            line += f": {receipt.error.message}"
         print(f"{line}\nreceipt: {where}", file=sys.stderr)
-    return result.exit_code
+    return receipt.exit_code

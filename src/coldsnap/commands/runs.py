@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import sys
 
+from coldsnap.api import resolve_state_root
 from coldsnap.commands._io import print_json, wants_json
-from coldsnap.commands.operations import STATE_ROOT_HELP, resolve_state_root
+from coldsnap.commands.operations import STATE_ROOT_HELP
 from coldsnap.runs import find_run, list_runs
 from coldsnap.summary import format_duration, format_summary
 

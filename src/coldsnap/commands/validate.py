@@ -10,16 +10,13 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact im
     artifact_json_schema,
     load_artifact,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import engine_issues
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import (
     load_receipt,
     receipt_json_schema,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
-    load_request,
-    request_json_schema,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import request_json_schema
 
+from coldsnap import api
 from coldsnap.commands._io import print_json, read_input
 
 SCHEMAS = {"request": request_json_schema, "artifact": artifact_json_schema, "receipt": receipt_json_schema}
@@ -38,19 +35,10 @@ def register(sub) -> None:
     s.set_defaults(func=lambda a: print_json(SCHEMAS[a.document]()) or 0)
 
 
-def load_checked_request(path: str) -> dict:
-    """Strict request load plus the engine's rules (what every operation runs first)."""
-    req = load_request(read_input(path), document=f"request {path if path != '-' else '(stdin)'}")
-    issues = engine_issues(req)
-    if issues:
-        raise FormatError(issues, document=f"request {path}")
-    return req
-
-
 def run(args) -> int:
     try:
         if args.request_json:
-            doc = load_checked_request(args.request_json)
+            doc = api.load(args.request_json)
         elif args.artifact_json:
             doc = load_artifact(read_input(args.artifact_json))
         else:

@@ -16,13 +16,14 @@ here once:
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 
-from coldsnap._collection import collection_root
+from coldsnap._collection import CollectionNotFound, collection_root
 
 EXTRAVAR_REQUEST = "coldsnap_request"
 EXTRAVAR_PREPARE_ONLY = "coldsnap_prepare_only"
@@ -37,20 +38,45 @@ PREPARE_ONLY_OPERATIONS = ("restore", "warm")
 COLLECTION_NAMESPACE = "coldsnap.fleet"
 
 
-def operation_extravars(request: Mapping[str, Any], *, prepare_only: bool = False,
+def operation_extravars(request: Mapping[str, Any] | None, *, prepare_only: bool = False,
                         state_root: str | Path | None = None) -> dict[str, Any]:
-    """The extra vars an operation's playbook receives (CLI and AWX job templates alike)."""
-    out: dict[str, Any] = {EXTRAVAR_REQUEST: dict(request), EXTRAVAR_PREPARE_ONLY: bool(prepare_only)}
+    """The extra vars an operation's playbook receives (CLI and AWX job templates alike).
+
+    :func:`~coldsnap.runner.run_playbook` sets them itself from its own ``request``,
+    ``prepare_only`` and ``state_root``; an AWX job template passes them as launch vars."""
+    out: dict[str, Any] = {EXTRAVAR_PREPARE_ONLY: bool(prepare_only)}
+    if request is not None:
+        out[EXTRAVAR_REQUEST] = dict(request)
     if state_root is not None:
         out[EXTRAVAR_STATE_ROOT] = str(state_root)
     return out
+
+
+def check_prepare_only(operation: str, prepare_only: bool) -> None:
+    """prepare_only is for restore and warm only."""
+    if prepare_only and operation not in PREPARE_ONLY_OPERATIONS:
+        raise ColdSnapError(f"prepare_only (--prepare-only) does not apply to operation {operation!r}",
+                            fix=f"use it with {' or '.join(PREPARE_ONLY_OPERATIONS)}, or leave it out")
+
+
+def with_contract_extravars(extravars: Mapping[str, Any], contract: Mapping[str, Any]) -> dict[str, Any]:
+    """``extravars`` plus the contract's; a contract var the caller set to another value is refused, so
+    what the playbook reads (``coldsnap_prepare_only``...) and what the controller records cannot differ."""
+    for key, value in contract.items():
+        if key in extravars and extravars[key] != value:
+            raise ColdSnapError(
+                f"extra var {key} = {reprlib.repr(extravars[key])} disagrees with the run's own value "
+                f"{reprlib.repr(value)}",
+                fix=f"leave {key} out of the extra vars: the controller sets {', '.join(RESERVED_EXTRAVARS)} "
+                    "from the request, prepare_only and state_root it is given")
+    return {**extravars, **contract}
 
 
 def collection_dir() -> Path:
     """The installed (or linked) ``ansible_collections/coldsnap/fleet`` directory."""
     try:
         root = collection_root()
-    except RuntimeError as exc:
+    except CollectionNotFound as exc:
         raise ColdSnapError(str(exc)) from None
     return (root / "ansible_collections" / "coldsnap" / "fleet").resolve()
 

@@ -30,7 +30,7 @@ Secret extra vars never enter ``env/``: they go to a 0600 file under
 ansible-playbook has loaded its variables (its first event) and again when the
 run ends, whatever happens.
 
-Why one ~540-line unit: configuration, run and receipt of one ansible-runner run share the
+Why one ~630-line unit: configuration, run and receipt of one ansible-runner run share the
 secret-handling and redaction rules described here; events, progress, inventory, timing and
 redaction themselves are separate modules of :mod:`coldsnap.runner`.
 """
@@ -48,7 +48,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -67,17 +67,22 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing impo
 
 from coldsnap.receipts import build_receipt, write_receipt
 from coldsnap.runner.contract import (
-    PREPARE_ONLY_OPERATIONS,
+    check_prepare_only,
     collection_dir,
+    operation_extravars,
+    playbook_for,
     resolve_playbook,
+    with_contract_extravars,
 )
 from coldsnap.runner.events import EventCollector
-from coldsnap.runner.inventory import inventory_from_request
+from coldsnap.runner.inventory import check_unit_hosts, inventory_from_request
 from coldsnap.runner.proctree import find_child, terminate_tree
 from coldsnap.runner.progress import ProgressReporter
 from coldsnap.runner.redaction import Redactor, is_secret_name, redact_env
 from coldsnap.runner.timing_stream import TimingStream, TimingTarget
 
+EventHandler = Callable[[dict], Any]
+StatusHandler = Callable[..., Any]  # (data: dict, runner_config=...)
 OPERATION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 # How often the runner loop wakes to poll the cancel callback (seconds).
 CANCEL_POLL_S = 0.25
@@ -202,27 +207,39 @@ class RunConfig:
     keep_artifacts: int = 10
 
     @classmethod
-    def build(cls, *, operation: str, request: Mapping[str, Any] | None, playbook: str | Path,
+    def build(cls, *, operation: str, request: Mapping[str, Any] | None, playbook: str | Path | None,
               extravars: Mapping[str, Any], inventory: Mapping[str, Any] | str | Path | None, state_root: Path,
               prepare_only: bool = False, envvars: Mapping[str, str] | None = None,
               secret_extravars: Mapping[str, Any] | None = None, verbosity: int = 0,
               keep_artifacts: int = 10) -> RunConfig:
-        """Check the inputs a user can get wrong (ColdSnapError with the fix) and split the variables."""
+        """Check the inputs a user can get wrong (ColdSnapError with the fix) and split the variables.
+
+        The contract vars (:func:`operation_extravars`) are set here from ``request``, ``prepare_only``
+        and ``state_root``: ``extravars`` may repeat them, never contradict them."""
         if operation not in OPERATIONS:
             raise ColdSnapError(f"unknown operation {operation!r}", fix=f"use one of {', '.join(OPERATIONS)}")
-        if prepare_only and operation not in PREPARE_ONLY_OPERATIONS:
-            raise ColdSnapError(f"--prepare-only does not apply to operation {operation!r}",
-                                fix=f"use it with {' or '.join(PREPARE_ONLY_OPERATIONS)}")
+        check_prepare_only(operation, prepare_only)
         if request is not None and request.get("operation") != operation:
-            raise ColdSnapError(f"the request is for operation {request.get('operation')!r}, not {operation!r}",
-                                fix=f"run 'coldsnap {request.get('operation')}', or change the request's operation")
+            other = request.get("operation")
+            raise ColdSnapError(
+                f"request {request.get('id')} is for operation {other!r}, not {operation!r} (its field operation)",
+                fix=f"run 'coldsnap {other}' (coldsnap.api.{str(other).replace('-', '_')}), "
+                    f"or set the request's operation to {operation!r}")
         operation_id = str(request["id"]) if request is not None else _generated_operation_id(operation)
         if not OPERATION_ID_RE.match(operation_id):
             raise ColdSnapError(f"operation id {operation_id!r} cannot name a run directory",
                                 fix="use letters, digits, '.', '_' and '-'")
         if inventory is None and request is None:
             raise ColdSnapError("no inventory and no request to build one from", fix="pass an inventory")
-        playbook_path = resolve_playbook(playbook)
+        if inventory is not None and not isinstance(inventory, Mapping):
+            inventory = Path(inventory).expanduser()
+            if not inventory.exists():
+                raise ColdSnapError(f"inventory {inventory} does not exist", fix="give an inventory file or directory")
+        playbook_path = playbook_for(operation) if playbook is None else resolve_playbook(playbook)
+        if inventory is not None and request is not None:
+            check_unit_hosts(request, inventory)
+        extravars = with_contract_extravars(extravars, operation_extravars(
+            request, prepare_only=prepare_only, state_root=state_root))
         public_vars = {k: v for k, v in extravars.items() if not is_secret_name(str(k))}
         secret_vars = {k: v for k, v in extravars.items() if is_secret_name(str(k))}
         for key, value in (secret_extravars or {}).items():
@@ -252,25 +269,34 @@ class RunConfig:
                                 inventory=self.inventory, request=self.request)
 
 
-def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook: str | Path,
+def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook: str | Path | None,
                  extravars: Mapping[str, Any], inventory: Mapping[str, Any] | str | Path | None,
                  state_root: Path, prepare_only: bool = False, timing_sink: TimingTarget = None,
                  progress: bool | None = None, cancel_event: threading.Event | None = None,
                  envvars: Mapping[str, str] | None = None, secret_extravars: Mapping[str, Any] | None = None,
                  verbosity: int = 0, keep_artifacts: int = 10,
-                 progress_stream: IO[str] | None = None) -> OperationResult:
+                 progress_stream: IO[str] | None = None, event_handler: EventHandler | None = None,
+                 status_handler: StatusHandler | None = None) -> OperationResult:
     """Run ``playbook`` for ``operation`` and write receipt format 2 (also when it fails or is cancelled).
 
     ``playbook``: FQCN (``coldsnap.fleet.capture``), an absolute path or a path
-    relative to the collection (``playbooks/capture.yml``). ``inventory``: a
+    relative to the collection (``playbooks/capture.yml``); None: the collection's
+    playbook of ``operation``. ``extravars`` need not hold the contract vars
+    (:func:`operation_extravars`): they are set from ``request``, ``prepare_only`` and
+    ``state_root``, and a different value for one of them is refused. ``inventory``: a
     path or an inventory dict; None builds one from the request's placement.
     ``extravars`` top-level keys with secret-looking names, and every key of
     ``secret_extravars``, travel through the secret channel (see module doc).
     ``envvars`` are added to the run's environment; secret-named ones are never
     written to ``env/envvars`` and are redacted everywhere they would be stored.
     ``progress``: None = only when stderr is a terminal. ``timing_sink``: see
-    :mod:`coldsnap.runner.timing_stream`. Errors a user can fix before anything
-    runs (unknown playbook, busy operation) raise ColdSnapError.
+    :mod:`coldsnap.runner.timing_stream`. ``event_handler(event)`` and
+    ``status_handler(data, runner_config=...)`` are ansible-runner's callbacks, called after
+    the controller's own with what the artifacts store (known secrets redacted); their
+    return value is ignored and an exception they raise becomes a receipt warning
+    (``result.controller_warnings``), never a failed run. Errors a user can fix before
+    anything runs (unknown playbook, busy operation, a unit host missing from the
+    inventory) raise ColdSnapError.
     """
     try:
         import ansible_runner
@@ -291,7 +317,8 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
     try:
         with _workload_lock(config):
             return PlaybookRun(config, ansible_runner=ansible_runner, timing_sink=timing_sink, progress=progress,
-                               cancel_event=cancel_event, progress_stream=progress_stream).run()
+                               cancel_event=cancel_event, progress_stream=progress_stream,
+                               event_handler=event_handler, status_handler=status_handler).run()
     finally:
         lock.__exit__(None, None, None)
 
@@ -355,10 +382,7 @@ def _prepare_run_dir(run_dir: Path, *, public_vars: Mapping[str, Any], caller_en
         _write_private_json(inv_path, inv)
         inventory_arg = str(inv_path)
     else:
-        path = Path(inventory).expanduser()
-        if not path.exists():
-            raise ColdSnapError(f"inventory {path} does not exist", fix="give an inventory file or directory")
-        inventory_arg = str(path.resolve())
+        inventory_arg = str(Path(inventory).resolve())
 
     project = run_dir / "project"
     target = collection_dir()
@@ -374,8 +398,13 @@ class PlaybookRun:
 
     def __init__(self, config: RunConfig, *, ansible_runner: Any, timing_sink: TimingTarget = None,
                  progress: bool | None = None, cancel_event: threading.Event | None = None,
-                 progress_stream: IO[str] | None = None) -> None:
+                 progress_stream: IO[str] | None = None, event_handler: EventHandler | None = None,
+                 status_handler: StatusHandler | None = None) -> None:
         self.config = config
+        self.user_event_handler = event_handler
+        self.user_status_handler = status_handler
+        self.user_handler_errors: list[str] = []
+        self.collector: EventCollector | None = None
         self.ansible_runner = ansible_runner
         self.cancel_event = cancel_event
         self.run_dir = config.run_dir
@@ -408,7 +437,28 @@ class PlaybookRun:
             return True
         return False
 
+    def _call_user(self, handler: Callable[..., Any] | None, *args: Any, **kwargs: Any) -> None:
+        if handler is None:
+            return
+        try:
+            handler(*args, **kwargs)
+        except Exception as exc:  # the caller's bug must not break the run or lose its receipt
+            name = getattr(handler, "__qualname__", type(handler).__name__)
+            self.user_handler_errors.append(self.config.redactor.text(f"{name}: {type(exc).__name__}: {exc}"))
+
+    def event_handler(self, event: dict) -> bool:
+        assert self.collector is not None
+        self.collector(event)  # scrubs the event in place first
+        self._call_user(self.user_event_handler, event)
+        return True
+
     def status_handler(self, data: dict, runner_config: Any = None) -> None:
+        self._own_status(data)
+        if self.user_status_handler is not None:
+            shown = {**data, **self.starting} if data.get("status") == "starting" else data
+            self._call_user(self.user_status_handler, shown, runner_config=runner_config)
+
+    def _own_status(self, data: dict) -> None:
         status = str(data.get("status"))
         self.runner_status = status
         redactor = self.config.redactor
@@ -444,8 +494,9 @@ class PlaybookRun:
         secrets_file = _Secrets(run_dir / "secrets", cfg.secret_vars)
         stdout_log = open(artifact_dir / "stdout", "w", encoding="utf-8")
         os.chmod(artifact_dir / "stdout", 0o600)
-        collector = EventCollector(recorder, parent_span_id=op_span["span_id"], redactor=redactor,
-                                   progress=reporter, stdout_log=stdout_log, on_first_event=secrets_file.delete)
+        collector = self.collector = EventCollector(
+            recorder, parent_span_id=op_span["span_id"], redactor=redactor, progress=reporter,
+            stdout_log=stdout_log, on_first_event=secrets_file.delete)
         controller_error: str | None = None
         rc: int | None = None
         interrupted = False
@@ -454,7 +505,7 @@ class PlaybookRun:
                 private_data_dir=str(run_dir), ident=self.ident, playbook=str(cfg.playbook_path),
                 inventory=inventory_arg, cmdline=secrets_file.cmdline, envvars=secret_env or None,
                 settings=dict(RUNNER_SETTINGS), suppress_env_files=True, quiet=True, fact_cache_type="memory",
-                rotate_artifacts=cfg.keep_artifacts, verbosity=cfg.verbosity or None, event_handler=collector,
+                rotate_artifacts=cfg.keep_artifacts, verbosity=cfg.verbosity or None, event_handler=self.event_handler,
                 status_handler=self.status_handler, cancel_callback=self.cancel_callback)
             rc = r.rc
             self.runner_status = r.status
@@ -489,7 +540,7 @@ class PlaybookRun:
 
         result = _result(collector, playbook_path=cfg.playbook_path, ident=self.ident,
                          runner_status=self.runner_status, rc=rc, cancelled=cancelled, in_flight=in_flight,
-                         timing_problems=self.timing.problems)
+                         warnings=self.timing.problems + self.user_handler_errors)
         if cancelled:
             result["runner"]["terminated_processes"] = self.terminated
         receipt = build_receipt(operation_id=cfg.operation_id, operation=cfg.operation, prepare_only=cfg.prepare_only,
@@ -531,7 +582,7 @@ def _playbook_label(path: Path) -> str:
 
 
 def _result(collector: EventCollector, *, playbook_path: Path, ident: str, runner_status: str, rc: int | None,
-            cancelled: bool, in_flight: list[dict], timing_problems: list[str]) -> dict:
+            cancelled: bool, in_flight: list[dict], warnings: list[str]) -> dict:
     from coldsnap.runner.contract import STATS_RESULT_KEY
 
     result: dict[str, Any] = {
@@ -546,7 +597,7 @@ def _result(collector: EventCollector, *, playbook_path: Path, ident: str, runne
     }
     if in_flight:
         result["in_flight"] = in_flight
-    problems = collector.timing_problems + timing_problems + collector.handler_errors
+    problems = collector.timing_problems + warnings + collector.handler_errors
     if problems:
         result["controller_warnings"] = problems[:50]
     return result

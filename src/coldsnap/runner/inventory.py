@@ -5,13 +5,22 @@ controller writes a minimal one from the request's placement: every
 ``launch.units[].host`` becomes a host of group ``coldsnap_units``, and
 ``localhost`` runs through the local connection with the controller's own
 Python (so modules see the same libraries as the controller).
+
+A given inventory is checked before anything runs: every unit host must be in it
+(:func:`check_unit_hosts`), else a play would skip that host and the operation
+would fail late, on a ``hostvars[...]`` lookup.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 
 UNITS_GROUP = "coldsnap_units"
 LOCAL_NAMES = ("localhost",)
@@ -31,3 +40,28 @@ def inventory_from_request(request: Mapping[str, Any], *, python: str | None = N
 def local_host_vars(python: str | None = None) -> dict[str, str]:
     """Host vars that run a host through the local connection with the controller's Python."""
     return {"ansible_connection": "local", "ansible_python_interpreter": python or sys.executable}
+
+
+def check_unit_hosts(request: Mapping[str, Any], inventory: Mapping[str, Any] | str | Path) -> None:
+    """Every ``launch.units[].host`` must be a host of ``inventory`` (a path in any format Ansible reads, or
+    an inventory dict); ColdSnapError naming the missing ones otherwise. Ansible's own InventoryManager reads
+    it, so ``localhost`` counts as present as it does for ansible-playbook (the implicit localhost)."""
+    from ansible.inventory.manager import InventoryManager
+    from ansible.parsing.dataloader import DataLoader
+
+    with tempfile.TemporaryDirectory(prefix="coldsnap-inventory-") as tmp:
+        source = Path(tmp) / "hosts.json" if isinstance(inventory, Mapping) else Path(inventory)
+        if isinstance(inventory, Mapping):
+            source.write_text(json.dumps(dict(inventory)), encoding="utf-8")  # 0700 directory, gone at once
+        manager = InventoryManager(loader=DataLoader(), sources=[str(source)])
+    missing = [f"launch.units[{i}].host {unit['host']!r}" for i, unit in enumerate(request["launch"]["units"])
+               if manager.get_host(unit["host"]) is None]
+    if not missing:
+        return
+    where = "the inventory dict" if isinstance(inventory, Mapping) else f"inventory {inventory}"
+    known = sorted(h.name for h in manager.get_hosts("all"))
+    raise ColdSnapError(
+        f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not in {where} (Ansible reads "
+        f"{len(known)} host{'s' if len(known) != 1 else ''} there{': ' + ', '.join(known[:20]) if known else ''})",
+        fix="add the missing hosts to the inventory, or set launch.units[].host of the request to hosts the "
+            "inventory has")

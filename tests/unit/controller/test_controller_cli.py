@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap.api import resolve_state_root
 from coldsnap.cli import main
-from coldsnap.commands.operations import resolve_state_root
 from coldsnap.runner import contract, default_state_root
 
 
@@ -32,7 +32,7 @@ def test_prepare_only_is_refused_for_capture(tmp_path, capsys, example_request_t
     rc, out, err = _run(capsys, "capture", "--request-json", str(req), "--prepare-only", "--state-root",
                         str(tmp_path / "state"))
     assert rc == 2 and out == ""
-    assert "--prepare-only does not apply to 'capture'" in err and "restore or warm" in err
+    assert "--prepare-only) does not apply to operation 'capture'" in err and "restore or warm" in err
     assert not (tmp_path / "state").exists()  # nothing ran
 
 

@@ -15,8 +15,8 @@ import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import file_lock
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
 
+from coldsnap import api
 from coldsnap.cli import main
-from coldsnap.commands import operations
 from coldsnap.receipts import build_receipt, receipt_bytes, write_receipt
 from coldsnap.runner.driver import OperationResult
 from coldsnap.summary import format_duration, format_summary
@@ -121,7 +121,7 @@ def fake_run(monkeypatch, tmp_path, example_request_text):
                                receipt_path=path, run_dir=run_dir, artifact_dir=run_dir / "artifacts" / "1",
                                runner_status="successful", rc=0)
 
-    monkeypatch.setattr(operations, "run_playbook", run_playbook)
+    monkeypatch.setattr(api, "run_playbook", run_playbook)
     req = tmp_path / "request.json"
     req.write_text(example_request_text)
     return state, req, tmp_path / "state"
