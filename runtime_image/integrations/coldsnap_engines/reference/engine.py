@@ -133,7 +133,11 @@ class Engine:
 
     # ------------------------------------------------------------ generation
     def generate(self, prompt: str, max_tokens: int, emit=None) -> str:
-        """Greedy decoding; ``emit(text)`` is called per token (streaming). Rank 0 only."""
+        """Greedy decoding; ``emit(text)`` is called per token (streaming). Rank 0 only.
+
+        ``emit`` returning true ends the generation (a stop string): at once on one rank; with
+        followers the remaining steps still run, unemitted, so every rank takes the same
+        collectives."""
         ids = tokenizer.encode(prompt)
         if len(ids) + max_tokens > self.config.max_seq:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
@@ -151,14 +155,17 @@ class Engine:
         out: list[int] = []
         tokens = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = 0
+        emitting = emit is not None
         for _i in range(max_tokens):
             logits = self.decoder.forward(tokens, pos, self.kv)
             logits[self.blocked] = float("-inf")
             nxt = int(torch.argmax(logits).item())
             pos += tokens.shape[0]
             out.append(nxt)
-            if emit is not None:
-                emit(tokenizer.decode([nxt]))
+            if emitting and emit(tokenizer.decode([nxt])):
+                emitting = False
+                if self.world == 1:
+                    break
             tokens = torch.tensor([nxt], dtype=torch.long, device=dev)
         return tokenizer.decode(out)
 

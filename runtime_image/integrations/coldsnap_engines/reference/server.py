@@ -1,7 +1,8 @@
 """``coldsnap-reference-engine``: OpenAI-compatible serving plus a loopback control API.
 
-Serving (rank 0 only): GET /health, GET /v1/models, POST /v1/completions (stream or
-not). Every response closes its connection (HTTP/1.0), so no established socket
+Serving (rank 0 only): GET /health, GET /v1/models, POST /v1/completions and
+POST /v1/chat/completions (stream or not; what of the OpenAI API is implemented and what is
+refused is listed in :mod:`coldsnap_engines.reference.openai_api`). Every response closes its connection (HTTP/1.0), so no established socket
 outlives a request — a snapshot never has to carry client connections.
 
 Control (every rank, 127.0.0.1 only, bearer token from a 0600 file): the steps the
@@ -19,7 +20,6 @@ import os
 import sys
 import threading
 import time
-import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -67,8 +67,20 @@ def _reply(handler: BaseHTTPRequestHandler, code: int, obj: dict) -> None:
     handler.wfile.write(body)
 
 
+def _sse(handler: BaseHTTPRequestHandler, obj) -> None:
+    data = b"[DONE]" if obj is None else json.dumps(obj).encode()
+    handler.wfile.write(b"data: " + data + b"\n\n")
+    handler.wfile.flush()
+
+
 def make_serving_handler(engine, lifecycle):
+    from coldsnap_engines.reference import openai_api as api
     from coldsnap_engines.reference.engine import ServingPaused
+
+    routes = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+    def not_serving(message: str) -> api.APIError:
+        return api.APIError(503, message, type="service_unavailable")
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"
@@ -83,71 +95,110 @@ def make_serving_handler(engine, lifecycle):
                 _reply(self, 200 if ok else 503, {"status": "ok" if ok else lifecycle.state})
             elif self.path == "/v1/models":
                 _reply(self, 200, {"object": "list", "data": [
-                    {"id": engine.served_model_name, "object": "model", "owned_by": "coldsnap"}]})
+                    {"id": engine.served_model_name, "object": "model", "created": 0, "owned_by": "coldsnap"}]})
             else:
-                _reply(self, 404, {"error": {"message": f"no route {self.path}"}})
+                _reply(self, 404, api.error_body(f"no route {self.path}", code="not_found"))
 
         def do_POST(self):
-            if self.path != "/v1/completions":
-                _reply(self, 404, {"error": {"message": f"no route {self.path}"}})
-                return
-            if lifecycle.state != READY:
-                _reply(self, 503, {"error": {"message": f"engine is {lifecycle.state}"}})
+            kind = routes.get(self.path)
+            if kind is None:
+                _reply(self, 404, api.error_body(f"no route {self.path}", code="not_found"))
                 return
             try:
-                req = _json_body(self)
-                prompt = req.get("prompt", "")
-                if isinstance(prompt, list):
-                    prompt = prompt[0] if prompt else ""
-                if not isinstance(prompt, str):
-                    raise ValueError("prompt must be a string")
-                max_tokens = int(req.get("max_tokens", 16))
-                if not 1 <= max_tokens <= 4096:
-                    raise ValueError("max_tokens must be 1..4096")
-            except (ValueError, json.JSONDecodeError) as exc:
-                _reply(self, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
-                return
-            cid = f"cmpl-{uuid.uuid4().hex[:16]}"
-            created = int(time.time())
-            model = req.get("model") or engine.served_model_name
-            if req.get("stream"):
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.send_header("Connection", "close")
-                self.end_headers()
-
-                def emit(text: str) -> None:
-                    chunk = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                             "choices": [{"text": text, "index": 0, "finish_reason": None, "logprobs": None}]}
-                    self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                    self.wfile.flush()
-
+                if lifecycle.state != READY:
+                    raise not_serving(f"engine is {lifecycle.state}")
                 try:
-                    try:
-                        engine.generate(prompt, max_tokens, emit=emit)
-                        end = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                               "choices": [{"text": "", "index": 0, "finish_reason": "length", "logprobs": None}]}
-                    except (ValueError, ServingPaused) as exc:  # headers are out: report in the stream
-                        end = {"error": {"message": str(exc), "type": "invalid_request_error"
-                                         if isinstance(exc, ValueError) else "service_unavailable"}}
-                    self.wfile.write(b"data: " + json.dumps(end).encode() + b"\n\ndata: [DONE]\n\n")
-                except (BrokenPipeError, ConnectionResetError):
-                    pass
-                return
-            try:
-                text = engine.generate(prompt, max_tokens)
-            except ValueError as exc:
-                _reply(self, 400, {"error": {"message": str(exc), "type": "invalid_request_error"}})
-                return
+                    body = _json_body(self)
+                except (ValueError, json.JSONDecodeError) as exc:
+                    raise api.APIError(400, f"invalid request body: {exc}") from exc
+                r = api.parse(kind, body, engine.served_model_name)
+                prompt_tokens = api.check_context(r, engine.config.max_seq)
+                if engine.paused:
+                    raise not_serving("the engine is not serving (paused by its control plane)")
+                if r.stream:
+                    self._stream(r, prompt_tokens)
+                    return
+                out = api.Responder(r)
+                choices, completion_tokens = [], 0
+                for i, prompt in enumerate(r.prompts):
+                    scan = self._generate(prompt, r)
+                    for j in range(r.n):
+                        choices.append(out.choice(i * r.n + j, scan.text, scan.finish_reason))
+                        completion_tokens += scan.tokens
+                _reply(self, 200, out.response(choices, sum(prompt_tokens), completion_tokens))
+            except api.APIError as exc:
+                _reply(self, exc.status, exc.body())
             except ServingPaused as exc:
-                _reply(self, 503, {"error": {"message": str(exc)}})
-                return
-            ntok = len(prompt.encode()) + 1
-            _reply(self, 200, {"id": cid, "object": "text_completion", "created": created, "model": model,
-                               "choices": [{"text": text, "index": 0, "finish_reason": "length", "logprobs": None}],
-                               "usage": {"prompt_tokens": ntok, "completion_tokens": max_tokens,
-                                         "total_tokens": ntok + max_tokens}})
+                _reply(self, 503, not_serving(str(exc)).body())
+            except ValueError as exc:
+                _reply(self, 400, api.error_body(str(exc)))
+            except Exception as exc:
+                log(f"{self.path} failed: {exc!r}")
+                _reply(self, 500, api.error_body(f"generation failed: {exc}", type="server_error"))
+
+        def _generate(self, prompt: str, r, on_text=None):
+            """Decode one prompt through a stop scanner; ``on_text`` gets the releasable text."""
+            scan = api.StopScanner(r.stop)
+            failed: list[BaseException] = []
+
+            def emit(piece: str) -> bool:
+                text = scan.feed(piece)
+                if text and on_text is not None:
+                    try:
+                        on_text(text)
+                    except Exception as exc:  # e.g. the client left: end the generation cleanly
+                        failed.append(exc)   # (with followers, the engine finishes its steps)
+                        return True
+                return scan.stopped
+
+            engine.generate(prompt, r.max_tokens, emit=emit)
+            if failed:
+                raise failed[0]
+            rest = scan.flush()
+            if rest and on_text is not None:
+                on_text(rest)
+            return scan
+
+        def _stream(self, r, prompt_tokens: list[int]) -> None:
+            out = api.Responder(r)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            try:
+                try:
+                    completion_tokens = 0
+                    for i, prompt in enumerate(r.prompts):
+                        indices = range(i * r.n, (i + 1) * r.n)
+                        if r.kind == "chat":
+                            for k in indices:
+                                _sse(self, out.chunk(k, "", role=True))
+
+                        def on_text(text: str, indices=indices) -> None:
+                            for k in indices:
+                                _sse(self, out.chunk(k, text))
+
+                        scan = self._generate(prompt, r, on_text)
+                        for k in indices:
+                            _sse(self, out.chunk(k, None, scan.finish_reason))
+                        completion_tokens += scan.tokens * r.n
+                    if r.include_usage:
+                        _sse(self, out.usage_chunk(sum(prompt_tokens), completion_tokens))
+                except (BrokenPipeError, ConnectionResetError):
+                    raise
+                except Exception as exc:  # headers are out: report in the stream, never end it silently
+                    if isinstance(exc, ServingPaused):
+                        err = not_serving(str(exc)).body()
+                    elif isinstance(exc, ValueError):
+                        err = api.error_body(str(exc))
+                    else:
+                        log(f"{self.path} failed while streaming: {exc!r}")
+                        err = api.error_body(f"generation failed: {exc}", type="server_error")
+                    _sse(self, err)
+                _sse(self, None)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
 
     return Handler
 
