@@ -94,10 +94,22 @@ EXAMPLES = r"""
 
 RETURN = r"""
 units:
-  description: Per-unit admission records (prepare) or restore evidence (activate; empty in check mode).
+  description:
+    - Per-unit admission records (prepare) or restore evidence (activate; empty in check mode).
+    - A prepare record's C(listeners) lists where the unit's captured TCP listeners come back (moved by one
+      shift when the request names another serving port than the capture, see C(served)).
+    - Restore evidence names where the unit serves (C(served), its address and port) and the listeners that
+      moved (C(listeners_moved), each C(from) and C(to) as [address, port]; empty when none moved).
   returned: when phase is prepare or activate
   type: list
   elements: dict
+  sample:
+    - unit: unit-0
+      ok: true
+      served: {address: 127.0.0.1, port: 9000}
+      listeners_moved:
+        - {worker: worker-0, from: [127.0.0.1, 8000], to: [127.0.0.1, 9000]}
+        - {worker: worker-0, from: [127.0.0.1, 41873], to: [127.0.0.1, 42873]}
 weights:
   description: The weight provider chosen for each worker on this host (prepare).
   returned: when phase is prepare
@@ -116,11 +128,13 @@ coldsnap_timing:
 from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
+    require_identity,
+    validate_request,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import restore as ops
 
 
@@ -149,10 +163,7 @@ def main() -> None:
     def run() -> dict:
         req = validate_request(p["request"], document="request (module option)")
         art = validate_artifact(p["artifact"], document="artifact (module option)")
-        if art["identity"] != _identity(req):
-            raise ColdSnapError("the request does not describe the captured workload (identity differs)",
-                                fix="restore with the request whose recipe, model, engine, topology and snapshot "
-                                    "driver match the artifact")
+        require_identity(art, req)
         if p["phase"] == "prepare":
             return ops.prepare_restore(req, art, host=p["host"], facts=p["facts"], state_root=state_root,
                                        check_mode=module.check_mode, python=p["python"])
@@ -165,12 +176,6 @@ def main() -> None:
                                  owner=p["owner"])
 
     run_guarded(module, run, what="unit_restore")
-
-
-def _identity(req: dict) -> str:
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import identity
-
-    return identity(req)
 
 
 if __name__ == "__main__":

@@ -69,12 +69,9 @@ def load_source(path: Path, *, expected_sha256: str | None = None, request: dict
     if art["state"] not in PUBLISHABLE_STATES:
         raise ColdSnapError(f"descriptor {path} is in state {art['state']!r}", fix="publish an accepted descriptor")
     if request is not None:
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import identity
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import require_identity
 
-        if identity(request) != art["identity"]:
-            raise ColdSnapError(f"the request does not describe the workload captured in {path} (identity differs)",
-                                fix="use the request of the captured workload (recipe, model, engine, topology, "
-                                    "snapshot driver)")
+        require_identity(art, request, what=f"the workload captured in {path}")
     return art, digest
 
 

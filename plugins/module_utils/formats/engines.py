@@ -73,6 +73,14 @@ class EngineSpec:
     private_shm: bool = False
     unit_environment: tuple[tuple[str, str], ...] = ()
     criu_link_remap: bool = False
+    # Serve-command options that say where the server listens: placement, not identity (a restore
+    # may name others; the captured listeners are moved there).
+    port_flag: str = "--port"
+    address_flag: str = "--host"
+
+    @property
+    def placement_flags(self) -> tuple[str, ...]:
+        return tuple(f for f in (self.port_flag, self.address_flag) if f)
 
     def launcher(self) -> dict:
         """The unit launcher settings the activation runtime applies (recorded in the unit spec)."""
@@ -209,9 +217,26 @@ def normalize_restore_command(engine: str, command: Sequence[str]) -> list[str]:
     return set_command_option(command, spec.load_format_flag, spec.restore_load_format)
 
 
+def without_options(command: Sequence[str], flags: Iterable[str]) -> list[str]:
+    """``command`` without any occurrence of ``flags`` (``--flag v`` or ``--flag=v``)."""
+    drop = set(flags)
+    out: list[str] = []
+    i = 0
+    while i < len(command):
+        tok = command[i]
+        if tok.startswith("--") and _flag_name(tok) in drop:
+            takes_next = "=" not in tok and i + 1 < len(command) and not command[i + 1].startswith("--")
+            i += 2 if takes_next else 1
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
 def semantic_command(engine: str, command: Sequence[str]) -> list[str]:
-    """The form in which capture and restore commands compare equal (admission, identity)."""
-    return normalize_restore_command(engine, command)
+    """The form in which capture and restore commands compare equal (identity): the restore's
+    load format, without the placement options (where the server listens)."""
+    return without_options(normalize_restore_command(engine, command), engine_spec(engine).placement_flags)
 
 
 def preferred_load_format(engine: str, configured: str | None, installed: Iterable[str]) -> str | None:

@@ -17,7 +17,12 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import iden
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_paths import cache_path_problems
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import ENGINES, engine_issues
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import (
+    ENGINES,
+    command_option,
+    engine_issues,
+    semantic_command,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import (
     AnyJSON,
     Arr,
@@ -355,6 +360,17 @@ def cross_check(req: dict) -> list[FormatIssue]:
         if key in endpoints:
             add(f"{p}.port", f"port {s['port']} is already used on host {unit['host']!r}", "give each service its own port")
         endpoints.add(key)
+        engine = ENGINES.get(launch["engine"])
+        if engine is not None:
+            got = command_option(unit["command"], engine.port_flag) if engine.port_flag else None
+            if got is not None and got != str(s["port"]):
+                add(f"{p}.port", f"service {s['id']!r} is on port {s['port']} but unit {unit['id']!r}'s command sets "
+                    f"{engine.port_flag} {got}", "make them agree (on restore both name the port to serve on)")
+            got = command_option(unit["command"], engine.address_flag) if engine.address_flag else None
+            if got not in (None, "", "0.0.0.0", "::", s.get("address", "127.0.0.1")):
+                add(f"{p}.address", f"service {s['id']!r} is probed at {s.get('address', '127.0.0.1')} but unit "
+                    f"{unit['id']!r}'s command binds {engine.address_flag} {got}",
+                    f"set address to {got!r} (or bind the command to it, or to 0.0.0.0)")
 
     # The capsule builder's own path policy, so a path it would refuse fails here, before the capture runs.
     mount_targets = [m["target"] for u in units for m in u["mounts"]]
@@ -431,31 +447,81 @@ def request_sha256(req: dict) -> str:
     return canonical_sha256(req)
 
 
-def topology(req: dict) -> dict:
-    """The portable topology: units, workers, groups and services without placement."""
+# Environment variables that describe where a unit runs, not what it is: collective transports
+# (rebuilt fresh on every restore and handed to the engine) and device/host placement.
+TRANSPORT_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "UCX_", "TP_SOCKET_IFNAME")
+PLACEMENT_VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "HOSTNAME", "VLLM_HOST_IP", "VLLM_PORT")
+
+
+def split_environment(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(the rest, transport env): transport variables are placement and may change."""
+    rest = {k: v for k, v in env.items() if not k.startswith(TRANSPORT_PREFIXES)}
+    transport = {k: v for k, v in env.items() if k.startswith(TRANSPORT_PREFIXES)}
+    return rest, transport
+
+
+def identity_environment(env: dict[str, str]) -> dict[str, str]:
+    """The variables a restore must keep as captured (the restored process holds them in memory)."""
+    rest, _transport = split_environment(env)
+    return {k: v for k, v in rest.items() if k not in PLACEMENT_VARIABLES}
+
+
+def identity_parts(req: dict) -> dict[str, Any]:
+    """What makes a workload the same one, by request field: recipe, model, engine, runtime, the
+    portable topology and the snapshot driver. Placement is left out: hosts, device UUIDs and
+    ordinals (only the device count counts), mount sources, the serving port and address (the
+    command's placement flags too) and transport/placement environment variables."""
     launch = req["launch"]
-    return {
-        "units": [{"id": u["id"], "index": u["index"], "devices": len(u["devices"]),
-                   "command": u["command"], "mount_targets": sorted(m["target"] for m in u["mounts"])}
-                  for u in launch["units"]],
-        "workers": launch["execution"]["workers"],
-        "groups": launch["execution"]["groups"],
-        "services": [{"id": s["id"], "unit": s["unit"], "port": s["port"]} for s in launch["execution"]["services"]],
-        "adapter": {"schema": launch["execution"]["adapter"]["schema"], "digest": launch["execution"]["adapter"]["digest"]},
+    engine = launch["engine"]
+    parts: dict[str, Any] = {
+        "$.workload.recipe": req["workload"]["recipe"],
+        "$.launch.model": {"id": launch["model"]["id"], "revision": launch["model"]["revision"]},
+        "$.launch.engine": engine,
+        "$.launch.runtime": launch["runtime"],
+        "$.snapshot_driver.id": req["snapshot_driver"]["id"],
+        "$.launch.units": [u["id"] for u in launch["units"]],
     }
+    for i, u in enumerate(launch["units"]):
+        p = f"$.launch.units[{i}]"
+        parts[f"{p}.index"] = u["index"]
+        parts[f"{p}.devices"] = len(u["devices"])
+        parts[f"{p}.command"] = semantic_command(engine, u["command"])
+        parts[f"{p}.environment"] = identity_environment(u.get("environment", {}))
+        parts[f"{p}.mounts"] = sorted(m["target"] for m in u["mounts"])
+    ex = launch["execution"]
+    parts["$.launch.execution.workers"] = ex["workers"]
+    parts["$.launch.execution.groups"] = ex["groups"]
+    parts["$.launch.execution.services"] = [{"id": s["id"], "unit": s["unit"]} for s in ex["services"]]
+    parts["$.launch.execution.adapter"] = {"schema": ex["adapter"]["schema"], "digest": ex["adapter"]["digest"]}
+    return parts
 
 
 def identity(req: dict) -> str:
-    """Identity of the artifact lineage: recipe, model, engine, topology and snapshot driver."""
-    launch = req["launch"]
-    return canonical_sha256({
-        "recipe": req["workload"]["recipe"],
-        "model": {"id": launch["model"]["id"], "revision": launch["model"]["revision"]},
-        "engine": launch["engine"],
-        "runtime": launch["runtime"],
-        "topology": topology(req),
-        "snapshot_driver": req["snapshot_driver"]["id"],
-    })
+    """Identity of the artifact lineage (:func:`identity_parts`, RFC 8785 digest)."""
+    return canonical_sha256(identity_parts(req))
+
+
+def identity_differences(artifact: dict, req: dict) -> list[str]:
+    """The request fields whose identity part differs from the capture recorded in ``artifact``
+    (its launch and snapshot driver; the recipe only through the digest)."""
+    if identity(req) == artifact["identity"]:
+        return []
+    captured = {**req, "launch": artifact["launch"], "snapshot_driver": {"id": artifact["snapshot_driver"]["id"]}}
+    mine, theirs = identity_parts(req), identity_parts(captured)
+    fields = [k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)]
+    return sorted(fields) or ["$.workload.recipe"]
+
+
+def require_identity(artifact: dict, req: dict, *, what: str = "the captured workload") -> None:
+    """Refuse a request that does not describe the workload ``artifact`` holds, naming the fields."""
+    fields = identity_differences(artifact, req)
+    if fields:
+        raise FormatError([FormatIssue(
+            f, f"identity differs: not the value of {what} (identity is recipe, model, engine, runtime, topology "
+               "and snapshot driver)",
+            "restore with the captured value; only placement may change (hosts, devices by UUID/ordinal, mount "
+            "sources, the serving port and address, transport variables)") for f in fields],
+            document="request")
 
 
 def unit_hosts(req: dict) -> list[str]:

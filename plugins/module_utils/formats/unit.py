@@ -125,6 +125,8 @@ class UnitSpec:
     supervise: bool = False
     host: str = "localhost"
     launcher: dict = field(default_factory=dict)
+    # Restore only: how the captured listeners move (process.placement.Placement.to_json()).
+    placement: dict = field(default_factory=dict)
 
     @property
     def unit_id(self) -> str:

@@ -138,9 +138,12 @@ def _describe(pids: set[int]) -> str:
     return ", ".join(out) or "another process"
 
 
-RESTORE_PORT_FIX = ("stop the process that holds the port, or restore onto a host where it is free (only the "
-                    "workload this restore replaces may hold a captured port: it is evicted once prepare "
-                    "passed on every host)")
+RESTORE_PORT_FIX = ("stop the process that holds the port, restore onto another port (set the unit's "
+                    "launch.execution.services[].port and the command's --port: every listener of the unit moves "
+                    "by the same shift), or onto a host where it is free (only the workload this restore replaces "
+                    "may hold a captured port: it is evicted once prepare passed on every host)")
+ADDRESS_FIX = ("restore onto an address of this host: set the unit's launch.execution.services[].address (and the "
+               "command's --host) to it, or to 0.0.0.0")
 
 
 def require_ports_free(listeners: list[tuple[str, int]], *, unit: str, time_wait_grace: float = 65.0,
@@ -164,6 +167,9 @@ def require_ports_free(listeners: list[tuple[str, int]], *, unit: str, time_wait
                 s.bind((addr, port))
                 break
             except OSError as exc:
+                if exc.errno == errno.EADDRNOTAVAIL:
+                    raise AdmissionError(f"unit {unit}: {what} {addr}:{port} cannot be bound on this host: {addr} is "
+                                         f"not one of its addresses", fix=ADDRESS_FIX) from None
                 holders = port_holders(port) if exc.errno == errno.EADDRINUSE else set()
                 if holders and replaced and holders <= set(replaced):
                     break  # the workload being replaced holds it: eviction frees it

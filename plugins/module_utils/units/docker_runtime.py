@@ -76,6 +76,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership imp
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
     UnitRuntime,
+    listeners_served,
     raise_failures,
     read_evidence,
     run_concurrently,
@@ -534,11 +535,12 @@ class DockerRuntime(UnitRuntime):
             running = _canonical_container(self.request, u["id"], client=client)
             # Only the canonical container this restore replaces may hold a captured port.
             replaced = _container_pids(running) if running is not None and running.status == "running" else set()
+            served, what = listeners_served(artifact, self.request, u["id"])
             for w in captured["workers"]:
-                ports.require_ports_free([tuple(x) for x in w["listeners"]], unit=u["id"], replaced=replaced)
+                ports.require_ports_free(served(w), unit=u["id"], replaced=replaced, what=what)
             plans.append({"unit": u["id"], "admission": {**adm, "criu": criu["version"]}, "image": image.id,
                           "state_target": target, "container": running.name if running is not None else None,
-                          "state": state})
+                          "state": state, "listeners": [list(x) for w in captured["workers"] for x in served(w)]})
         moves.admit(self.host)
         return plans, False
 

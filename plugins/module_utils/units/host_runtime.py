@@ -44,6 +44,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units import (
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuMoves, admit_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
     UnitRuntime,
+    listeners_served,
     raise_failures,
     read_evidence,
     run_concurrently,
@@ -131,9 +132,11 @@ class HostRuntime(UnitRuntime):
                 # The workload being replaced is evicted only after prepare passed everywhere: its own
                 # pids and ports do not count, anyone else's do.
                 replaced = self.replaced_pids(u["id"])
+                served, what = listeners_served(artifact, self.request, u["id"])
                 for w in captured["workers"]:
                     ports.require_pids_free([p for p in [w["pid"], *w["tids"]] if p not in replaced], unit=u["id"])
-                    ports.require_ports_free([tuple(x) for x in w["listeners"]], unit=u["id"], replaced=replaced)
+                    ports.require_ports_free(served(w), unit=u["id"], replaced=replaced, what=what)
+                plan["listeners"] = [list(x) for w in captured["workers"] for x in served(w)]
                 plan["caches_added"] = self.require_files(artifact, u["id"], captured, path)
             plans.append(plan)
         moves.admit(self.host)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import placement
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import build_specs
@@ -17,6 +18,12 @@ def accepted_validation(request: dict, artifact: dict) -> dict:
     """The request's validation with the artifact's acceptance reply as the expected one."""
     return {**request["validation"], "expected": request["validation"].get("expected")
             or artifact["acceptance"]["reply"]}
+
+
+def placements_of(request: dict, artifact: dict, host: str) -> dict[str, dict]:
+    """How each unit of ``host`` moves its captured listeners (serving port and address are placement)."""
+    return {u["id"]: placement.for_unit(artifact["launch"], request["launch"], u["id"]).to_json()
+            for u in units_on_host(request, host)}
 
 
 def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, state_root: Path,
@@ -51,6 +58,6 @@ def restore_units(request: dict, artifact: dict, *, host: str, state_root: Path,
                         coordinator_endpoint=coordinator_endpoint,
                         weights=plan_weights(request, artifact, host=host, state_root=state_root),
                         validation=accepted_validation(request, artifact), unit_dirs=unit_dirs, warm=warm,
-                        timeouts=timeouts)
+                        timeouts=timeouts, placements=placements_of(request, artifact, host))
     evidence = runtime.restore(artifact, specs)
     return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence)}

@@ -23,6 +23,7 @@ from typing import Any
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, UnitSpec
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import placement
 
 
 def run_concurrently(target, arg_tuples: list[tuple]) -> None:
@@ -45,6 +46,20 @@ def read_evidence(ev_path: Path, uid: str, output: str, code: int | None, *, who
     except (OSError, ValueError):
         status = f"exited {code}" if code is not None else "stopped"
         return {"ok": False, "unit": uid, "error": f"{who} {status} without evidence; its output:\n{output[-2000:]}"}
+
+
+def listeners_served(artifact: dict, request: dict, unit_id: str):
+    """``(served, what)``: ``served(worker_evidence)`` lists where a captured worker's listeners come
+    back on this restore (moved when the request names another serving port or address); ``what``
+    names them in errors."""
+    moved = placement.for_unit(artifact["launch"], request["launch"], unit_id)
+
+    def served(worker: dict) -> list[tuple[str, int]]:
+        return moved.listeners([(str(a), int(p)) for a, p in worker["listeners"]], unit=unit_id)
+
+    what = (f"listening port (captured ones moved by {moved.port_shift:+d})" if moved.port_shift
+            else "captured listening port")
+    return served, what
 
 
 def raise_failures(results: list[dict]) -> None:

@@ -18,25 +18,18 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines imp
     normalize_restore_command,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
+    split_environment,
     units_on_host,
     workers_of_unit,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UnitSpec
 
-TRANSPORT_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "UCX_", "TP_SOCKET_IFNAME")
-
-
-def split_environment(env: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """(identity env, transport env): transport variables are placement and may change."""
-    ident = {k: v for k, v in env.items() if not k.startswith(TRANSPORT_PREFIXES)}
-    transport = {k: v for k, v in env.items() if k.startswith(TRANSPORT_PREFIXES)}
-    return ident, transport
-
 
 def build_specs(request: dict, *, host: str, operation: str, capture_id: str, state_root: Path,
                 python: str | None = None, coordinator_endpoint: str | None = None,
                 weights: dict | None = None, validation: dict | None = None, unit_dirs: dict | None = None,
-                warm: bool = False, supervise: bool = False, timeouts: dict | None = None) -> list[UnitSpec]:
+                warm: bool = False, supervise: bool = False, timeouts: dict | None = None,
+                placements: dict | None = None) -> list[UnitSpec]:
     """One unit spec per unit of ``request`` placed on ``host``."""
     layout = StateLayout(state_root)
     launch = request["launch"]
@@ -79,5 +72,6 @@ def build_specs(request: dict, *, host: str, operation: str, capture_id: str, st
             "t0_ns": None,
             "supervise": supervise,
             "launcher": engine_spec(launch["engine"]).launcher(),
+            "placement": (placements or {}).get(unit["id"], {}),
         }))
     return specs

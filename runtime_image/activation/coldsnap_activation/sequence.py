@@ -38,7 +38,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import files as files_mod
-from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import placement, ports
 
 from coldsnap_activation import keeper
 from coldsnap_activation.engine_handle import EngineHandle
@@ -396,13 +396,16 @@ class Activation:
         captured = json.loads((self.unit_dir / EVIDENCE_FILE).read_text())
         by_worker = {w["worker"]: w for w in captured["workers"]}
         criu = criu_mod.find_criu(spec.criu_binary)
+        moved = placement.Placement.from_json(spec.placement)
         restored: list[EngineHandle] = []
+        served: list[dict] = []
         probe = None
         try:
             with self.rec.span("unit.admission"):
                 for h in self.handles:
                     cw = by_worker[h.worker["id"]]
-                    ports.require_ports_free([tuple(x) for x in cw["listeners"]], unit=spec.unit_id)
+                    listeners = moved.listeners([(str(a), int(p)) for a, p in cw["listeners"]], unit=spec.unit_id)
+                    ports.require_ports_free(listeners, unit=spec.unit_id)
                     ports.require_pids_free([cw["pid"], *cw["tids"]], unit=spec.unit_id)
             self.workload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             (self.workload_dir / ec.LOG_FILE_NAME).write_bytes(b"")
@@ -415,11 +418,16 @@ class Activation:
                     # A fresh token, written before the process exists: the one in its memory (and in
                     # the capsule) opens nothing.
                     captured_ctl = json.loads((self.unit_dir / CONTROL_DIR / f"{wid}.json").read_text())
-                    control = ec.ControlInfo(port=int(captured_ctl["port"]), token=secrets.token_hex(32),
+                    _addr, control_port = moved.apply(ec.CONTROL_HOST, int(captured_ctl["port"]), unit=spec.unit_id)
+                    control = ec.ControlInfo(port=control_port, token=secrets.token_hex(32),
                                              pid=int(captured_ctl["pid"]))
                     atomic_write_json(h.control_file, control.to_json(), mode=0o600)
-                    images = self.unit_dir / "criu" / wid
                     work = self.workload_dir / f"criu-{wid}"
+                    # Another serving port or address than at capture: CRIU restores a rebound copy of
+                    # the images (the captured ones are never edited).
+                    images, rebound = placement.rebind(self.unit_dir / "criu" / wid, work / "placed", moved,
+                                                       unit=spec.unit_id)
+                    served += [{"worker": wid, **m} for m in rebound]
                     options = criu_mod.CriuOptions.from_json((cw.get("criu") or {}).get("options"))
                     if spec.supervise:  # we are the container's PID 1: the tree becomes our child
                         pid = criu_mod.restore(criu, images, work_dir=work, leave_stopped=True, sibling=True,
@@ -456,7 +464,10 @@ class Activation:
                 self._validate(probe, expected=(spec.validation or {}).get("expected"))
                 self.phases.wait("restore/validated", spec.timeout("phase", 600))
             workers = [{"worker": h.worker["id"], "rank": h.worker["rank"], "pid": h.pid} for h in self.handles]
-            return self._evidence(workers, {"warm": spec.warm})
+            extra: dict = {"warm": spec.warm, "listeners_moved": served}
+            if spec.service:
+                extra["served"] = {"address": spec.service["address"], "port": spec.service["port"]}
+            return self._evidence(workers, extra)
         except BaseException as exc:
             self._fail(exc)
             for h in restored:  # never leave a half-restored process tree behind

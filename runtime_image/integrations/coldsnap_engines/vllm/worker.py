@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import TRANSPORT_PREFIXES
+
 from coldsnap_engines.common import gpu_context
 from coldsnap_engines.common import worker as payload_worker
 from coldsnap_engines.vllm.loader import LOAD_FORMAT, named_tensors, weights_table
 from coldsnap_engines.vllm.state import STATE
-
-TRANSPORT_PREFIXES = ("NCCL_", "GLOO_", "MASTER_", "UCX_", "TP_SOCKET_IFNAME")
 
 
 def for_rank(spec: dict | None, rank: int) -> dict | None:

@@ -1,0 +1,91 @@
+"""Where a restored unit listens: the captured listeners moved to the restore's port and address.
+
+A unit's serving port and address are placement, not identity: the restore
+request may name others than the capture did. The move is one port shift for
+every listener of the unit (the serving port, the engine's control listener,
+anything else the tree listened on), ``restore port - captured port`` of the
+unit's service; listeners bound to the captured service address move to the
+restore's (wildcard listeners stay wildcard). Units without a service keep
+their ports. The CRIU images are never edited: the restore rebinds a linked
+copy (:func:`.criu_images.rebind_listeners`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu_images
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How one unit's captured listeners move on this restore."""
+
+    port_shift: int = 0
+    addresses: dict[str, str] = field(default_factory=dict)  # captured address -> restore address
+    field_path: str = ""  # the request field that names the restore's port (for error messages)
+
+    @property
+    def moves_anything(self) -> bool:
+        return bool(self.port_shift) or any(a != b for a, b in self.addresses.items())
+
+    def apply(self, address: str, port: int, *, unit: str = "") -> tuple[str, int]:
+        new_port = port + self.port_shift
+        if not 1 <= new_port <= 65535:
+            where = f" ({self.field_path})" if self.field_path else ""
+            raise AdmissionError(
+                f"unit {unit}: the captured listener {address}:{port} would move to port {new_port}, out of range: "
+                f"every listener of a unit moves by the serving port's shift ({self.port_shift:+d}){where}",
+                fix="choose a serving port that keeps every captured listener of the unit within 1..65535")
+        new_address = self.addresses.get(address, address)
+        if ipaddress.ip_address(new_address).version != ipaddress.ip_address(address).version:
+            raise AdmissionError(
+                f"unit {unit}: the captured listener {address}:{port} cannot move to {new_address} (another address "
+                f"family){' (' + self.field_path.rsplit('.', 1)[0] + '.address)' if self.field_path else ''}",
+                fix=f"restore onto an {'IPv4' if ':' not in address else 'IPv6'} address")
+        return new_address, new_port
+
+    def listeners(self, captured: list[tuple[str, int]], *, unit: str = "") -> list[tuple[str, int]]:
+        return [self.apply(a, p, unit=unit) for a, p in captured]
+
+    def moves(self, captured: list[tuple[str, int]], *, unit: str = "") -> dict[tuple[str, int], tuple[str, int]]:
+        return {(a, p): self.apply(a, p, unit=unit) for a, p in captured}
+
+    def to_json(self) -> dict:
+        return {"port_shift": self.port_shift, "addresses": dict(self.addresses), "field": self.field_path}
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> Placement:
+        data = data or {}
+        return cls(port_shift=int(data.get("port_shift", 0)), addresses=dict(data.get("addresses") or {}),
+                   field_path=str(data.get("field", "")))
+
+
+def for_unit(captured_launch: dict, launch: dict, unit_id: str) -> Placement:
+    """The placement of ``unit_id`` when the capture's ``launch`` is restored as ``launch``."""
+    def service(lnch: dict) -> tuple[int, dict] | None:
+        for i, s in enumerate(lnch["execution"]["services"]):
+            if s["unit"] == unit_id:
+                return i, s
+        return None
+
+    before, now = service(captured_launch), service(launch)
+    if before is None or now is None:
+        return Placement()
+    i, svc = now
+    old_addr, new_addr = before[1].get("address", "127.0.0.1"), svc.get("address", "127.0.0.1")
+    return Placement(port_shift=svc["port"] - before[1]["port"],
+                     addresses={old_addr: new_addr} if old_addr != new_addr else {},
+                     field_path=f"$.launch.execution.services[{i}].port")
+
+
+def rebind(images_dir: Path, out_dir: Path, placement: Placement, *, unit: str) -> tuple[Path, list[dict]]:
+    """The image directory CRIU restores from: ``images_dir`` itself when nothing moves, else a
+    rebound copy in ``out_dir``. Returns it with the listeners moved."""
+    if not placement.moves_anything:
+        return Path(images_dir), []
+    captured = [(x.address, x.port) for x in criu_images.listeners(images_dir)]
+    return Path(out_dir), criu_images.rebind_listeners(images_dir, out_dir, placement.moves(captured, unit=unit))

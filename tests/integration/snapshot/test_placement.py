@@ -1,0 +1,107 @@
+"""Placement is not identity (the seeds' restore contract), with real CRIU: a capture restores onto
+another serving port, also while a stranger holds the captured one; every listener of the unit
+moves by one shift (the engine's control listener too) and the receipt names where it serves. A
+requested port someone else holds fails in prepare, naming the holder, and the running workload
+stays. A request that changes identity (the command beyond its placement flags) is refused with
+the field named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from snapshot_workload import Workload, free_port, units_of
+from test_prepare_boundary import squatting
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
+
+UNIT, WORKER = "unit-0", "worker-0"
+
+
+def on_port(port: int, command_port: int | None = None):
+    """A request mutation: serve on ``port`` (services[0].port and the command's --port)."""
+    def mutate(req: dict) -> None:
+        req["launch"]["execution"]["services"][0]["port"] = port
+        cmd = req["launch"]["units"][0]["command"]
+        cmd[cmd.index("--port") + 1] = str(command_port or port)
+    return mutate
+
+
+@pytest.fixture(scope="module")
+def captured(state_root, tiny_model, env_digest):
+    wl = Workload(state_root, tiny_model, env_digest, tp=1, name="placement")
+    cap = wl.run(wl.request("capture"))
+    assert cap.succeeded, cap.receipt["error"]
+    artifact = Path(cap.receipt["result"]["operation"]["artifact"])
+    art = json.loads(artifact.read_text())
+    evidence = json.loads((state_root / "captures" / art["capture_id"] / "units" / UNIT / "evidence.json").read_text())
+    yield wl, artifact, art, evidence
+    wl.stop()
+
+
+def test_restore_onto_another_port_while_a_stranger_holds_the_captured_one(captured, state_root):
+    wl, artifact, art, evidence = captured
+    captured_listeners = {tuple(x) for x in evidence["workers"][0]["listeners"]}
+    assert ("127.0.0.1", wl.port) in captured_listeners or ("0.0.0.0", wl.port) in captured_listeners
+    new_port = free_port()
+    shift = new_port - wl.port
+    with squatting("127.0.0.1", wl.port):
+        res = wl.run(wl.request("restore", artifact=artifact, mutate=on_port(new_port)))
+        assert res.succeeded, res.receipt["error"]
+        unit = units_of(res.receipt)[0]
+        assert unit["served"] == {"address": "127.0.0.1", "port": new_port}
+        moved = {(tuple(m["from"]), tuple(m["to"])) for m in unit["listeners_moved"]}
+        assert moved == {((a, p), (a, p + shift)) for a, p in captured_listeners}, "one shift for every listener"
+        assert wl.complete(port=new_port) == art["acceptance"]["reply"]
+        control = json.loads((state_root / "workloads" / wl.name / UNIT / f"control-{WORKER}.json").read_text())
+        ctl_captured = json.loads((state_root / "captures" / art["capture_id"] / "units" / UNIT / "control"
+                                   / f"{WORKER}.json").read_text())
+        assert control["port"] == ctl_captured["port"] + shift
+        # The moved engine is the workload: status and sleep/wake reach it through its moved control port.
+        status = wl.run(wl.request("status", mutate=on_port(new_port)))
+        assert status.succeeded and units_of(status.receipt)[0]["state"] == "ready", status.receipt["error"]
+    # The captured images are untouched: the same capture restores back onto its own port, replacing
+    # the moved workload.
+    back = wl.run(wl.request("restore", artifact=artifact))
+    assert back.succeeded, back.receipt["error"]
+    assert units_of(back.receipt)[0]["listeners_moved"] == []
+    assert wl.complete() == art["acceptance"]["reply"]
+
+
+def test_a_requested_port_a_stranger_holds_fails_in_prepare_and_the_workload_keeps_serving(captured):
+    wl, artifact, art, _evidence = captured
+    pids = wl.engines()
+    assert pids, "the previous test leaves the workload running on its captured port"
+    wanted = free_port()
+    with squatting("127.0.0.1", wanted) as squatter:
+        res = wl.run(wl.request("restore", artifact=artifact, mutate=on_port(wanted)))
+        assert not res.succeeded
+        msg = res.receipt["error"]["message"]
+        assert f"127.0.0.1:{wanted}" in msg and f"pid {squatter.pid}" in msg, msg
+        assert "services[].port" in msg, "the fix names how to restore onto another port"
+    assert wl.engines() == pids
+    assert wl.complete() == art["acceptance"]["reply"]
+
+
+def test_a_request_that_changes_identity_is_refused_naming_the_field(captured):
+    wl, artifact, _art, _evidence = captured
+    pids = wl.engines()
+
+    def other_command(req: dict) -> None:
+        req["launch"]["units"][0]["command"] += ["--seed", "7"]
+
+    res = wl.run(wl.request("restore", artifact=artifact, mutate=other_command))
+    assert not res.succeeded
+    assert "$.launch.units[0].command" in res.receipt["error"]["message"], res.receipt["error"]
+    assert wl.engines() == pids
+
+
+def test_a_command_port_that_disagrees_with_the_service_is_refused_at_validation(captured):
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+
+    wl, artifact, _art, _evidence = captured
+    req = wl.request("restore", artifact=artifact, mutate=on_port(wl.port + 1, command_port=wl.port + 2))
+    with pytest.raises(FormatError, match=r"services\[0\]\.port.*--port"):
+        validate_request(req)

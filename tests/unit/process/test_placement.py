@@ -1,0 +1,128 @@
+"""Listener placement on restore: one shift per unit, addresses mapped, CRIU's files.img rewritten
+in a linked copy with every other byte kept (the image codec against hand-encoded protobuf)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu_images
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.placement import (
+    Placement,
+    for_unit,
+    rebind,
+)
+
+MAGIC = struct.pack("<II", 0x54564319, 0x56303138)
+
+
+def varint(v: int) -> bytes:
+    out = b""
+    while True:
+        b, v = v & 0x7F, v >> 7
+        out += bytes([b | 0x80]) if v else bytes([b])
+        if not v:
+            return out
+
+
+def field(num: int, value) -> bytes:
+    if isinstance(value, int):
+        return varint(num << 3) + varint(value)
+    return varint(num << 3 | 2) + varint(len(value)) + value
+
+
+def inet_entry(fid: int, family: int, state: int, addr: str, port: int, *, extra: bytes = b"") -> bytes:
+    packed = socket.inet_pton(family, addr)
+    words = [struct.unpack_from("<I", packed, i)[0] for i in range(0, len(packed), 4)]
+    isk = (field(1, fid) + field(2, 1000 + fid) + field(3, family) + field(4, socket.SOCK_STREAM) + field(5, 6)
+           + field(6, state) + field(7, port) + field(8, 0) + field(9, 2) + field(10, 128)
+           + b"".join(field(11, w) for w in words) + field(13, b"\x08\x00") + field(14, b"\x08\x01") + extra)
+    return field(1, 4) + field(2, fid) + field(4, isk)
+
+
+def reg_entry(fid: int, path: bytes) -> bytes:
+    return field(1, 1) + field(2, fid) + field(3, field(1, fid) + field(2, 0) + field(3, 0) + field(4, path))
+
+
+def write_images(tmp_path, entries: list[bytes]):
+    d = tmp_path / "images"
+    d.mkdir()
+    (d / "files.img").write_bytes(MAGIC + b"".join(struct.pack("<I", len(e)) + e for e in entries))
+    (d / "pages-1.img").write_bytes(b"\x11" * 4096)
+    (d / "dump.log").write_text("log")
+    (d / "stats-restore").write_bytes(b"stats")
+    return d
+
+
+def test_listeners_are_read_and_rebound_in_a_linked_copy(tmp_path):
+    entries = [reg_entry(1, b"/usr/bin/python3"),
+               inet_entry(2, socket.AF_INET, 10, "127.0.0.1", 8000),
+               inet_entry(3, socket.AF_INET6, 10, "::", 41000, extra=field(15, 1)),
+               inet_entry(4, socket.AF_INET, 7, "127.0.0.1", 8000),   # a closed connection of the listener
+               inet_entry(5, socket.AF_INET, 1, "127.0.0.1", 50000)]  # an outgoing one: left alone
+    src = write_images(tmp_path, entries)
+    before = (src / "files.img").read_bytes()
+    assert criu_images.listeners(src) == [criu_images.Listener(socket.AF_INET, "127.0.0.1", 8000),
+                                          criu_images.Listener(socket.AF_INET6, "::", 41000)]
+    place = Placement(port_shift=5, addresses={"127.0.0.1": "0.0.0.0"})
+    out, moved = rebind(src, tmp_path / "placed", place, unit="unit-0")
+    assert moved == [{"from": ["127.0.0.1", 8000], "to": ["0.0.0.0", 8005]},
+                     {"from": ["::", 41000], "to": ["::", 41005]}]
+    assert (src / "files.img").read_bytes() == before, "the captured images are never edited"
+    assert criu_images.listeners(out) == [criu_images.Listener(socket.AF_INET, "0.0.0.0", 8005),
+                                          criu_images.Listener(socket.AF_INET6, "::", 41005)]
+    assert (out / "pages-1.img").stat().st_ino == (src / "pages-1.img").stat().st_ino
+    assert not (out / "dump.log").exists() and not (out / "stats-restore").exists()
+    head, got = criu_images.read_image(out / "files.img")
+    assert head == MAGIC and got[0] == entries[0] and got[4] == entries[4], "other entries are kept byte for byte"
+    assert got[3] != entries[3], "the listener's closed connection moves with it"
+    assert field(15, 1) in got[2], "fields after the address survive"
+
+
+def test_nothing_moves_when_the_restore_serves_where_the_capture_did(tmp_path):
+    src = write_images(tmp_path, [inet_entry(2, socket.AF_INET, 10, "127.0.0.1", 8000)])
+    out, moved = rebind(src, tmp_path / "placed", Placement(), unit="unit-0")
+    assert out == src and moved == [] and not (tmp_path / "placed").exists()
+
+
+def test_a_rebind_replaces_a_stale_copy(tmp_path):
+    src = write_images(tmp_path, [inet_entry(2, socket.AF_INET, 10, "127.0.0.1", 8000)])
+    stale = tmp_path / "placed"
+    stale.mkdir()
+    (stale / "core-999.img").write_bytes(b"old")
+    out, _ = rebind(src, stale, Placement(port_shift=1), unit="unit-0")
+    assert not (out / "core-999.img").exists()
+
+
+@pytest.mark.parametrize("data", [b"\x19\x43", MAGIC + b"\x10\x00\x00\x00\x08", MAGIC + b"\x02\x00\x00\x00\x08\xff"])
+def test_a_damaged_files_image_is_an_image_error(tmp_path, data):
+    d = tmp_path / "images"
+    d.mkdir()
+    (d / "files.img").write_bytes(data)
+    with pytest.raises(criu_images.ImageError):
+        criu_images.listeners(d)
+
+
+def test_one_shift_for_every_listener_and_the_range_is_checked():
+    place = Placement(port_shift=1000, field_path="$.launch.execution.services[0].port")
+    assert place.listeners([("127.0.0.1", 8000), ("127.0.0.1", 41000)]) == [("127.0.0.1", 9000),
+                                                                             ("127.0.0.1", 42000)]
+    with pytest.raises(AdmissionError, match=r"port 65535\b|out of range") as exc:
+        place.apply("127.0.0.1", 64600, unit="unit-0")
+    assert "services[0].port" in str(exc.value)
+    with pytest.raises(AdmissionError, match="another address family"):
+        Placement(addresses={"127.0.0.1": "::"}).apply("127.0.0.1", 8000)
+
+
+def test_the_shift_comes_from_the_units_service():
+    def launch(port: int, address: str = "127.0.0.1") -> dict:
+        return {"execution": {"services": [{"id": "api", "unit": "unit-0", "port": port, "address": address}]}}
+
+    assert for_unit(launch(8000), launch(8000), "unit-0") == Placement(
+        field_path="$.launch.execution.services[0].port")
+    p = for_unit(launch(8000), launch(9100, "0.0.0.0"), "unit-0")
+    assert p.port_shift == 1100 and p.addresses == {"127.0.0.1": "0.0.0.0"} and p.moves_anything
+    assert for_unit(launch(8000), launch(9100), "unit-1") == Placement(), "a unit without a service stays"
+    assert Placement.from_json(p.to_json()) == p
