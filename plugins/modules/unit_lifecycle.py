@@ -80,7 +80,8 @@ EXAMPLES = r"""
 
 RETURN = r"""
 units:
-  description: Per-unit state after the run (C(ready), C(sleeping), C(warm), C(absent), C(stopped)); a stopped
+  description: Per-unit state after the run (C(ready), C(sleeping), C(warm), C(stopped), C(crashed) when its
+    engine died without being stopped); C(ok) is true for every unit the run could report on. A stopped
     unit lists the engine it ended under C(stopped) (null when none ran).
   returned: success
   type: list

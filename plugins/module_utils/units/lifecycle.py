@@ -29,13 +29,13 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
         # the model cache stay, so the workload can be restored again.
         stopped = {s["unit"]: s for s in runtime.evict(check_mode=check_mode)}
         return {"changed": bool(stopped),
-                "units": [{"unit": u["id"], "host": host, "state": "stopped",
+                "units": [{"unit": u["id"], "host": host, "ok": True, "state": "stopped",
                            "stopped": stopped.get(u["id"])} for u in units]}
     if action == "status":
         # A unit whose engine does not run is reported (stopped, or crashed when it was never stopped);
         # only the running ones are asked.
         presence = {u["id"]: runtime.presence(u["id"]) for u in units}
-        idle = [{"unit": u["id"], "host": host, "state": presence[u["id"]], "workers": []}
+        idle = [{"unit": u["id"], "host": host, "ok": True, "state": presence[u["id"]], "workers": []}
                 for u in units if presence[u["id"]] != "running"]
         units = [u for u in units if presence[u["id"]] == "running"]
         if not units:

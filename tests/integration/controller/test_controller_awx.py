@@ -66,7 +66,7 @@ def test_job_template_runs_the_collection_playbook_through_the_awx_project(tmp_p
     import ansible_runner
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import load_request
 
-    # No artifact: nothing was captured, nothing runs; status reports the unit absent.
+    # No artifact: nothing was captured, nothing runs; status reports the unit stopped.
     req = json.loads(REQUEST.read_text()) | {"operation": "status"}
     # Launch-time structured extra vars (the request, as docs/awx.md builds it) + survey answers + AWX's own.
     extravars = {"coldsnap_request": load_request(json.dumps(req)), **survey_answers(tmp_path / "state"), **AWX_VARS}
@@ -83,7 +83,7 @@ def test_job_template_runs_the_collection_playbook_through_the_awx_project(tmp_p
     result = set_stats_artifacts(events)[STATS_RESULT_KEY]
     assert result["state"] == "status"
     assert [(u["unit"], u["host"], u["state"], u["ok"]) for u in result["units"]] == [
-        ("unit-0", "localhost", "absent", True)]
+        ("unit-0", "localhost", "stopped", True)]
     # The survey's state root (a string) was used as the path: the activation runtime is staged there.
     assert list((tmp_path / "state" / "activation-runtime" / "sha256").iterdir())
     on_disk = [json.loads(p.read_text()) for p in Path(r.config.artifact_dir, "job_events").glob("*.json")]
