@@ -15,6 +15,14 @@ from pathlib import Path
 
 import pytest
 
+# torch.compile registers a stand-in for sys.intern when TorchDynamo is first imported, and refuses
+# the patch object ansible-core puts in its place once a test imported AnsibleModule: import Dynamo
+# first, so the engine tests that compile share one pytest process with the module tests.
+try:
+    import torch._dynamo  # noqa: F401
+except ImportError:  # environments without torch run no engine test
+    pass
+
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = REPO / "tests" / "fixtures"
 SHARED_EXAMPLES = REPO.parent / "shared" / "examples"

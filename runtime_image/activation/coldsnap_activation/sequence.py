@@ -272,6 +272,16 @@ class Activation:
             warm=warm, operation_id=spec.operation_id, generation=generation, transport_env=spec.transport_env,
             coordinator_endpoint=spec.coordinator["endpoint_file"] if spec.coordinator else None).to_json()
 
+    def _holds_cuda(self, h: EngineHandle) -> bool:
+        """Whether the worker holds a CUDA context (checkpointed with the CUDA driver before the dump);
+        policy.process.backend 'criu' promises there is none."""
+        used = cuda_mod.uses_cuda(h.pid)
+        if used and (self.spec.driver or {}).get("backend") == "criu":
+            raise UnitError(f"unit {self.spec.unit_id}: worker {h.worker['id']} holds a CUDA context, but "
+                            "policy.process.backend is 'criu' (plain CRIU cannot dump it)",
+                            fix="use backend 'cuda-criu' (snapshot driver n610), or keep CUDA out of the process")
+        return used
+
     def _fail(self, exc: BaseException) -> None:
         self.phases.abort(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
@@ -309,7 +319,7 @@ class Activation:
             memory = {h.worker["id"]: process_memory(h.pid) for h in self.handles}
             with self.rec.span("unit.cuda.checkpoint"):
                 for h in self.handles:
-                    cuda_used[h.worker["id"]] = cuda_mod.uses_cuda(h.pid)
+                    cuda_used[h.worker["id"]] = self._holds_cuda(h)
                     if cuda_used[h.worker["id"]]:
                         cuda_mod.checkpoint(h.pid, lock_timeout_ms=int(spec.timeout("cuda_lock", 30) * 1000))
             self.phases.wait("capture/cuda", spec.timeout("phase", 600))
@@ -366,7 +376,7 @@ class Activation:
             workers = []
             for h in handles:
                 wid = h.worker["id"]
-                cuda = cuda_mod.uses_cuda(h.pid)
+                cuda = self._holds_cuda(h)
                 memory = process_memory(h.pid)
                 if cuda:
                     cuda_mod.checkpoint(h.pid, lock_timeout_ms=int(spec.timeout("cuda_lock", 30) * 1000))

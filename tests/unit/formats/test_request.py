@@ -259,3 +259,28 @@ def test_hostile_nesting_is_a_clear_format_error_not_a_crash():
     with pytest.raises(FormatError) as exc:
         strict_loads("[" * 100_000 + "]" * 100_000)
     assert "levels deep" in str(exc.value)
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("kv_discard", False, "KV cache in a snapshot is not implemented"),
+    ("artifact_scope", "target-local", "target-local captures are not implemented"),
+])
+def test_process_policy_values_that_are_not_implemented_are_refused(base, field, value, needle):
+    base["policy"]["process"][field] = value
+    p = problems(base)
+    assert needle in p[f"$.policy.process.{field}"] and "leave it out" in p[f"$.policy.process.{field}"]
+
+
+def test_process_policy_backend_and_graphs_follow_the_snapshot_driver(base):
+    gpu = copy.deepcopy(base)
+    gpu["launch"]["units"][0]["devices"] = [0]
+    gpu["launch"]["execution"]["workers"][0]["device_slot"] = 0
+    gpu["policy"]["process"]["backend"] = "criu"
+    assert "plain CRIU cannot dump" in problems(gpu)["$.policy.process.backend"]
+    template = copy.deepcopy(base)
+    template["snapshot_driver"]["id"] = "n580"
+    template["policy"]["process"].update(backend="criu", graph_policy="preserve")
+    assert "no graphs to preserve" in problems(template)["$.policy.process.graph_policy"]
+    cpu = copy.deepcopy(base)
+    cpu["policy"]["process"]["backend"] = "criu"
+    assert validate_request(cpu)["policy"]["process"]["backend"] == "criu", "a CPU unit may use plain CRIU"

@@ -28,7 +28,7 @@ def make_request(*, recipe: str = "chat", driver: str = "n610", operation: str =
     base["operation"] = operation
     base["snapshot_driver"]["id"] = driver
     base["workload"]["recipe"] = recipe
-    base["policy"]["process"] = {"backend": "criu", "kv_discard": True}
+    base["policy"]["process"] = {"backend": "cuda-criu" if gpus and driver == "n610" else "criu", "kv_discard": True}
     unit0 = base["launch"]["units"][0]
     units, workers = [], []
     for i, host in enumerate(hosts):
