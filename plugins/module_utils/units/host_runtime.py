@@ -146,7 +146,10 @@ class HostRuntime(UnitRuntime):
         """Every file the captured tree maps or holds open must be here at its captured size (CRIU
         restores them by path). Derived caches the capsule carries are added where this host lacks
         them; anything else missing fails prepare, naming the file. Returns how many files were added."""
-        recorded = [f for w in captured["workers"] for f in w.get("files", [])]
+        # The workload directory's files (the engine log) are the activation runtime's: it creates them
+        # before CRIU restores the tree, on whichever host the unit lands.
+        wdir = str(self.layout.workload(self.request["workload"]["recipe"], unit_id))
+        recorded = [f for w in captured["workers"] for f in w.get("files", []) if not files.under(f["path"], wdir)]
         problems = files.file_problems(recorded)
         added = 0
         caches = [c for c in artifact["policy"]["cache"]["paths"]
