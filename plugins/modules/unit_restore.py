@@ -69,6 +69,13 @@ options:
         unit's rank container wrote (it runs as root) is given to this user afterwards, also when the run
         failed; mode bits are kept. Omitted, the files stay as written.
     type: raw
+  staging_failures:
+    description:
+      - O(phase=prepare). Why staging a worker's native payload failed, by worker id (the role's rescue
+        records it). Such a worker is planned on the recovery provider when the mode allows it, and the
+        reason leads its C(weights.workers[].reasons).
+    type: dict
+    default: {}
 attributes:
   check_mode:
     support: full
@@ -153,6 +160,7 @@ def main() -> None:
             warm=dict(type="bool", default=False),
             timeouts=dict(type="dict", default={}),
             owner=dict(type="raw"),
+            staging_failures=dict(type="dict", default={}),
         ),
         required_if=[("phase", "prepare", ["facts"]), ("phase", "activate", ["activation_digest"])],
         supports_check_mode=True,
@@ -166,7 +174,8 @@ def main() -> None:
         require_identity(art, req)
         if p["phase"] == "prepare":
             return ops.prepare_restore(req, art, host=p["host"], facts=p["facts"], state_root=state_root,
-                                       check_mode=module.check_mode, python=p["python"])
+                                       check_mode=module.check_mode, python=p["python"],
+                                       staging_failures=p["staging_failures"])
         if p["phase"] == "evict":
             return ops.evict(req, host=p["host"], state_root=state_root, check_mode=module.check_mode)
         return ops.restore_units(req, art, host=p["host"], state_root=state_root,

@@ -4,6 +4,11 @@
 types, required fields, digest-pinned images, immutable revisions), checks the
 cross references (units, workers, groups, services, mounts, operation needs),
 and returns the normalized request with driver- and engine-owned defaults filled in.
+
+Why one ~560-line unit: the schema, the cross rules and what identity and placement mean
+are one contract (request format 4); splitting them would let a rule drift from the
+fields it reads. Engine rules stay in :mod:`.engines`, capsule path policy in
+:mod:`.capsule_paths`.
 """
 
 from __future__ import annotations

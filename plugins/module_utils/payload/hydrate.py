@@ -309,6 +309,30 @@ def hydrate_native(manifest: NativeManifest | Path | str, payload: VerifiedPaylo
                           time.monotonic() - started, getattr(sink, "engine", "python"))
 
 
+def check_pin(st, pin: dict) -> None:
+    """A checkpoint file against what the capture pinned (size, safetensors header digest)."""
+    if pin.get("size") is not None and st.size != pin["size"]:
+        raise IntegrityError(f"checkpoint file {st.path} has {st.size} bytes, the capture pinned {pin['size']}",
+                             fix="download the pinned model revision")
+    if pin.get("header_sha256") is not None and st.header_sha256 != pin["header_sha256"]:
+        raise IntegrityError(f"checkpoint file {st.path} has a different safetensors header than the capture",
+                             fix="download the pinned model revision")
+
+
+def check_recovery_source(replay_plan_path: Path, safetensors_dir: Path) -> None:
+    """Every checkpoint file the replay plan reads is present and matches its pins (prepare runs this
+    before anything is evicted; hydration checks the same again on the files it opens)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.safetensors import SafetensorsFile
+
+    plan = load_replay_plan(replay_plan_path)
+    for name, pin in sorted(plan.files.items()):
+        st = SafetensorsFile(Path(safetensors_dir) / name)
+        try:
+            check_pin(st, pin)
+        finally:
+            st.close()
+
+
 def hydrate_recovery(manifest: NativeManifest | Path | str, replay_plan_path: Path, safetensors_dir: Path,
                      residual_path: Path, sink: AllocationSink, *, progress: Progress | None = None,
                      verify_extents: bool = True, verify_residual: bool = True) -> HydrationStats:
@@ -332,12 +356,7 @@ def hydrate_recovery(manifest: NativeManifest | Path | str, replay_plan_path: Pa
         for name, pin in sorted(plan.files.items()):
             st = SafetensorsFile(Path(safetensors_dir) / name)
             opened[name] = st
-            if pin.get("size") is not None and st.size != pin["size"]:
-                raise IntegrityError(f"checkpoint file {st.path} has {st.size} bytes, the capture pinned {pin['size']}",
-                                     fix="download the pinned model revision")
-            if pin.get("header_sha256") is not None and st.header_sha256 != pin["header_sha256"]:
-                raise IntegrityError(f"checkpoint file {st.path} has a different safetensors header than the capture",
-                                     fix="download the pinned model revision")
+            check_pin(st, pin)
         jobs: list[FillJob] = []
         for e in plan.extents:
             st = opened[e.source.file]

@@ -201,6 +201,31 @@ def test_publish_native_records_the_commit_and_a_fresh_host_restores_from_it(cap
             assert json.loads(log[0])["provider"] == "native"
             assert wl.state_root.joinpath(payload["path"]).is_file()
             assert not (wl.state_root / "captures").exists(), "nothing came from the capture directory"
+
+            # The Hub goes away and the host loses the payload: auto falls back to the pinned safetensors in
+            # prepare, saying why in the receipt; native fails closed there, naming the reason.
+            wl.stop()
+            wl.state_root.joinpath(payload["path"]).unlink()
+            gone = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_DISABLE_XET": "1", "HF_HUB_ETAG_TIMEOUT": "2"}
+
+            def mode(value: str):
+                return lambda r: r["policy"]["weights"].__setitem__("mode", value)
+
+            res = wl.run(wl.request("restore", artifact=out / "artifact.json", mutate=mode("auto")),
+                         secrets={"coldsnap_hf_token": TOKEN}, envvars=gone)
+            assert res.succeeded, res.receipt["error"]
+            (planned,) = res.receipt["result"]["operation"]["prepared"][0]["weights"]["workers"].values()
+            assert planned["provider"] == "recovery", planned
+            assert planned["reasons"][0].startswith("native staging failed: "), planned["reasons"]
+            assert res.receipt["result"]["operation"]["units"][0]["reply"] == art["acceptance"]["reply"]
+            assert TOKEN not in json.dumps(res.receipt)
+            wl.stop()
+            res = wl.run(wl.request("restore", artifact=out / "artifact.json", mutate=mode("native")),
+                         secrets={"coldsnap_hf_token": TOKEN}, envvars=gone)
+            assert not res.succeeded
+            err = res.receipt["error"]
+            assert "never falls back" in err["message"] and "prepare" in (err["phase"] or ""), err
+            assert TOKEN not in json.dumps(res.receipt)
         finally:
             wl.stop()
             shutil.rmtree(wl.state_root)

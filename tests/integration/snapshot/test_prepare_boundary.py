@@ -275,3 +275,28 @@ def test_stopped_ends_the_engines_keeps_the_capture_and_converges(running, state
     assert [u["state"] for u in status.receipt["result"]["operation"]["units"]] == ["stopped"]
     res = wl.run(wl.request("restore", artifact=artifact))
     assert res.succeeded, res.receipt["error"]
+
+
+def test_a_recovery_source_that_fails_its_pins_fails_in_prepare(running, tiny_model, tmp_path):
+    """The pinned safetensors are checked before eviction (sizes, headers), not in hydration after it."""
+    import shutil
+
+    wl, artifact, _art, _token = running
+    pids = wl.engines()
+    model_dir, _ident = tiny_model
+    copy = tmp_path / "model-copy"
+    shutil.copytree(model_dir, copy)
+    grown = sorted(copy.glob("*.safetensors"))[0]
+    with grown.open("ab") as fh:
+        fh.write(b"\0" * 8)
+
+    def recover_from_the_copy(req: dict) -> None:  # the model's source path is placement
+        req["launch"]["model"]["source"]["path"] = str(copy)
+        req["policy"]["weights"]["mode"] = "recovery"
+
+    res = wl.run(wl.request("restore", artifact=artifact, mutate=recover_from_the_copy))
+    assert not res.succeeded
+    err = res.receipt["error"]
+    assert "pinned safetensors" in err["message"] and grown.name in err["message"], err
+    assert "prepare" in (err["phase"] or ""), err
+    still_serving(wl, pids)
