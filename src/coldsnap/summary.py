@@ -63,7 +63,12 @@ def unit_rows(receipt: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
     if isinstance(units, list):
         for u in units:
             if isinstance(u, Mapping) and isinstance(u.get("unit"), str):
-                rows.append((u["unit"], str(u.get("host") or "-"), _unit_state(u), readiness_text(u.get("readiness"))))
+                text = readiness_text(u.get("readiness"))
+                served = u.get("served")
+                if isinstance(served, Mapping) and u.get("listeners_moved"):  # restored onto another port
+                    where = f"serving {served.get('address')}:{served.get('port')}"
+                    text = f"{where}, {text}" if text else where
+                rows.append((u["unit"], str(u.get("host") or "-"), _unit_state(u), text))
     if rows:
         return rows
     # capture: the acceptance evidence carries each unit's readiness, the capsules their state.

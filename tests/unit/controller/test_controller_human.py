@@ -81,6 +81,18 @@ def test_summary_of_a_restore(example_request_text) -> None:
     assert len(text) < 1000  # a summary, not the receipt
 
 
+def test_summary_of_a_restore_onto_another_port_says_where_it_serves(example_request_text) -> None:
+    moved = {"capture_id": "cap-1", "units": [
+        {"unit": "unit-0", "host": "gpu-a", "ok": True, "served": {"address": "127.0.0.1", "port": 9000},
+         "listeners_moved": [{"worker": "worker-0", "from": ["127.0.0.1", 8000], "to": ["127.0.0.1", 9000]}],
+         "readiness": {"ttft_s": 0.5}},
+        {"unit": "unit-1", "host": "gpu-b", "ok": True, "served": {"address": "127.0.0.1", "port": 8001},
+         "listeners_moved": [], "readiness": {"ttft_s": 0.5}}]}
+    lines = format_summary(_receipt(example_request_text, result_operation=moved)).splitlines()
+    assert "serving 127.0.0.1:9000, TTFT 0.500 s" in next(line for line in lines if "unit-0 @ gpu-a" in line)
+    assert "serving" not in next(line for line in lines if "unit-1 @ gpu-b" in line), "only a move is worth a word"
+
+
 def test_summary_of_a_capture_names_the_artifact(example_request_text) -> None:
     text = format_summary(_receipt(example_request_text, "capture", result_operation=CAPTURED))
     assert "artifact  /srv/coldsnap/captures/cap-1/artifact.json" in text
