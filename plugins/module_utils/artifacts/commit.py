@@ -53,8 +53,10 @@ def build_artifact(request: dict, *, capture_id: str, evidence: dict[str, dict],
             g = by_index.get(ordinal)
             if g is None:
                 raise ColdSnapError(f"unit {u['id']}: GPU {ordinal} was not found on {u['host']} at capture")
-            gpus.append({"model": g["model"], "compute_capability": g["compute_capability"],
-                         "nvidia_driver": g["nvidia_driver"], "memory_mib": g.get("memory_mib", 0)})
+            gpu = {"model": g["model"], "compute_capability": g["compute_capability"], "nvidia_driver": g["nvidia_driver"]}
+            if isinstance(g.get("memory_mib"), int):  # unified-memory GPUs (GB10) report none
+                gpu["memory_mib"] = g["memory_mib"]
+            gpus.append(gpu)
         if gpus:
             nvidia = f.get("nvidia_driver")
             workers = [w for w in launch["execution"]["workers"] if w["unit"] == u["id"]]

@@ -21,6 +21,48 @@ def cpu_model() -> str:
     return platform.processor() or ""
 
 
+NOT_REPORTED = ("[N/A]", "N/A", "[Not Supported]", "Not Supported", "")
+
+
+def _number(text: str) -> float | None:
+    """A figure nvidia-smi printed, or None where it says the GPU does not report it (unified-memory
+    GPUs such as GB10 print ``[N/A]`` for ``memory.total``)."""
+    text = text.strip()
+    if text in NOT_REPORTED:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def parse_nvidia_smi(text: str) -> tuple[list[dict], str | None]:
+    """(gpus, driver) from ``nvidia-smi --query-gpu=index,name,compute_cap,memory.total,uuid,driver_version
+    --format=csv,noheader,nounits``. A field the GPU does not report is None (``memory_mib``), and a GPU
+    without its own memory figure is marked ``unified_memory``."""
+    out: list[dict] = []
+    driver = None
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 6:
+            continue
+        idx, name, cc, mem, uuid, drv = parts
+        driver = drv if drv not in NOT_REPORTED else driver
+        mib = _number(mem)
+        out.append({"index": int(idx), "model": name,
+                    "compute_capability": cc if cc not in NOT_REPORTED else None,
+                    "memory_mib": int(mib) if mib is not None else None, "unified_memory": mib is None,
+                    "uuid": uuid, "nvidia_driver": drv})
+    return out, driver
+
+
+def _nvml_memory_mib(pynvml, handle) -> int | None:
+    try:
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total // (1 << 20))
+    except Exception:  # NVMLError_NotSupported on unified-memory GPUs (GB10)
+        return None
+
+
 def gpus() -> tuple[list[dict], str | None, str]:
     """(gpus, nvidia driver version or None, how they were found)."""
     try:
@@ -35,10 +77,10 @@ def gpus() -> tuple[list[dict], str | None, str]:
                 h = pynvml.nvmlDeviceGetHandleByIndex(i)
                 name = pynvml.nvmlDeviceGetName(h)
                 major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
-                mem = pynvml.nvmlDeviceGetMemoryInfo(h).total // (1 << 20)
+                mem = _nvml_memory_mib(pynvml, h)
                 uuid = pynvml.nvmlDeviceGetUUID(h)
                 out.append({"index": i, "model": name.decode() if isinstance(name, bytes) else name,
-                            "compute_capability": f"{major}.{minor}", "memory_mib": int(mem),
+                            "compute_capability": f"{major}.{minor}", "memory_mib": mem, "unified_memory": mem is None,
                             "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid, "nvidia_driver": driver})
             return out, driver, "nvml"
         finally:
@@ -50,14 +92,8 @@ def gpus() -> tuple[list[dict], str | None, str]:
         r = subprocess.run([smi, "--query-gpu=index,name,compute_cap,memory.total,uuid,driver_version",
                             "--format=csv,noheader,nounits"], check=False, capture_output=True, text=True, timeout=60)
         if r.returncode == 0:
-            out = []
-            driver = None
-            for line in r.stdout.strip().splitlines():
-                idx, name, cc, mem, uuid, drv = (p.strip() for p in line.split(","))
-                driver = drv
-                out.append({"index": int(idx), "model": name, "compute_capability": cc, "memory_mib": int(float(mem)),
-                            "uuid": uuid, "nvidia_driver": drv})
-            return out, driver, "nvidia-smi"
+            found, driver = parse_nvidia_smi(r.stdout)
+            return found, driver, "nvidia-smi"
     return [], None, "none"
 
 

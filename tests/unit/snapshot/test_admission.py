@@ -175,3 +175,54 @@ def test_moves_that_nccl_survives_are_admitted(case):
          "cpu workers": lambda: tp2_moves({"unit-0": 1, "unit-1": 0}, cuda=False),
          "no tensor group": lambda: tp2_moves({"unit-0": 1, "unit-1": 0}, groups=())}[case]()
     m.admit("gpu-7")
+
+
+# ----------------------------------------------------------------------------- unified memory (GB10), on paper
+# Recorded `nvidia-smi --query-gpu=index,name,compute_cap,memory.total,uuid,driver_version
+# --format=csv,noheader,nounits` lines: an H200, and a unified-memory aarch64 part that reports no
+# memory of its own ([N/A]), as GB10 systems do.
+SMI_H200 = "0, NVIDIA H200, 9.0, 143771, GPU-2f6c1a8e-0b7d-4c44-9d0a-6c1f0e2d9a11, 580.159.04\n"
+SMI_GB10 = "0, NVIDIA GB10, 12.1, [N/A], GPU-9a1b2c3d-4e5f-6a7b-8c9d-0e1f2a3b4c5d, 580.95.05\n"
+
+
+def test_nvidia_smi_figures_parse_and_unreported_memory_is_none():
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_facts import parse_nvidia_smi
+
+    (h200,), driver = parse_nvidia_smi(SMI_H200)
+    assert driver == "580.159.04" and h200["memory_mib"] == 143771 and not h200["unified_memory"]
+    (gb10,), driver = parse_nvidia_smi(SMI_GB10)
+    assert driver == "580.95.05"
+    assert gb10 == {"index": 0, "model": "NVIDIA GB10", "compute_capability": "12.1", "memory_mib": None,
+                    "unified_memory": True, "uuid": "GPU-9a1b2c3d-4e5f-6a7b-8c9d-0e1f2a3b4c5d",
+                    "nvidia_driver": "580.95.05"}
+
+
+def test_nvml_without_a_memory_figure_reports_none():
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_facts import _nvml_memory_mib
+
+    class NotSupported(Exception):
+        pass
+
+    class Nvml:
+        @staticmethod
+        def nvmlDeviceGetMemoryInfo(_handle):
+            raise NotSupported("Not Supported")
+
+    assert _nvml_memory_mib(Nvml, object()) is None
+
+
+def test_a_unified_memory_gpu_without_a_memory_figure_is_a_valid_platform_and_admitted(fixtures_dir):
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_facts import parse_nvidia_smi
+
+    gpus, driver = parse_nvidia_smi(SMI_GB10)
+    art = json.loads((fixtures_dir / "artifacts" / "reference-tiny-n610.json").read_text())
+    art["launch"]["units"][0]["devices"] = [0]
+    art["launch"]["execution"]["workers"][0]["device_slot"] = 0
+    art["compatibility"]["units"][0].update(arch="aarch64", gpus=[
+        {k: gpus[0][k] for k in ("model", "compute_capability", "nvidia_driver")}])
+    art["snapshot_driver"]["captured_nvidia_driver"] = driver
+    validate_artifact(art)  # memory_mib is optional in the platform inventory
+    assert admit(art, facts(arch="aarch64", gpus=gpus, nvidia_driver=driver))["row"]
+    with pytest.raises(AdmissionError, match="GB10|GPU"):
+        admit(art, facts(arch="aarch64"))  # an H200 is not the captured GPU
