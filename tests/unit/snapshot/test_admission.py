@@ -224,5 +224,5 @@ def test_a_unified_memory_gpu_without_a_memory_figure_is_a_valid_platform_and_ad
     art["snapshot_driver"]["captured_nvidia_driver"] = driver
     validate_artifact(art)  # memory_mib is optional in the platform inventory
     assert admit(art, facts(arch="aarch64", gpus=gpus, nvidia_driver=driver))["row"]
-    with pytest.raises(AdmissionError, match="GB10|GPU"):
+    with pytest.raises(AdmissionError, match=r"GB10|GPU"):
         admit(art, facts(arch="aarch64"))  # an H200 is not the captured GPU
