@@ -79,3 +79,27 @@ def make_model(out_dir: Path, config: ModelConfig, *, model_id: str, seed: int =
 def load_identity(model_dir: Path) -> dict:
     """The model's pinned identity {id, revision, files, ...}."""
     return json.loads((Path(model_dir) / IDENTITY_FILE).read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m coldsnap_engines.reference.weights --out DIR [--preset tiny]``: write a model and
+    print its pinned identity (``id``, ``revision``) as JSON."""
+    import argparse
+
+    from coldsnap_engines.reference.config import PRESETS
+
+    p = argparse.ArgumentParser(prog="python -m coldsnap_engines.reference.weights",
+                                description="write a reference-engine model (random weights, pinned revision)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-id", default=None, help="default coldsnap/reference-<preset>")
+    a = p.parse_args(argv)
+    ident = make_model(Path(a.out), PRESETS[a.preset], model_id=a.model_id or f"coldsnap/reference-{a.preset}",
+                       seed=a.seed)
+    print(json.dumps(ident, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
