@@ -76,6 +76,11 @@ options:
         reason leads its C(weights.workers[].reasons).
     type: dict
     default: {}
+  hf_token:
+    description:
+      - O(phase=prepare). Hugging Face token for a C(huggingface) recovery source (the pinned snapshot is
+        downloaded in prepare, before anything is evicted). Never logged or returned.
+    type: str
 attributes:
   check_mode:
     support: full
@@ -161,6 +166,7 @@ def main() -> None:
             timeouts=dict(type="dict", default={}),
             owner=dict(type="raw"),
             staging_failures=dict(type="dict", default={}),
+            hf_token=dict(type="str", no_log=True),
         ),
         required_if=[("phase", "prepare", ["facts"]), ("phase", "activate", ["activation_digest"])],
         supports_check_mode=True,
@@ -175,7 +181,7 @@ def main() -> None:
         if p["phase"] == "prepare":
             return ops.prepare_restore(req, art, host=p["host"], facts=p["facts"], state_root=state_root,
                                        check_mode=module.check_mode, python=p["python"],
-                                       staging_failures=p["staging_failures"])
+                                       staging_failures=p["staging_failures"], hub_token=p["hf_token"])
         if p["phase"] == "evict":
             return ops.evict(req, host=p["host"], state_root=state_root, check_mode=module.check_mode)
         return ops.restore_units(req, art, host=p["host"], state_root=state_root,

@@ -27,15 +27,17 @@ def placements_of(request: dict, artifact: dict, host: str) -> dict[str, dict]:
 
 
 def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, state_root: Path,
-                    check_mode: bool, python: str | None = None, staging_failures: dict | None = None) -> dict:
+                    check_mode: bool, python: str | None = None, staging_failures: dict | None = None,
+                    hub_token: str | None = None) -> dict:
     """Everything restore needs on this host, checked without touching the running workload."""
     runtime = runtime_for(request, host=host, state_root=state_root, python=python)
     plans, changed = runtime.prepare(artifact, facts=facts, check_mode=check_mode)
     # Host runtime: the captured state is on disk here (docker: inside the capsule image, checked in hydration).
     worker_dirs = {} if check_mode else {w["worker"]: p["unit_dir"] for p in plans if p.get("unit_dir")
                                          for w in artifact["weights"]["workers"] if w["unit"] == p["unit"]}
+    # A Hugging Face recovery source is downloaded now, never after eviction (check mode downloads nothing).
     weights = plan_weights(request, artifact, host=host, state_root=state_root, staging_failures=staging_failures,
-                           worker_dirs=worker_dirs) if plans else {}
+                           worker_dirs=worker_dirs, contact_hub=True, hub_token=hub_token, dry_run=check_mode) if plans else {}
     return {"changed": changed, "units": plans, "weights": weights}
 
 

@@ -8,28 +8,33 @@ from pathlib import Path
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import PayloadRef, WorkerFiles
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import recovery_source
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import check_recovery_source
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.provider import resolve_provider
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.provider import (
+    may_contact_hub,
+    resolve_provider,
+)
 
 
 def model_dir(request: dict) -> str | None:
-    """Where the recovery provider reads the pinned safetensors on this host."""
-    src = request["launch"]["model"]["source"]
-    if src["kind"] == "local-safetensors":
-        return src["path"]
-    return None
+    """The directory a unit container mounts so the recovery provider can read the pinned safetensors
+    (the local model directory, or the Hugging Face cache holding the pinned snapshot)."""
+    return recovery_source.mount_root(request)
 
 
 def plan_weights(request: dict, artifact: dict, *, host: str, state_root: Path,
-                 staging_failures: dict | None = None, worker_dirs: dict | None = None) -> dict:
+                 staging_failures: dict | None = None, worker_dirs: dict | None = None,
+                 contact_hub: bool = False, hub_token: str | None = None, dry_run: bool = False) -> dict:
     """Provider per worker of this host's units, as policy.weights.mode decides it.
     ``staging_failures``: why staging a worker's native payload failed (the role's rescue), listed
     first among that worker's reasons. ``worker_dirs``: each worker's captured unit directory on this
-    host, where its replay plan is (its recovery source is then checked here)."""
+    host, where its replay plan is (its recovery source is then checked here). ``contact_hub``: a
+    Hugging Face recovery source may be downloaded now (prepare), else only looked up in the cache;
+    ``dry_run`` (check mode) neither downloads nor looks it up."""
     weights = request["policy"]["weights"]
     host_units = {u["id"] for u in units_on_host(request, host)}
-    plan: dict = {"workers": {}, "model_dir": model_dir(request), "materialize": weights["native"]["materialize"]}
+    plan: dict = {"workers": {}, "model_dir": None, "materialize": weights["native"]["materialize"]}
     providers = set()
     for w in artifact["weights"]["workers"]:
         if w["unit"] not in host_units:
@@ -51,10 +56,12 @@ def plan_weights(request: dict, artifact: dict, *, host: str, state_root: Path,
         plan["workers"][w["worker"]] = entry
     plan["provider"] = providers.pop() if len(providers) == 1 else "mixed"
     recovering = [wid for wid, e in plan["workers"].items() if e["provider"] == "recovery"]
-    if recovering and not plan["model_dir"]:
-        raise ColdSnapError("the recovery provider needs the pinned safetensors on the host, but the model source "
-                            "is not a local directory", fix="stage the pinned snapshot and use a local-safetensors "
-                            "source, or stage the native payload")
+    source = request["launch"]["model"]["source"]
+    if source["kind"] == "local-safetensors":
+        plan["model_dir"] = source["path"]
+    elif recovering and not dry_run:
+        plan["model_dir"] = str(recovery_source.recovery_dir(
+            request, contact_hub=contact_hub and weights["mode"] != "cache-only-auto", token=hub_token))
     # The recovery source is checked here, before anything is evicted: every file the replay plan reads,
     # its size and safetensors header as the capture pinned them.
     for wid in recovering:

@@ -127,6 +127,7 @@ class WritableHubStandin:
       a stored object of that size, and a ``parentCommit`` must be the branch head;
     * ``POST /api/models/{repo}/paths-info/{rev}`` (``get_paths_info``): size, blob id and LFS SHA-256 per path;
     * ``GET /api/models/{repo}/revision/{rev}`` (``repo_info``): the commit a revision resolves to;
+    * ``GET /api/models/{repo}/tree/{rev}`` (``list_repo_tree``, as ``snapshot_download`` lists files): every file;
     * ``HEAD``/``GET /{repo}/resolve/{rev}/{path}`` (``hf_hub_download``): the file at a branch or commit.
 
     Uploads go through the legacy LFS protocol: run clients with ``HF_HUB_DISABLE_XET=1``
@@ -299,6 +300,19 @@ class WritableHubStandin:
                             e = hub.commits[commit]["files"].get(p)
                             if e is None:
                                 continue
+                            data = e["data"] if "data" in e else hub.objects[e["lfs"]]
+                            blob = hashlib.sha1(b"blob %d\x00" % len(data) + data).hexdigest()
+                            info = {"type": "file", "path": p, "size": len(data), "oid": blob}
+                            if "lfs" in e:
+                                info["lfs"] = {"oid": e["lfs"], "size": len(data), "pointerSize": 134}
+                            out.append(info)
+                        return self._json(200, out)
+                    if self.command == "GET" and path.startswith(api + "tree/"):
+                        commit = hub.resolve(path[len(api + "tree/"):].split("/", 1)[0])
+                        if commit is None:
+                            return self._fail(404, "RevisionNotFound", "revision not found")
+                        out = []
+                        for p, e in sorted(hub.commits[commit]["files"].items()):
                             data = e["data"] if "data" in e else hub.objects[e["lfs"]]
                             blob = hashlib.sha1(b"blob %d\x00" % len(data) + data).hexdigest()
                             info = {"type": "file", "path": p, "size": len(data), "oid": blob}

@@ -45,10 +45,11 @@ class Workload:
             mutate(req)
         return req
 
-    def run(self, req: dict, *, prepare_only: bool = False):
+    def run(self, req: dict, *, prepare_only: bool = False, envvars: dict | None = None, secrets: dict | None = None):
         return run_playbook(operation=req["operation"], request=req, playbook=f"coldsnap.fleet.{req['operation']}",
                             extravars=operation_extravars(req, prepare_only=prepare_only, state_root=self.state_root),
-                            inventory=None, state_root=self.state_root, prepare_only=prepare_only)
+                            inventory=None, state_root=self.state_root, prepare_only=prepare_only,
+                            envvars=envvars, secret_extravars=secrets)
 
     def engines(self) -> list[int]:
         pids = []
