@@ -41,6 +41,8 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/coldsnap-gpu-user")
     ap.add_argument("--port", type=int, default=18260)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--moved-port", type=int, default=0,
+                    help="finally restore onto this port while a stranger holds the captured one")
     args = ap.parse_args()
     collection_on_path()
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
@@ -56,7 +58,8 @@ def main() -> int:
     engine_python = sys.executable
     env = {"OMP_NUM_THREADS": "8", "PYTHONPATH": os.environ["PYTHONPATH"]}
 
-    def request(op: str, **extra) -> Path:
+    def request(op: str, port: int | None = None, **extra) -> Path:
+        port = port or args.port
         req = {
             "format": 4, "kind": "coldsnap-operation-request", "operation": op,
             "id": f"gpu-user-{op}-{time.strftime('%H%M%S')}", "snapshot_driver": {"id": "n610"},
@@ -65,11 +68,11 @@ def main() -> int:
                                  "source": {"kind": "local-safetensors", "path": str(model_dir)}},
                        "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": [0],
                                   "command": [engine_python, "-m", "coldsnap_engines.reference.server", "--model",
-                                              str(model_dir), "--port", str(args.port), "--device", "cuda"],
+                                              str(model_dir), "--port", str(port), "--device", "cuda"],
                                   "environment": env, "environment_digest": environment.of_python(engine_python),
                                   "mounts": [{"source": str(model_dir), "target": str(model_dir)}]}],
                        "execution": {"workers": [{"id": "worker-0", "unit": "unit-0", "rank": 0, "device_slot": 0}],
-                                     "services": [{"id": "api", "unit": "unit-0", "port": args.port}],
+                                     "services": [{"id": "api", "unit": "unit-0", "port": port}],
                                      "adapter": {"schema": "reference-v1", "digest": "sha256:" + "1" * 64}}},
             "policy": {"process": {"backend": "cuda-criu"}, "weights": {"native": {"materialize": "off"}}},
             "validation": {"prompt": "ColdSnap says:", "max_tokens": 16},
@@ -90,7 +93,8 @@ def main() -> int:
         if doc.get("error"):
             out["error"] = doc["error"]["message"][-1500:]
         units = ((doc.get("result") or {}).get("operation") or {}).get("units") or []
-        out["units"] = [{k: u.get(k) for k in ("unit", "state", "readiness", "reply") if k in u} for u in units]
+        out["units"] = [{k: u.get(k) for k in ("unit", "state", "readiness", "reply", "served", "listeners_moved")
+                         if k in u} for u in units]
         return out
 
     work.mkdir(parents=True, exist_ok=True)
@@ -110,6 +114,19 @@ def main() -> int:
                                  "restore_over_cold_ttft": round(r["ttft_s"] / result["cold"]["ttft_s"], 4),
                                  "restore_operation_s": restore["operation_s"],
                                  "control_plane_s": round(restore["operation_s"] - r["ttft_s"], 2)}
+    if args.moved_port and cap["state"] == "succeeded":
+        import socket
+
+        squatter = socket.socket()
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", args.port))
+        squatter.listen()
+        try:
+            result["restore-moved"] = run("restore", request("restore", port=args.moved_port,
+                                                             artifact={"path": str(artifact)}))
+        finally:
+            squatter.close()
+        run("stop", request("stop", port=args.moved_port, artifact={"path": str(artifact)}))
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
