@@ -12,7 +12,6 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import reco
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import check_recovery_source
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.provider import (
-    may_contact_hub,
     resolve_provider,
 )
 
