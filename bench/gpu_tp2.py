@@ -146,9 +146,9 @@ def main() -> int:
         ep = coordinator(f"tp2-capture{tag}")
         t = time.time()
         caps = run_units(unit.build_specs(request(f"tp2-capture{tag}", (0, 1)), host="localhost",
-                                                    operation="capture", capture_id=f"tp2{tag}", state_root=state,
-                                                    coordinator_endpoint=ep),
-                                   state_root=state, activation_digest=digest)
+                                          operation="capture", capture_id=f"tp2{tag}", state_root=state,
+                                          coordinator_endpoint=ep),
+                         state_root=state, activation_digest=digest)
         daemon.stop_coordinator(ep)
         result[f"capture{tag}_wall_s"] = round(time.time() - t, 2)
         return caps
@@ -167,10 +167,10 @@ def main() -> int:
         expected = caps[0]["acceptance_reply"]
         try:
             evs = run_units(unit.build_specs(req, host="localhost", operation="restore",
-                                                       capture_id=f"tp2{tag}", state_root=state, weights=weights,
-                                                       coordinator_endpoint=ep,
-                                                       validation={**req["validation"], "expected": expected}),
-                                      state_root=state, activation_digest=digest)
+                                             capture_id=f"tp2{tag}", state_root=state, weights=weights,
+                                             coordinator_endpoint=ep,
+                                             validation={**req["validation"], "expected": expected}),
+                            state_root=state, activation_digest=digest)
         except Exception as exc:
             restores.append({"name": name, "devices": list(devices), "error": str(exc)})
             save()

@@ -45,7 +45,7 @@ missing=0
 for f in requirements.txt bindep.txt; do
   while IFS= read -r line; do
     line=${line%%#*}
-    line=$(echo "$line" | sed 's/[[:space:]]*$//')
+    line=${line%"${line##*[![:space:]]}"}  # trailing blanks
     [ -n "$line" ] || continue
     if ! grep -qF -- "'$line  # from collection coldsnap.fleet'" "$work/introspect.yml"; then
       echo "[ee-check] $f: '$line' does not reach the execution environment" >&2

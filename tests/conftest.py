@@ -19,7 +19,7 @@ import pytest
 # the patch object ansible-core puts in its place once a test imported AnsibleModule: import Dynamo
 # first, so the engine tests that compile share one pytest process with the module tests.
 try:
-    import torch._dynamo  # noqa: F401
+    import torch._dynamo  # noqa: F401  # pylint: disable=unused-import
 except ImportError:  # environments without torch run no engine test
     pass
 

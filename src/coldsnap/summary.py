@@ -107,8 +107,8 @@ def format_summary(receipt: Mapping[str, Any], *, receipt_path: str | Path | Non
     lines = [head]
     started = receipt.get("started_at")
     if started:
-        lines.append(f"  {'started':<10}{started}" + (f"  (completed {receipt['completed_at']})"
-                                                       if receipt.get("completed_at") else ""))
+        completed = f"  (completed {receipt['completed_at']})" if receipt.get("completed_at") else ""
+        lines.append(f"  {'started':<10}{started}{completed}")
     if receipt.get("engine") or receipt.get("snapshot_driver"):
         lines.append(f"  {'engine':<10}{receipt.get('engine') or '-'} (snapshot driver "
                      f"{receipt.get('snapshot_driver') or '-'})")

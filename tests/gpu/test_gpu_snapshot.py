@@ -73,9 +73,9 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, native_fill_built):
         if provider == "native" else None}}}
     rreq = {**req, "id": f"gpu-test-{provider}"}
     ev = run_units(unit.build_specs(rreq, host="localhost", operation="restore", capture_id="c",
-                                              state_root=state, weights=weights,
-                                              validation={**req["validation"], "expected": cap["acceptance_reply"]}),
-                             state_root=state, activation_digest=digest)[0]
+                                    state_root=state, weights=weights,
+                                    validation={**req["validation"], "expected": cap["acceptance_reply"]}),
+                   state_root=state, activation_digest=digest)[0]
     try:
         assert ev["reply"] == cap["acceptance_reply"]
         log = (state / "workloads" / "gpu-test" / "unit-0" / "target.log").read_text().splitlines()

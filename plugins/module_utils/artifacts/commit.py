@@ -90,8 +90,8 @@ def build_artifact(request: dict, *, capture_id: str, evidence: dict[str, dict],
         "policy": {"process": request["policy"]["process"], "compatibility": request["policy"]["compatibility"],
                    "cache": request["policy"]["cache"]},
         "compatibility": {"units": platforms},
-        "capsule": {"units": [{**capsules[u["id"]], **({"state": evidence[u["id"]]["state"]}
-                                                        if evidence[u["id"]].get("state") else {})}
+        "capsule": {"units": [{**capsules[u["id"]],
+                               **({"state": evidence[u["id"]]["state"]} if evidence[u["id"]].get("state") else {})}
                               for u in units]},
         "runtime": {"kind": launch["runtime"],
                     "activation_runtime": {"abi": ACTIVATION_RUNTIME_ABI, "digest": activation_digest},

@@ -62,7 +62,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import protoc
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint import (
     check_address,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.kv import (  # noqa: F401 (re-exported)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.kv import (  # noqa: F401  # pylint: disable=W0611
     ENTRY_OVERHEAD,
     KeyValueStore,
 )

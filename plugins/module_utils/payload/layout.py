@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (  # noqa: F401 (re-exported)
+
+# Re-exported: the names of a worker's payload files and the pack path, as the payload code uses them.
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (  # noqa: F401  # pylint: disable=W0611
     MANIFEST_NAME,
     PACK_DIR,
     REPLAY_PLAN_NAME,

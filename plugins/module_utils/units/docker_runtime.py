@@ -68,8 +68,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.process import port
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuMoves, admit_unit
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import (  # noqa: F401 (re-exported)
-    Owner,
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import (
     chown_state_paths,
     normalize_ownership,
     parse_owner,

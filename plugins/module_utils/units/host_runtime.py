@@ -153,7 +153,7 @@ class HostRuntime(UnitRuntime):
         problems = files.file_problems(recorded)
         added = 0
         caches = [c for c in artifact["policy"]["cache"]["paths"]
-                  if any(files.under(path, c) for path, _ in problems)]
+                  if any(files.under(path, c) for path, _why in problems)]
         if caches:
             cap = next(c for c in artifact["capsule"]["units"] if c["unit"] == unit_id)
             scratch = unit_dir.with_name(f".{unit_dir.name}.caches-{os.getpid()}")

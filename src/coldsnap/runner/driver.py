@@ -58,7 +58,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
     atomic_write_bytes,
     file_lock,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import (  # noqa: F401 (re-exported)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import (  # noqa: F401  # pylint: disable=W0611
     StateLayout,
     default_state_root,
 )

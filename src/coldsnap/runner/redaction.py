@@ -20,10 +20,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets import (  # noqa: F401
-    SECRET_NAME_RE,
-    is_secret_name,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets import is_secret_name
 
 REDACTED = "<redacted>"
 MIN_SCRUB_LENGTH = 6

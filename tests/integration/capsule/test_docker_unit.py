@@ -165,7 +165,7 @@ def test_state_written_by_root_ends_up_owned_by_the_invoking_user(tmp_path, runt
     shadow = os.stat("/etc/shadow")
 
     res = ownership.chown_state_paths([state], uid, gid, method="container", image=runtime_image["runtime_image"],
-                               client=docker_client)
+                                      client=docker_client)
     assert res["method"] == "container" and res["changed"] == len(before)
     after = _tree(state)
     assert set(after) == set(before)
@@ -176,7 +176,7 @@ def test_state_written_by_root_ends_up_owned_by_the_invoking_user(tmp_path, runt
     assert (os.stat("/etc/shadow").st_uid, os.stat("/etc/shadow").st_mode) == (shadow.st_uid, shadow.st_mode)
     assert os.stat(other / "keep").st_uid == 0, "only the exact paths given are touched"
     # Idempotent: nothing left to change.
-    again = ownership.chown_state_paths([state], uid, gid, method="container", image=runtime_image["runtime_image"],
-                                 client=docker_client)
+    again = ownership.chown_state_paths([state], uid, gid, method="container",
+                                        image=runtime_image["runtime_image"], client=docker_client)
     assert again["changed"] == 0
     assert not docker_client.containers.list(all=True, filters={"label": "org.coldsnap.role=ownership-helper"})

@@ -58,8 +58,8 @@ def from_hub(cache: Path, mode: str):
     return mutate
 
 
-def test_recovery_downloads_the_pinned_snapshot_in_prepare_then_cache_only_never_calls(captured, hub, tmp_path,
-                                                                                      tiny_model):
+def test_recovery_downloads_the_pinned_snapshot_in_prepare_then_cache_only_never_calls(
+        captured, hub, tmp_path, tiny_model):
     wl, artifact, art = captured
     _model_dir, ident = tiny_model
     cache = tmp_path / "hf-cache"

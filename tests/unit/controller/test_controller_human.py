@@ -60,8 +60,8 @@ RESTORED = {"capture_id": "cap-1", "units": [
 ]}
 CAPTURED = {"artifact": "/srv/coldsnap/captures/cap-1/artifact.json", "capture_id": "cap-1", "generation": 3,
             "capsules": [{"unit": "unit-0"}],
-            "acceptance": {"reply": "x", "evidence": {"unit-0": {"host": "gpu-a",
-                                                                  "readiness": {"ttft_s": 1.5}}}}}
+            "acceptance": {"reply": "x",
+                           "evidence": {"unit-0": {"host": "gpu-a", "readiness": {"ttft_s": 1.5}}}}}
 FAILED = {"message": "unit unit-0: validation reply differs from the accepted one; recapture, or check the weights",
           "host": "gpu-a", "task": "Restore the units on this host", "phase": "Evict and restore"}
 

@@ -301,7 +301,9 @@ def failing_server(model_dir):
     real = engine._generate
 
     def failing(ids, max_tokens, emit=None):
-        def counted(text, seen=[]):  # noqa: B006 - per-call counter
+        seen: list = []
+
+        def counted(text):
             seen.append(text)
             if len(seen) > 3:
                 raise RuntimeError("decoder fault")

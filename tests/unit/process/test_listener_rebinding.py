@@ -92,7 +92,7 @@ def test_a_rebind_replaces_a_stale_copy(tmp_path):
     stale = tmp_path / "placed"
     stale.mkdir()
     (stale / "core-999.img").write_bytes(b"old")
-    out, _ = rebind(src, stale, Placement(port_shift=1), unit="unit-0")
+    out, _moved = rebind(src, stale, Placement(port_shift=1), unit="unit-0")
     assert not (out / "core-999.img").exists()
 
 
@@ -107,8 +107,8 @@ def test_a_damaged_files_image_is_an_image_error(tmp_path, data):
 
 def test_one_shift_for_every_listener_and_the_range_is_checked():
     place = Placement(port_shift=1000, field_path="$.launch.execution.services[0].port")
-    assert place.listeners([("127.0.0.1", 8000), ("127.0.0.1", 41000)]) == [("127.0.0.1", 9000),
-                                                                             ("127.0.0.1", 42000)]
+    moved = place.listeners([("127.0.0.1", 8000), ("127.0.0.1", 41000)])
+    assert moved == [("127.0.0.1", 9000), ("127.0.0.1", 42000)]
     with pytest.raises(AdmissionError, match=r"port 65535\b|out of range") as exc:
         place.apply("127.0.0.1", 64600, unit="unit-0")
     assert "services[0].port" in str(exc.value)
