@@ -154,7 +154,7 @@ POLICY = Obj({
                                      "criu: plain CRIU, a process holding CUDA fails the capture"),
         "kv_discard": Field(Bool(), required=False, description="true only: captures drop the KV cache"),
         "graph_policy": Field(Str(enum=("preserve", "recreate-from-plan")), required=False,
-                              description="preserve needs n610 (graphs live in the CUDA checkpoint)"),
+                              description="informative: n610 keeps graphs in the CUDA checkpoint, n580 recreates them"),
         "artifact_scope": Field(Str(enum=("portable", "target-local")), required=False,
                                 description="portable only; target-local data is an overlay"),
     }), required=False, default={}),
@@ -415,7 +415,9 @@ def cross_check(req: dict) -> list[FormatIssue]:
     if backend == "cuda-criu" and not contract.captures_cuda_state:
         add("$.policy.process.backend", f"snapshot driver {contract.id} captures no CUDA state",
             "use backend 'criu' with n580, or snapshot driver n610")
-    # policy.process: every value either changes what a capture does or is refused here.
+    # policy.process: a value that cannot be honoured is refused here. graph_policy is not checked: a
+    # normalized request carries its driver's default, which a user switching drivers keeps (n610 keeps
+    # graphs in the CUDA checkpoint, n580 always recreates them).
     process = policy.get("process", {})
     if backend == "criu" and contract.captures_cuda_state and any(u["devices"] for u in units):
         add("$.policy.process.backend", f"units with GPUs hold a CUDA context under snapshot driver {contract.id}, "
@@ -427,9 +429,6 @@ def cross_check(req: dict) -> list[FormatIssue]:
         add("$.policy.process.artifact_scope", "target-local captures are not implemented: every capture is "
             "portable (target-local data goes into an overlay: artifact_store state=overlay)",
             "set artifact_scope 'portable', or leave it out")
-    if process.get("graph_policy") == "preserve" and not contract.captures_cuda_state:
-        add("$.policy.process.graph_policy", f"snapshot driver {contract.id} captures before CUDA exists: there "
-            "are no graphs to preserve", "use 'recreate-from-plan' (n580's default), or snapshot driver n610")
     if op == "warm" and not contract.warm_restore:
         add("$.operation", f"snapshot driver {contract.id} has no warm-restore boundary (it re-creates CUDA on restore)",
             "use operation 'restore', or capture with snapshot driver n610")
