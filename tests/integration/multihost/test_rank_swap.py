@@ -114,7 +114,10 @@ def test_fault25_unreachable_host_stops_before_eviction(hosts, model, swapped):
     inv = hosts.inventory(sys.executable)
     artifact, _art, res = swapped
     assert res.succeeded, "needs the running swapped restore"
-    before = {h.name: hosts.run_on(h, "pgrep -f '[c]oldsnap-reference-engine' || true").stdout.split() for h in hosts.hosts}
+    # This workload's engines only (its model directory is in their command line): the hosts share the
+    # machine's pid namespace, where other engines may run.
+    mine = f"pgrep -f '[c]oldsnap-reference-engine --model {model[0]} ' || true"
+    before = {h.name: hosts.run_on(h, mine).stdout.split() for h in hosts.hosts}
     assert any(before.values()), "the swapped restore should be running"
     broken = copy.deepcopy(inv)
     broken["all"]["hosts"]["hosta"]["ansible_host"] = "10.77.0.99"  # nobody there
@@ -123,5 +126,5 @@ def test_fault25_unreachable_host_stops_before_eviction(hosts, model, swapped):
     assert not res.succeeded
     assert "hosta" in json.dumps(res.receipt["result"]["unreachable_hosts"])
     assert "prepare" in res.receipt["error"]["phase"]
-    after = {h.name: hosts.run_on(h, "pgrep -f '[c]oldsnap-reference-engine' || true").stdout.split() for h in hosts.hosts}
+    after = {h.name: hosts.run_on(h, mine).stdout.split() for h in hosts.hosts}
     assert after == before, "no host may be evicted when one was unreachable during preparation"
