@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,7 @@ def test_a_host_without_the_capture_restores_the_published_descriptor(captured, 
     spec = importlib.util.spec_from_file_location(
         "capsule_helpers_vllm", Path(__file__).resolve().parents[1] / "capsule" / "capsule_helpers.py")
     helpers = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = helpers
     spec.loader.exec_module(helpers)
     wl, artifact, art = captured
     wl.stop()
@@ -214,7 +216,7 @@ def test_a_host_without_the_capture_restores_the_published_descriptor(captured, 
         def to_registry(req):
             req["operation"] = "publish"
             req["output"] = {"artifact_dir": str(out)}
-            req["policy"]["capsule"]["repository"] = f"{addr}/coldsnap/vllm"
+            req["policy"].setdefault("capsule", {})["repository"] = f"{addr}/coldsnap/vllm"
 
         pub = wl.run(wl.request("restore", artifact=artifact, mutate=to_registry))
         assert pub.succeeded, pub.receipt["error"]

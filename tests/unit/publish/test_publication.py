@@ -21,6 +21,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.publish imp
     payload_objects,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import docker_runtime as dr
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import Owner
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "artifacts" / "reference-tiny-n610.json"
 REPO = "127.0.0.1:5000/coldsnap/capsules"
@@ -136,8 +137,8 @@ def test_payload_objects_are_distinct_digests_owned_by_the_first_workers_host():
 
 
 def test_owner_forms():
-    assert dr.parse_owner("1001:1002") == dr.Owner(1001, 1002)
-    assert dr.parse_owner({"uid": 5, "gid": "6"}) == dr.Owner(5, 6)
+    assert dr.parse_owner("1001:1002") == Owner(1001, 1002)
+    assert dr.parse_owner({"uid": 5, "gid": "6"}) == Owner(5, 6)
     assert dr.parse_owner(None) is None and dr.parse_owner("") is None
     for bad in ("1001", "a:b", {"uid": 1}, "-1:3"):
         with pytest.raises(ColdSnapError):
