@@ -183,6 +183,15 @@ class WritableHubStandin:
             return None
         return entry["data"] if "data" in entry else self.objects[entry["lfs"]]
 
+    def path_info(self, path: str, entry: dict) -> dict:
+        """A file as the Hub's paths-info and tree listings describe it (git blob id, LFS pointer)."""
+        data = entry["data"] if "data" in entry else self.objects[entry["lfs"]]
+        info = {"type": "file", "path": path, "size": len(data),
+                "oid": hashlib.sha1(b"blob %d\x00" % len(data) + data).hexdigest()}
+        if "lfs" in entry:
+            info["lfs"] = {"oid": entry["lfs"], "size": len(data), "pointerSize": 134}
+        return info
+
     # ----------------------------------------------------------------- server
     def start(self) -> WritableHubStandin:
         hub = self
@@ -295,31 +304,15 @@ class WritableHubStandin:
                         if commit is None:
                             return self._fail(404, "RevisionNotFound", "revision not found")
                         form = parse_qs(body.decode())
-                        out = []
-                        for p in form.get("paths", []):
-                            e = hub.commits[commit]["files"].get(p)
-                            if e is None:
-                                continue
-                            data = e["data"] if "data" in e else hub.objects[e["lfs"]]
-                            blob = hashlib.sha1(b"blob %d\x00" % len(data) + data).hexdigest()
-                            info = {"type": "file", "path": p, "size": len(data), "oid": blob}
-                            if "lfs" in e:
-                                info["lfs"] = {"oid": e["lfs"], "size": len(data), "pointerSize": 134}
-                            out.append(info)
-                        return self._json(200, out)
+                        files = hub.commits[commit]["files"]
+                        return self._json(200, [hub.path_info(p, files[p]) for p in form.get("paths", [])
+                                                if p in files])
                     if self.command == "GET" and path.startswith(api + "tree/"):
                         commit = hub.resolve(path[len(api + "tree/"):].split("/", 1)[0])
                         if commit is None:
                             return self._fail(404, "RevisionNotFound", "revision not found")
-                        out = []
-                        for p, e in sorted(hub.commits[commit]["files"].items()):
-                            data = e["data"] if "data" in e else hub.objects[e["lfs"]]
-                            blob = hashlib.sha1(b"blob %d\x00" % len(data) + data).hexdigest()
-                            info = {"type": "file", "path": p, "size": len(data), "oid": blob}
-                            if "lfs" in e:
-                                info["lfs"] = {"oid": e["lfs"], "size": len(data), "pointerSize": 134}
-                            out.append(info)
-                        return self._json(200, out)
+                        return self._json(200, [hub.path_info(p, e)
+                                                for p, e in sorted(hub.commits[commit]["files"].items())])
                     if self.command == "GET" and path.startswith(api + "revision/"):
                         commit = hub.resolve(path[len(api + "revision/"):])
                         if commit is None:
