@@ -34,14 +34,15 @@ from typing import IO, Any
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import load_receipt
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
-    load_request,
     validate_request,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
 
 from coldsnap.commands._io import read_input
 from coldsnap.runner import RESERVED_EXTRAVARS, default_state_root, run_playbook
 from coldsnap.runner.contract import check_prepare_only
 from coldsnap.runner.driver import EventHandler, StatusHandler
+from coldsnap.runner.drivers import resolve_snapshot_driver
 from coldsnap.runner.timing_stream import TimingTarget
 
 RequestSource = Mapping[str, Any] | str | os.PathLike[str]
@@ -113,12 +114,20 @@ class Receipt:
         return 130 if self.cancelled else (0 if self.succeeded else 1)
 
 
-def load(request: RequestSource) -> dict:
-    """Validate and normalize a request: a dict, or the path of a JSON file (``"-"``: stdin)."""
+def load(request: RequestSource, *, snapshot_driver: str | None = None, document: str | None = None) -> dict:
+    """Validate and normalize a request: a dict, or the path of a JSON file (``"-"``: stdin).
+    ``snapshot_driver``: the driver a request that names none is normalized for."""
+    raw, name = decoded_request(request)
+    return validate_request(raw, document=document or name, snapshot_driver=snapshot_driver)
+
+
+def decoded_request(request: RequestSource) -> tuple[Any, str]:
+    """The request as decoded JSON (not yet validated) and the document name its errors use."""
     if isinstance(request, Mapping):
-        return validate_request(dict(request))
+        return dict(request), "request"
     name = os.fspath(request)
-    return load_request(read_input(name), document=f"request {name if name != '-' else '(stdin)'}")
+    document = f"request {name if name != '-' else '(stdin)'}"
+    return strict_loads(read_input(name), document=document), document
 
 
 def resolve_state_root(value: str | os.PathLike[str] | None) -> Path:
@@ -153,13 +162,16 @@ def run(operation: str, request: RequestSource, *, prepare_only: bool = False, i
     if reserved:
         raise ColdSnapError(f"extra var {', '.join(reserved)} is set by the controller",
                             fix="leave it out: the request, prepare_only and state_root are arguments of their own")
+    raw, document = decoded_request(request)
+    driver, selection = resolve_snapshot_driver(operation, raw, inventory=inventory, envvars=envvars)
+    normalized = validate_request(raw, document=document, snapshot_driver=driver)
     result = run_playbook(
-        operation=operation, request=load(request), playbook=playbook,
+        operation=operation, request=normalized, playbook=playbook,
         extravars=dict(extravars or {}), secret_extravars=secrets, inventory=inventory,
         state_root=resolve_state_root(state_root),
         prepare_only=prepare_only, timing_sink=timing_sink, progress=progress, progress_stream=progress_stream,
         cancel_event=cancel_event, envvars=envvars, verbosity=verbosity, event_handler=event_handler,
-        status_handler=status_handler)
+        status_handler=status_handler, notes={"snapshot_driver_selection": selection} if selection else None)
     return Receipt.from_dict(result.receipt, path=result.receipt_path)
 
 
@@ -205,6 +217,7 @@ __all__ = [
     "Receipt",
     "ReceiptError",
     "capture",
+    "decoded_request",
     "delete",
     "load",
     "native_status",

@@ -110,8 +110,10 @@ def format_summary(receipt: Mapping[str, Any], *, receipt_path: str | Path | Non
         completed = f"  (completed {receipt['completed_at']})" if receipt.get("completed_at") else ""
         lines.append(f"  {'started':<10}{started}{completed}")
     if receipt.get("engine") or receipt.get("snapshot_driver"):
+        chosen = (receipt.get("result") or {}).get("snapshot_driver_selection") or {}
+        how = f", chosen: {chosen['chosen_by']}" if isinstance(chosen, dict) and chosen.get("chosen_by") else ""
         lines.append(f"  {'engine':<10}{receipt.get('engine') or '-'} (snapshot driver "
-                     f"{receipt.get('snapshot_driver') or '-'})")
+                     f"{receipt.get('snapshot_driver') or '-'}{how})")
     rows = unit_rows(receipt)
     if rows:
         w_unit = max(len(f"{u} @ {h}") for u, h, _s, _r in rows)

@@ -12,9 +12,9 @@ Where to connect: the 0600 *control file* the engine writes at start-up, at the
 path the activation runtime names in :data:`ENV_CONTROL_FILE`
 (``<workload dir>/control-<worker>.json``), holding :class:`ControlInfo`.
 
-The bodies of ``/export`` and of ``/resume``, ``/finish-warm`` and ``/wake``
-are :class:`ExportBody` and :class:`HydrationBody`; both ends build and read
-them only through these classes.
+The bodies of ``/export``, ``/release`` and of ``/resume``, ``/finish-warm`` and
+``/wake`` are :class:`ExportBody`, :class:`ReleaseBody` and :class:`HydrationBody`;
+both ends build and read them only through these classes.
 """
 
 from __future__ import annotations
@@ -133,6 +133,32 @@ class ExportBody:
             raise ValueError(f"/export may write only below {captures}, not {self.out_dir}")
         if self.state_root is not None and os.path.realpath(self.state_root) != root:
             raise ValueError(f"/export writes the pack into the node cache of {root}, not {self.state_root}")
+
+
+GRAPH_POLICIES = ("preserve", "recreate-from-plan")
+
+
+@dataclass(frozen=True)
+class ReleaseBody:
+    """``POST /release``: free the weights; ``graphs`` is the capture's policy.process.graph_policy
+    (``recreate-from-plan``: also drop the compiled/captured graphs, re-created when the engine resumes;
+    ``preserve`` or None: they stay in the process image)."""
+
+    graphs: str | None = None
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> ReleaseBody:
+        data = data or {}
+        unknown = sorted(set(data) - {"graphs"})
+        if unknown:
+            raise ValueError(f"unknown /release fields {unknown}")
+        graphs = data.get("graphs")
+        if graphs is not None and graphs not in GRAPH_POLICIES:
+            raise ValueError(f"/release graphs must be one of {', '.join(GRAPH_POLICIES)}, not {graphs!r}")
+        return cls(graphs=graphs)
+
+    def to_json(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,9 @@ class EngineSpec:
     max_cpu_unit_workers_reason: str = ""
     # The n580 boundary on GPUs: a context-free pre-exec template (no CUDA context captured).
     gpu_template_capture: bool = False
+    # policy.process.graph_policy 'recreate-from-plan': the integration drops its compiled/captured graphs
+    # before the dump and has them re-created from the plan (compile settings + cache) when it resumes.
+    graph_recreation: bool = False
     # Flags the serve command needs on GPU units only (sleep mode exists on CUDA, not on CPU).
     gpu_required_args: tuple[str, ...] = ()
     gpu_required_options: tuple[tuple[str, str], ...] = ()
@@ -104,6 +107,7 @@ VLLM_WORKER_EXTENSION = "coldsnap_engines.vllm.worker.ColdSnapWorkerExtension"
 ENGINES: dict[str, EngineSpec] = {
     "reference": EngineSpec(
         name="reference", adapter_schema="reference-v1", canonical_writer=True, default_materialize="async",
+        graph_recreation=True,
         sleep_wake=True, warm_restore=True, integration="coldsnap_engines.reference",
         qualified="CPU (CRIU 4.1.1) and NVIDIA H200",
     ),
@@ -303,6 +307,14 @@ def engine_issues(request: dict) -> list[FormatIssue]:
             "$.snapshot_driver.id",
             f"engine {spec.name!r} has no pre-CUDA template capture, which snapshot driver n580 needs on GPU units",
             "use snapshot driver n610 (initialized CUDA state), or n580 for CPU-only units",
+        ))
+    if request["policy"]["process"].get("graph_policy") == "recreate-from-plan" and not spec.graph_recreation:
+        recreating = ", ".join(n for n, e in ENGINES.items() if e.graph_recreation)
+        issues.append(FormatIssue(
+            "$.policy.process.graph_policy",
+            f"engine {spec.name!r} keeps its compiled graphs in the process image: re-creating them on restore is "
+            f"implemented for {recreating}",
+            "set graph_policy 'preserve' (snapshot driver n610)",
         ))
     native = request["policy"]["weights"]["native"]
     mat = native.get("materialize")

@@ -154,7 +154,9 @@ POLICY = Obj({
                                      "criu: plain CRIU, a process holding CUDA fails the capture"),
         "kv_discard": Field(Bool(), required=False, description="true only: captures drop the KV cache"),
         "graph_policy": Field(Str(enum=("preserve", "recreate-from-plan")), required=False,
-                              description="informative: n610 keeps graphs in the CUDA checkpoint, n580 recreates them"),
+                              description="preserve: compiled/captured graphs stay in the snapshot (n610 only); "
+                                          "recreate-from-plan: the engine drops them before the dump and "
+                                          "re-creates them on restore (engines that implement it)"),
         "artifact_scope": Field(Str(enum=("portable", "target-local")), required=False,
                                 description="portable only; target-local data is an overlay"),
     }), required=False, default={}),
@@ -200,7 +202,9 @@ REQUEST_SCHEMA = Obj({
     "kind": Field(Const(REQUEST_KIND)),
     "operation": Field(Str(enum=OPERATIONS)),
     "id": Field(Ident("operation id, unique per operation")),
-    "snapshot_driver": Field(Obj({"id": Field(Str(enum=tuple(SNAPSHOT_DRIVERS)))})),
+    "snapshot_driver": Field(Obj({"id": Field(Str(enum=tuple(SNAPSHOT_DRIVERS)))}), required=False,
+                             description="left out: the controller chooses the newest driver every placed host "
+                                         "supports (capture: from host facts; other operations: the artifact's)"),
     "artifact": Field(Obj({
         "path": Field(AbsPath("committed artifact descriptor (artifact.json)")),
         "sha256": Field(Digest("expected digest of the descriptor file"), required=False),
@@ -241,20 +245,40 @@ def request_json_schema() -> dict:
                                 title="ColdSnap operation request, format 4")
 
 
-def load_request(text: str | bytes, *, document: str = "request") -> dict:
+def load_request(text: str | bytes, *, document: str = "request", snapshot_driver: str | None = None) -> dict:
     """Decode, validate and normalize a request; raise FormatError listing every problem."""
-    return validate_request(strict_loads(text, document=document), document=document)
+    return validate_request(strict_loads(text, document=document), document=document,
+                            snapshot_driver=snapshot_driver)
 
 
-def validate_request(value: Any, *, document: str = "request") -> dict:
+def validate_request(value: Any, *, document: str = "request", snapshot_driver: str | None = None) -> dict:
     """Validate an already-decoded request (from :func:`strict_loads`) and normalize it.
 
     The one request validation, used by the controller, every module and any Python
     caller: the schema (unknown fields, types, digests, revisions), the rules that span
     fields (:func:`cross_check`, including the capsule path policy) and the engine's
     rules (:func:`~.engines.engine_issues`). Every problem is reported at its JSON path.
+
+    A request that names no snapshot driver is normalized for ``snapshot_driver`` (the
+    controller's choice, see :func:`driver_candidates`); without one it is refused: the
+    normalized form is explicit.
     """
     req = validate_document(REQUEST_SCHEMA, value, document=document)
+    if "snapshot_driver" not in req:
+        if snapshot_driver is None:
+            raise FormatError([FormatIssue(
+                "$.snapshot_driver", "the request names no snapshot driver and none was chosen for it",
+                f"give snapshot_driver.id ({' or '.join(SNAPSHOT_DRIVERS)}), or run it through the coldsnap "
+                "controller (CLI or coldsnap.api), which chooses the newest driver every placed host supports")],
+                document=document)
+        if snapshot_driver not in SNAPSHOT_DRIVERS:
+            raise FormatError([FormatIssue("$.snapshot_driver.id", f"unknown snapshot driver {snapshot_driver!r}",
+                                           f"use one of {', '.join(SNAPSHOT_DRIVERS)}")], document=document)
+        req = {**req, "snapshot_driver": {"id": snapshot_driver}}
+    elif snapshot_driver is not None and req["snapshot_driver"]["id"] != snapshot_driver:
+        raise FormatError([FormatIssue(
+            "$.snapshot_driver.id", f"the request names {req['snapshot_driver']['id']}, not {snapshot_driver}",
+            f"leave snapshot_driver out to use {snapshot_driver}, or name the driver you want")], document=document)
     issues = cross_check(req)
     if issues:
         raise FormatError(issues, document=document)
@@ -263,6 +287,25 @@ def validate_request(value: Any, *, document: str = "request") -> dict:
     if issues:
         raise FormatError(issues, document=document)
     return out
+
+
+def driver_candidates(value: Any, *, document: str = "request") -> tuple[list[str], dict[str, FormatError]]:
+    """For a request without ``snapshot_driver``: the drivers it is valid under, newest first, and why each
+    other one is not (its FormatError). A request naming a driver has that one candidate."""
+    req = validate_document(REQUEST_SCHEMA, value, document=document)
+    named = req.get("snapshot_driver", {}).get("id")
+    ordered = [named] if named else sorted(SNAPSHOT_DRIVERS, key=lambda d: SNAPSHOT_DRIVERS[d].min_nvidia_driver,
+                                           reverse=True)
+    valid: list[str] = []
+    refused: dict[str, FormatError] = {}
+    for driver in ordered:
+        try:
+            validate_request(req, document=document, snapshot_driver=None if named else driver)
+        except FormatError as exc:
+            refused[driver] = exc
+        else:
+            valid.append(driver)
+    return valid, refused
 
 
 def cross_check(req: dict) -> list[FormatIssue]:
@@ -415,10 +458,13 @@ def cross_check(req: dict) -> list[FormatIssue]:
     if backend == "cuda-criu" and not contract.captures_cuda_state:
         add("$.policy.process.backend", f"snapshot driver {contract.id} captures no CUDA state",
             "use backend 'criu' with n580, or snapshot driver n610")
-    # policy.process: a value that cannot be honoured is refused here. graph_policy is not checked: a
-    # normalized request carries its driver's default, which a user switching drivers keeps (n610 keeps
-    # graphs in the CUDA checkpoint, n580 always recreates them).
+    # policy.process: a value that cannot be honoured is refused here (a normalized request carries its
+    # driver's defaults: switching drivers means leaving policy.process out, or snapshot_driver altogether).
     process = policy.get("process", {})
+    if process.get("graph_policy") == "preserve" and not contract.captures_cuda_state:
+        add("$.policy.process.graph_policy", f"snapshot driver {contract.id} captures before CUDA exists: there "
+            "are no graphs to preserve", "use 'recreate-from-plan' (n580's default), leave policy.process out, or "
+            "use snapshot driver n610")
     if backend == "criu" and contract.captures_cuda_state and any(u["devices"] for u in units):
         add("$.policy.process.backend", f"units with GPUs hold a CUDA context under snapshot driver {contract.id}, "
             "which plain CRIU cannot dump", "use backend 'cuda-criu' (n610's default), or snapshot driver n580")

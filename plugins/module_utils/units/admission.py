@@ -127,3 +127,42 @@ class GpuMoves:
             fix="restore each rank onto the GPU it was captured on (same device ordinals, same host), or capture "
                 "with NCCL_P2P_DISABLE=1 and NCCL_SHM_DISABLE=1 in every unit's environment (tensor-parallel "
                 "traffic then goes over sockets)")
+
+
+def admit_capture(request: dict, *, host: str, units: list[dict], nvidia_driver: str | None) -> list[str]:
+    """The snapshot driver's contract for the units of ``request`` this host captures, checked before
+    anything runs or is dumped: the contract rows that admit them; AdmissionError naming the unit otherwise."""
+    driver_id = request["snapshot_driver"]["id"]
+    rows = []
+    for unit in units:
+        workers = [w for w in request["launch"]["execution"]["workers"] if w["unit"] == unit["id"]]
+        gpu_workers = len(workers) if unit["devices"] else 0
+        try:
+            rows.append(admit_driver(driver_id, nvidia_driver=nvidia_driver, gpu_workers_per_unit=gpu_workers).row)
+        except AdmissionError as exc:
+            raise AdmissionError(f"unit {unit['id']} on {host}: {exc.problem}", fix=exc.fix) from None
+    return rows
+
+
+def choose_snapshot_driver(candidates: list[str], request: dict, facts: dict[str, dict]) -> dict:
+    """The newest of ``candidates`` (the drivers the request is valid under, newest first) whose contract
+    admits every unit on the facts of its host; the record of the choice, or AdmissionError naming why each
+    driver was refused. ``facts`` maps each unit host to its host facts (only GPU units need any)."""
+    launch = request["launch"]
+    hosts = {u["host"]: (facts.get(u["host"]) or {}).get("nvidia_driver") for u in launch["units"] if u["devices"]}
+    refused: dict[str, str] = {}
+    for driver_id in candidates:
+        try:
+            rows = sorted({row for u in launch["units"]
+                           for row in admit_capture({**request, "snapshot_driver": {"id": driver_id}}, host=u["host"],
+                                                    units=[u], nvidia_driver=hosts.get(u["host"]))})
+        except AdmissionError as exc:
+            refused[driver_id] = exc.problem
+            continue
+        return {"id": driver_id, "chosen_by": "host facts" if hosts else "no GPU unit: the newest driver",
+                "rows": rows, "nvidia_drivers": hosts, "refused": refused}
+    raise AdmissionError(
+        "no snapshot driver admits every unit of this request: "
+        + "; ".join(f"{d}: {why}" for d, why in refused.items()),
+        fix="upgrade the NVIDIA driver of the named hosts, place the units on other hosts, or name "
+            "snapshot_driver.id to get that driver's own refusal")

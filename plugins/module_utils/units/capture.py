@@ -12,7 +12,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, load_evidence
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.status import payload_state
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state, host_facts
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import admit_capture
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import build_specs
@@ -68,6 +69,9 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
         raise ColdSnapError(f"capture {capture_id} is partially present on {host} "
                             f"({len(existing)} of {len(units)} units)",
                             fix=f"remove {layout.capture(capture_id)} or use a new operation id")
+    # The snapshot driver's contract before anything starts or is dumped (also in check mode).
+    nvidia = host_facts.gpus()[1] if any(u["devices"] for u in units) else None
+    admit_capture(request, host=host, units=units, nvidia_driver=nvidia)
     if check_mode:
         return {"changed": True, "units": [], "msg": f"would capture {len(units)} unit(s) on {host}"}
     runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,

@@ -155,6 +155,7 @@ class Activation:
                         for w in spec.workers]
         self.readiness: dict | None = None
         self.reply: str | None = None
+        self.graphs: dict[str, dict | None] = {}  # per worker: what /release did with its graphs
         # What the engine's process tree needs from CRIU (the registry says; the evidence records it).
         self.criu_options = criu_mod.CriuOptions(link_remap=bool(spec.launcher.get("criu_link_remap")),
                                                  mount_namespace=bool(spec.launcher.get("private_shm")))
@@ -226,9 +227,11 @@ class Activation:
                 body = ec.ExportBody(out_dir=str(self.spec.worker_files(h.worker["id"]).directory),
                                      model=self.spec.model, export_pack=export_pack, state_root=self.spec.state_root)
                 payloads[h.worker["id"]] = h.call("POST", ec.EXPORT, body.to_json())["payload"]
+        graph_policy = (self.spec.driver or {}).get("graph_policy")
         with self.rec.span("unit.release"):
             for h in handles:
-                h.call("POST", ec.RELEASE)
+                reply = h.call("POST", ec.RELEASE, ec.ReleaseBody(graphs=graph_policy).to_json())
+                self.graphs[h.worker["id"]] = reply.get("graphs")
             logs = self.unit_dir / "logs"
             logs.mkdir(exist_ok=True)
             shutil.copyfile(self.workload_dir / ec.LOG_FILE_NAME, logs / "capture.log")
@@ -257,7 +260,7 @@ class Activation:
         return {"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
                 "gpu_uuids": gpu_uuids, "host_gpu_uuids": host_gpus,
                 "listeners": [list(x) for x in listeners], "files": used, "cuda": cuda,
-                "memory_at_checkpoint": memory, "payload": payload,
+                "memory_at_checkpoint": memory, "payload": payload, "graphs": self.graphs.get(wid),
                 "criu": {"bytes": res.bytes, "dump_seconds": res.seconds, "options": options.to_json()}}
 
     def _hydration(self, h: EngineHandle, *, generation: str, provider: str, materialize: str,

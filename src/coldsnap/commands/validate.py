@@ -14,7 +14,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt imp
     load_receipt,
     receipt_json_schema,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import request_json_schema
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
+    driver_candidates,
+    request_json_schema,
+)
 
 from coldsnap import api
 from coldsnap.commands._io import print_json, read_input
@@ -35,10 +38,25 @@ def register(sub) -> None:
     s.set_defaults(func=lambda a: print_json(SCHEMAS[a.document]()) or 0)
 
 
+def _request(name: str) -> dict:
+    """The normalized request; one without a snapshot driver is shown normalized for the newest driver it is
+    valid under (stderr says the run chooses among them from the hosts' facts)."""
+    raw, document = api.decoded_request(name)
+    if not isinstance(raw, dict) or "snapshot_driver" in raw:
+        return api.load(raw, document=document)
+    candidates, refused = driver_candidates(raw, document=document)
+    if not candidates:
+        raise next(iter(refused.values()))
+    print(f"snapshot_driver is left out: the controller chooses at run time the newest of "
+          f"{', '.join(candidates)} every placed host supports (capture: from host facts; otherwise the "
+          f"artifact's); shown normalized for {candidates[0]}", file=sys.stderr)
+    return api.load(raw, document=document, snapshot_driver=candidates[0])
+
+
 def run(args) -> int:
     try:
         if args.request_json:
-            doc = api.load(args.request_json)
+            doc = _request(args.request_json)
         elif args.artifact_json:
             doc = load_artifact(read_input(args.artifact_json))
         else:

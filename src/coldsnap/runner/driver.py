@@ -205,13 +205,14 @@ class RunConfig:
     redactor: Redactor
     verbosity: int = 0
     keep_artifacts: int = 10
+    notes: Mapping[str, Any] | None = None  # the controller's own findings, added to the receipt's result
 
     @classmethod
     def build(cls, *, operation: str, request: Mapping[str, Any] | None, playbook: str | Path | None,
               extravars: Mapping[str, Any], inventory: Mapping[str, Any] | str | Path | None, state_root: Path,
               prepare_only: bool = False, envvars: Mapping[str, str] | None = None,
               secret_extravars: Mapping[str, Any] | None = None, verbosity: int = 0,
-              keep_artifacts: int = 10) -> RunConfig:
+              keep_artifacts: int = 10, notes: Mapping[str, Any] | None = None) -> RunConfig:
         """Check the inputs a user can get wrong (ColdSnapError with the fix) and split the variables.
 
         The contract vars (:func:`operation_extravars`) are set here from ``request``, ``prepare_only``
@@ -257,7 +258,7 @@ class RunConfig:
         return cls(operation=operation, operation_id=operation_id, request=request, playbook_path=playbook_path,
                    public_vars=public_vars, secret_vars=secret_vars, inventory=inventory,
                    state_root=Path(state_root), prepare_only=prepare_only, caller_env=caller_env,
-                   redactor=redactor, verbosity=verbosity, keep_artifacts=keep_artifacts)
+                   redactor=redactor, verbosity=verbosity, keep_artifacts=keep_artifacts, notes=notes)
 
     @property
     def run_dir(self) -> Path:
@@ -276,7 +277,8 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
                  envvars: Mapping[str, str] | None = None, secret_extravars: Mapping[str, Any] | None = None,
                  verbosity: int = 0, keep_artifacts: int = 10,
                  progress_stream: IO[str] | None = None, event_handler: EventHandler | None = None,
-                 status_handler: StatusHandler | None = None) -> OperationResult:
+                 status_handler: StatusHandler | None = None,
+                 notes: Mapping[str, Any] | None = None) -> OperationResult:
     """Run ``playbook`` for ``operation`` and write receipt format 2 (also when it fails or is cancelled).
 
     ``playbook``: FQCN (``coldsnap.fleet.capture``), an absolute path or a path
@@ -296,7 +298,8 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
     return value is ignored and an exception they raise becomes a receipt warning
     (``result.controller_warnings``), never a failed run. Errors a user can fix before
     anything runs (unknown playbook, busy operation, a unit host missing from the
-    inventory) raise ColdSnapError.
+    inventory) raise ColdSnapError. ``notes``: the controller's findings before the run (e.g.
+    ``snapshot_driver_selection``), added to the receipt's ``result``.
     """
     try:
         import ansible_runner
@@ -305,7 +308,8 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
                             fix="pip install ansible-runner (it is a dependency of the coldsnap package)") from None
     config = RunConfig.build(operation=operation, request=request, playbook=playbook, extravars=extravars,
                              inventory=inventory, state_root=state_root, prepare_only=prepare_only, envvars=envvars,
-                             secret_extravars=secret_extravars, verbosity=verbosity, keep_artifacts=keep_artifacts)
+                             secret_extravars=secret_extravars, verbosity=verbosity, keep_artifacts=keep_artifacts,
+                             notes=notes)
     StateLayout(config.state_root).ensure_private_root()
     run_dir = _private_dir(_private_dir(config.state_root / "runs") / config.operation_id)
     try:
@@ -543,6 +547,7 @@ class PlaybookRun:
                          warnings=self.timing.problems + self.user_handler_errors)
         if cancelled:
             result["runner"]["terminated_processes"] = self.terminated
+        result.update(cfg.notes or {})
         receipt = build_receipt(operation_id=cfg.operation_id, operation=cfg.operation, prepare_only=cfg.prepare_only,
                                 succeeded=succeeded, request=cfg.request, started_at=started_at,
                                 completed_at=completed_at, duration_seconds=duration, timing=envelope,

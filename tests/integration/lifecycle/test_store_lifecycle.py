@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import ArtifactStore
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.status import payload_state
@@ -17,9 +18,15 @@ from lifecycle_workload import Workload, ok, pack_of, result_of, run
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
 
+def switch_driver(req: dict, driver: str) -> None:
+    """Another driver for a normalized request: its driver-owned process defaults go with the old one."""
+    req["snapshot_driver"]["id"] = driver
+    req["policy"]["process"]["graph_policy"] = SNAPSHOT_DRIVERS[driver].policy_defaults["process"]["graph_policy"]
+
+
 def capture(wl: Workload, *, driver: str, retention: int = 3) -> tuple[Path, dict, dict]:
     def mutate(req):
-        req["snapshot_driver"]["id"] = driver
+        switch_driver(req, driver)
         req["policy"]["retention"] = {"generations": retention}
 
     receipt = ok(wl.run(wl.request("capture", mutate=mutate)))
@@ -37,7 +44,7 @@ def local_state(state_root: Path, art: dict) -> dict:
 
 def delete(wl: Workload, artifact: Path, driver: str) -> dict:
     def mutate(req):
-        req["snapshot_driver"]["id"] = driver
+        switch_driver(req, driver)
 
     receipt = ok(run(wl, wl.request("delete", artifact=artifact, mutate=mutate)))
     validate_receipt(receipt)
@@ -76,7 +83,7 @@ def test_retention_then_delete_with_a_payload_still_referenced(state_root, tiny_
         assert payload_state(state_root, pack_of(art_b1)["sha256"], pack_of(art_b1)["size"])[0] == "verified"
         # The retained n580 generation still restores, natively.
         restored = ok(run(wl, wl.request("restore", artifact=store.current_artifact_path(art_b1["identity"]),
-                                         mutate=lambda r: r["snapshot_driver"].update(id="n580"))))
+                                         mutate=lambda r: switch_driver(r, "n580"))))
         assert result_of(restored)["units"][0]["reply"] == art_b1["acceptance"]["reply"]
         wl.stop()
 

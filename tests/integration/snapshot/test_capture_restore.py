@@ -85,3 +85,34 @@ def test_prepare_only_touches_nothing(state_root, tiny_model, env_digest):
         assert first["state"] == "succeeded"
     finally:
         wl.stop()
+
+
+def test_a_compiled_engine_under_recreate_from_plan_drops_and_rebuilds_its_graphs(state_root, tiny_model, env_digest):
+    """policy.process.graph_policy 'recreate-from-plan': the capture drops the compiled graphs before
+    the dump (the evidence counts them); the restore compiles them again from the plan (the --compile
+    settings and TorchInductor's cache, carried in the capsule) and the reply is the captured one."""
+    wl = Workload(state_root, tiny_model, env_digest, tp=1, name="graphs")
+    inductor = state_root / "inductor-graphs"
+    inductor.mkdir(parents=True)
+
+    def compiled(req):
+        req["launch"]["units"][0]["command"].append("--compile")
+        req["launch"]["units"][0]["environment"]["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+        req["policy"]["cache"]["paths"] = [str(inductor)]
+        req["policy"]["process"]["graph_policy"] = "recreate-from-plan"
+
+    try:
+        res = wl.run(wl.request("capture", mutate=compiled))
+        assert res.succeeded, res.receipt["error"]
+        artifact = Path(res.receipt["result"]["operation"]["artifact"])
+        art = load_artifact(artifact.read_bytes())
+        evidence = json.loads((state_root / "captures" / art["capture_id"] / "units" / "unit-0" / "evidence.json")
+                              .read_text())
+        assert evidence["workers"][0]["graphs"] == {"policy": "recreate-from-plan", "released": 2}
+        res = wl.run(wl.request("restore", artifact=artifact, mutate=compiled))
+        assert res.succeeded, res.receipt["error"]
+        assert units_of(res.receipt)[0]["reply"] == art["acceptance"]["reply"]
+        assert "engine.graphs.recreate" in json.dumps(res.receipt["timing"])
+        assert wl.complete() == art["acceptance"]["reply"]
+    finally:
+        wl.stop()

@@ -9,6 +9,7 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -137,6 +138,21 @@ def test_a_capture_onto_a_port_a_stranger_holds_is_refused_before_starting(state
         msg = res.receipt["error"]["message"]
         assert "serving port of service 'api'" in msg and f":{wl.port} " in msg and f"pid {squatter.pid}" in msg
         assert not (state_root / "workloads" / wl.name).exists() or not wl.engines()
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this host has an NVIDIA driver")
+def test_a_gpu_unit_the_snapshot_driver_cannot_admit_is_refused_before_starting(state_root, tiny_model, env_digest):
+    wl = Workload(state_root, tiny_model, env_digest, tp=1, name="boundary-driver")
+    req = wl.request("capture")
+    req["launch"]["units"][0]["devices"] = [0]
+    req["launch"]["execution"]["workers"][0]["device_slot"] = 0
+    req["policy"]["process"]["backend"] = "cuda-criu"  # what a GPU unit needs under n610
+    res = wl.run(req)
+    assert not res.succeeded
+    msg = res.receipt["error"]["message"]
+    assert "unit-0 on localhost" in msg and "needs an NVIDIA driver" in msg, msg
+    assert not wl.engines()
+    assert not (state_root / "captures" / req["id"]).exists()  # refused before a unit started or was dumped
 
 
 def test_a_foreign_holder_of_a_captured_port_fails_prepare_only(running, state_root, tiny_model, env_digest):

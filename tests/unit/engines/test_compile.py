@@ -63,3 +63,25 @@ def test_compile_on_cpu_without_its_build_tools_fails_at_once_with_the_fix(tmp_p
         monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path / "no-headers")})
     with pytest.raises(ValueError, match=fix):
         Engine(model_dir, device="cpu", rank=0, world=1, served_model_name="tiny", compile=True)
+
+
+def test_dropped_graphs_leave_the_process_and_are_recreated_from_the_plan(tmp_path, monkeypatch):
+    """graph_policy 'recreate-from-plan': before a dump the compiled graphs go (eager, TorchDynamo reset);
+    after the restore they are compiled again on the first request, with the same tokens."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model_dir = tmp_path / "model"
+    make_model(model_dir, PRESETS["tiny"], model_id="coldsnap/reference-tiny")
+    engine = _engine(model_dir, compile=True)
+    before = [engine.generate(p, 6) for p in PROMPTS]
+    assert engine.drop_graphs() == 2
+    assert engine.decoder.qkv == engine.decoder._qkv and not engine.decoder.compiled
+    assert engine.drop_graphs() == 0, "nothing left to drop"
+    graphs = counters["stats"]["unique_graphs"]
+    assert engine.recreate_graphs() == 2 and engine.decoder.compiled
+    assert [engine.generate(p, 6) for p in PROMPTS] == before
+    assert counters["stats"]["unique_graphs"] > graphs, "the graphs were built again"
+    assert engine._compile_settled, "the compile workers of the rebuild were stopped"
+    eager = _engine(model_dir, compile=False)
+    assert eager.drop_graphs() == 0 and eager.recreate_graphs() == 0, "an eager engine has no graphs"

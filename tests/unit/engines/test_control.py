@@ -105,7 +105,7 @@ def rig(tmp_path):
         server.close()
 
 
-def _capture(rig) -> tuple[dict, dict, Path]:
+def _capture(rig, release: dict | None = None) -> tuple[dict, dict, Path]:
     h = rig["handle"]
     before = _snapshot(rig["arenas"])
     assert h.call("POST", "/quiesce")["state"] == "quiesced"
@@ -118,8 +118,9 @@ def _capture(rig) -> tuple[dict, dict, Path]:
     assert payload["model_bytes"] == sum(e.size for e in rig["control"].extents) > 0
     assert payload["demoted_extents"] == 0
     assert (out / "engine-layout.json").exists() is False  # no named tensors in this rig
-    rel = h.call("POST", "/release")
+    rel = h.call("POST", "/release", release)
     assert rel["state"] == "released"
+    rig["released"] = rel
     assert all(b == 0 for b in rig["arenas"]["params"].view()[:4096]), "released weights leave the process image"
     return before, payload, out
 
@@ -262,3 +263,34 @@ def test_export_writes_only_below_the_state_roots_captures(rig, monkeypatch):
     r = h.call("POST", "/export", {"out_dir": str(state_root / "captures" / "c1" / "units" / "u" / "workers" / "w"),
                                    "model": rig["model"], "state_root": str(state_root)})
     assert r["payload"]["model_bytes"] > 0
+
+
+def test_recreate_from_plan_drops_the_graphs_before_the_dump_and_recreates_them_on_resume(rig):
+    control = rig["control"]
+    control.release_graphs = lambda: control.events.append("graphs-release") or 3
+    control.recreate_graphs = lambda: control.events.append("graphs-recreate") or 3
+    _before, payload, out = _capture(rig, {"graphs": "recreate-from-plan"})
+    assert rig["released"]["graphs"] == {"policy": "recreate-from-plan", "released": 3}
+    r = rig["handle"].call("POST", "/resume", _spec(rig, out, payload, "native"))
+    names = [s["name"] for s in r["spans"]]
+    assert names[:4] == ["engine.arenas.recreate", "engine.transport.rebuild", "engine.graphs.recreate", "engine.hydrate"]
+    assert control.events == ["pause", "transport-release", "graphs-release", "load-format:coldsnap",
+                              "transport-rebuild:g1", "graphs-recreate", "resume"]
+    # preserve (the default) keeps them: nothing is released, nothing re-created on the next restore
+    assert rig["handle"].call("POST", "/quiesce")["state"] == "quiesced"
+    assert rig["handle"].call("POST", "/release", {"graphs": "preserve"})["graphs"] == {"policy": "preserve",
+                                                                                       "released": 0}
+    r = rig["handle"].call("POST", "/resume", _spec(rig, out, payload, "native"))
+    assert "engine.graphs.recreate" not in [s["name"] for s in r["spans"]]
+    assert control.events.count("graphs-release") == 1 and control.events.count("graphs-recreate") == 1
+
+
+def test_an_integration_that_cannot_recreate_graphs_refuses_and_keeps_the_weights(rig):
+    h = rig["handle"]
+    h.call("POST", "/quiesce")
+    with pytest.raises(UnitError, match="use 'preserve'"):
+        h.call("POST", "/release", {"graphs": "recreate-from-plan"})
+    with pytest.raises(UnitError, match="graphs must be one of"):
+        h.call("POST", "/release", {"graphs": "sometimes"})
+    assert h.call("GET", "/status")["state"] == "quiesced"
+    assert any(rig["arenas"]["params"].view()[:4096]), "nothing was released"

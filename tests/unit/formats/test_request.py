@@ -277,10 +277,23 @@ def test_process_policy_backend_and_graphs_follow_the_snapshot_driver(base):
     gpu["launch"]["execution"]["workers"][0]["device_slot"] = 0
     gpu["policy"]["process"]["backend"] = "criu"
     assert "plain CRIU cannot dump" in problems(gpu)["$.policy.process.backend"]
-    template = copy.deepcopy(validate_request(base))  # n610's default, kept by a user who switches to n580
+    template = copy.deepcopy(validate_request(base))
     template["snapshot_driver"]["id"] = "n580"
     template["policy"]["process"].update(backend="criu", graph_policy="preserve")
-    assert validate_request(template)["policy"]["process"]["graph_policy"] == "preserve"
+    found = problems(template)["$.policy.process.graph_policy"]
+    assert "no graphs to preserve" in found and "leave policy.process out" in found
+    template["policy"]["process"]["graph_policy"] = "recreate-from-plan"
+    assert validate_request(template)["policy"]["process"]["graph_policy"] == "recreate-from-plan"
     cpu = copy.deepcopy(base)
     cpu["policy"]["process"]["backend"] = "criu"
     assert validate_request(cpu)["policy"]["process"]["backend"] == "criu", "a CPU unit may use plain CRIU"
+
+
+def test_graph_recreation_is_refused_for_engines_that_keep_their_graphs():
+    vllm = json.loads((Path(__file__).resolve().parents[3] / "examples" / "vllm" / "capture.json").read_text())
+    vllm.setdefault("policy", {}).setdefault("process", {})["graph_policy"] = "recreate-from-plan"
+    found = problems(vllm)["$.policy.process.graph_policy"]
+    assert "engine 'vllm' keeps its compiled graphs" in found and "implemented for reference" in found
+    assert "set graph_policy 'preserve'" in found
+    vllm["policy"]["process"]["graph_policy"] = "preserve"
+    assert validate_request(vllm)["policy"]["process"]["graph_policy"] == "preserve"

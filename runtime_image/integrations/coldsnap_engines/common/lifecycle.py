@@ -87,6 +87,7 @@ class Lifecycle:
         self.restores = 0
         self.last_error: str | None = None
         self.materialized: dict | None = None
+        self.graphs_released = False  # /release dropped the graphs (recreate-from-plan); /resume re-creates them
         self._log = log or (lambda msg: print(f"[coldsnap] {msg}", file=sys.stderr, flush=True))
 
     def mark_ready(self) -> None:
@@ -133,12 +134,23 @@ class Lifecycle:
             return {"payload": payload, "spans": self.timing.spans}
 
     def release(self, body: dict | None = None) -> dict:
+        request = ec.ReleaseBody.from_json(body)
         with self.lock:
             self._expect(ec.QUIESCED)
+            graphs = {"policy": request.graphs or "preserve", "released": 0}
+            if request.graphs == "recreate-from-plan":
+                release_graphs = getattr(self.control, "release_graphs", None)
+                if release_graphs is None:
+                    raise EngineStateError("this engine integration cannot re-create its graphs on restore "
+                                           "(policy.process.graph_policy 'recreate-from-plan'); use 'preserve'")
+                with self.timing.span("engine.graphs.release") as sp:
+                    graphs["released"] = int(release_graphs())
+                    sp["attrs"]["graphs"] = graphs["released"]
+                self.graphs_released = graphs["released"] > 0
             with self.timing.span("engine.weights.release"):
                 self.control.release_weights()
             self.state = ec.RELEASED
-            return {"spans": self.timing.spans, "arenas": self.control.allocations()}
+            return {"spans": self.timing.spans, "arenas": self.control.allocations(), "graphs": graphs}
 
     # --------------------------------------------------------------- restore
     def resume(self, body: dict) -> dict:
@@ -157,6 +169,10 @@ class Lifecycle:
                 self.control.recreate_memory()
             with self.timing.span("engine.transport.rebuild"):
                 self.control.rebuild_transport(spec)
+            if self.graphs_released:  # the capture dropped them: re-created from the plan (on first use)
+                with self.timing.span("engine.graphs.recreate") as sp:
+                    sp["attrs"]["graphs"] = int(self.control.recreate_graphs())
+                self.graphs_released = False
             if spec.get("warm"):
                 self.state = ec.WARM
                 return {"spans": self.timing.spans}

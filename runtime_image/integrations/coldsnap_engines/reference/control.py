@@ -71,6 +71,13 @@ class ReferenceControl(LocalControl):
             if a.current_address() != a.address:
                 raise EngineStateError(f"arena {a.id} moved from {a.address:#x} to {a.current_address():#x}")
 
+    # ---- graphs (policy.process.graph_policy) -------------------------------
+    def release_graphs(self) -> int:
+        return self.eng.drop_graphs()
+
+    def recreate_graphs(self) -> int:
+        return self.eng.recreate_graphs()
+
     # ---- serving and transport ---------------------------------------------
     def _pause_serving(self) -> None:
         self.eng.pause()

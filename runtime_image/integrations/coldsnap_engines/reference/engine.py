@@ -120,6 +120,27 @@ class Engine:
             _stop_compile_workers()
             self._compile_settled = True
 
+    def drop_graphs(self) -> int:
+        """policy.process.graph_policy 'recreate-from-plan', before a dump: the compiled graphs leave the
+        process (the image holds no compiled code); the number dropped (0 without --compile)."""
+        if self.decoder is None:
+            return 0
+        dropped = self.decoder.decompile()
+        if dropped:
+            free_host_memory()
+        return dropped
+
+    def recreate_graphs(self) -> int:
+        """After a restore of a capture that dropped its graphs: compile again from the plan (the
+        --compile settings; TorchInductor's cache, which policy.cache.paths carries in the capsule). The
+        graphs are built on the first forward passes — the validation request — and the compile workers
+        that builds starts are stopped after it, as at start-up."""
+        if not self.compile or self.decoder is None or self.decoder.compiled:
+            return 0
+        self.decoder.compile()
+        self._compile_settled = False
+        return 2
+
     def new_kv(self) -> None:
         """A fresh, zeroed KV cache."""
         self.kv = self.decoder.new_kv(self.device)
@@ -147,7 +168,10 @@ class Engine:
                 raise ServingPaused("the engine is not serving (paused by its control plane)")
             if self.world > 1:
                 self.transport.broadcast_command(OP_GENERATE, ids, max_tokens)
-            return self._generate(ids, max_tokens, emit)
+            text = self._generate(ids, max_tokens, emit)
+            if self.rank == 0 and self.decoder.compiled:
+                self._compiled()  # graphs re-created after a restore: their compile workers go too
+            return text
 
     @torch.inference_mode()
     def _generate(self, ids: list[int], max_tokens: int, emit=None) -> str:

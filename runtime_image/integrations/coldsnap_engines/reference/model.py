@@ -108,6 +108,16 @@ class Decoder:
         self.mlp = torch.compile(self._mlp, dynamic=True)
         self.compiled = True
 
+    def decompile(self) -> int:
+        """Drop the compiled graphs (back to eager; TorchDynamo's caches reset): the number of compiled
+        functions dropped. :meth:`compile` builds them again on the next forward passes."""
+        if not self.compiled:
+            return 0
+        self.qkv, self.mlp = self._qkv, self._mlp
+        self.compiled = False
+        torch._dynamo.reset()
+        return 2
+
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
             self.all_reduce(x)
