@@ -9,9 +9,7 @@ Every figure is reported next to a baseline measured in the same run:
   selectors echo server, also in Python, with the same client processes;
 * barriers for 2, 8 and 64 rank processes: completion time (first rank enters
   -> last rank leaves), reported in units of the baseline round trip and of the
-  measured ``add`` latency, and against the same barrier done one request after
-  the other (``sequential_barrier``: rank ``add``, count ``add``, then the
-  blocking ``get``; the same keys), alternated with it rep by rep.
+  measured ``add`` latency.
 
     python bench/bench_coordinator.py [--seconds 1] [--rounds 3] [--clients 4] [--reps 5] [--json out.json]
 """
@@ -33,11 +31,7 @@ import time
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import protocol as p
-from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.barrier import (
-    RELEASE_VALUE,
-    barrier,
-    barrier_key,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.barrier import barrier
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import CoordinatorClient
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.daemon import SERVER_MODULE
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint import (
@@ -168,32 +162,16 @@ def summarize(phases: list[dict]) -> dict:
 # -- barriers ----------------------------------------------------------------------------------
 
 
-def sequential_barrier(client: CoordinatorClient, name: str, rank: int, world: int, timeout: float) -> int:
-    """Baseline: the barrier's requests one after the other (3 round trips for a waiting rank)."""
-    if client.add(barrier_key(name, f"rank/{rank}"), 1) != 1:
-        raise SystemExit(f"duplicate rank {rank}")
-    order = client.add(barrier_key(name, f"count@{world}"), 1)
-    if order == world:
-        client.set(barrier_key(name, f"release@{world}"), RELEASE_VALUE)
-    else:
-        client.get(barrier_key(name, f"release@{world}"), timeout=timeout)
-    return order
-
-
-BARRIERS = {"barrier": barrier, "sequential": sequential_barrier}
-
-
 def rank_worker(endpoint: dict, world: int, rank: int, *, reps: int, line_up, out) -> None:
     client = CoordinatorClient(EndpointDescriptor(**endpoint), io_timeout=120)
     for rep in range(reps):
-        for kind, fn in BARRIERS.items():  # alternated rep by rep: background load hits both alike
-            line_up.wait()
-            t0 = time.monotonic()
-            fn(client, f"bench/{kind}/{world}/{rep}", rank, world, 120)
-            out.put((kind, rep, t0, time.monotonic()))
+        line_up.wait()
+        t0 = time.monotonic()
+        barrier(client, f"bench/{world}/{rep}", rank, world, 120)
+        out.put((rep, t0, time.monotonic()))
 
 
-def run_barrier(endpoint: dict, world: int, reps: int) -> dict[str, list[float]]:
+def run_barrier(endpoint: dict, world: int, reps: int) -> list[float]:
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     line_up = ctx.Barrier(world)
@@ -201,17 +179,14 @@ def run_barrier(endpoint: dict, world: int, reps: int) -> dict[str, list[float]]
                          kwargs={"reps": reps, "line_up": line_up, "out": out}) for r in range(world)]
     for proc in procs:
         proc.start()
-    per_rep: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for _i in range(world * reps * len(BARRIERS)):
-        kind, rep, t0, t1 = out.get(timeout=300)
-        per_rep.setdefault((kind, rep), []).append((t0, t1))
+    per_rep: dict[int, list[tuple[float, float]]] = {}
+    for _i in range(world * reps):
+        rep, t0, t1 = out.get(timeout=300)
+        per_rep.setdefault(rep, []).append((t0, t1))
     for proc in procs:
         proc.join()
     # Completion: the first rank enters -> the last rank leaves.
-    times: dict[str, list[float]] = {kind: [] for kind in BARRIERS}
-    for (kind, _rep), v in sorted(per_rep.items()):
-        times[kind].append(max(t1 for _t0, t1 in v) - min(t0 for t0, _t1 in v))
-    return times
+    return [max(t1 for _t0, t1 in v) - min(t0 for t0, _t1 in v) for _rep, v in sorted(per_rep.items())]
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -255,9 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             results["ops"] = {kind: summarize(ph) for kind, ph in phases.items()}
             for world in (int(w) for w in args.worlds.split(",")):
                 times = run_barrier(endpoint, world, args.reps)
-                results["barrier"][world] = {
-                    kind: {"median_ms": 1000 * statistics.median(t), "max_ms": 1000 * max(t), "reps": len(t)}
-                    for kind, t in times.items()}
+                results["barrier"][world] = {"median_ms": 1000 * statistics.median(times),
+                                             "max_ms": 1000 * max(times), "reps": len(times)}
         finally:
             for proc in (coord, echo):
                 proc.terminate()
@@ -280,14 +254,11 @@ def report(results: dict) -> None:
         print(f"| {kind} | {r['ops_per_s']:.0f} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | "
               f"{r['ops_per_s'] / base['ops_per_s']:.2f}x | {r['p99_ms'] / base['p99_ms']:.2f}x |")
     print()
-    print("| ranks | barrier median ms | max ms | median / baseline p50 RTT | median / add p50 "
-          "| sequential requests median ms | barrier / sequential |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for world, both in results["barrier"].items():
-        r, seq = both["barrier"], both["sequential"]
+    print("| ranks | barrier median ms | max ms | median / baseline p50 RTT | median / add p50 |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    for world, r in results["barrier"].items():
         print(f"| {world} | {r['median_ms']:.2f} | {r['max_ms']:.2f} | {r['median_ms'] / base['p50_ms']:.1f}x | "
-              f"{r['median_ms'] / add['p50_ms']:.1f}x | {seq['median_ms']:.2f} | "
-              f"{r['median_ms'] / seq['median_ms']:.2f} |")
+              f"{r['median_ms'] / add['p50_ms']:.1f}x |")
 
 
 if __name__ == "__main__":

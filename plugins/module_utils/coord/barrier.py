@@ -12,13 +12,6 @@ Keys used by ``barrier(client, name, rank, world, timeout)`` (all under
   disagree on it never release each other early (they time out instead).
 * ``release@<world>``: every rank waits for it with a blocking ``get``.
 
-A rank's ``get`` of the release key is sent, on its own connection, right after
-its rank key says it is not a duplicate and before its ``add`` of the count: the
-wait is already in place when the count comes back, so a rank spends two round
-trips in the barrier instead of three (the last arrival drops its wait and
-``set``s the release). The keys and the order in which they change are the same
-as with one request after the other, so clients that do that still take part.
-
 A barrier name is single-use within one activation: name each phase uniquely
 (``criu-restore``, ``cuda-restore``, ``transport/2``...). Timeouts end with a
 ``BarrierTimeout`` that names the ranks that never arrived.
@@ -32,13 +25,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import protocol as p
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import (
     CoordinatorClient,
     CoordinatorError,
     CoordinatorTimeout,
-    PendingRequest,
-    _timeout_ms,
 )
 
 RELEASE_VALUE = b"released"
@@ -77,46 +67,33 @@ def barrier(client: CoordinatorClient, name: str, rank: int, world: int, timeout
             f"barrier {name!r}: rank {rank} arrived {mine} times",
             fix="give every process a distinct rank, and every barrier phase a unique name",
         )
-    release = barrier_key(name, f"release@{world}")
-    waiter: PendingRequest | None = None
-    remaining = deadline - time.monotonic()
-    if remaining > 0:
-        waiter = client.start(p.Op.GET, release, timeout_ms=_timeout_ms(remaining))
-    try:
-        order = client.add(barrier_key(name, f"count@{world}"), 1)
-        if order > world:
-            raise BarrierError(
-                f"barrier {name!r}: {order} arrivals for a world of {world}",
-                fix="use the same world size on every rank and a new barrier name for each phase",
-            )
-        if order == world:
-            if waiter is not None:
-                waiter.cancel()
-            client.set(release, RELEASE_VALUE)
-            return order
-        try:
-            if waiter is None:
-                raise CoordinatorTimeout("no time left")
-            response = waiter.response()
-            if response.status == p.Status.OK:
-                return order
-            client.expect_ok(response, "get", release)  # raises: timeout, internal, unauthorized...
-        except CoordinatorTimeout:
-            # The release may have landed right at the deadline: look once more.
-            if client.try_get(release) is not None:
-                return order
-            missing = missing_ranks(client, name, world)
-            raise BarrierTimeout(
-                f"barrier {name!r} timed out after {timeout:g}s with {world - len(missing)} of {world} ranks: "
-                f"missing {_list(missing)} (this is rank {rank})",
-                fix="check the missing ranks' processes and logs, or raise the timeout",
-                missing=missing,
-                arrived=world - len(missing),
-            ) from None
+    order = client.add(barrier_key(name, f"count@{world}"), 1)
+    if order > world:
+        raise BarrierError(
+            f"barrier {name!r}: {order} arrivals for a world of {world}",
+            fix="use the same world size on every rank and a new barrier name for each phase",
+        )
+    if order == world:
+        client.set(barrier_key(name, f"release@{world}"), RELEASE_VALUE)
         return order
-    finally:
-        if waiter is not None:
-            waiter.cancel()
+    remaining = deadline - time.monotonic()
+    try:
+        if remaining <= 0:
+            raise CoordinatorTimeout("no time left")
+        client.get(barrier_key(name, f"release@{world}"), timeout=remaining)
+    except CoordinatorTimeout:
+        # The release may have landed right at the deadline: look once more.
+        if client.try_get(barrier_key(name, f"release@{world}")) is not None:
+            return order
+        missing = missing_ranks(client, name, world)
+        raise BarrierTimeout(
+            f"barrier {name!r} timed out after {timeout:g}s with {world - len(missing)} of {world} ranks: "
+            f"missing {_list(missing)} (this is rank {rank})",
+            fix="check the missing ranks' processes and logs, or raise the timeout",
+            missing=missing,
+            arrived=world - len(missing),
+        ) from None
+    return order
 
 
 def rendezvous_key(name: str, rank: int) -> str:

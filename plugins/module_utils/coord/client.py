@@ -3,9 +3,6 @@
 The in-unit runtime calls this from engine processes and rank controllers that
 CRIU checkpoints, so the client holds no socket between calls (every request
 opens, sends, reads the reply and closes before returning) and starts no thread.
-:meth:`CoordinatorClient.start` lets one call (a barrier) keep a request in
-flight on its own connection while it makes others; that call still closes it
-before returning.
 
 Retries: only establishing the connection is retried, and only when it is
 refused (the server is not listening yet, or restarting), within a bounded
@@ -18,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import socket
-import struct
 import time
 from pathlib import Path
 
@@ -169,39 +165,35 @@ class CoordinatorClient:
         retry_s: float | None = None,
     ) -> p.Response:
         """Send one request on a fresh connection and return the server's response (any status)."""
-        with self.start(op, key, value, timeout_ms=timeout_ms, retry_s=retry_s) as pending:
-            return pending.response()
-
-    def start(
-        self,
-        op: p.Op,
-        key: bytes | str = b"",
-        value: bytes | str = b"",
-        *,
-        timeout_ms: int = 0,
-        retry_s: float | None = None,
-    ) -> PendingRequest:
-        """Send one request on a fresh connection and return without reading the reply.
-
-        The caller reads it with :meth:`PendingRequest.response` or drops it with
-        :meth:`PendingRequest.cancel` (the server then forgets a blocked ``get`` at
-        once); either closes the connection. Use it as a context manager.
-        """
         frame = p.encode_request(op, self.endpoint.token_bytes, _b(key), _b(value), timeout_ms=timeout_ms)
         reply_wait = self.io_timeout + (timeout_ms / 1000.0 + _REPLY_MARGIN if timeout_ms else 0.0)
         sock = self._connect(self.connect_retry_s if retry_s is None else retry_s)
-        send_error: OSError | None = None
         try:
             sock.settimeout(reply_wait)
-            sock.sendall(frame)
-        except OSError as exc:
-            # The server may have answered early (too-large, unauthorized) and
-            # stopped reading; its reply can still be waiting in our buffer.
-            send_error = exc
-        except BaseException:
+            send_error: OSError | None = None
+            try:
+                sock.sendall(frame)
+            except OSError as exc:
+                # The server may have answered early (too-large, unauthorized) and
+                # stopped reading; its reply can still be waiting in our buffer.
+                send_error = exc
+            try:
+                status, length = p.decode_response_header(p.recv_exact(sock, p.RESPONSE_HEADER_SIZE))
+                value_bytes = p.recv_exact(sock, length) if length else b""
+            except p.ProtocolError as exc:
+                raise CoordinatorUnavailable(
+                    f"{self}: {p.Op(op).name.lower()} got a reply that is not CSKV v1 ({exc})",
+                    fix="check that the endpoint file names a ColdSnap coordinator",
+                ) from None
+            except (OSError, ConnectionError) as exc:
+                cause = send_error or exc
+                raise CoordinatorUnavailable(
+                    f"{self}: {p.Op(op).name.lower()} failed: {_describe(cause)}",
+                    fix="check that the coordinator is running (coldsnap coordinator health)",
+                ) from None
+            return p.Response(status, value_bytes)
+        finally:
             sock.close()
-            raise
-        return PendingRequest(self, p.Op(op), sock, send_error)
 
     def _connect(self, retry_s: float) -> socket.socket:
         deadline = time.monotonic() + max(0.0, retry_s)
@@ -236,10 +228,6 @@ class CoordinatorClient:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock
 
-    def expect_ok(self, response: p.Response, what: str, key: bytes | str) -> bytes:
-        """The value of an ``ok`` response; any other status raises its CoordinatorError subclass."""
-        return self._expect_ok(response, what, key)
-
     def _expect_ok(self, response: p.Response, what: str, key: bytes | str) -> bytes:
         if response.status == p.Status.OK:
             return response.value
@@ -249,59 +237,6 @@ class CoordinatorClient:
 
     def __str__(self) -> str:
         return f"coordinator {self._address}:{self.endpoint.port} (scope {self.endpoint.scope})"
-
-
-class PendingRequest:
-    """A request sent on its own connection whose reply has not been read yet."""
-
-    def __init__(self, client: CoordinatorClient, op: p.Op, sock: socket.socket, send_error: OSError | None) -> None:
-        self._client = client
-        self._op = op
-        self._sock: socket.socket | None = sock
-        self._send_error = send_error
-
-    def response(self) -> p.Response:
-        """Wait for the reply (up to the socket's deadline), close the connection and return it (any status)."""
-        sock = self._sock
-        if sock is None:
-            raise CoordinatorError(f"{self._client}: {self._op.name.lower()} reply was already taken or dropped",
-                                   fix="read each pending request once")
-        try:
-            status, length = p.decode_response_header(p.recv_exact(sock, p.RESPONSE_HEADER_SIZE))
-            value_bytes = p.recv_exact(sock, length) if length else b""
-        except p.ProtocolError as exc:
-            raise CoordinatorUnavailable(
-                f"{self._client}: {self._op.name.lower()} got a reply that is not CSKV v1 ({exc})",
-                fix="check that the endpoint file names a ColdSnap coordinator",
-            ) from None
-        except (OSError, ConnectionError) as exc:
-            cause = self._send_error or exc
-            raise CoordinatorUnavailable(
-                f"{self._client}: {self._op.name.lower()} failed: {_describe(cause)}",
-                fix="check that the coordinator is running (coldsnap coordinator health)",
-            ) from None
-        finally:
-            self.close()
-        return p.Response(status, value_bytes)
-
-    def cancel(self) -> None:
-        """Drop the request: close with a reset, so a server still holding it (a blocked get) lets it go now."""
-        sock = self._sock
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            self.close()
-
-    def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
-
-    def __enter__(self) -> PendingRequest:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 def _timeout_ms(timeout: float) -> int:
