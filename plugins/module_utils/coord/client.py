@@ -92,6 +92,7 @@ class CoordinatorClient:
         self.io_timeout = io_timeout
         self.connect_retry_s = connect_retry_s
         self._address = address or endpoint.connect_address()
+        self._family = socket.AF_INET6 if ":" in self._address else socket.AF_INET
 
     @classmethod
     def from_file(cls, path: Path | str, **kwargs: float | str | None) -> CoordinatorClient:
@@ -198,11 +199,13 @@ class CoordinatorClient:
         deadline = time.monotonic() + max(0.0, retry_s)
         pause = _RETRY_PAUSE[0]
         while True:
+            # The address is an IP literal (endpoint.check_address): no name lookup, one socket, one connect.
+            sock = socket.socket(self._family, socket.SOCK_STREAM)
             try:
-                sock = socket.create_connection(
-                    (self._address, self.endpoint.port), timeout=self.connect_timeout
-                )
+                sock.settimeout(self.connect_timeout)
+                sock.connect((self._address, self.endpoint.port))
             except ConnectionRefusedError as exc:
+                sock.close()
                 if time.monotonic() + pause > deadline:
                     raise CoordinatorUnavailable(
                         f"{self}: connection refused ({_describe(exc)})",
@@ -213,10 +216,14 @@ class CoordinatorClient:
                 pause = min(pause * 2, _RETRY_PAUSE[1])
                 continue
             except OSError as exc:
+                sock.close()
                 raise CoordinatorUnavailable(
                     f"{self}: cannot connect ({_describe(exc)})",
                     fix="check the address/port in the endpoint file and the network path",
                 ) from None
+            except BaseException:
+                sock.close()
+                raise
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             return sock

@@ -16,6 +16,11 @@ Rules, in order:
 The returned :class:`VerifiedPayload` keeps the verified fd open: hydration
 reads from it (never from the path again) and calls :meth:`~VerifiedPayload.recheck`
 before and after use.
+
+:meth:`PayloadVerifier.verify_many` applies the same rules to several packs at
+once, one file per thread (SHA-256 of one file is sequential; hashlib releases
+the GIL, so files hash on separate cores), ``jobs`` at a time (default: the CPUs
+this process may use).
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ import contextlib
 import errno
 import os
 import stat
+import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,7 +47,11 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache impor
     NodeCache,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import PACK_DIR
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import Progress, hash_fd
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import (
+    Progress,
+    default_jobs,
+    hash_fd,
+)
 
 STAGE_FIX = "stage it again (coldsnap.fleet.payload_stage) or restore with weights mode 'recovery'"
 
@@ -121,11 +133,12 @@ class PayloadVerifier:
         self.lock_timeout = lock_timeout
 
     def verify(self, target: Path | str | NodeCache, sha256: str, size: int, *, write_record: bool = True,
-               progress: Progress | None = None, rehash: bool = False) -> VerifiedPayload:
+               progress: Progress | None = None, rehash: bool = False, pipelined: bool = True) -> VerifiedPayload:
         """Verify the pack for ``sha256`` (a path, or the entry of a NodeCache) and return it held open.
 
         ``write_record=False`` is a read-only verification (check mode): no
         lock file, no record, no quarantine. ``rehash`` ignores a valid record.
+        ``pipelined=False`` hashes without a reader thread (streams.hash_fd).
         """
         hexd = parse_digest(sha256, what="model payload digest")
         _check_size_arg(size)
@@ -135,7 +148,7 @@ class PayloadVerifier:
         if not write_record:
             # Check mode / read-only verification: no lock file, no record, no quarantine.
             return self._verify(path, hexd, size, cache, write_record=False, progress=progress, read_only=True,
-                                rehash=rehash)
+                                rehash=rehash, pipelined=pipelined)
         with contextlib.ExitStack() as stack:
             try:
                 stack.enter_context(cache.lock(sha256, timeout=self.lock_timeout))
@@ -144,8 +157,78 @@ class PayloadVerifier:
                     raise
                 # A read-only view of the cache (e.g. a unit's bind mount): verify without lock or record.
                 return self._verify(path, hexd, size, cache, write_record=False, progress=progress, read_only=True,
-                                    rehash=rehash)
-            return self._verify(path, hexd, size, cache, write_record=write_record, progress=progress, rehash=rehash)
+                                    rehash=rehash, pipelined=pipelined)
+            return self._verify(path, hexd, size, cache, write_record=write_record, progress=progress, rehash=rehash,
+                                pipelined=pipelined)
+
+    def verify_many(self, packs: Sequence[tuple[Path | str | NodeCache, str, int]], *, jobs: int | None = None,
+                    write_record: bool = True, progress: Progress | None = None,
+                    rehash: bool = False) -> list[VerifiedPayload]:
+        """Verify several packs at once; every pack held open, in the order given, or an error.
+
+        ``packs`` holds ``(target, sha256, size)`` like :meth:`verify`'s arguments. ``jobs``
+        files are hashed at once (default: the usable CPUs). Every pack is verified even when
+        another fails (each wrong one is refused and quarantined as :meth:`verify` does);
+        then, if any failed, the packs that passed are closed and one error names every
+        failed pack (IntegrityError when each failure is an integrity failure).
+        ``progress(done, total)`` sums the bytes of all packs (a pack whose record is
+        reused counts as done); it may be called from several threads, one at a time.
+        """
+        if jobs is None:
+            jobs = default_jobs()
+        if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+            raise ColdSnapError(f"verify jobs {jobs!r} is not a positive integer", fix="give 1 or more, or omit it")
+        items = list(packs)
+        seen: dict[tuple[str, str], int] = {}
+        for i, (target, sha256, size) in enumerate(items):
+            parse_digest(sha256, what="model payload digest")
+            _check_size_arg(size)
+            where = str(target.path_for(sha256) if isinstance(target, NodeCache) else Path(target))
+            if (where, sha256) in seen:
+                raise ColdSnapError(f"model payload {sha256} at {where} is listed twice (items {seen[where, sha256]} "
+                                    f"and {i})", fix="list each pack once")
+            seen[where, sha256] = i
+        if not items:
+            return []
+        workers = min(jobs, len(items))
+        # A reader thread per file pays only when a core is left for it (streams module doc).
+        pipelined = 2 * workers <= default_jobs()
+        report = _SummedProgress(progress, [size for _t, _d, size in items])
+
+        def one(i: int) -> VerifiedPayload:
+            target, sha256, size = items[i]
+            try:
+                return self.verify(target, sha256, size, write_record=write_record, rehash=rehash,
+                                   progress=report.for_item(i), pipelined=pipelined)
+            finally:
+                report.finished(i)
+
+        outcomes: list[VerifiedPayload | BaseException] = []
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="coldsnap-verify") as pool:
+            futures = [pool.submit(one, i) for i in range(len(items))]
+            for future in futures:
+                try:
+                    outcomes.append(future.result())
+                except BaseException as exc:  # collected: every pack gets its verdict first
+                    outcomes.append(exc)
+        failures = [(i, o) for i, o in enumerate(outcomes) if isinstance(o, BaseException)]
+        if not failures:
+            return outcomes  # type: ignore[return-value]
+        for o in outcomes:
+            if isinstance(o, VerifiedPayload):
+                o.close()
+        for _i, exc in failures:
+            if not isinstance(exc, Exception):
+                raise exc  # KeyboardInterrupt and the like stay what they are
+        if len(failures) == 1:
+            raise failures[0][1]
+        errors = [exc for _i, exc in failures]
+        cls = IntegrityError if all(isinstance(e, IntegrityError) for e in errors) else ColdSnapError
+        quarantined = [e.details.get("quarantined") for e in errors if isinstance(e, ColdSnapError)]
+        raise cls(f"{len(failures)} of {len(items)} model payloads failed verification: "
+                  + "; ".join(f"[{i}] {exc}" for i, exc in failures),
+                  fix=STAGE_FIX, details={"failed": [items[i][1] for i, _e in failures],
+                                          "quarantined": [q for q in quarantined if q]})
 
     def verify_locked(self, path: Path, sha256: str, size: int, *, write_record: bool = True,
                       progress: Progress | None = None, rehash: bool = False) -> VerifiedPayload:
@@ -170,7 +253,8 @@ class PayloadVerifier:
             os.close(fd)
 
     def _verify(self, path: Path, hexd: str, size: int, cache: NodeCache, *, write_record: bool,
-                progress: Progress | None, read_only: bool = False, rehash: bool = False) -> VerifiedPayload:
+                progress: Progress | None, read_only: bool = False, rehash: bool = False,
+                pipelined: bool = True) -> VerifiedPayload:
         started = time.monotonic()
         digest = f"sha256:{hexd}"
         fd = _open_pack(path, hexd)
@@ -190,7 +274,7 @@ class PayloadVerifier:
             _wait_out_tick(ident)
             observed = time.time_ns()
             before = records.FileIdentity.of_fd(fd)
-            actual = hash_fd(fd, size, progress=progress, what=f"model payload {path}")
+            actual = hash_fd(fd, size, progress=progress, what=f"model payload {path}", pipelined=pipelined)
             after = records.FileIdentity.of_fd(fd)
             if before != after:
                 raise IntegrityError(f"model payload {path} changed while it was being hashed",
@@ -225,6 +309,37 @@ class PayloadVerifier:
         else:
             where = "; it could not be quarantined (it was replaced or lives on another file system)"
         raise IntegrityError(problem + where, fix=STAGE_FIX, details={"quarantined": str(moved) if moved else None})
+
+
+class _SummedProgress:
+    """One progress callback over several packs hashed in several threads."""
+
+    def __init__(self, progress: Progress | None, sizes: list[int]) -> None:
+        self._progress = progress
+        self._done = [0] * len(sizes)
+        self._sizes = sizes
+        self._sum = 0
+        self._total = sum(sizes)
+        self._lock = threading.Lock()
+
+    def for_item(self, i: int) -> Progress | None:
+        if self._progress is None:
+            return None
+
+        def report(done: int, _total: int) -> None:
+            self._set(i, done)
+
+        return report
+
+    def finished(self, i: int) -> None:
+        if self._progress is not None:
+            self._set(i, self._sizes[i])
+
+    def _set(self, i: int, done: int) -> None:
+        with self._lock:
+            self._sum += done - self._done[i]
+            self._done[i] = done
+            self._progress(self._sum, self._total)  # type: ignore[misc]
 
 
 def _wait_out_tick(ident: records.FileIdentity) -> None:

@@ -95,14 +95,19 @@ def register(sub) -> None:
     p = sub.add_parser("payload", help="verify, inspect and build model payloads (model-weights.pack)")
     psub = p.add_subparsers(dest="payload_command", metavar="ACTION", required=True)
 
-    v = psub.add_parser("verify", help="verify a pack (size, validation record or full SHA-256)")
-    v.add_argument("--sha256", required=True, help="payload digest 'sha256:<64 hex>'")
-    v.add_argument("--size", required=True, type=int, help="payload size in bytes")
+    v = psub.add_parser("verify", help="verify packs (size, validation record or full SHA-256)",
+                        description="Verify one pack, or several at once (repeat --sha256 and --size, and "
+                                    "--path when given, in the same order); files are hashed in parallel.")
+    v.add_argument("--sha256", required=True, action="append", help="payload digest 'sha256:<64 hex>' (repeatable)")
+    v.add_argument("--size", required=True, action="append", type=int, help="payload size in bytes (repeatable)")
     where = v.add_mutually_exclusive_group(required=True)
     where.add_argument("--state-root", help="state root holding model-payloads/sha256/")
-    where.add_argument("--path", help="explicit pack path (must end in model-payloads/sha256/<hex>.pack)")
+    where.add_argument("--path", action="append",
+                       help="explicit pack path (must end in model-payloads/sha256/<hex>.pack; repeatable)")
     v.add_argument("--no-record", action="store_true",
                    help="read-only: do not write a validation record, lock or quarantine")
+    v.add_argument("--jobs", type=int, default=None,
+                   help="packs hashed at once (default: the CPUs this process may use)")
     v.set_defaults(func=run_verify)
 
     i = psub.add_parser("inspect", help="summarize a pack, native manifest, replay plan or validation record")
@@ -121,14 +126,35 @@ def register(sub) -> None:
 
 
 def run_verify(args) -> int:
-    ids.parse_digest(args.sha256, what="--sha256")  # refused before any path is built
-    target = Path(args.path) if args.path else NodeCache(args.state_root)
-    progress = TtyProgress(f"verifying {args.sha256[:19]}…")
+    for digest in args.sha256:
+        ids.parse_digest(digest, what="--sha256")  # refused before any path is built
+    if len(args.size) != len(args.sha256) or (args.path and len(args.path) != len(args.sha256)):
+        raise ColdSnapError(f"{len(args.sha256)} --sha256, {len(args.size)} --size and "
+                            f"{len(args.path or [])} --path given", fix="give one --size (and one --path "
+                            "unless --state-root is used) per --sha256, in the same order")
+    if args.jobs is not None and args.jobs < 1:
+        raise ColdSnapError(f"--jobs {args.jobs} is not a positive number", fix="give 1 or more, or omit --jobs")
+    targets = [Path(p) for p in args.path] if args.path else [NodeCache(args.state_root)] * len(args.sha256)
+    label = args.sha256[0][:19] if len(args.sha256) == 1 else f"{len(args.sha256)} packs"
+    progress = TtyProgress(f"verifying {label}…")
+    started = time.monotonic()
     try:
-        with PayloadVerifier().verify(target, args.sha256, args.size, write_record=not args.no_record,
-                                      progress=progress) as v:
-            result = v.as_result()
-            result["seconds"] = round(v.seconds, 3)
+        if len(args.sha256) == 1:
+            with PayloadVerifier().verify(targets[0], args.sha256[0], args.size[0],
+                                          write_record=not args.no_record, progress=progress) as v:
+                result = v.as_result()
+                result["seconds"] = round(v.seconds, 3)
+        else:
+            verified = PayloadVerifier().verify_many(list(zip(targets, args.sha256, args.size, strict=True)),
+                                                     jobs=args.jobs, write_record=not args.no_record,
+                                                     progress=progress)
+            payloads = []
+            for v in verified:
+                with v:
+                    payloads.append({**v.as_result(), "seconds": round(v.seconds, 3)})
+            result = {"verified": True, "payloads": payloads,
+                      "bytes_hashed": sum(p["bytes_hashed"] for p in payloads),
+                      "seconds": round(time.monotonic() - started, 3)}
     finally:
         progress.finish()
     print_json(result)

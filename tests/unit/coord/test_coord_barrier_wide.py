@@ -1,0 +1,171 @@
+"""The barrier with many ranks, its timeouts and its errors over a real server: behaviour, never timing."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import protocol as p
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.barrier import (
+    RELEASE_VALUE,
+    BarrierError,
+    BarrierTimeout,
+    barrier,
+    barrier_key,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import (
+    CoordinatorError,
+    CoordinatorUnauthorized,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint import new_token
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.server import CoordinatorServer
+from cskv_testlib import client_for
+
+
+def run_ranks(client, name: str, ranks, world: int, timeout: float) -> dict:
+    results: dict = {}
+    go = threading.Barrier(len(ranks))
+
+    def rank_main(rank: int) -> None:
+        go.wait()
+        try:
+            results[rank] = barrier(client, name, rank, world, timeout)
+        except Exception as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def settle(server) -> None:
+    deadline = time.monotonic() + 10
+    while (server.stats().connections or server.stats().waiting_gets) and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def test_64_ranks_leave_together_and_leave_nothing_behind(server) -> None:
+    client = client_for(server)
+    for phase in range(3):
+        results = run_ranks(client, f"wide/{phase}", range(64), 64, 60)
+        assert sorted(results.values()) == list(range(1, 65)), results
+        assert client.get(barrier_key(f"wide/{phase}", "count@64")) == b"64"
+        assert client.get(barrier_key(f"wide/{phase}", "release@64")) == RELEASE_VALUE
+    settle(server)
+    stats = server.stats()
+    # Every wait was answered: no slot, no waiter is left.
+    assert stats.connections == 0 and stats.waiting_gets == 0
+    assert stats.statuses["timeout"] == 0 and stats.statuses["internal"] == 0
+
+
+def test_release_waits_are_in_place_before_the_last_count(server) -> None:
+    """The ranks that arrived early wait on the release key while the barrier is open; nobody leaves early."""
+    client = client_for(server)
+    results: dict = {}
+    threads = [threading.Thread(target=lambda r=r: results.update({r: barrier(client, "open", r, 4, 30)}))
+               for r in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while server.stats().waiting_gets < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert server.stats().waiting_gets == 3 and not results
+    assert client.try_get(barrier_key("open", "release@4")) is None
+    assert barrier(client, "open", 3, 4, 30) == 4
+    for t in threads:
+        t.join(30)
+    assert sorted(results.values()) == [1, 2, 3]
+
+
+def test_many_ranks_time_out_naming_the_missing_ones(server) -> None:
+    client = client_for(server)
+    present = [r for r in range(40) if r not in (3, 17, 39)]
+    results = run_ranks(client, "holes", present, 40, 0.5)
+    for rank in present:
+        exc = results[rank]
+        assert isinstance(exc, BarrierTimeout), exc
+        assert exc.missing == [3, 17, 39] and exc.arrived == 37
+        assert "missing ranks 3, 17, 39" in str(exc)
+    settle(server)
+    assert server.stats().waiting_gets == 0 and server.stats().connections == 0
+
+
+def test_a_duplicate_rank_is_refused_before_it_counts(server) -> None:
+    client = client_for(server)
+    waiting: dict = {}
+    t = threading.Thread(target=lambda: waiting.update(r=barrier(client, "dup", 0, 2, 30)))
+    t.start()
+    deadline = time.monotonic() + 10
+    while server.stats().waiting_gets < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    with pytest.raises(BarrierError, match="rank 0 arrived 2 times"):
+        barrier(client, "dup", 0, 2, 30)  # a second rank 0 must not complete a world of 2
+    assert client.get(barrier_key("dup", "count@2")) == b"1" and not waiting
+    assert barrier(client, "dup", 1, 2, 30) == 2
+    t.join(30)
+    assert waiting["r"] == 1
+
+
+def test_too_many_arrivals_leave_no_wait(server) -> None:
+    client = client_for(server)
+    client.set(barrier_key("over", "count@2"), b"2")  # as if two ranks had already passed
+    with pytest.raises(BarrierError, match="3 arrivals for a world of 2"):
+        barrier(client, "over", 0, 2, 30)
+    settle(server)
+    assert server.stats().waiting_gets == 0 and server.stats().connections == 0
+
+
+def test_wrong_token_fails_at_the_first_request(server) -> None:
+    bad = client_for(server, token=new_token())
+    with pytest.raises(CoordinatorUnauthorized):
+        barrier(bad, "auth", 0, 2, 5)
+    client = client_for(server)
+    assert client.try_get(barrier_key("auth", "rank/0")) is None and server.stats().waiting_gets == 0
+
+
+def test_shutdown_while_waiting_is_an_error_not_a_timeout(make_server) -> None:
+    server = make_server()
+    client = client_for(server)
+    out: dict = {}
+
+    def rank0() -> None:
+        try:
+            barrier(client, "bye", 0, 2, 30)
+        except Exception as exc:
+            out["exc"] = exc
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    deadline = time.monotonic() + 10
+    while server.stats().waiting_gets < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    server.shutdown(timeout=10)
+    t.join(30)
+    exc = out["exc"]
+    assert isinstance(exc, CoordinatorError) and not isinstance(exc, BarrierTimeout)
+    assert exc.status == p.Status.INTERNAL
+
+
+def test_client_connects_to_an_ip_literal_without_a_name_lookup(monkeypatch) -> None:
+    try:
+        server = CoordinatorServer("b" * 64, address="::1")
+    except ColdSnapError:
+        pytest.skip("no IPv6 loopback here")
+    server.start_thread()
+    try:
+        def no_lookup(*_a, **_k):
+            raise AssertionError("the client looked the address up")
+
+        monkeypatch.setattr(socket, "getaddrinfo", no_lookup)
+        client = client_for(server, token="b" * 64)
+        client.set("k", b"v")
+        assert client.get("k") == b"v"
+        assert barrier(client, "v6", 0, 1, 5) == 1
+    finally:
+        server.shutdown(timeout=10)
