@@ -64,14 +64,26 @@ criu_socket_probe() {
   # socket to a job runner, which CRIU rightly refuses to dump as an external unix socket)
   # and in a session of its own (a job runner may start us in a session whose leader is
   # outside this pid namespace, which CRIU cannot dump either).
-  local bin=$1 dir pid rc=0
+  # A shell with job control starts it as a process-group leader, which setsid() refuses: it forks
+  # first then, and says which pid listens.
+  local bin=$1 dir pid="" rc=0
   dir=$(mktemp -d)
-  python3 -c 'import os,socket,time; os.setsid(); s=socket.socket(); s.bind(("127.0.0.1",0)); s.listen(); time.sleep(60)' \
-    </dev/null >/dev/null 2>&1 &
-  pid=$!
-  sleep 0.3
+  python3 -c 'import os,socket,sys,time
+if os.getpgid(0) == os.getpid() and os.fork():
+    os._exit(0)
+os.setsid(); s=socket.socket(); s.bind(("127.0.0.1",0)); s.listen()
+open(sys.argv[1] + ".tmp", "w").write(str(os.getpid())); os.rename(sys.argv[1] + ".tmp", sys.argv[1]); time.sleep(60)' \
+    "$dir/pid" </dev/null >/dev/null 2>&1 &
+  for _ in $(seq 1 50); do [ -s "$dir/pid" ] && break; sleep 0.1; done
+  pid=$(cat "$dir/pid" 2>/dev/null || true)
+  if [ -z "$pid" ]; then
+    echo "== the probe's listener did not start" >>"$PROBE_LOG"
+    rm -rf "$dir"
+    return 1
+  fi
   "$bin" dump -t "$pid" -D "$dir" --leave-running -o dump.log </dev/null >/dev/null 2>&1 || rc=$?
-  kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
+  kill "$pid" 2>/dev/null || true
+  wait 2>/dev/null || true
   if [ "$rc" -ne 0 ]; then
     { echo "== criu dump of a TCP listener failed (rc $rc) with $bin"; grep -E 'Error|Warn' "$dir/dump.log" 2>/dev/null | tail -20; } >>"$PROBE_LOG"
   fi

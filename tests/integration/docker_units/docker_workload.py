@@ -117,10 +117,10 @@ class DockerWorkload:
         if c is not None:
             c.remove(force=True)
 
-    def complete(self, prompt: str = "ColdSnap says:", max_tokens: int = 16) -> str:
+    def complete(self, prompt: str = "ColdSnap says:", max_tokens: int = 16, *, port: int | None = None) -> str:
         import http.client
 
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=60)
         conn.request("POST", "/v1/completions", body=json.dumps({"prompt": prompt, "max_tokens": max_tokens}),
                      headers={"Content-Type": "application/json"})
         body = json.loads(conn.getresponse().read())

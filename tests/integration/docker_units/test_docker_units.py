@@ -17,7 +17,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact im
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_runtime import PID_FLOOR
-from docker_workload import DockerWorkload, not_owned, throwaway_user
+from docker_workload import DockerWorkload, free_port, not_owned, throwaway_user
 
 pytestmark = [pytest.mark.docker, pytest.mark.criu, pytest.mark.slow]
 
@@ -209,6 +209,25 @@ def test_a_failed_restore_leaves_no_container_and_still_hands_state_back(capture
     assert log.exists(), "the failed rank container's output is kept in the run directory"
     written = [captured.state("workloads", RECIPE), captured.state("runs", req["id"], "units")]
     assert not_owned(written, captured.user.uid, captured.user.gid) == []
+
+
+def test_restore_onto_another_port_moves_the_listeners_inside_the_unit_container(captured):
+    """Placement with runtime docker: the rank container (host networking) restores the capture onto
+    another serving port; every listener of the unit moves by one shift."""
+    new_port = free_port()
+
+    def on_port(req: dict) -> None:
+        req["launch"]["execution"]["services"][0]["port"] = new_port
+        cmd = req["launch"]["units"][0]["command"]
+        cmd[cmd.index("--port") + 1] = str(new_port)
+
+    _req, res = restore(captured, mutate=on_port)
+    assert res.succeeded, res.receipt["error"]
+    unit = res.receipt["result"]["operation"]["units"][0]
+    assert unit["served"] == {"address": "127.0.0.1", "port": new_port}
+    shift = new_port - captured.wl.port
+    assert unit["listeners_moved"] and all(m["to"][1] - m["from"][1] == shift for m in unit["listeners_moved"])
+    assert captured.wl.complete(port=new_port) == captured.accepted
 
 
 def test_prepare_refuses_a_foreign_container_under_the_canonical_name(captured, runtime_image):
