@@ -4,8 +4,11 @@ Runs the real controller path (strict requests, the collection's playbooks throu
 ansible-runner, CRIU) on localhost: one capture (whose launch is the cold start, measured
 from unit start), then ``--restores`` native restores and one recovery restore of the same
 artifact. Prints JSON with the readiness figures, the ratios against the cold start
-measured in the same run, the per-phase breakdown of the best restore, and capsule bytes
-vs model bytes. Usage: ``python bench/bench_snapshot.py --preset 1g [--tp 1] [--restores 2]``.
+measured in the same run, the per-phase breakdown of the best restore, which hydration fill
+ran (``map``: the pack mapped over the CPU arenas; ``python``: copied), and capsule bytes vs
+model bytes. Usage: ``python bench/bench_snapshot.py --preset 1g [--tp 1] [--restores 2]
+[--copy-weights]`` (``--copy-weights``: the engine runs with ``COLDSNAP_CPU_MAP=0``, so every
+restore copies the weights, as before the mapping fill).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=18300)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--copy-weights", action="store_true", help="COLDSNAP_CPU_MAP=0: hydrate by copying")
     args = ap.parse_args()
 
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
@@ -43,12 +47,16 @@ def main() -> int:
     ident = make_model(model_dir, PRESETS[args.preset], model_id=f"coldsnap/reference-{args.preset}")
     env = environment.compute()
     stamp = time.strftime("%Y%m%d%H%M%S")
+    recipe = f"bench-{args.preset}-tp{args.tp}" + ("-copy" if args.copy_weights else "")
 
     def request(op: str, n: int, **kw) -> dict:
         req = reference_request(operation=op, op_id=f"bench-{op}-{stamp}-{n}", model_dir=model_dir, model=ident,
                                 port=args.port, state_root=root, env_digest=env, tp=args.tp, threads=args.threads,
                                 **kw)
-        req["workload"]["recipe"] = f"bench-{args.preset}-tp{args.tp}"
+        req["workload"]["recipe"] = recipe
+        if args.copy_weights:
+            for u in req["launch"]["units"]:
+                u["environment"]["COLDSNAP_CPU_MAP"] = "0"
         return req
 
     def run(req: dict):
@@ -59,7 +67,7 @@ def main() -> int:
         return res.receipt
 
     def stop() -> None:
-        for f in (root / "workloads" / f"bench-{args.preset}-tp{args.tp}").glob("*/control-*.json"):
+        for f in (root / "workloads" / recipe).glob("*/control-*.json"):
             try:
                 os.kill(json.loads(f.read_text())["pid"], signal.SIGKILL)
             except (OSError, ValueError):
@@ -78,11 +86,15 @@ def main() -> int:
         rec = run(req)
         unit0 = next(u for u in rec["result"]["operation"]["units"] if u["unit"] == "unit-0")
         spans = {}
+        hydration = {}
         for s in rec["timing"]["spans"]:
             if s["clock"] == "unit:unit-0" and s.get("end_ns"):
                 spans[s["name"]] = round((s["end_ns"] - s["start_ns"]) / 1e9, 4)
+            if s["name"] == "engine.hydrate":
+                hydration = {k: s["attrs"].get(k) for k in ("fill", "mapped_bytes", "seconds", "map_fallback")}
         restores.append({"mode": mode, "readiness": unit0["readiness"], "reply_ok": unit0["reply"] ==
-                         art["acceptance"]["reply"], "phases": spans, "operation_s": rec["duration_seconds"]})
+                         art["acceptance"]["reply"], "phases": spans, "hydration": hydration,
+                         "operation_s": rec["duration_seconds"]})
     stop()
     best = min((r for r in restores if r["mode"] == "native"), key=lambda r: r["readiness"]["ttft_s"])
     model_bytes = sum(w["model_bytes"] for w in art["weights"]["workers"])

@@ -19,7 +19,8 @@ description:
     with their validation records.
   - A payload is kept when a retained descriptor references it (O(keep_payloads)), when another capture
     directory on this host references it, or when the dropped descriptor pins a published native provider -
-    shared published objects are never deleted implicitly. Registries and the Hugging Face Hub are never
+    shared published objects are never deleted implicitly. A payload a running engine maps (CPU weights hydrated
+    by mapping the pack) is kept and reported. Registries and the Hugging Face Hub are never
     touched. A docker capsule image that a container still uses is kept and reported.
   - Convergent - what is already gone reports no change.
 extends_documentation_fragment:

@@ -15,7 +15,8 @@ A payload is kept when any retained descriptor (``keep_payloads``, computed by
 the store on the control node) references it, when a capture directory on this
 host that is not being removed references it, or when the dropped descriptor
 pins a published native provider: shared published objects are never removed
-implicitly. Nothing remote (registries, the Hub) is ever touched. Removing is
+implicitly, and when a running engine maps it (its CPU weights were hydrated
+by mapping the pack: :meth:`NodeCache.pack_in_use`). Nothing remote (registries, the Hub) is ever touched. Removing is
 convergent: what is already gone is not an error and reports no change.
 """
 
@@ -182,6 +183,10 @@ def remove_local(state_root: Path | str, refs: list[dict], *, keep_payloads: lis
             if digest in keep:
                 kept["payloads"].append({"sha256": digest, "reason": "still referenced by a retained descriptor or "
                                                                      "capture"})
+                continue
+            if cache.pack_in_use(path):
+                kept["payloads"].append({"sha256": digest, "reason": "mapped by a running engine (its CPU weights); "
+                                                                     "delete again once it sleeps, is captured or stops"})
                 continue
             removed["payloads"].append({"sha256": digest, "path": str(path)})
             if check_mode:

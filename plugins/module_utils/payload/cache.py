@@ -10,7 +10,10 @@ Rules the code below keeps:
 * every writer holds an flock on its own temp file, so a leftover temp whose
   lock can be taken belongs to a killed writer and is removed by the next write;
 * a pack that fails verification is moved to ``model-payloads/quarantine/``,
-  never deleted silently.
+  never deleted silently;
+* an engine whose CPU weights are mapped from a pack (``mapfill``) holds a shared
+  flock on the pack for as long as it maps it; deleting packs skips one that is
+  so held (:meth:`NodeCache.pack_in_use`). Packs are never rewritten in place.
 """
 
 from __future__ import annotations
@@ -115,6 +118,21 @@ class NodeCache:
         if removed:
             fsutil.fsync_dir(self.objects)
         return removed
+
+    @staticmethod
+    def pack_in_use(path: Path | str) -> bool:
+        """True when a running engine maps the pack at ``path`` (it holds a shared flock on it)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+        finally:
+            os.close(fd)
+        return False
 
     def quarantine(self, path: Path, identity: records.FileIdentity) -> Path | None:
         """Move the pack at ``path`` aside when it still is the inode ``identity`` names; drop its record."""

@@ -10,8 +10,9 @@ Everything that can be wrong (maps with gaps or overlaps, extents past an
 allocation's end, a size or identity change, a residual or checkpoint that is
 not the captured one) is refused before the sink writes its first byte. The
 sink decides how bytes move: :class:`MemorySink` ``preadv``s straight into
-memoryviews of the engine's arenas; ``cuda.CudaSink`` streams through pinned
-buffers to device memory.
+memoryviews of the engine's arenas; :class:`MappingSink` maps the verified pack
+copy-on-write over private CPU arenas where the pages line up and copies the rest
+(``mapfill``); ``cuda.CudaSink`` streams through pinned buffers to device memory.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     ColdSnapError,
     IntegrityError,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import mapfill
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import Allocation, FileRef
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.manifest import (
     NativeManifest,
@@ -50,6 +52,7 @@ __all__ = [
     "AllocationSink",
     "FillJob",
     "HydrationStats",
+    "MappingSink",
     "MemorySink",
     "Piece",
     "hydrate_native",
@@ -104,7 +107,10 @@ class HydrationStats:
     residual_bytes: int
     extents: int
     seconds: float
-    fill: str = "python"  # which copy loop ran: the sink's ``engine`` ("native": native/fill.c)
+    fill: str = "python"  # which copy loop ran: the sink's ``engine`` ("native": native/fill.c; "map", "map+python")
+    mapped_bytes: int = 0  # model bytes mapped from the pack instead of copied (MappingSink)
+    map_fallback: str | None = None  # why model bytes were copied where a MappingSink could map
+
 
     @property
     def bytes(self) -> int:
@@ -117,7 +123,8 @@ class HydrationStats:
     def as_dict(self) -> dict:
         return {"provider": self.provider, "model_bytes": self.model_bytes, "residual_bytes": self.residual_bytes,
                 "extents": self.extents, "seconds": round(self.seconds, 6), "gb_per_s": round(self.gb_per_s, 3),
-                "fill": self.fill}
+                "fill": self.fill, "mapped_bytes": self.mapped_bytes,
+                **({"map_fallback": self.map_fallback} if self.map_fallback else {})}
 
 
 def split_jobs(jobs: Sequence[FillJob], chunk: int = SPLIT) -> list[FillJob]:
@@ -217,6 +224,91 @@ class MemorySink:
         run_jobs(split_jobs(jobs), work, self.threads)
 
 
+class MappingSink(MemorySink):
+    """A :class:`MemorySink` that maps the verified pack over ``regions`` (allocation id -> (address, size)
+    of private CPU mappings the engine owns) wherever the pages line up, and copies everything else.
+
+    :func:`hydrate_native` offers the verified pack (:meth:`offer`); without an offer (recovery
+    replay), with ``COLDSNAP_CPU_MAP=0`` or where nothing lines up it is a MemorySink. After a fill,
+    ``mapped_bytes``, ``engine`` ("map", "map+python" or "python") and ``map_fallback`` say what
+    happened; :meth:`discard` undoes the mappings of a hydration that failed afterwards.
+    """
+
+    def __init__(self, views: dict, regions: dict[str, tuple[int, int]], *, threads: int | None = None) -> None:
+        super().__init__(views, threads=threads)
+        self.regions = dict(regions)
+        self.source: VerifiedPayload | None = None
+        self.mapped_bytes = 0
+        self.engine = "python"
+        self.map_fallback: str | None = None
+        self._runs: list[mapfill.Run] = []
+
+    def offer(self, payload: VerifiedPayload) -> None:
+        """The verified pack whose bytes may be mapped instead of copied (jobs reading its fd)."""
+        self.source = payload
+
+    def _legal_regions(self) -> tuple[dict[str, tuple[int, int]], str | None]:
+        try:
+            maps = mapfill._maps()
+        except OSError as exc:
+            return {}, f"cannot read the process's mappings ({exc.strerror})"
+        legal = {k: r for k, r in self.regions.items() if k in self.views and mapfill.is_private_mapping(*r, maps)}
+        return legal, (None if legal else "no allocation is a page-aligned private CPU mapping")
+
+    def fill(self, jobs: Sequence[FillJob], *, progress: Progress | None = None) -> None:
+        self.mapped_bytes, self._runs, self.engine = 0, [], "python"
+        for address, size in self.regions.values():
+            if mapfill.in_range(address, mapfill.page_span(size)):  # mapped by an earlier hydration
+                mapfill.anonymize(address, mapfill.page_span(size))
+                mapfill.forget_range(address, mapfill.page_span(size))
+        if self.source is None:
+            self.map_fallback = "no verified pack to map (recovery replay copies)"
+            return super().fill(jobs, progress=progress)
+        if not mapfill.enabled():
+            self.map_fallback = f"mapping turned off ({mapfill.ENV_SWITCH}=0)"
+            return super().fill(jobs, progress=progress)
+        legal, why = self._legal_regions()
+        runs, copies, reasons = mapfill.plan(jobs, legal, self.source.fd)
+        if why:
+            reasons = {why: sum(reasons.values())}
+        done: list[mapfill.Run] = []
+        try:
+            for r in runs:
+                try:
+                    mapfill.map_file(r.address, r.size, self.source.fd, r.file_offset)
+                except OSError as exc:
+                    mapfill.anonymize(r.address, r.size)  # a failed MAP_FIXED may have unmapped the range
+                    copies.append(FillJob(r.allocation, r.offset, r.size, (Piece(self.source.fd, r.file_offset, r.size),),
+                                          None, "model payload"))
+                    reason = mapfill.describe_errno(exc)
+                    reasons[reason] = reasons.get(reason, 0) + r.size
+                    continue
+                done.append(r)
+            self._runs = done
+            if done:
+                mapfill.hold(self.source, [(r.address, r.size) for r in done])
+            self.mapped_bytes = sum(r.size for r in done)
+            if progress is not None and self.mapped_bytes:
+                progress(self.mapped_bytes, self.mapped_bytes + sum(j.size for j in copies))
+            super().fill(copies, progress=(lambda n, t: progress(self.mapped_bytes + n, self.mapped_bytes + t))
+                         if progress is not None else None)
+        except BaseException:
+            self.discard()
+            raise
+        copied_model = sum(reasons.values()) if reasons else 0
+        self.engine = ("map+python" if copied_model else "map") if done else "python"
+        self.map_fallback = "; ".join(sorted(reasons)) if reasons else None
+
+    def discard(self) -> None:
+        """Turn every page this sink mapped back into anonymous memory (zeros) and drop its lease."""
+        for r in self._runs:
+            mapfill.anonymize(r.address, r.size)
+            mapfill.forget_range(r.address, r.size)
+        self._runs = []
+        self.mapped_bytes = 0
+        self.engine = "python"
+
+
 def _check_ids_sizes(have: dict[str, int], allocations: Sequence[Allocation]) -> None:
     want = {a.id: a.size for a in allocations}
     if set(have) != set(want):
@@ -298,15 +390,29 @@ def hydrate_native(manifest: NativeManifest | Path | str, payload: VerifiedPaylo
         sink.check_allocations(manifest.allocations)
         jobs = [FillJob(e.allocation, e.offset, e.size, (Piece(payload.fd, e.pack_offset, e.size),), None,  # type: ignore[union-attr]
                         "model payload") for e in manifest.model_extents]
+        offer = getattr(sink, "offer", None)
+        if offer is not None and payload is not None and manifest.model_extents:
+            offer(payload)
         jobs += _residual_jobs(manifest, residual.fd)
-        sink.fill(jobs, progress=progress)
-        residual.recheck()
-        if payload is not None and manifest.model_extents:
-            payload.recheck()
+        try:
+            sink.fill(jobs, progress=progress)
+            residual.recheck()
+            if payload is not None and manifest.model_extents:
+                payload.recheck()  # mapped pages read this inode later: it must still be the verified one now
+        except BaseException:
+            discard = getattr(sink, "discard", None)
+            if discard is not None:
+                discard()
+            raise
     finally:
         residual.close()
-    return HydrationStats("native", manifest.model_bytes, manifest.residual_bytes, len(manifest.model_extents),
-                          time.monotonic() - started, getattr(sink, "engine", "python"))
+    return _stats("native", manifest, len(manifest.model_extents), started, sink)
+
+
+def _stats(provider: str, manifest: NativeManifest, extents: int, started: float, sink) -> HydrationStats:
+    return HydrationStats(provider, manifest.model_bytes, manifest.residual_bytes, extents, time.monotonic() - started,
+                          getattr(sink, "engine", "python"), getattr(sink, "mapped_bytes", 0),
+                          getattr(sink, "map_fallback", None) if getattr(sink, "regions", None) else None)
 
 
 def check_pin(st, pin: dict) -> None:
@@ -378,5 +484,4 @@ def hydrate_recovery(manifest: NativeManifest | Path | str, replay_plan_path: Pa
             st.close()
         if residual is not None:
             residual.close()
-    return HydrationStats("recovery", manifest.model_bytes, manifest.residual_bytes, len(plan.extents),
-                          time.monotonic() - started, getattr(sink, "engine", "python"))
+    return _stats("recovery", manifest, len(plan.extents), started, sink)

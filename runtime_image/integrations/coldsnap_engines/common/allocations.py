@@ -22,13 +22,19 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout impo
 
 @dataclass(frozen=True, eq=False)
 class LiveAllocation:
-    """One stable allocation: ``device`` is 'cpu' or 'cuda:N'; CPU ones carry a writable view."""
+    """One stable allocation: ``device`` is 'cpu' or 'cuda:N'; CPU ones carry a writable view.
+
+    ``private_mapping``: a CPU allocation that is a whole private mapping its owner created
+    and releases by mapping anonymous memory over it (``CpuArena``), so hydration may map the
+    verified pack over its pages instead of copying (``payload.mapfill``).
+    """
 
     id: str
     device: str
     address: int
     size: int
     view: memoryview | None = field(default=None, repr=False)
+    private_mapping: bool = False
 
     @property
     def device_index(self) -> int:
@@ -106,11 +112,17 @@ class AllocationTable:
         return CudaReader({a.id: a.address for a in self.allocations}, self.allocations[0].device_index)
 
     def sink(self):
-        """AllocationSink for hydration (pinned staging on GPU, preadv into views on CPU)."""
+        """AllocationSink for hydration (pinned staging on GPU; on CPU the pack mapped over private
+        mappings where the pages line up, preadv into views for the rest)."""
         if self.device == "cpu":
-            from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import MemorySink
+            from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import (
+                MappingSink,
+                MemorySink,
+            )
 
-            return MemorySink({a.id: a.view for a in self.allocations})
+            views = {a.id: a.view for a in self.allocations}
+            regions = {a.id: (a.address, a.size) for a in self.allocations if a.private_mapping}
+            return MappingSink(views, regions) if regions else MemorySink(views)
         from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cuda_sink import CudaSink
 
         return CudaSink.for_restore({a.id: a.address for a in self.allocations}, self.allocations[0].device_index,

@@ -2,9 +2,11 @@
 snapshot and re-created at the same address on restore (the reference engine's arenas,
 and the vLLM integration's weight arena on CPU).
 
-CPU: a private anonymous mmap. ``release`` drops its pages (MADV_DONTNEED) so the
-CRIU image does not carry them; CRIU restores the mapping at the same address,
-zero-filled, ready to hydrate.
+CPU: a private anonymous mmap. Hydration may map the verified pack copy-on-write over
+its pages (``payload.mapfill``). ``release`` maps fresh anonymous memory over the whole
+arena at the same address (dropping its pages and any mapping of the pack) so the CRIU
+image carries neither; CRIU restores the mapping at the same address, zero-filled,
+ready to hydrate.
 CUDA: a VMM reservation (cuMemAddressReserve) with physical memory mapped into it.
 ``release`` unmaps and frees the physical memory but keeps the reservation;
 ``recreate`` maps new memory at the same address after the CUDA restore.
@@ -49,6 +51,11 @@ class CpuArena:
     def info(self) -> ArenaInfo:
         return ArenaInfo(self.id, self.address, self.size, self.device)
 
+    @property
+    def span(self) -> int:
+        """Bytes of the mapping (the size rounded up to whole pages)."""
+        return (max(self.size, 1) + PAGE - 1) // PAGE * PAGE
+
     def view(self) -> memoryview:
         """Writable bytes of the whole arena."""
         return memoryview(self._mm)[: self.size]
@@ -67,8 +74,14 @@ class CpuArena:
         return memoryview(self._mm)[offset: offset + size]
 
     def release(self) -> None:
-        """Drop the pages: the mapping stays (same address), contents become zero."""
-        self._mm.madvise(mmap.MADV_DONTNEED)
+        """Drop the pages: fresh private anonymous memory at the same address, contents zero.
+
+        Not MADV_DONTNEED: after a hydration that mapped the pack over the arena, that would
+        only drop the copied-on-write pages and leave the file mapping (and the pack's bytes)
+        for the snapshot. The pack's lease, if any, is dropped with it.
+        """
+        remap_anonymous(self.address, self.span)
+        _forget_pack_mappings(self.address, self.span)
         self.resident = False
 
     def recreate(self) -> None:
@@ -238,7 +251,34 @@ PAGE = mmap.PAGESIZE
 def _libc():
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     return libc
+
+
+_MAP_FIXED = 0x10
+_MAP_FAILED = ctypes.c_void_p(-1).value
+MAPFILL_MODULE = "ansible_collections.coldsnap.fleet.plugins.module_utils.payload.mapfill"
+
+
+def remap_anonymous(address: int, length: int) -> None:
+    """Map fresh private anonymous memory over ``[address, address + length)`` (page-aligned), same address."""
+    libc = _libc()
+    got = libc.mmap(address, length, mmap.PROT_READ | mmap.PROT_WRITE,
+                    mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+    if got == _MAP_FAILED or got != address:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mmap(MAP_FIXED | MAP_ANONYMOUS) of {length} bytes at {address:#x} failed")
+
+
+def _forget_pack_mappings(address: int, length: int) -> None:
+    """Drop the leases of pack mappings that lay in the range (only a process that hydrated through
+    ``payload.mapfill`` has any: the module is then loaded)."""
+    import sys
+
+    mod = sys.modules.get(MAPFILL_MODULE)
+    if mod is not None:
+        mod.forget_range(address, length)
 
 
 def release_interior(address: int, size: int) -> int:

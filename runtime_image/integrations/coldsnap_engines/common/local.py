@@ -114,6 +114,7 @@ class LocalControl:
 
     def release_weights(self) -> None:
         self._release(("weights",))
+        worker.check_released()
         self._switch_load_format()
         if self.device != "cpu":
             self._shrunk = gpu_context.shrink(self.device_index)
@@ -140,6 +141,7 @@ class LocalControl:
         self._pause_serving()
         tags = ("weights", "kv_cache") if self.kv_table() is not None else ("weights",)
         self._release(tags)
+        worker.check_released()
 
     def wake(self, spec: dict) -> dict:
         self.recreate_memory()

@@ -115,6 +115,7 @@ def export(table: AllocationTable, extents: Sequence[ModelExtent], out_dir: Path
     if not len(table):
         raise ColdSnapError("the engine has no stable weight allocations to export",
                             fix="start the engine with its sleep-mode / memory-saver allocator enabled")
+    check_mapped_packs()
     out_dir = Path(out_dir)
     cache = NodeCache(Path(state_root)) if (export_pack and state_root) else None
     if export_pack and cache is None:
@@ -173,6 +174,25 @@ def hydrate(table: AllocationTable, spec: dict, *, relocatable: bool = False) ->
     out = stats.as_dict()
     out["provider"] = provider
     return out
+
+
+def check_mapped_packs() -> None:
+    """Weights mapped from a pack (CPU hydration without copying) must still be the verified bytes:
+    re-check each mapped pack's identity (IntegrityError when it changed) before they are read."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import mapfill
+
+    mapfill.check_leases()
+
+
+def check_released() -> None:
+    """After the weights were released: no mapping or descriptor of a node-cache pack may remain in
+    this process (a CRIU image would otherwise refer to the pack)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import mapfill
+
+    left = mapfill.pack_references()
+    if left:
+        raise ColdSnapError(f"the released engine still refers to model payloads: {'; '.join(left[:4])}",
+                            fix="report this as a bug: a CPU arena mapped from a pack was not released")
 
 
 def materialize(table: AllocationTable, spec: dict) -> dict:

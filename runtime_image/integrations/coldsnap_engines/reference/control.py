@@ -10,6 +10,7 @@ rollback are the shared :class:`~coldsnap_engines.common.lifecycle.Lifecycle`'s.
 
 from __future__ import annotations
 
+from coldsnap_engines.common import worker
 from coldsnap_engines.common.allocations import AllocationTable, LiveAllocation
 from coldsnap_engines.common.arena import free_host_memory
 from coldsnap_engines.common.local import LocalControl
@@ -35,7 +36,7 @@ class ReferenceControl(LocalControl):
         arenas = self.eng.loaded.arenas.values()
         return AllocationTable(
             LiveAllocation(a.id, "cpu" if a.device == "cpu" else f"cuda:{a.device_index}", a.address, a.size,
-                           a.view() if a.device == "cpu" else None)
+                           a.view() if a.device == "cpu" else None, private_mapping=a.device == "cpu")
             for a in arenas)
 
     @property
@@ -103,6 +104,7 @@ class ReferenceControl(LocalControl):
     def sleep(self) -> None:
         self._pause_serving()
         self._release(("kv_cache", "weights"))
+        worker.check_released()
 
     def recreate_memory(self) -> None:
         from coldsnap_engines.common import gpu_context

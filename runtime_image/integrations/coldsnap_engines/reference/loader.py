@@ -2,9 +2,11 @@
 checkpoint-to-destination write, so model bytes are classified from loader
 behaviour (extents), never from parameter names.
 
-Layout per worker: arena "params" holds the rank's weight shards (256-byte
-aligned; the alignment gaps are residual bytes), arena "derived" holds tables
-computed at load (RoPE), which are residual bytes too.
+Layout per worker: arena "params" holds the rank's weight shards (a shard of a
+page or more starts on a page boundary, a smaller one on 256 bytes; the
+alignment gaps are residual bytes), arena "derived" holds tables computed at
+load (RoPE), which are residual bytes too. Page-aligned shards line up with the
+pack's 4 KiB-aligned extents, so CPU hydration can map them instead of copying.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def plan_layout(config: ModelConfig, index: dict[str, str], rank: int, world: in
         nbytes = esize
         for d in shape:
             nbytes *= d
-        off = _align(off, ALIGN)
+        off = _align(off, PAGE if nbytes >= PAGE else ALIGN)
         plans.append(ParamPlan(name, index[name], tuple(full), sl, shape, off, nbytes))
         off += nbytes
     return plans, _align(max(off, 1), PAGE)

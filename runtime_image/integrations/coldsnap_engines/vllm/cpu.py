@@ -5,7 +5,8 @@ mode, no pluggable allocator), so ColdSnap provides the stable allocation itself
 
 * :func:`relocate_parameters` runs in the loader after the model is built and
   before the checkpoint is read: every parameter moves into one page-aligned
-  private mapping (:class:`~coldsnap_engines.common.arena.CpuArena`), so the
+  private mapping (:class:`~coldsnap_engines.common.arena.CpuArena`; a parameter of a
+  page or more starts on a page boundary, so hydration can map it from the pack), so the
   loader's writes land there, the observer classifies them, and release /
   hydration act on one allocation whose address a CRIU restore keeps. Buffers
   (rotary tables and other computed state) stay where they are: they are not in
@@ -37,7 +38,7 @@ class WeightArena:
 
     def table(self) -> AllocationTable:
         a = self.arena
-        return AllocationTable([LiveAllocation(a.id, "cpu", a.address, a.size, a.view())])
+        return AllocationTable([LiveAllocation(a.id, "cpu", a.address, a.size, a.view(), private_mapping=True)])
 
     def release(self) -> int:
         self.arena.release()
@@ -57,9 +58,10 @@ def relocate_parameters(model) -> WeightArena:
     offsets = []
     size = 0
     for _name, p in params:
-        size = _align(size, ALIGN)
+        nbytes = p.numel() * p.element_size()
+        size = _align(size, PAGE if nbytes >= PAGE else ALIGN)  # page-aligned: hydration can map it from the pack
         offsets.append(size)
-        size += p.numel() * p.element_size()
+        size += nbytes
     arena = CpuArena(ARENA_ID, max(_align(size, PAGE), PAGE))
     for (name, p), off in zip(params, offsets, strict=True):
         dest = arena.tensor(off, tuple(p.shape), p.dtype)

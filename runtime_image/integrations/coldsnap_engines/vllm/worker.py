@@ -111,6 +111,7 @@ class ColdSnapWorkerExtension:
         out = {"weights": 0, "kv_cache": 0}
         if "weights" in tags and STATE.arena is not None:
             out["weights"] = STATE.arena.release()
+            payload_worker.check_released()
         if "kv_cache" in tags:
             out["kv_cache"] = release_kv(self.model_runner)  # type: ignore[attr-defined]
         free_host_memory()
