@@ -64,9 +64,10 @@ class EngineSpec:
     max_cpu_unit_workers_reason: str = ""
     # The n580 boundary on GPUs: a context-free pre-exec template (no CUDA context captured).
     gpu_template_capture: bool = False
-    # policy.process.graph_policy 'recreate-from-plan': the integration drops its compiled/captured graphs
-    # before the dump and has them re-created from the plan (compile settings + cache) when it resumes.
-    graph_recreation: bool = False
+    # policy.process.graph_policy 'recreate-from-plan' on GPU units: the integration drops its compiled and
+    # captured (CUDA) graphs before the dump and has them re-created from the plan when it resumes. (On CPU
+    # units vLLM captures no graphs: nothing to drop; the reference engine drops its TorchInductor graphs.)
+    gpu_graph_recreation: bool = False
     # Flags the serve command needs on GPU units only (sleep mode exists on CUDA, not on CPU).
     gpu_required_args: tuple[str, ...] = ()
     gpu_required_options: tuple[tuple[str, str], ...] = ()
@@ -107,7 +108,7 @@ VLLM_WORKER_EXTENSION = "coldsnap_engines.vllm.worker.ColdSnapWorkerExtension"
 ENGINES: dict[str, EngineSpec] = {
     "reference": EngineSpec(
         name="reference", adapter_schema="reference-v1", canonical_writer=True, default_materialize="async",
-        graph_recreation=True,
+        gpu_graph_recreation=True,
         sleep_wake=True, warm_restore=True, integration="coldsnap_engines.reference",
         qualified="CPU (CRIU 4.1.1) and NVIDIA H200",
     ),
@@ -308,12 +309,13 @@ def engine_issues(request: dict) -> list[FormatIssue]:
             f"engine {spec.name!r} has no pre-CUDA template capture, which snapshot driver n580 needs on GPU units",
             "use snapshot driver n610 (initialized CUDA state), or n580 for CPU-only units",
         ))
-    if request["policy"]["process"].get("graph_policy") == "recreate-from-plan" and not spec.graph_recreation:
-        recreating = ", ".join(n for n, e in ENGINES.items() if e.graph_recreation)
+    if (request["policy"]["process"].get("graph_policy") == "recreate-from-plan" and not spec.gpu_graph_recreation
+            and any(u["devices"] for u in launch["units"])):
+        recreating = ", ".join(n for n, e in ENGINES.items() if e.gpu_graph_recreation)
         issues.append(FormatIssue(
             "$.policy.process.graph_policy",
-            f"engine {spec.name!r} keeps its compiled graphs in the process image: re-creating them on restore is "
-            f"implemented for {recreating}",
+            f"engine {spec.name!r} keeps the CUDA graphs of its GPU workers in the snapshot: re-creating them on "
+            f"restore is implemented for {recreating}",
             "set graph_policy 'preserve' (snapshot driver n610)",
         ))
     native = request["policy"]["weights"]["native"]

@@ -289,11 +289,14 @@ def test_process_policy_backend_and_graphs_follow_the_snapshot_driver(base):
     assert validate_request(cpu)["policy"]["process"]["backend"] == "criu", "a CPU unit may use plain CRIU"
 
 
-def test_graph_recreation_is_refused_for_engines_that_keep_their_graphs():
+def test_graph_recreation_is_refused_for_gpu_units_of_engines_that_keep_their_cuda_graphs():
     vllm = json.loads((Path(__file__).resolve().parents[3] / "examples" / "vllm" / "capture.json").read_text())
     vllm.setdefault("policy", {}).setdefault("process", {})["graph_policy"] = "recreate-from-plan"
+    assert validate_request(copy.deepcopy(vllm))["policy"]["process"]["graph_policy"] == "recreate-from-plan", \
+        "vLLM on CPU captures no CUDA graphs: nothing to re-create"
+    vllm["launch"]["units"][0]["devices"] = [0]
+    vllm["launch"]["execution"]["workers"][0]["device_slot"] = 0
+    vllm["policy"]["process"]["backend"] = "cuda-criu"
     found = problems(vllm)["$.policy.process.graph_policy"]
-    assert "engine 'vllm' keeps its compiled graphs" in found and "implemented for reference" in found
+    assert "engine 'vllm' keeps the CUDA graphs of its GPU workers" in found and "implemented for reference" in found
     assert "set graph_policy 'preserve'" in found
-    vllm["policy"]["process"]["graph_policy"] = "preserve"
-    assert validate_request(vllm)["policy"]["process"]["graph_policy"] == "preserve"

@@ -175,6 +175,14 @@ class VllmCpuControl(VllmControl):
         self._run(self.client.reset_prefix_cache())
         self._rpc("coldsnap_release", tags=["kv_cache"])
 
+    def release_graphs(self) -> int:
+        """graph_policy 'recreate-from-plan': vLLM on CPU captures no CUDA graphs, so there is nothing to drop
+        before the dump (its TorchInductor kernels live in the compile cache the capsule carries)."""
+        return 0
+
+    def recreate_graphs(self) -> int:
+        return 0
+
     def release_weights(self) -> None:
         self._rpc("coldsnap_release", tags=["weights"])
 
