@@ -108,13 +108,17 @@ class ExportBody:
     export_pack: bool = True
     state_root: str | None = None
     verify_extents: bool = True
+    # Live progress of the export (module_utils.common.progress records); None: none.
+    progress_dir: str | None = None
 
     @classmethod
     def from_json(cls, data: dict) -> ExportBody:
         if not isinstance(data.get("out_dir"), str) or not isinstance(data.get("model"), dict):
             raise ValueError("/export needs out_dir (a path) and model ({id, revision})")
+        progress = data.get("progress_dir")
         return cls(out_dir=data["out_dir"], model=data["model"], export_pack=bool(data.get("export_pack", True)),
-                   state_root=data.get("state_root"), verify_extents=bool(data.get("verify_extents", True)))
+                   state_root=data.get("state_root"), verify_extents=bool(data.get("verify_extents", True)),
+                   progress_dir=progress if isinstance(progress, str) else None)
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import ProgressWriter
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (
@@ -146,7 +147,11 @@ class Activation:
     def __init__(self, spec: UnitSpec) -> None:
         self.spec = spec
         self.t0 = spec.t0_ns or time.monotonic_ns()
-        self.rec = SpanRecorder(f"unit:{spec.unit_id}", host=spec.host, unit=spec.unit_id)
+        # Live progress: each step this unit starts (unit.criu.restore, unit.resume = hydration...).
+        self.progress = ProgressWriter(spec.progress_dir, f"unit-{spec.unit_id}", phase=f"unit {spec.unit_id}",
+                                       unit="steps")
+        self.rec = SpanRecorder(f"unit:{spec.unit_id}", host=spec.host, unit=spec.unit_id,
+                                sink=self._progress_step if self.progress.enabled else None)
         self.phases = Phases(spec.coordinator["endpoint_file"] if spec.coordinator else None,
                              rank=spec.index, world=spec.unit_count, unit=spec.unit_id)
         self.unit_dir = Path(spec.unit_dir)
@@ -217,6 +222,10 @@ class Activation:
                 _import_engine_spans(self.rec, r, h.worker["id"])
         return replies
 
+    def _progress_step(self, event: dict) -> None:
+        if event.get("event") == "span-start":
+            self.progress.note(f"{self.spec.operation}: {event.get('name')}")
+
     def _export_and_release(self, handles: list[EngineHandle], *, export_pack: bool) -> dict:
         """/export every worker's payload into the unit directory, /release the weights, keep the
         engine log of the capture and start the workload log afresh (CRIU records its size)."""
@@ -224,7 +233,8 @@ class Activation:
         with self.rec.span("unit.export"):
             for h in handles:
                 body = ec.ExportBody(out_dir=str(self.spec.worker_files(h.worker["id"]).directory),
-                                     model=self.spec.model, export_pack=export_pack, state_root=self.spec.state_root)
+                                     model=self.spec.model, export_pack=export_pack, state_root=self.spec.state_root,
+                                     progress_dir=self.spec.progress_dir)
                 payloads[h.worker["id"]] = h.call("POST", ec.EXPORT, body.to_json())["payload"]
         with self.rec.span("unit.release"):
             for h in handles:
