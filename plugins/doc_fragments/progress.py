@@ -17,7 +17,7 @@ options:
       - A private directory (created mode 0700) where the step writes its live progress while it runs
         (small JSON records, replaced atomically about twice a second, mode 0600).
       - Run the task with C(async) and C(poll=0) and wait for it with M(coldsnap.fleet.job_wait) given the
-        same directory: every retry returns the records as C(coldsnap_progress).
+        same directory; every retry returns the records as C(coldsnap_progress).
       - Without it, nothing is written.
     type: path
   progress_lease:

@@ -13,7 +13,7 @@ short_description: Wait for a long ColdSnap step that runs as an async job, with
 version_added: "0.1.0"
 description:
   - Takes the registered result of a task that ran with C(async) and C(poll=0) and looks at the job once.
-    Run it with C(until), C(retries) and C(delay): every retry returns C(coldsnap_progress) (what the step
+    Run it with C(until), C(retries) and C(delay). Every retry returns C(coldsnap_progress) (what the step
     reports while it runs, read from O(progress_dir)), which the C(coldsnap) controller shows live.
   - Once the job has ended it returns the job's own result unchanged (C(failed), C(msg), C(changed) and
     every return value), so a register or a failure message reads the same as when the step ran in the

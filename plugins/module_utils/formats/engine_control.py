@@ -39,6 +39,7 @@ ENV_COORDINATOR = "COLDSNAP_COORDINATOR"
 # directory and into its node cache (set by the activation runtime; anything else is refused).
 ENV_STATE_ROOT = "COLDSNAP_STATE_ROOT"
 CAPTURES_DIR = "captures"
+RUNS_DIR = "runs"
 
 # ------------------------------------------------------------------ states
 LOADING, READY, QUIESCING, QUIESCED, RELEASED, WARM, SLEEPING = (
@@ -124,7 +125,8 @@ class ExportBody:
         return asdict(self)
 
     def check_paths(self, state_root: str | None) -> None:
-        """Refuse an export outside ``<state_root>/captures`` or into another node cache.
+        """Refuse an export outside ``<state_root>/captures``, into another node cache, or with its
+        progress outside ``<state_root>/runs``.
 
         ``state_root`` is the engine's :data:`ENV_STATE_ROOT` (None: an engine started outside
         ColdSnap, which trusts its caller)."""
@@ -137,6 +139,10 @@ class ExportBody:
             raise ValueError(f"/export may write only below {captures}, not {self.out_dir}")
         if self.state_root is not None and os.path.realpath(self.state_root) != root:
             raise ValueError(f"/export writes the pack into the node cache of {root}, not {self.state_root}")
+        if self.progress_dir is not None:
+            runs = os.path.join(root, RUNS_DIR)
+            if os.path.commonpath([os.path.realpath(self.progress_dir), runs]) != runs:
+                raise ValueError(f"/export writes its progress only below {runs}, not {self.progress_dir}")
 
 
 @dataclass(frozen=True)

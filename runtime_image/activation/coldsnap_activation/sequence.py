@@ -226,6 +226,14 @@ class Activation:
         if event.get("event") == "span-start":
             self.progress.note(f"{self.spec.operation}: {event.get('name')}")
 
+    def _export_progress_dir(self) -> str | None:
+        """The engine writes export progress only below ``<state_root>/runs`` (it refuses other paths)."""
+        runs = os.path.realpath(os.path.join(self.spec.state_root, ec.RUNS_DIR))
+        wanted = self.spec.progress_dir
+        if wanted and os.path.commonpath([os.path.realpath(wanted), runs]) == runs:
+            return wanted
+        return None
+
     def _export_and_release(self, handles: list[EngineHandle], *, export_pack: bool) -> dict:
         """/export every worker's payload into the unit directory, /release the weights, keep the
         engine log of the capture and start the workload log afresh (CRIU records its size)."""
@@ -234,7 +242,7 @@ class Activation:
             for h in handles:
                 body = ec.ExportBody(out_dir=str(self.spec.worker_files(h.worker["id"]).directory),
                                      model=self.spec.model, export_pack=export_pack, state_root=self.spec.state_root,
-                                     progress_dir=self.spec.progress_dir)
+                                     progress_dir=self._export_progress_dir())
                 payloads[h.worker["id"]] = h.call("POST", ec.EXPORT, body.to_json())["payload"]
         with self.rec.span("unit.release"):
             for h in handles:
