@@ -95,9 +95,6 @@ coldsnap_progress:
   sample: [{phase: stage, message: copy model-weights.pack, done: 1048576, total: 3440640, unit: bytes}]
 """
 
-import json
-import sys
-
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.async_job import look
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
@@ -119,10 +116,15 @@ def main() -> None:
         result = look(p["job"], progress_dir=p["progress_dir"], remove=p["cleanup"])
     except ColdSnapError as exc:
         module.fail_json(msg=str(exc), finished=True)
-    # The step's result went through its own module's exit_json (no_log values already masked): hand it
-    # back as it is, as ansible.builtin.async_status does, instead of formatting it a second time.
-    print(f"\n{json.dumps(result)}")  # pylint: disable=ansible-bad-function
-    sys.exit(0)  # pylint: disable=ansible-bad-function
+    # The step's own result went through its module's exit_json already (no_log values masked); its
+    # warnings are handed on as this module's, so Ansible shows them once.
+    for warning in result.pop("warnings", None) or []:
+        module.warn(warning if isinstance(warning, str) else str(warning.get("msg") or warning))
+    result.pop("deprecations", None)
+    if result.get("failed"):
+        result.pop("failed")
+        module.fail_json(msg=result.pop("msg"), **result)
+    module.exit_json(**result)
 
 
 if __name__ == "__main__":

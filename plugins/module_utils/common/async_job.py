@@ -106,9 +106,8 @@ def look(job: dict, *, progress_dir: Path | str | None = None, remove: bool = Tr
     if progress_dir:
         refresh_lease(progress_dir)
     data = read_job(path)
-    if is_running(data):
+    if data is None or is_running(data):
         return running_result(job["ansible_job_id"], progress_dir)
-    assert data is not None
     if remove:
         cleanup(path, progress_dir)
     return finished_result(data, job["ansible_job_id"])

@@ -81,7 +81,7 @@ def test_lease_watchdog_stops_an_unattended_job(tmp_path: Path) -> None:
     stopped = []
     dog = pg.LeaseWatchdog(tmp_path, 0.3, poll_s=0.05, on_expiry=lambda: stopped.append(True)).start()
     try:
-        for _ in range(6):  # a waiter looks every 0.1 s: the job keeps running
+        for _look in range(6):  # a waiter looks every 0.1 s: the job keeps running
             time.sleep(0.1)
             pg.refresh_lease(tmp_path)
         assert not stopped
@@ -181,14 +181,14 @@ def test_controller_shows_each_wait_retry_live() -> None:
     collector = EventCollector(SpanRecorder("controller"), parent_span_id=None, redactor=Redactor(),
                                progress=ProgressReporter(True, stream=out))
     running = {"finished": False, "ansible_job_id": "j1.2", "attempts": 1, "retries": 10}
-    collector({"event": "runner_retry", "event_data": {"host": "gpu-a", "task": "Restore the units on this host",
-                                                          "res": {**running, RESULT_PROGRESS_KEY: [
-                                                              {"phase": "unit u0", "message": "restore: unit.resume",
-                                                               "elapsed_s": 3.2}]}}})
-    collector({"event": "runner_retry", "event_data": {"host": "gpu-a", "task": "Restore the units on this host",
-                                                          "res": running}})  # nothing reported yet: no line
-    collector({"event": "runner_retry", "event_data": {"host": "h", "task": "Wait for port",
-                                                          "res": {"attempts": 2, "retries": 5}}})
+    task = "Restore the units on this host"
+    live = {**running, RESULT_PROGRESS_KEY: [{"phase": "unit u0", "message": "restore: unit.resume",
+                                              "elapsed_s": 3.2}]}
+    collector({"event": "runner_retry", "event_data": {"host": "gpu-a", "task": task, "res": live}})
+    # Nothing reported yet: no line.
+    collector({"event": "runner_retry", "event_data": {"host": "gpu-a", "task": task, "res": running}})
+    other = {"attempts": 2, "retries": 5}
+    collector({"event": "runner_retry", "event_data": {"host": "h", "task": "Wait for port", "res": other}})
     lines = out.getvalue().splitlines()
     assert len(lines) == 2
     assert "progress" in lines[0] and "unit u0: restore: unit.resume [3s]" in lines[0]
