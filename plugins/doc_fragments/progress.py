@@ -18,7 +18,7 @@ options:
         (small JSON records, replaced atomically about twice a second, mode 0600).
       - Run the task with C(async) and C(poll=0) and wait for it with M(coldsnap.fleet.job_wait) given the
         same directory; every retry returns the records as C(coldsnap_progress).
-      - Without it, nothing is written.
+      - Without it, and in check mode, nothing is written.
     type: path
   progress_lease:
     description:

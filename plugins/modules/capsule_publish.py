@@ -287,7 +287,7 @@ def main() -> None:
         supports_check_mode=True,
     )
     try:
-        with ProgressSession(module.params["progress_dir"], lease_s=module.params["progress_lease"]) as session:
+        with ProgressSession(None if module.check_mode else module.params["progress_dir"], lease_s=module.params["progress_lease"]) as session:
             result = run(module, session)
     except ColdSnapError as exc:
         module.fail_json(msg=str(exc))

@@ -193,7 +193,7 @@ def run_module() -> None:
     p = module.params
     try:
         source = StageSource.from_dict(p["source"])
-        with ProgressSession(p["progress_dir"], lease_s=p["progress_lease"]) as session:
+        with ProgressSession(None if module.check_mode else p["progress_dir"], lease_s=p["progress_lease"]) as session:
             writer = session.writer(f"stage-{p['sha256'][-12:]}", phase="payload staging",
                                     message=source.describe())
             result = stage_payload(p["state_root"], p["sha256"], p["size"], source, check_mode=module.check_mode,

@@ -136,7 +136,7 @@ def main() -> None:
 
     def run() -> dict:
         req = validate_request(p["request"], document="request (module option)")
-        with ProgressSession(p["progress_dir"], lease_s=p["progress_lease"]) as session:
+        with ProgressSession(None if module.check_mode else p["progress_dir"], lease_s=p["progress_lease"]) as session:
             return capture_units(req, host=p["host"], capture_id=p["capture_id"] or req["id"],
                                  state_root=Path(p["state_root"]), activation_digest=p["activation_digest"],
                                  coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],

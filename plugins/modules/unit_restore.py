@@ -192,7 +192,7 @@ def main() -> None:
                                        staging_failures=p["staging_failures"], hub_token=p["hf_token"])
         if p["phase"] == "evict":
             return ops.evict(req, host=p["host"], state_root=state_root, check_mode=module.check_mode)
-        with ProgressSession(p["progress_dir"], lease_s=p["progress_lease"]) as session:
+        with ProgressSession(None if module.check_mode else p["progress_dir"], lease_s=p["progress_lease"]) as session:
             return ops.restore_units(req, art, host=p["host"], state_root=state_root,
                                      activation_digest=p["activation_digest"],
                                      coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],

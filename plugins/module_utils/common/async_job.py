@@ -74,6 +74,8 @@ def cleanup(job_file: Path | None, progress_dir: Path | str | None) -> None:
             os.unlink(job_file)
     if progress_dir:
         shutil.rmtree(progress_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(Path(progress_dir).parent)  # the run's progress/ directory, once its last step is done
 
 
 def finished_result(data: dict, jid: str) -> dict:
@@ -104,7 +106,7 @@ def look(job: dict, *, progress_dir: Path | str | None = None, remove: bool = Tr
         return dict(job)  # ran in the foreground (async 0) or was skipped: nothing to wait for
     path = _job_file(job)
     if progress_dir:
-        refresh_lease(progress_dir)
+        refresh_lease(progress_dir, create=False)
     data = read_job(path)
     if data is None or is_running(data):
         return running_result(job["ansible_job_id"], progress_dir)

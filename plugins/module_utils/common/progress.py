@@ -175,8 +175,11 @@ def read_progress(directory: Path | str | None) -> list[dict]:
     return out
 
 
-def refresh_lease(directory: Path | str) -> None:
-    """A waiter's sign of life: touch the lease (created when missing)."""
+def refresh_lease(directory: Path | str, *, create: bool = True) -> None:
+    """A sign of life: touch the lease. ``create=False`` (a waiter) touches it only where the step made
+    its progress directory, so a wait never creates anything (check mode, a step without progress)."""
+    if not create and not Path(directory).is_dir():
+        return
     path = private_dir(directory) / LEASE_FILE
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)

@@ -193,3 +193,9 @@ def test_controller_shows_each_wait_retry_live() -> None:
     assert len(lines) == 2
     assert "progress" in lines[0] and "unit u0: restore: unit.resume [3s]" in lines[0]
     assert "retrying Wait for port (2/5)" in lines[1]
+
+
+def test_a_wait_never_creates_the_progress_directory(tmp_path: Path) -> None:
+    job = _job(tmp_path, {"started": True, "finished": False})
+    async_job.look(job, progress_dir=tmp_path / "never-made")  # check mode: the step wrote no progress
+    assert not (tmp_path / "never-made").exists()
