@@ -103,8 +103,8 @@ def test_a_cancelled_run_leaves_no_job_running(tmp_path: Path) -> None:
         if event.get("event") == "runner_retry" and RESULT_PROGRESS_KEY in (event["event_data"].get("res") or {}):
             cancel.set()
 
-    result, _events, _shown = _run(tmp_path, cancel=cancel, on_event=on_event, fixture_steps=200,
-                                   fixture_interval=0.2, fixture_lease=2)
+    result, events, _shown = _run(tmp_path, cancel=cancel, on_event=on_event, fixture_steps=200,
+                                  fixture_interval=0.2, fixture_lease=2)
     assert result.cancelled and result.exit_code == 130
     # The job is no longer below ansible-playbook (Ansible daemonizes it): its lease runs out and it
     # stops itself, saying why.
@@ -114,3 +114,17 @@ def test_a_cancelled_run_leaves_no_job_running(tmp_path: Path) -> None:
     assert _job_processes() == []
     records = list((tmp_path / "progress" / "count-localhost").glob("*.progress.json"))
     assert any("cancelled" in p.read_text() for p in records)
+    # Nobody waits for the job any more: its job file (a failure, the module was stopped) is left to us.
+    launch = next(e for e in events if e.get("event") == "runner_on_ok"
+                  and e["event_data"]["task"] == "Count slowly (start)")["event_data"]["res"]
+    deadline = time.monotonic() + 10
+    while '"failed": true' not in _read(Path(launch["results_file"])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    Path(launch["results_file"]).unlink(missing_ok=True)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
