@@ -38,6 +38,7 @@ extends_documentation_fragment:
   - coldsnap.fleet.attributes
   - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state.UNUSED
+  - coldsnap.fleet.progress
 options:
   state:
     description: What to do.
@@ -130,6 +131,12 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import publish
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import CapsuleRef, inspect_capsule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import (
+    LEASE_ARG,
+    PROGRESS_DIR_ARG,
+    ProgressSession,
+    mapping_progress,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 
 
@@ -163,8 +170,9 @@ def _auth(p: dict) -> dict | None:
     return None
 
 
-def run(module: AnsibleModule) -> dict:
+def run(module: AnsibleModule, session: ProgressSession | None = None) -> dict:
     p = module.params
+    session = session or ProgressSession(None)
     auth = _auth(p)
     entries = _entries(module)
     actions: dict[str, str] = {}
@@ -190,8 +198,13 @@ def run(module: AnsibleModule) -> dict:
                 actions[ref.unit] = "would-push"
                 changed = True
             else:
+                writer = session.writer(f"push-{ref.unit}", phase="capsule push", unit="layers",
+                                        message=f"{ref.unit} -> {repo}")
+                writer.update(force=True)
                 entry["repository_digest"] = publish.push_capsule(ref, repo, auth=auth,
-                                                                  insecure=p["insecure_registry"])
+                                                                  insecure=p["insecure_registry"],
+                                                                  progress=mapping_progress(writer))
+                writer.done(f"{ref.unit} pushed")
                 actions[ref.unit] = "pushed"
                 changed = True
         else:
@@ -207,9 +220,14 @@ def run(module: AnsibleModule) -> dict:
                 actions[ref.unit] = "would-pull"
                 changed = True
             else:
+                writer = session.writer(f"pull-{ref.unit}", phase="capsule pull", unit="layers",
+                                        message=f"{ref.unit} <- {rd}")
+                writer.update(force=True)
                 got = publish.pull_capsule(rd, expected_image_id=ref.image_id, layout=ref.layout,
                                            oci_root=Path(p["oci_root"]) if p["oci_root"] else None, auth=auth,
-                                           unit=ref.unit, insecure=p["insecure_registry"])
+                                           unit=ref.unit, insecure=p["insecure_registry"],
+                                           progress=mapping_progress(writer))
+                writer.done(f"{ref.unit} pulled")
                 entry.update(got.as_dict())
                 actions[ref.unit] = "pulled"
                 changed = True
@@ -259,6 +277,8 @@ def main() -> None:
             "registry_token": {"type": "str", "no_log": True},
             "insecure_registry": {"type": "bool"},
             "state_root": dict(STATE_ROOT_ARG),
+            "progress_dir": dict(PROGRESS_DIR_ARG),
+            "progress_lease": dict(LEASE_ARG),
         },
         required_one_of=[("artifact", "capsules")],
         mutually_exclusive=[("artifact", "capsules"), ("registry_token", "registry_username")],
@@ -267,7 +287,8 @@ def main() -> None:
         supports_check_mode=True,
     )
     try:
-        result = run(module)
+        with ProgressSession(None if module.check_mode else module.params["progress_dir"], lease_s=module.params["progress_lease"]) as session:
+            result = run(module, session)
     except ColdSnapError as exc:
         module.fail_json(msg=str(exc))
     except Exception as exc:  # unexpected: keep the traceback for the operator

@@ -26,6 +26,7 @@ extends_documentation_fragment:
   - coldsnap.fleet.attributes
   - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
+  - coldsnap.fleet.progress
 options:
   sha256:
     description: Digest of the payload, C(sha256:<64 lower-case hex>).
@@ -151,6 +152,11 @@ import traceback
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import (
+    LEASE_ARG,
+    PROGRESS_DIR_ARG,
+    ProgressSession,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.stage import StageSource, stage_payload
 
@@ -162,6 +168,8 @@ def run_module() -> None:
             sha256=dict(type="str", required=True),
             size=dict(type="int", required=True),
             lock_timeout=dict(type="float", default=1800.0),
+            progress_dir=dict(PROGRESS_DIR_ARG),
+            progress_lease=dict(LEASE_ARG),
             source=dict(
                 type="dict",
                 required=True,
@@ -185,8 +193,12 @@ def run_module() -> None:
     p = module.params
     try:
         source = StageSource.from_dict(p["source"])
-        result = stage_payload(p["state_root"], p["sha256"], p["size"], source, check_mode=module.check_mode,
-                               lock_timeout=p["lock_timeout"])
+        with ProgressSession(None if module.check_mode else p["progress_dir"], lease_s=p["progress_lease"]) as session:
+            writer = session.writer(f"stage-{p['sha256'][-12:]}", phase="payload staging",
+                                    message=source.describe())
+            result = stage_payload(p["state_root"], p["sha256"], p["size"], source, check_mode=module.check_mode,
+                                   lock_timeout=p["lock_timeout"], progress=writer)
+            writer.done()
         out = result.as_result()
         if module.check_mode and result.changed:
             out["verified"] = False

@@ -26,6 +26,7 @@ extends_documentation_fragment:
   - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
+  - coldsnap.fleet.progress
 options:
   host:
     description: Inventory hostname of this host, as C(launch.units[].host) names it.
@@ -104,6 +105,11 @@ from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import (
+    LEASE_ARG,
+    PROGRESS_DIR_ARG,
+    ProgressSession,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.capture import capture_units
@@ -121,6 +127,8 @@ def main() -> None:
             state_root=dict(STATE_ROOT_ARG),
             timeouts=dict(type="dict", default={}),
             owner=dict(type="raw"),
+            progress_dir=dict(PROGRESS_DIR_ARG),
+            progress_lease=dict(LEASE_ARG),
         ),
         supports_check_mode=True,
     )
@@ -128,10 +136,12 @@ def main() -> None:
 
     def run() -> dict:
         req = validate_request(p["request"], document="request (module option)")
-        return capture_units(req, host=p["host"], capture_id=p["capture_id"] or req["id"],
-                             state_root=Path(p["state_root"]), activation_digest=p["activation_digest"],
-                             coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
-                             check_mode=module.check_mode, timeouts=p["timeouts"], owner=p["owner"])
+        with ProgressSession(None if module.check_mode else p["progress_dir"], lease_s=p["progress_lease"]) as session:
+            return capture_units(req, host=p["host"], capture_id=p["capture_id"] or req["id"],
+                                 state_root=Path(p["state_root"]), activation_digest=p["activation_digest"],
+                                 coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
+                                 check_mode=module.check_mode, timeouts=p["timeouts"], owner=p["owner"],
+                                 progress_dir=session.directory)
 
     run_guarded(module, run, what="unit_capture")
 

@@ -29,6 +29,7 @@ extends_documentation_fragment:
   - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
+  - coldsnap.fleet.progress
 options:
   phase:
     description: Which step to run.
@@ -141,6 +142,11 @@ from pathlib import Path
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import (
+    LEASE_ARG,
+    PROGRESS_DIR_ARG,
+    ProgressSession,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
@@ -167,6 +173,8 @@ def main() -> None:
             owner=dict(type="raw"),
             staging_failures=dict(type="dict", default={}),
             hf_token=dict(type="str", no_log=True),
+            progress_dir=dict(PROGRESS_DIR_ARG),
+            progress_lease=dict(LEASE_ARG),
         ),
         required_if=[("phase", "prepare", ["facts"]), ("phase", "activate", ["activation_digest"])],
         supports_check_mode=True,
@@ -184,11 +192,12 @@ def main() -> None:
                                        staging_failures=p["staging_failures"], hub_token=p["hf_token"])
         if p["phase"] == "evict":
             return ops.evict(req, host=p["host"], state_root=state_root, check_mode=module.check_mode)
-        return ops.restore_units(req, art, host=p["host"], state_root=state_root,
-                                 activation_digest=p["activation_digest"],
-                                 coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
-                                 warm=p["warm"], check_mode=module.check_mode, timeouts=p["timeouts"],
-                                 owner=p["owner"])
+        with ProgressSession(None if module.check_mode else p["progress_dir"], lease_s=p["progress_lease"]) as session:
+            return ops.restore_units(req, art, host=p["host"], state_root=state_root,
+                                     activation_digest=p["activation_digest"],
+                                     coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
+                                     warm=p["warm"], check_mode=module.check_mode, timeouts=p["timeouts"],
+                                     owner=p["owner"], progress_dir=session.directory)
 
     run_guarded(module, run, what="unit_restore")
 

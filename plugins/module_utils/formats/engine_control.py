@@ -39,6 +39,7 @@ ENV_COORDINATOR = "COLDSNAP_COORDINATOR"
 # directory and into its node cache (set by the activation runtime; anything else is refused).
 ENV_STATE_ROOT = "COLDSNAP_STATE_ROOT"
 CAPTURES_DIR = "captures"
+RUNS_DIR = "runs"
 
 # ------------------------------------------------------------------ states
 LOADING, READY, QUIESCING, QUIESCED, RELEASED, WARM, SLEEPING = (
@@ -108,19 +109,24 @@ class ExportBody:
     export_pack: bool = True
     state_root: str | None = None
     verify_extents: bool = True
+    # Live progress of the export (module_utils.common.progress records); None: none.
+    progress_dir: str | None = None
 
     @classmethod
     def from_json(cls, data: dict) -> ExportBody:
         if not isinstance(data.get("out_dir"), str) or not isinstance(data.get("model"), dict):
             raise ValueError("/export needs out_dir (a path) and model ({id, revision})")
+        progress = data.get("progress_dir")
         return cls(out_dir=data["out_dir"], model=data["model"], export_pack=bool(data.get("export_pack", True)),
-                   state_root=data.get("state_root"), verify_extents=bool(data.get("verify_extents", True)))
+                   state_root=data.get("state_root"), verify_extents=bool(data.get("verify_extents", True)),
+                   progress_dir=progress if isinstance(progress, str) else None)
 
     def to_json(self) -> dict:
         return asdict(self)
 
     def check_paths(self, state_root: str | None) -> None:
-        """Refuse an export outside ``<state_root>/captures`` or into another node cache.
+        """Refuse an export outside ``<state_root>/captures``, into another node cache, or with its
+        progress outside ``<state_root>/runs``.
 
         ``state_root`` is the engine's :data:`ENV_STATE_ROOT` (None: an engine started outside
         ColdSnap, which trusts its caller)."""
@@ -133,6 +139,10 @@ class ExportBody:
             raise ValueError(f"/export may write only below {captures}, not {self.out_dir}")
         if self.state_root is not None and os.path.realpath(self.state_root) != root:
             raise ValueError(f"/export writes the pack into the node cache of {root}, not {self.state_root}")
+        if self.progress_dir is not None:
+            runs = os.path.join(root, RUNS_DIR)
+            if os.path.commonpath([os.path.realpath(self.progress_dir), runs]) != runs:
+                raise ValueError(f"/export writes its progress only below {runs}, not {self.progress_dir}")
 
 
 GRAPH_POLICIES = ("preserve", "recreate-from-plan")

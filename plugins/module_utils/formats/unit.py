@@ -127,6 +127,8 @@ class UnitSpec:
     launcher: dict = field(default_factory=dict)
     # Restore only: how the captured listeners move (process.placement.Placement.to_json()).
     placement: dict = field(default_factory=dict)
+    # Where the unit writes its live progress (module option progress_dir); None: nowhere.
+    progress_dir: str | None = None
 
     @property
     def unit_id(self) -> str:

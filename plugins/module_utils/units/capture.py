@@ -55,8 +55,11 @@ def _require_service_ports_free(request: dict, units: list[dict]) -> None:
 
 def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path, activation_digest: str,
                   coordinator_endpoint: str | None, python: str | None, check_mode: bool,
-                  timeouts: dict | None = None, owner: dict | str | None = None) -> dict:
-    """Capture every unit of ``request`` placed on ``host``; idempotent per capture id."""
+                  timeouts: dict | None = None, owner: dict | str | None = None,
+                  progress_dir: str | None = None) -> dict:
+    """Capture every unit of ``request`` placed on ``host``; idempotent per capture id.
+
+    ``progress_dir``: where the units write live progress (phases, export bytes)."""
     layout = StateLayout(state_root)
     units = units_on_host(request, host)
     if not units:
@@ -80,7 +83,8 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
     runtime.check_capture_free(units)
     _require_service_ports_free(request, units)
     specs = build_specs(request, host=host, operation="capture", capture_id=capture_id, state_root=state_root,
-                        python=python, coordinator_endpoint=coordinator_endpoint, timeouts=timeouts)
+                        python=python, coordinator_endpoint=coordinator_endpoint, timeouts=timeouts,
+                        progress_dir=progress_dir)
     evidence = _sealed(layout, capture_id, runtime.capture(specs))
     return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence)}
 

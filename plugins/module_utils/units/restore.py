@@ -49,8 +49,9 @@ def evict(request: dict, *, host: str, state_root: Path, check_mode: bool) -> di
 
 def restore_units(request: dict, artifact: dict, *, host: str, state_root: Path, activation_digest: str,
                   coordinator_endpoint: str | None, python: str | None, warm: bool,
-                  check_mode: bool, timeouts: dict | None = None, owner: dict | str | None = None) -> dict:
-    """Activate this host's units from their captured state."""
+                  check_mode: bool, timeouts: dict | None = None, owner: dict | str | None = None,
+                  progress_dir: str | None = None) -> dict:
+    """Activate this host's units from their captured state (``progress_dir``: their live progress)."""
     units = units_on_host(request, host)
     if not units:
         return {"changed": False, "units": []}
@@ -64,6 +65,7 @@ def restore_units(request: dict, artifact: dict, *, host: str, state_root: Path,
                         coordinator_endpoint=coordinator_endpoint,
                         weights=plan_weights(request, artifact, host=host, state_root=state_root),
                         validation=accepted_validation(request, artifact), unit_dirs=unit_dirs, warm=warm,
-                        timeouts=timeouts, placements=placements_of(request, artifact, host))
+                        timeouts=timeouts, placements=placements_of(request, artifact, host),
+                        progress_dir=progress_dir)
     evidence = runtime.restore(artifact, specs)
     return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence)}

@@ -29,7 +29,7 @@ def build_specs(request: dict, *, host: str, operation: str, capture_id: str, st
                 python: str | None = None, coordinator_endpoint: str | None = None,
                 weights: dict | None = None, validation: dict | None = None, unit_dirs: dict | None = None,
                 warm: bool = False, supervise: bool = False, timeouts: dict | None = None,
-                placements: dict | None = None) -> list[UnitSpec]:
+                placements: dict | None = None, progress_dir: str | None = None) -> list[UnitSpec]:
     """One unit spec per unit of ``request`` placed on ``host``."""
     layout = StateLayout(state_root)
     launch = request["launch"]
@@ -75,5 +75,6 @@ def build_specs(request: dict, *, host: str, operation: str, capture_id: str, st
             "supervise": supervise,
             "launcher": engine_spec(launch["engine"]).launcher(),
             "placement": (placements or {}).get(unit["id"], {}),
+            "progress_dir": str(progress_dir) if progress_dir else None,
         }))
     return specs

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import ProgressWriter
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (
@@ -146,7 +147,11 @@ class Activation:
     def __init__(self, spec: UnitSpec) -> None:
         self.spec = spec
         self.t0 = spec.t0_ns or time.monotonic_ns()
-        self.rec = SpanRecorder(f"unit:{spec.unit_id}", host=spec.host, unit=spec.unit_id)
+        # Live progress: each step this unit starts (unit.criu.restore, unit.resume = hydration...).
+        self.progress = ProgressWriter(spec.progress_dir, f"unit-{spec.unit_id}", phase=f"unit {spec.unit_id}",
+                                       unit="steps")
+        self.rec = SpanRecorder(f"unit:{spec.unit_id}", host=spec.host, unit=spec.unit_id,
+                                sink=self._progress_step if self.progress.enabled else None)
         self.phases = Phases(spec.coordinator["endpoint_file"] if spec.coordinator else None,
                              rank=spec.index, world=spec.unit_count, unit=spec.unit_id)
         self.unit_dir = Path(spec.unit_dir)
@@ -218,6 +223,18 @@ class Activation:
                 _import_engine_spans(self.rec, r, h.worker["id"])
         return replies
 
+    def _progress_step(self, event: dict) -> None:
+        if event.get("event") == "span-start":
+            self.progress.note(f"{self.spec.operation}: {event.get('name')}")
+
+    def _export_progress_dir(self) -> str | None:
+        """The engine writes export progress only below ``<state_root>/runs`` (it refuses other paths)."""
+        runs = os.path.realpath(os.path.join(self.spec.state_root, ec.RUNS_DIR))
+        wanted = self.spec.progress_dir
+        if wanted and os.path.commonpath([os.path.realpath(wanted), runs]) == runs:
+            return wanted
+        return None
+
     def _export_and_release(self, handles: list[EngineHandle], *, export_pack: bool) -> dict:
         """/export every worker's payload into the unit directory, /release the weights, keep the
         engine log of the capture and start the workload log afresh (CRIU records its size)."""
@@ -225,7 +242,8 @@ class Activation:
         with self.rec.span("unit.export"):
             for h in handles:
                 body = ec.ExportBody(out_dir=str(self.spec.worker_files(h.worker["id"]).directory),
-                                     model=self.spec.model, export_pack=export_pack, state_root=self.spec.state_root)
+                                     model=self.spec.model, export_pack=export_pack, state_root=self.spec.state_root,
+                                     progress_dir=self._export_progress_dir())
                 payloads[h.worker["id"]] = h.call("POST", ec.EXPORT, body.to_json())["payload"]
         graph_policy = (self.spec.driver or {}).get("graph_policy")
         with self.rec.span("unit.release"):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import RESULT_PROGRESS_KEY
 
 from coldsnap._collection import CollectionNotFound, collection_root
 
@@ -32,7 +33,8 @@ RESERVED_EXTRAVARS = (EXTRAVAR_REQUEST, EXTRAVAR_PREPARE_ONLY, EXTRAVAR_STATE_RO
 
 STATS_RESULT_KEY = "coldsnap_result"
 RESULT_TIMING_KEY = "coldsnap_timing"
-RESULT_PROGRESS_KEY = "coldsnap_progress"
+__all__ = ["RESULT_PROGRESS_KEY", "RESULT_TIMING_KEY", "STATS_RESULT_KEY"]
+# RESULT_PROGRESS_KEY ("coldsnap_progress") is defined once, in module_utils.common.progress: the modules write it.
 
 PREPARE_ONLY_OPERATIONS = ("restore", "warm")
 COLLECTION_NAMESPACE = "coldsnap.fleet"

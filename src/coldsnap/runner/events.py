@@ -210,9 +210,13 @@ class EventCollector:
             if isinstance(res, Mapping) and RESULT_PROGRESS_KEY in res:
                 self.progress.progress(str(ed.get("host")), self._task_name(ed), res[RESULT_PROGRESS_KEY])
         elif name == "runner_retry":
-            res = ed.get("res") or {}
-            self.progress.note(f"{ed.get('host')}: retrying {self._task_name(ed)} "
-                               f"({res.get('attempts', '?')}/{res.get('retries', '?')})")
+            res = ed.get("res") if isinstance(ed.get("res"), Mapping) else {}
+            if RESULT_PROGRESS_KEY in res:
+                # A coldsnap.fleet.job_wait look at a long step: its live progress.
+                self.progress.progress(str(ed.get("host")), self._task_name(ed), res[RESULT_PROGRESS_KEY])
+            elif "ansible_job_id" not in res:  # a job that reported nothing yet is not news
+                self.progress.note(f"{ed.get('host')}: retrying {self._task_name(ed)} "
+                                   f"({res.get('attempts', '?')}/{res.get('retries', '?')})")
         elif name == "playbook_on_stats":
             self._stats(ed)
 

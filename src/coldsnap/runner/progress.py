@@ -2,7 +2,9 @@
 
 Written to stderr so stdout stays machine-readable (receipt JSON or timing
 NDJSON). Playbooks may report finer progress through the module result key
-``coldsnap_progress``; :func:`format_progress` renders it.
+``coldsnap_progress``; :func:`format_progress` renders it: at a task's end, and
+live while a long step runs as an async job (every ``coldsnap.fleet.job_wait``
+retry carries it in its ``runner_retry`` event).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def format_progress(payload: Any) -> list[str]:
     """Render a ``coldsnap_progress`` value as display lines.
 
     Accepted shapes: a string; a mapping ``{"message", "phase", "done", "total",
-    "unit"}`` (every key optional); or a list of those.
+    "unit", "elapsed_s"}`` (every key optional; what ``ProgressWriter`` records);
+    or a list of those.
     """
     if payload is None:
         return []
@@ -48,6 +51,9 @@ def format_progress(payload: Any) -> list[str]:
             parts.append(f"{_number(done)}/{_number(total)}{unit} ({100.0 * done / total:.0f}%)")
         else:
             parts.append(f"{_number(done)}{unit}")
+    elapsed = payload.get("elapsed_s")
+    if parts and isinstance(elapsed, int | float) and not isinstance(elapsed, bool):
+        parts.append(f"[{elapsed:.0f}s]")
     return [" ".join(parts)] if parts else []
 
 

@@ -110,7 +110,8 @@ class LocalControl:
         return worker.export(table, self.extents, Path(body["out_dir"]),
                              export_pack=bool(body.get("export_pack", True)), state_root=body.get("state_root"),
                              model=body["model"], model_dir=self.model_dir,
-                             verify=self.verify_extents and bool(body.get("verify_extents", True)), layout=layout)
+                             verify=self.verify_extents and bool(body.get("verify_extents", True)), layout=layout,
+                             progress_dir=body.get("progress_dir"), progress_name=f"export-rank{self.rank}")
 
     def release_weights(self) -> None:
         self._release(("weights",))

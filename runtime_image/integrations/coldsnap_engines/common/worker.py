@@ -103,12 +103,15 @@ def payload_json(result) -> dict:
 
 def export(table: AllocationTable, extents: Sequence[ModelExtent], out_dir: Path, *, export_pack: bool,
            state_root: str | None, model: dict, model_dir: Path | None, verify: bool = True,
-           layout: dict | None = None) -> dict:
+           layout: dict | None = None, progress_dir: str | None = None, progress_name: str = "export") -> dict:
     """Write weights.blob, native-manifest.json, replay-plan.json (and the pack) for one worker.
+
+    ``progress_dir``: where the byte progress of the export goes (live, while it runs).
 
     Must run while the allocations are resident and the engine is quiesced (the
     pack writer re-checks each extent's CRC between its two passes).
     """
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import ProgressWriter
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.pack import write_worker_payload
 
@@ -127,8 +130,11 @@ def export(table: AllocationTable, extents: Sequence[ModelExtent], out_dir: Path
         kept = list(extents)
         if verify and model_dir is not None and kept:
             kept, demoted = verify_extents(kept, rd, Path(model_dir))
+        writer = ProgressWriter(progress_dir, progress_name, phase="capture export",
+                                message="residual + manifest" + (" + pack" if export_pack else ""))
         result = write_worker_payload(out_dir, table.payload_allocations(), kept, rd, export_pack=export_pack,
-                                      cache=cache, model=model, safetensors_dir=model_dir)
+                                      cache=cache, model=model, safetensors_dir=model_dir, progress=writer)
+        writer.done()
     finally:
         close_io(rd)
     if layout is not None:
