@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import process_tree
+
 #: The module result key the controller renders as progress lines (live on every wait retry).
 RESULT_PROGRESS_KEY = "coldsnap_progress"
 #: File name suffix of one progress record in a progress directory.
@@ -217,8 +219,6 @@ def _stop_job() -> None:
     """End this async job the way the controller's cancel ends a step that runs in the foreground:
     SIGTERM every process under this module (helpers, activation runtimes), then the module itself.
     Daemons the step launched on purpose (a restored unit's keeper) are no longer below it and stay."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports import process_tree
-
     me = os.getpid()
     for pid in sorted(process_tree(me) - {me}, reverse=True):
         with contextlib.suppress(OSError):

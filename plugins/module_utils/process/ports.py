@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import process_tree
 
 TABLES = (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6))
 LISTEN, TIME_WAIT = "0A", "06"
@@ -108,24 +109,6 @@ def port_holders(port: int) -> set[int]:
         return set()
     owners = socket_owners()
     return {pid for inode in inodes for pid in owners.get(inode, ())}
-
-
-def process_tree(root: int) -> set[int]:
-    """``root`` and every descendant (by parent pid), as this host sees them now."""
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(proc.name))
-    tree, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid not in tree:
-            tree.add(pid)
-            todo.extend(children.get(pid, []))
-    return tree
 
 
 def _describe(pids: set[int]) -> str:
