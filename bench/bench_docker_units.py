@@ -118,7 +118,7 @@ def docker_run(root: Path, model: tuple[Path, dict], image: str, name: str, regi
     client.images.remove(image_id, force=True)
     pulled = ok(wl.run(wl.request("restore", artifact=root / "published" / "artifact.json")))
     out["restore_published"] = {**figures(pulled), "pull_task_s": task_seconds(
-        pulled, "Pull only this host's assigned capsules of a published descriptor (by digest, verified)")}
+        pulled, "Pull this host's capsules of a published descriptor (by digest, verified)")}
     with WritableHubStandin("bench/payloads", token=TOKEN) as hub:
         def native(r: dict) -> None:
             r["policy"]["weights"]["native"]["repository"] = "bench/payloads"

@@ -43,6 +43,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--moved-port", type=int, default=0,
                     help="finally restore onto this port while a stranger holds the captured one")
+    ap.add_argument("--choose-driver", action="store_true",
+                    help="leave snapshot_driver out: the controller chooses it from the host's facts")
     args = ap.parse_args()
     collection_on_path()
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
@@ -62,7 +64,7 @@ def main() -> int:
         port = port or args.port
         req = {
             "format": 4, "kind": "coldsnap-operation-request", "operation": op,
-            "id": f"gpu-user-{op}-{time.strftime('%H%M%S')}", "snapshot_driver": {"id": "n610"},
+            "id": f"gpu-user-{op}-{time.strftime('%H%M%S')}",
             "launch": {"engine": "reference", "runtime": "host",
                        "model": {"id": ident["id"], "revision": ident["revision"],
                                  "source": {"kind": "local-safetensors", "path": str(model_dir)}},
@@ -79,6 +81,8 @@ def main() -> int:
             "workload": {"recipe": "gpu-user"},
             **extra,
         }
+        if not args.choose_driver:
+            req["snapshot_driver"] = {"id": "n610"}
         path = work / f"{op}.json"
         path.write_text(json.dumps(req))
         return path
@@ -89,7 +93,11 @@ def main() -> int:
         rc = cli([op, "--request-json", str(req), "--state-root", str(state), "--receipt-json", str(receipt)])
         wall = time.monotonic() - t
         doc = json.loads(receipt.read_text())
-        out = {"rc": rc, "state": doc["state"], "operation_s": doc["duration_seconds"], "cli_wall_s": round(wall, 2)}
+        out = {"rc": rc, "state": doc["state"], "operation_s": doc["duration_seconds"], "cli_wall_s": round(wall, 2),
+               "snapshot_driver": doc.get("snapshot_driver")}
+        chosen = (doc.get("result") or {}).get("snapshot_driver_selection")
+        if chosen:
+            out["snapshot_driver_selection"] = chosen
         if doc.get("error"):
             out["error"] = doc["error"]["message"][-1500:]
         units = ((doc.get("result") or {}).get("operation") or {}).get("units") or []

@@ -111,7 +111,6 @@ class HydrationStats:
     mapped_bytes: int = 0  # model bytes mapped from the pack instead of copied (MappingSink)
     map_fallback: str | None = None  # why model bytes were copied where a MappingSink could map
 
-
     @property
     def bytes(self) -> int:
         return self.model_bytes + self.residual_bytes

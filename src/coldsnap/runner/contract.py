@@ -30,6 +30,10 @@ EXTRAVAR_REQUEST = "coldsnap_request"
 EXTRAVAR_PREPARE_ONLY = "coldsnap_prepare_only"
 EXTRAVAR_STATE_ROOT = "coldsnap_state_root"
 RESERVED_EXTRAVARS = (EXTRAVAR_REQUEST, EXTRAVAR_PREPARE_ONLY, EXTRAVAR_STATE_ROOT)
+# Long steps run as async jobs waited for with live progress (the playbooks' default); the controller sets
+# it false when nobody watches (no terminal, --quiet): the steps then run in the foreground, without the
+# launch and the looks that live progress costs. A caller's own -e value wins.
+EXTRAVAR_LIVE_PROGRESS = "coldsnap_live_progress"
 
 STATS_RESULT_KEY = "coldsnap_result"
 RESULT_TIMING_KEY = "coldsnap_timing"

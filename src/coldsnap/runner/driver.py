@@ -67,6 +67,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing impo
 
 from coldsnap.receipts import build_receipt, write_receipt
 from coldsnap.runner.contract import (
+    EXTRAVAR_LIVE_PROGRESS,
     check_prepare_only,
     collection_dir,
     operation_extravars,
@@ -306,6 +307,9 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
     except ImportError:
         raise ColdSnapError("the controller needs ansible-runner, which is not installed",
                             fix="pip install ansible-runner (it is a dependency of the coldsnap package)") from None
+    stream = progress_stream if progress_stream is not None else sys.stderr
+    watched = progress if progress is not None else bool(getattr(stream, "isatty", lambda: False)())
+    extravars = {EXTRAVAR_LIVE_PROGRESS: bool(watched), **dict(extravars)}
     config = RunConfig.build(operation=operation, request=request, playbook=playbook, extravars=extravars,
                              inventory=inventory, state_root=state_root, prepare_only=prepare_only, envvars=envvars,
                              secret_extravars=secret_extravars, verbosity=verbosity, keep_artifacts=keep_artifacts,

@@ -45,7 +45,10 @@ def _job_processes() -> list[int]:
             try:
                 cmdline = (entry / "cmdline").read_bytes()
                 # The module itself, not Ansible's async wrapper (it outlives a job by a few seconds).
-                if MODULE.encode() in cmdline and b"async_wrapper" not in cmdline:
+                # (Ansible runs it as AnsiballZ_<module>.py or its exploded ansible_<module>_payload; a linter
+                # that merely names the file is not the job.)
+                ran = (b"AnsiballZ_" + MODULE.encode()) in cmdline or (b"ansible_" + MODULE.encode()) in cmdline
+                if ran and b"async_wrapper" not in cmdline:
                     state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
                     if state != "Z":
                         found.append(int(entry.name))

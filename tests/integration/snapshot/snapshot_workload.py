@@ -45,9 +45,12 @@ class Workload:
             mutate(req)
         return req
 
-    def run(self, req: dict, *, prepare_only: bool = False, envvars: dict | None = None, secrets: dict | None = None):
+    def run(self, req: dict, *, prepare_only: bool = False, envvars: dict | None = None, secrets: dict | None = None,
+            live: bool = False):
+        """One operation (``live``: the long steps run as async jobs with live progress, as on a terminal)."""
+        extravars = operation_extravars(req, prepare_only=prepare_only, state_root=self.state_root)
         return run_playbook(operation=req["operation"], request=req, playbook=f"coldsnap.fleet.{req['operation']}",
-                            extravars=operation_extravars(req, prepare_only=prepare_only, state_root=self.state_root),
+                            extravars={**extravars, "coldsnap_live_progress": live},
                             inventory=None, state_root=self.state_root, prepare_only=prepare_only,
                             envvars=envvars, secret_extravars=secrets)
 

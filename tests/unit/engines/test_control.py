@@ -278,8 +278,8 @@ def test_recreate_from_plan_drops_the_graphs_before_the_dump_and_recreates_them_
                               "transport-rebuild:g1", "graphs-recreate", "resume"]
     # preserve (the default) keeps them: nothing is released, nothing re-created on the next restore
     assert rig["handle"].call("POST", "/quiesce")["state"] == "quiesced"
-    assert rig["handle"].call("POST", "/release", {"graphs": "preserve"})["graphs"] == {"policy": "preserve",
-                                                                                       "released": 0}
+    kept = rig["handle"].call("POST", "/release", {"graphs": "preserve"})["graphs"]
+    assert kept == {"policy": "preserve", "released": 0}
     r = rig["handle"].call("POST", "/resume", _spec(rig, out, payload, "native"))
     assert "engine.graphs.recreate" not in [s["name"] for s in r["spans"]]
     assert control.events.count("graphs-release") == 1 and control.events.count("graphs-recreate") == 1

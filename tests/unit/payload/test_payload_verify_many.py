@@ -98,7 +98,7 @@ def test_verify_many_verifies_every_pack_and_writes_records(tmp_path, jobs):
     total = sum(s for _p, _d, s in packs)
     assert seen[-1] == (total, total) and all(t == total for _d, t in seen)
     # Second run: every record is reused, nothing hashed.
-    again = PayloadVerifier().verify_many([(p, d, s) for p, d, s in packs], jobs=jobs)
+    again = PayloadVerifier().verify_many(list(packs), jobs=jobs)
     assert all(v.reused_record and v.bytes_hashed == 0 for v in again)
     for v in again:
         v.close()
