@@ -135,6 +135,13 @@ class EngineHandle:
                 raise self.failure(f"the engine died during {path}") from None
             raise UnitError(f"unit {self.unit}: control {path} failed: {exc}") from None
 
+    def peek_status(self, *, timeout: float = 2.0) -> dict | None:
+        """One ``GET /status`` beside a running step (progress only): None when it does not answer."""
+        try:
+            return EngineClient(self.control_info()).call("GET", ec.STATUS, None, timeout=timeout)
+        except Exception:  # a progress look never changes the step
+            return None
+
     def wait_state(self, states: tuple[str, ...], timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         while True:

@@ -141,6 +141,35 @@ def _parallel(handles: list[EngineHandle], fn) -> list:
     return results
 
 
+# The control steps during which an engine hydrates its weights (progress is watched through /status).
+HYDRATING_ROUTES = (ec.RESUME, ec.FINISH_WARM, ec.WAKE)
+
+
+def watch_hydration(handles: list[EngineHandle], writer: ProgressWriter, *, interval: float = 0.5):
+    """While a step hydrates: the engines' byte counts (``GET /status`` -> ``hydration``), summed, to
+    ``writer`` every ``interval`` seconds. An engine that does not report them (captured before they
+    existed) shows none. Returns the function that ends the watch (and writes the final record)."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(interval):
+            counts = [(st or {}).get("hydration") for st in (h.peek_status() for h in handles)]
+            known = [c for c in counts if isinstance(c, dict) and isinstance(c.get("total"), int)
+                     and isinstance(c.get("done"), int)]
+            if known:
+                writer(sum(c["done"] for c in known), sum(c["total"] for c in known))
+
+    thread = threading.Thread(target=watch, name="coldsnap-hydration-progress", daemon=True)
+    thread.start()
+
+    def end() -> None:
+        stop.set()
+        thread.join(timeout=5)
+        if writer.writes:
+            writer.done()
+    return end
+
+
 class Activation:
     """One unit's capture or restore run."""
 
@@ -217,11 +246,21 @@ class Activation:
     def _engine_step(self, handles: list[EngineHandle], span: str, route: str, body=None) -> list[dict]:
         """One control step on every worker at once (collective engine steps need that); the
         engines' spans join the unit's timeline."""
-        with self.rec.span(span):
-            replies = _parallel(handles, lambda h: h.call("POST", route, body(h) if callable(body) else body))
-            for h, r in zip(handles, replies, strict=True):
-                _import_engine_spans(self.rec, r, h.worker["id"])
+        watch = self._watch_hydration(handles) if route in HYDRATING_ROUTES and self.progress.enabled else None
+        try:
+            with self.rec.span(span):
+                replies = _parallel(handles, lambda h: h.call("POST", route, body(h) if callable(body) else body))
+                for h, r in zip(handles, replies, strict=True):
+                    _import_engine_spans(self.rec, r, h.worker["id"])
+        finally:
+            if watch is not None:
+                watch()
         return replies
+
+    def _watch_hydration(self, handles: list[EngineHandle]):
+        """This unit's hydration bytes as live progress while the engines hydrate (see watch_hydration)."""
+        return watch_hydration(handles, ProgressWriter(self.spec.progress_dir, f"hydrate-{self.spec.unit_id}",
+                                                       phase=f"unit {self.spec.unit_id} hydration"))
 
     def _progress_step(self, event: dict) -> None:
         if event.get("event") == "span-start":

@@ -9,6 +9,7 @@ import json
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -294,3 +295,26 @@ def test_an_integration_that_cannot_recreate_graphs_refuses_and_keeps_the_weight
         h.call("POST", "/release", {"graphs": "sometimes"})
     assert h.call("GET", "/status")["state"] == "quiesced"
     assert any(rig["arenas"]["params"].view()[:4096]), "nothing was released"
+
+
+def test_hydration_bytes_are_reported_in_status_and_watched_as_progress(rig):
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import ProgressWriter
+    from coldsnap_activation.sequence import watch_hydration
+
+    h = rig["handle"]
+    _before, payload, out = _capture(rig)
+    assert "hydration" not in h.call("GET", "/status"), "nothing hydrated yet"
+    (rig["tmp"] / "progress").mkdir()  # the step's progress directory (its module creates it)
+    writer = ProgressWriter(rig["tmp"] / "progress", "hydrate-unit-0", phase="unit unit-0 hydration",
+                            min_interval=0)
+    end = watch_hydration([h], writer, interval=0.05)
+    r = h.call("POST", "/resume", _spec(rig, out, payload, "native"))
+    total = r["hydration"]["model_bytes"] + r["hydration"]["residual_bytes"]
+    assert h.call("GET", "/status")["hydration"] == {"done": total, "total": total}
+    deadline = time.monotonic() + 5
+    while not writer.writes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    end()
+    record = json.loads((rig["tmp"] / "progress" / "hydrate-unit-0.progress.json").read_text())
+    assert record["done"] == record["total"] == total and record["state"] == "done"
+    assert record["phase"] == "unit unit-0 hydration" and record["unit"] == "bytes"

@@ -101,8 +101,12 @@ class Lifecycle:
             raise EngineStateError(f"engine is {self.state!r}; this step needs {' or '.join(states)}")
 
     def status(self) -> dict:
-        return {"state": self.state, **self.control.describe(), "arenas": self.control.allocations(),
-                "restores": self.restores, "last_error": self.last_error}
+        out = {"state": self.state, **self.control.describe(), "arenas": self.control.allocations(),
+               "restores": self.restores, "last_error": self.last_error}
+        hydration = getattr(self.control, "hydration", None)  # bytes of the running (or last) hydration
+        if hydration is not None:
+            out["hydration"] = dict(hydration)
+        return out
 
     # --------------------------------------------------------------- capture
     def quiesce(self, body: dict | None = None) -> dict:

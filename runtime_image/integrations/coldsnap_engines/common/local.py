@@ -31,6 +31,7 @@ class LocalControl:
         self.model_dir: Path | None = None
         self.hydration_spec: dict | None = None
         self._alloc_view: dict | None = None
+        self.hydration: dict | None = None  # {done, total} bytes of the last (or running) hydration
         self._shrunk: gpu_context.Shrunk | None = None
 
     @property
@@ -128,7 +129,13 @@ class LocalControl:
 
     def hydrate(self, spec: dict) -> dict:
         self.hydration_spec = dict(spec)  # the JSON body (Lifecycle hands integrations plain dicts)
-        return worker.hydrate(self.weights_table(), spec, relocatable=self.relocatable)
+        self.hydration = {"done": 0, "total": None}
+        return worker.hydrate(self.weights_table(), spec, relocatable=self.relocatable,
+                              progress=self._hydration_progress)
+
+    def _hydration_progress(self, done: int, total: int | None) -> None:
+        """The bytes hydrated so far (``GET /status`` -> ``hydration``: the activation runtime shows them)."""
+        self.hydration = {"done": int(done), "total": int(total) if total is not None else None}
 
     def zero_kv(self) -> None:
         kv = self.kv_table()

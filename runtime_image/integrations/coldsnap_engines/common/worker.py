@@ -145,12 +145,13 @@ def export(table: AllocationTable, extents: Sequence[ModelExtent], out_dir: Path
     return out
 
 
-def hydrate(table: AllocationTable, spec: dict, *, relocatable: bool = False) -> dict:
+def hydrate(table: AllocationTable, spec: dict, *, relocatable: bool = False, progress=None) -> dict:
     """Fill every stable allocation from pack + residual (native) or safetensors + residual (recovery).
 
     ``spec`` is the control API's resume/wake body: provider, manifest, residual,
     replay, pack {path, sha256, size}, model_dir. ``relocatable`` admits a rebuilt
-    layout at new addresses (same ids and sizes): the template-restore loader.
+    layout at new addresses (same ids and sizes): the template-restore loader. ``progress(done,
+    total)`` hears the bytes written.
     """
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import hydrate as hy
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
@@ -166,13 +167,13 @@ def hydrate(table: AllocationTable, spec: dict, *, relocatable: bool = False) ->
                 raise ColdSnapError("native hydration needs the staged model payload (pack.path)",
                                     fix="stage the payload (coldsnap.fleet.payload_stage) or use provider 'recovery'")
             with PayloadVerifier().verify(Path(pack["path"]), pack["sha256"], pack["size"]) as verified:
-                stats = hy.hydrate_native(manifest, verified, Path(spec["residual"]), sink)
+                stats = hy.hydrate_native(manifest, verified, Path(spec["residual"]), sink, progress=progress)
         elif provider == "recovery":
             if not spec.get("model_dir"):
                 raise ColdSnapError("recovery hydration needs the pinned checkpoint directory (model_dir)",
                                     fix="mount the pinned model revision and pass its directory")
             stats = hy.hydrate_recovery(manifest, Path(spec["replay"]), Path(spec["model_dir"]),
-                                        Path(spec["residual"]), sink)
+                                        Path(spec["residual"]), sink, progress=progress)
         else:
             raise ColdSnapError(f"unknown weight provider {provider!r}", fix="use 'native' or 'recovery'")
     finally:
