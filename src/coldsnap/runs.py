@@ -9,12 +9,10 @@ holds it for as long as the run lasts, so a free lock means the controller died.
 from __future__ import annotations
 
 import datetime as dt
-import errno
-import fcntl
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsutil
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import load_receipt
@@ -67,17 +65,7 @@ def _parse_time(text: str | None) -> float | None:
 
 def lock_held(run_dir: Path) -> bool:
     """True while a controller holds the run's ``.lock`` (never creates the lock file)."""
-    try:
-        fd = os.open(run_dir / ".lock", os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as exc:
-        return exc.errno in (errno.EAGAIN, errno.EACCES)
-    finally:
-        os.close(fd)  # closing drops our shared lock, if we got it
-    return False
+    return fsutil.lock_held(run_dir / ".lock")
 
 
 def read_run(run_dir: Path) -> RunEntry:

@@ -161,3 +161,19 @@ def rmtree_atomically(path: Path) -> None:
     os.rename(path, doomed)
     fsync_dir(path.parent)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def lock_held(path: Path | str, *, exclusive: bool = False) -> bool:
+    """True when another open file description holds a flock on ``path`` that conflicts with a
+    shared (or, with ``exclusive``, an exclusive) lock; never creates ``path`` nor follows a symlink."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except OSError as exc:
+        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+    finally:
+        os.close(fd)  # closing drops the probe's own lock, if it got it
+    return False

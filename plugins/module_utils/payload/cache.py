@@ -122,17 +122,7 @@ class NodeCache:
     @staticmethod
     def pack_in_use(path: Path | str) -> bool:
         """True when a running engine maps the pack at ``path`` (it holds a shared flock on it)."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-        finally:
-            os.close(fd)
-        return False
+        return fsutil.lock_held(path, exclusive=True)
 
     def quarantine(self, path: Path, identity: records.FileIdentity) -> Path | None:
         """Move the pack at ``path`` aside when it still is the inode ``identity`` names; drop its record."""
