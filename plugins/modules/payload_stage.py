@@ -42,10 +42,14 @@ options:
     required: true
     suboptions:
       kind:
-        description: C(local) reads O(source.path) on the host; C(huggingface) downloads with huggingface_hub.
+        description:
+          - C(local) reads O(source.path) on the host; C(huggingface) downloads with huggingface_hub.
+          - C(peer) pulls from the transfer server (M(coldsnap.fleet.transfer_serve)) of the host that has the
+            payload, resuming an interrupted transfer and hashing the bytes as they arrive; nothing passes
+            through the control node.
         type: str
         required: true
-        choices: [local, huggingface]
+        choices: [local, huggingface, peer]
       path:
         description: Pack file on the host (kind C(local)).
         type: path
@@ -56,11 +60,21 @@ options:
         description: Immutable 40-hex commit id of that repository (branch and tag names are refused).
         type: str
       filename:
-        description: File inside the repository; defaults to C(model-payloads/sha256/<hex>.pack).
+        description:
+          - File inside the repository; defaults to C(model-payloads/sha256/<hex>.pack).
+          - For kind C(peer), the name the server serves it under; defaults to C(<hex>.pack).
         type: str
       token:
-        description: Hugging Face access token; never logged or returned.
+        description:
+          - Hugging Face access token (kind C(huggingface)), or the transfer's token (kind C(peer)); never logged
+            or returned.
         type: str
+      address:
+        description: Address of the transfer server (kind C(peer)).
+        type: str
+      port:
+        description: Port of the transfer server (kind C(peer)).
+        type: int
       endpoint:
         description: Hub endpoint URL (a mirror); defaults to the library's (C(HF_ENDPOINT) or the public Hub).
         type: str
@@ -100,6 +114,17 @@ EXAMPLES = r"""
       repository: my-org/llama-payloads
       revision: 0123456789abcdef0123456789abcdef01234567
       token: "{{ hf_token }}"
+- name: Pull from the transfer server of the host that has it
+  coldsnap.fleet.payload_stage:
+    state_root: /var/lib/coldsnap
+    sha256: "{{ worker.payload.sha256 }}"
+    size: "{{ worker.payload.size }}"
+    source:
+      kind: peer
+      address: "{{ served.address }}"
+      port: "{{ served.port }}"
+      token: "{{ transfer_token }}"
+  no_log: true
 """
 
 RETURN = r"""
@@ -174,17 +199,20 @@ def run_module() -> None:
                 type="dict",
                 required=True,
                 options=dict(
-                    kind=dict(type="str", required=True, choices=["local", "huggingface"]),
+                    kind=dict(type="str", required=True, choices=["local", "huggingface", "peer"]),
                     path=dict(type="path"),
                     repository=dict(type="str"),
                     revision=dict(type="str"),
                     filename=dict(type="str"),
                     token=dict(type="str", no_log=True),
                     endpoint=dict(type="str"),
+                    address=dict(type="str"),
+                    port=dict(type="int"),
                 ),
                 required_if=[
                     ("kind", "local", ("path",)),
                     ("kind", "huggingface", ("repository", "revision")),
+                    ("kind", "peer", ("address", "port", "token")),
                 ],
             ),
         ),

@@ -14,7 +14,8 @@ PREFIX = "ansible_collections.coldsnap.fleet.plugins.module_utils"
 ALLOWED = {
     "common": set(),
     "formats": {"common"},
-    "payload": {"common", "formats"},
+    "transfer": {"common"},
+    "payload": {"common", "formats", "transfer"},
     "coord": {"common", "formats"},
     "process": {"common", "formats"},
     "capsule": {"common", "formats"},

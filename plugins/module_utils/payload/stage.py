@@ -1,8 +1,10 @@
 """Staging: put exactly one worker's payload into its host's node cache, then verify it.
 
-Sources: a local file (a path on the data-owning host), or a Hugging Face
+Sources: a local file (a path on the data-owning host), a Hugging Face
 repository through ``huggingface_hub.hf_hub_download`` with ``revision``
-pinned to an immutable commit id. Either way the bytes reach the final name
+pinned to an immutable commit id, or the peer transfer server of the host that
+has the payload (:mod:`..transfer`: authenticated, resumable across runs,
+hashed as it arrives). Either way the bytes reach the final name
 only after their SHA-256 matched, under the per-digest lock, so duplicate
 workers on one host converge on one object and never see torn bytes.
 """
@@ -40,8 +42,9 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.writer impo
     PackWriter,
     write_settled_record,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.client import Peer, fetch_file
 
-SOURCE_KINDS = ("local", "huggingface")
+SOURCE_KINDS = ("local", "huggingface", "peer")
 HF_FILENAME = r"[A-Za-z0-9_][A-Za-z0-9._-]*(?:/[A-Za-z0-9_][A-Za-z0-9._-]*)*"
 
 
@@ -56,6 +59,8 @@ class StageSource:
     filename: str | None = None
     token: str | None = field(default=None, repr=False)
     endpoint: str | None = None
+    address: str | None = None
+    port: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> StageSource:
@@ -63,9 +68,9 @@ class StageSource:
         kind = d.get("kind")
         if kind not in SOURCE_KINDS:
             raise ColdSnapError(f"payload source kind {kind!r} is not one of {', '.join(SOURCE_KINDS)}",
-                                fix="set source.kind to 'local' or 'huggingface'")
+                                fix="set source.kind to 'local', 'huggingface' or 'peer'")
         src = cls(kind, Path(d["path"]) if d.get("path") else None, d.get("repository"), d.get("revision"),
-                  d.get("filename"), d.get("token"), d.get("endpoint"))
+                  d.get("filename"), d.get("token"), d.get("endpoint"), d.get("address"), d.get("port"))
         src.check()
         return src
 
@@ -73,6 +78,15 @@ class StageSource:
         if self.kind == "local":
             if self.path is None:
                 raise ColdSnapError("a local payload source needs 'path'", fix="set source.path to the pack file")
+            return
+        if self.kind == "peer":
+            if not self.address or isinstance(self.port, bool) or not isinstance(self.port, int) \
+                    or not 0 <= self.port < 65536 or not self.token:
+                raise ColdSnapError("a peer payload source needs 'address', 'port' (0..65535) and 'token'",
+                                    fix="give the transfer server's address, port and this transfer's token")
+            if self.filename is not None and "/" in self.filename:
+                raise ColdSnapError(f"peer filename {self.filename!r} is not a plain file name",
+                                    fix="leave it unset: the server serves <hex>.pack")
             return
         if not self.repository or not re.fullmatch(ids.MODEL_ID, self.repository):
             raise ColdSnapError(f"Hugging Face repository {self.repository!r} is not 'org/name'",
@@ -88,6 +102,8 @@ class StageSource:
     def describe(self) -> str:
         if self.kind == "local":
             return f"local file {self.path}"
+        if self.kind == "peer":
+            return f"peer {self.address}:{self.port}"
         return f"huggingface {self.repository}@{self.revision}"
 
 
@@ -149,6 +165,8 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
                 quarantined = exc.details.get("quarantined")
         if source.kind == "local":
             copied = _stage_local(cache, hexd, size, source, progress)
+        elif source.kind == "peer":
+            copied = _stage_peer(cache, hexd, size, source, progress)
         else:
             copied = _stage_huggingface(cache, hexd, size, source, progress)
         return StageResult(True, final, sha256, size, False, size, copied, source.describe(), quarantined)
@@ -221,16 +239,42 @@ def _stage_huggingface(cache: NodeCache, hexd: str, size: int, source: StageSour
                 raise IntegrityError(f"{filename} from {source.describe()} hashes to sha256:{actual}, "
                                      f"expected sha256:{hexd}",
                                      fix="the repository does not hold this payload at that revision")
-            os.fsync(fd)
-            os.fchmod(fd, 0o400)
-            cache.ensure_dirs()
-            final = cache.objects / f"{hexd}.pack"
-            os.rename(got, final)  # same file system: atomic, and only after the digest matched
-            fsutil.fsync_dir(final.parent)
-            write_settled_record(fd, final, hexd, size)
+            _commit_verified(cache, fd, Path(got), hexd, size)
         finally:
             os.close(fd)
         return size
     finally:
         with contextlib.suppress(OSError):
             remove_tree_quietly(where)
+
+
+def _commit_verified(cache: NodeCache, fd: int, path: Path, hexd: str, size: int) -> None:
+    """Give a file whose digest matched its final name in the node cache (read-only, recorded)."""
+    os.fsync(fd)
+    os.fchmod(fd, 0o400)
+    cache.ensure_dirs()
+    final = cache.objects / f"{hexd}.pack"
+    os.rename(path, final)  # same file system: atomic, and only after the digest matched
+    fsutil.fsync_dir(final.parent)
+    write_settled_record(fd, final, hexd, size)
+
+
+def peer_partial(cache: NodeCache, hexd: str) -> Path:
+    """Where a peer transfer of ``hexd`` keeps its bytes until they are verified (kept across runs)."""
+    return cache.downloads / f"{hexd}.peer-partial"
+
+
+def _stage_peer(cache: NodeCache, hexd: str, size: int, source: StageSource, progress: Progress | None) -> int:
+    if source.address is None or source.port is None or source.token is None:
+        raise AssertionError("a peer stage source lacks its endpoint")
+    cache.ensure_dirs()
+    cache.downloads.mkdir(mode=0o700, exist_ok=True)
+    partial = peer_partial(cache, hexd)
+    got = fetch_file(Peer(source.address, source.port, source.token), source.filename or f"{hexd}.pack", partial,
+                     size=size, sha256=hexd, progress=progress)
+    fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _commit_verified(cache, fd, partial, hexd, size)
+    finally:
+        os.close(fd)
+    return got.bytes_received

@@ -98,16 +98,24 @@ def test_tp2_capture_on_one_placement_restore_with_ranks_swapped(hosts, swapped)
     b, a = hosts.hosts[1], hosts.hosts[0]
     out = _http_on(hosts, b, "/v1/completions", {"prompt": "ColdSnap says:", "max_tokens": 16})
     assert json.loads(out)["choices"][0]["text"] == accepted
-    # Host B received unit-0's capsule and payload from host A through the control node.
+    # Host B pulled unit-0's capsule and payload from host A, host to host (its transfer server).
     staged = hosts.run_on(b, f"ls {STATE_ROOT}/model-payloads/sha256/ | grep -c pack$")
     assert int(staged.stdout.strip() or 0) >= 1
     assert _http_on(hosts, a, "/health", timeout=5).startswith("UNREACHABLE")  # nothing serves on A now
-    # The control node kept no copy of what passed through it.
-    transfer = Path("/tmp/coldsnap-transfer")
-    for unit in art["capsule"]["units"]:
-        assert not (transfer / "capsules" / unit["image_id"].replace(":", "-")).exists()
-    for worker in art["weights"]["workers"]:
-        assert worker["payload"] and not (transfer / Path(worker["payload"]["path"]).name).exists()
+    events = [e for e in (json.loads(f.read_text()) for f in sorted((res.artifact_dir / "job_events").glob("*.json")))
+              if e.get("event") == "runner_on_ok"]
+    pulled = [e["event_data"]["res"] for e in events
+              if e["event_data"].get("task", "").startswith(("Pull it into the node cache", "Pull the capsule's files"))
+              and e["event_data"].get("host") == "hostb" and "bytes_received" in e["event_data"]["res"]]
+    assert pulled, "host B should have pulled from host A"
+    served = [e["event_data"]["res"] for e in events
+              if e["event_data"].get("task") == "Serve the payload on its capture host"]
+    # each capture host served the other: on its own inventory address only, never on all interfaces
+    assert sorted(r["address"] for r in served) == sorted(h.address for h in hosts.hosts)
+    # nothing of it passed through the control node, and no transfer server is left on host A
+    assert not list(STATE_ROOT.glob("runs/*/transfer"))
+    leftover = hosts.run_on(a, f"ls {STATE_ROOT}/runs/transfers/ 2>/dev/null | grep -c json$ || true")
+    assert int(leftover.stdout.strip() or 0) == 0
 
 
 def test_fault25_unreachable_host_stops_before_eviction(hosts, model, swapped):

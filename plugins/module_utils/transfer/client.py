@@ -1,0 +1,292 @@
+"""The receiving side of a peer transfer: authenticated, resumable, digest-verified on arrival.
+
+Bytes land in a partial file next to their final name and reach the final name only after
+their size and SHA-256 matched. A dropped connection resumes where it stopped (``Range``);
+a partial file left by an earlier, interrupted run is hashed and continued, so a re-run
+after a failure moves only what is missing; a partial that turns out not to be a prefix of
+the file (the digest differs at the end) is thrown away and the file fetched once more from
+its first byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import http.client
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsutil
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    ColdSnapError,
+    IntegrityError,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import auth
+from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server import (
+    LIST_PATH,
+    digest_in_name,
+    file_url_path,
+)
+
+PARTIAL_SUFFIX = ".peer-partial"
+CHUNK = 4 << 20
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Where a transfer server listens, and the token of this transfer (never shown)."""
+
+    address: str
+    port: int
+    token: str
+    timeout: float = 60.0
+    attempts: int = 5
+
+    def describe(self) -> str:
+        return f"peer {self.address}:{self.port}"
+
+    def _connect(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.address, self.port, timeout=self.timeout)
+
+    def request(self, path: str, range_header: str = "") -> tuple[Any, Any]:
+        """Send one signed GET; returns ``(connection, response)`` (the caller closes the connection)."""
+        conn = self._connect()
+        try:
+            conn.request("GET", path, headers=auth.request_headers(self.token, "GET", path, range_header))
+            resp = conn.getresponse()
+        except OSError as exc:
+            conn.close()
+            raise ConnectionError(f"{self.describe()}: {exc.strerror or exc}") from None
+        except http.client.HTTPException as exc:
+            conn.close()
+            raise ConnectionError(f"{self.describe()}: {type(exc).__name__}: {exc}") from None
+        if resp.status == 403:
+            conn.close()
+            raise ColdSnapError(f"{self.describe()} refused the transfer (authentication failed)",
+                                fix="the server was started for another transfer; run the operation again")
+        return conn, resp
+
+    def listing(self) -> list[dict[str, Any]]:
+        conn, resp = self._retrying(lambda: self.request(LIST_PATH))
+        try:
+            body = resp.read()
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise ColdSnapError(f"{self.describe()} answered {resp.status} to the file listing",
+                                fix="read the transfer server's log on the source host")
+        files = json.loads(body)["files"]
+        return [f for f in files if isinstance(f, dict)]
+
+    def _retrying(self, call):
+        delay = 0.5
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return call()
+            except ConnectionError as exc:
+                if attempt == self.attempts:
+                    raise ColdSnapError(
+                        f"cannot reach {exc} (after {attempt} attempts)",
+                        fix="let the destination reach the source host's transfer address and port (set "
+                            "coldsnap_transfer_address / coldsnap_transfer_port), or restore with weights mode "
+                            "'auto' to fall back to the pinned safetensors") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class Fetched:
+    path: Path
+    size: int
+    sha256: str
+    bytes_received: int
+    resumed_from: int
+
+
+def partial_path(final: Path) -> Path:
+    return final.with_name(f".{final.name}{PARTIAL_SUFFIX}")
+
+
+def fetch_file(peer: Peer, name: str, partial: Path, *, size: int | None, sha256: str | None,
+               progress: Progress | None = None) -> Fetched:
+    """Fetch ``name`` into ``partial`` (resuming it) and check it; the caller renames it into place.
+
+    ``sha256`` (hex) and ``size`` are what the file must be; without them the file's name
+    states its digest or the server's listing gave one.
+    """
+    for restart in (False, True):
+        resumed_from = _existing(partial, size)
+        hasher = hashlib.sha256()
+        if resumed_from:
+            with open(partial, "rb") as f:
+                while chunk := f.read(CHUNK):
+                    hasher.update(chunk)
+        received = _download(peer, name, partial, offset=resumed_from, size=size, hasher=hasher, progress=progress)
+        total = resumed_from + received
+        if size is not None and total != size:
+            with contextlib.suppress(FileNotFoundError):
+                partial.unlink()
+            raise IntegrityError(f"{name} from {peer.describe()} has {total} bytes, expected {size}",
+                                 fix="the source host's copy is not this file; capture again")
+        actual = hasher.hexdigest()
+        if sha256 is None or actual == sha256:
+            return Fetched(partial, total, actual, received, resumed_from)
+        with contextlib.suppress(FileNotFoundError):
+            partial.unlink()
+        if resumed_from and not restart:
+            continue  # the partial was not a prefix of this file: fetch it once more from byte 0
+        raise IntegrityError(f"{name} from {peer.describe()} hashes to sha256:{actual}, expected sha256:{sha256}",
+                             fix="the source host's copy is corrupt; verify it there (coldsnap payload verify) "
+                                 "or capture again")
+    raise AssertionError("unreachable")
+
+
+def _existing(partial: Path, size: int | None) -> int:
+    try:
+        st = os.lstat(partial)
+    except FileNotFoundError:
+        return 0
+    if not os.path.isfile(partial) or os.path.islink(partial) or (size is not None and st.st_size > size):
+        partial.unlink()
+        return 0
+    return st.st_size
+
+
+def _download(peer: Peer, name: str, partial: Path, *, offset: int, size: int | None, hasher,
+              progress: Progress | None) -> int:
+    """Append the file's bytes from ``offset``; reconnects and resumes on a dropped connection."""
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    received = 0
+    try:
+        for attempt in range(1, peer.attempts + 1):
+            position = offset + received
+            if size is not None and position == size and size > 0:
+                break
+            try:
+                received += _one_response(peer, name, fd, position=position, hasher=hasher, progress=progress,
+                                          size=size)
+                break
+            except ConnectionError as exc:
+                received += getattr(exc, "got", 0)  # what arrived before the drop is kept and hashed
+                if attempt == peer.attempts:
+                    raise ColdSnapError(
+                        f"transfer of {name} from {exc} failed after {attempt} attempts "
+                        f"({offset + received} bytes are kept in {partial}; the next run resumes there)",
+                        fix="make the source host reachable from this host and run the operation again") from None
+                time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return received
+
+
+def _one_response(peer: Peer, name: str, fd: int, *, position: int, hasher, progress: Progress | None,
+                  size: int | None) -> int:
+    range_header = f"bytes={position}-" if position else ""
+    conn, resp = peer.request(file_url_path(name), range_header)
+    got = 0
+    try:
+        if resp.status == 404:
+            raise ColdSnapError(f"{peer.describe()} does not serve {name}",
+                                fix="the source host lacks the file; capture again or restore elsewhere")
+        if resp.status not in (200, 206) or (position and resp.status != 206):
+            raise ColdSnapError(f"{peer.describe()} answered {resp.status} for {name}: "
+                                f"{resp.read(200).decode(errors='replace').strip()}",
+                                fix="read the transfer server's log on the source host")
+        expected = int(resp.getheader("Content-Length", "-1"))
+        total = size if size is not None else position + max(expected, 0)
+        while True:
+            try:
+                chunk = resp.read(CHUNK)
+            except (OSError, http.client.HTTPException) as exc:
+                raise ConnectionError(f"{peer.describe()}: {exc}") from None
+            if not chunk:
+                break
+            _write_all(fd, chunk)
+            hasher.update(chunk)
+            got += len(chunk)
+            if progress is not None:
+                progress(position + got, total)
+        if expected >= 0 and got != expected:
+            raise ConnectionError(f"{peer.describe()}: the connection ended after {got} of {expected} bytes")
+        return got
+    except ConnectionError as exc:
+        # what arrived is kept (it is appended and hashed): the caller resumes after it
+        raise _Dropped(str(exc), got) from None
+    finally:
+        conn.close()
+
+
+class _Dropped(ConnectionError):
+    """The connection ended early; ``got`` bytes of this response were written."""
+
+    def __init__(self, message: str, got: int) -> None:
+        super().__init__(message)
+        self.got = got
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def fetch_tree(peer: Peer, dest: Path | str, *, progress: Progress | None = None) -> dict[str, Any]:
+    """Bring every file the server lists into ``dest`` (same relative names); resumable, verified.
+
+    A file already at its final name with the listed size and digest is kept.
+    """
+    dest = Path(dest)
+    files = peer.listing()
+    total = sum(int(f.get("size") or 0) for f in files)
+    done = 0
+    fetched: list[str] = []
+    received = 0
+    for entry in files:
+        name, size = str(entry["name"]), int(entry["size"])
+        if Path(name).is_absolute() or any(p in ("", ".", "..") for p in name.split("/")):
+            raise ColdSnapError(f"{peer.describe()} listed {name!r}, which is not a plain relative path",
+                                fix="the source is not a ColdSnap transfer server")
+        digest = entry.get("sha256") or digest_in_name(name)
+        final = dest / name
+        if _is_verified(final, size, digest):
+            done += size
+            continue
+        final.parent.mkdir(parents=True, exist_ok=True)
+        base = done
+
+        def step(d: int, _t: int, base: int = base) -> None:
+            if progress is not None:
+                progress(base + d, total)
+
+        got = fetch_file(peer, name, partial_path(final), size=size, sha256=digest, progress=step)
+        os.chmod(got.path, 0o644)
+        os.replace(got.path, final)
+        fsutil.fsync_dir(final.parent)
+        fetched.append(name)
+        received += got.bytes_received
+        done += size
+    return {"files": len(files), "fetched": fetched, "bytes_received": received, "bytes": total}
+
+
+def _is_verified(path: Path, size: int, digest: str | None) -> bool:
+    try:
+        if os.path.islink(path) or os.path.getsize(path) != size:
+            return False
+    except OSError:
+        return False
+    if digest is None:
+        return True
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest() == digest

@@ -1,0 +1,377 @@
+"""The peer transfer server: the host that has a payload or a capsule serves exactly those files,
+for one transfer, to the host that needs them — so multi-GB files never pass through the
+control node (no fetch, no slurp).
+
+* It serves a fixed table of regular files under one root, built when it starts (symlinks
+  and anything added later are not served); ``GET /v1/files`` lists names, sizes and (for
+  files that are not named by their digest) SHA-256; ``GET /v1/files/<name>`` sends one,
+  honouring ``Range: bytes=N-`` so an interrupted transfer resumes.
+* Every request is authenticated (:mod:`.auth`); the server binds one address, never all.
+* It stops on SIGTERM (:func:`stop_server`), after ``idle_timeout`` seconds without a request
+  and after ``lifetime`` seconds in all, so a failed play never leaves it serving.
+
+:func:`start_server` binds in the caller (a taken port or a foreign address fails there,
+named), then detaches the server (double fork, new session) and records it in a 0600 run
+file; the code it runs is already imported, so it outlives the module that started it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import select
+import signal
+import socket
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_bytes
+from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import auth
+
+LIST_PATH = "/v1/files"
+FILE_PREFIX = "/v1/files/"
+DIGEST_NAME = re.compile(r"(?:^|/)(?:sha256/)?([0-9a-f]{64})(?:\.pack)?$")
+_SMALL = 16 << 20  # files up to this size that are not named by their digest get one in the listing
+_RANGE = re.compile(r"bytes=(\d+)-$")
+
+
+def digest_in_name(name: str) -> str | None:
+    """The SHA-256 a file's name states (``blobs/sha256/<hex>``, ``<hex>.pack``), if any."""
+    m = DIGEST_NAME.search(name)
+    return m.group(1) if m else None
+
+
+@dataclass(frozen=True)
+class ServedFile:
+    name: str
+    path: Path
+    size: int
+    sha256: str | None
+
+    def listing(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "sha256": self.sha256}
+
+
+def file_table(root: Path | str, include: list[str] | None = None) -> dict[str, ServedFile]:
+    """The files served from ``root``: ``include`` (names relative to it) or every regular file."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ColdSnapError(f"transfer root {root} is not a directory on this host",
+                            fix="give the directory that holds the files to serve")
+    names: list[str] = []
+    if include:
+        for name in include:
+            parts = Path(name).parts
+            if not name or Path(name).is_absolute() or any(p in (".", "..") for p in parts):
+                raise ColdSnapError(f"transfer file name {name!r} is not a plain relative path",
+                                    fix="name files relative to the transfer root, without '..'")
+            names.append(Path(name).as_posix())
+    else:
+        for dirpath, _dirs, files in os.walk(root):
+            for f in files:
+                names.append((Path(dirpath) / f).relative_to(root).as_posix())
+    table: dict[str, ServedFile] = {}
+    for name in sorted(names):
+        path = root / name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise ColdSnapError(f"{path} (to serve as {name!r}) does not exist on this host",
+                                fix="the source host does not have it; capture again or restore elsewhere") from None
+        if not stat.S_ISREG(st.st_mode):
+            if include:
+                raise ColdSnapError(f"{path} is not a regular file", fix="serve regular files only")
+            continue  # a symlink or special file inside a tree is never served
+        digest = digest_in_name(name)
+        if digest is None and st.st_size <= _SMALL:
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        table[name] = ServedFile(name, path, st.st_size, digest)
+    if not table:
+        raise ColdSnapError(f"transfer root {root} has no regular file to serve", fix="check the transfer root")
+    return table
+
+
+class PeerServer(ThreadingHTTPServer):
+    """Serves one file table to authenticated clients until shut down."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, sock: socket.socket, table: dict[str, ServedFile], token: str, *,
+                 log=None) -> None:
+        self.table = table
+        self.verifier = auth.Verifier(token)
+        self.log = log or (lambda _msg: None)
+        self.last_activity = time.monotonic()
+        self.active = 0
+        self.bytes_sent = 0
+        self._state_lock = threading.Lock()
+        super().__init__(sock.getsockname()[:2], _Handler, bind_and_activate=False)
+        self.socket.close()
+        self.socket = sock
+        self.server_address = sock.getsockname()[:2]
+
+    def touch(self, delta_active: int = 0, sent: int = 0) -> None:
+        with self._state_lock:
+            self.active += delta_active
+            self.bytes_sent += sent
+            self.last_activity = time.monotonic()
+
+    def idle_for(self) -> float:
+        with self._state_lock:
+            return 0.0 if self.active else time.monotonic() - self.last_activity
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: PeerServer
+    protocol_version = "HTTP/1.1"
+    server_version = "coldsnap-transfer/1"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:  # pylint: disable=redefined-builtin
+        self.server.log(f"{self.client_address[0]} {format % args}")
+
+    def do_GET(self) -> None:  # pylint: disable=invalid-name
+        self.server.touch(+1)
+        try:
+            self._get()
+        finally:
+            self.server.touch(-1)
+
+    def _get(self) -> None:
+        range_header = self.headers.get("Range", "")
+        if not self.server.verifier.verify("GET", self.path, range_header, self.headers.get(auth.NONCE_HEADER),
+                                           self.headers.get(auth.MAC_HEADER)):
+            self._reply(HTTPStatus.FORBIDDEN, b"authentication failed\n")
+            return
+        if self.path == LIST_PATH:
+            body = json.dumps({"files": [f.listing() for f in self.server.table.values()]}).encode()
+            self._reply(HTTPStatus.OK, body, "application/json")
+            return
+        served = self.server.table.get(unquote(self.path[len(FILE_PREFIX):])) \
+            if self.path.startswith(FILE_PREFIX) else None
+        if served is None:
+            self._reply(HTTPStatus.NOT_FOUND, b"not served\n")
+            return
+        self._send_file(served, range_header)
+
+    def _send_file(self, served: ServedFile, range_header: str) -> None:
+        try:
+            fd = os.open(served.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            self._reply(HTTPStatus.GONE, f"cannot open: {exc.strerror}\n".encode())
+            return
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            if size != served.size:
+                self._reply(HTTPStatus.CONFLICT, b"the file changed since the server started\n")
+                return
+            start = 0
+            if range_header:
+                m = _RANGE.fullmatch(range_header)
+                if not m or int(m.group(1)) > size:
+                    self.send_response(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE)
+                    self.send_header("Content-Range", f"bytes */{size}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                start = int(m.group(1))
+            self.send_response(HTTPStatus.PARTIAL_CONTENT if range_header else HTTPStatus.OK)
+            if range_header:
+                self.send_header("Content-Range", f"bytes {start}-{max(size - 1, start)}/{size}")
+            self.send_header("Content-Length", str(size - start))
+            self.send_header("Content-Type", "application/octet-stream")
+            self.end_headers()
+            self.wfile.flush()
+            sent = 0
+            while start + sent < size:
+                n = self.connection.sendfile(f, start + sent, min(size - start - sent, 64 << 20))
+                if not n:
+                    break
+                sent += n
+                self.server.touch(sent=n)
+
+    def _reply(self, status: HTTPStatus, body: bytes, ctype: str = "text/plain") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def bind(address: str, port: int) -> socket.socket:
+    """A listening socket on ``address`` (an IP of this host, or a name that resolves to one)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ColdSnapError(f"transfer port {port!r} is not 0..65535", fix="give 0 for an ephemeral port")
+    try:
+        infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ColdSnapError(f"transfer address {address!r} does not resolve: {exc.strerror}",
+                            fix="set coldsnap_transfer_address for this host to one of its IP addresses") from None
+    errors = []
+    for family, kind, proto, _name, sockaddr in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(16)
+            return sock
+        except OSError as exc:
+            sock.close()
+            errors.append(f"{sockaddr[0]}:{port}: {exc.strerror}")
+    raise ColdSnapError(f"the transfer server cannot listen on {address}:{port} ({'; '.join(errors)})",
+                        fix="set coldsnap_transfer_address to an IP address of this host that the destination "
+                            "reaches, and coldsnap_transfer_port to a free port (0 picks one)")
+
+
+def serve(server: PeerServer, *, idle_timeout: float, lifetime: float) -> str:
+    """Serve until idle, out of time or SIGTERM; returns why it stopped."""
+    started = time.monotonic()
+    why = ["stopped"]
+
+    def watchdog() -> None:
+        while True:
+            time.sleep(0.5)
+            if server.idle_for() > idle_timeout:
+                why[0] = f"idle for {idle_timeout:g} s"
+            elif time.monotonic() - started > lifetime:
+                why[0] = f"lifetime of {lifetime:g} s over"
+            else:
+                continue
+            server.shutdown()
+            return
+
+    def on_term(_signum: int, _frame: object) -> None:
+        why[0] = "SIGTERM"
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_term)
+    threading.Thread(target=watchdog, daemon=True, name="transfer-watchdog").start()
+    server.serve_forever(poll_interval=0.2)
+    server.server_close()
+    return why[0]
+
+
+# -- the detached server -----------------------------------------------------------------------
+
+def _start_time(pid: int) -> str | None:
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat_line.rsplit(")", 1)[1].split()[19]
+
+
+def start_server(root: Path | str, *, token: str, address: str, run_file: Path | str, port: int = 0,
+                 include: list[str] | None = None, idle_timeout: float = 300.0,
+                 lifetime: float = 14400.0, check_mode: bool = False) -> dict[str, Any]:
+    """Serve ``root``'s files in a detached process; returns ``{address, port, pid, files, bytes}``."""
+    try:
+        auth.check_token(token)
+    except ValueError as exc:
+        raise ColdSnapError(str(exc), fix="pass a random token (the roles generate one per transfer)") from None
+    run_file = Path(run_file)
+    table = file_table(root, include)
+    info: dict[str, Any] = {"files": len(table), "bytes": sum(f.size for f in table.values())}
+    if check_mode:
+        return {**info, "address": address, "port": port, "pid": None}
+    stop_server(run_file)  # an earlier server of the same transfer (a retried play) never lingers
+    sock = bind(address, port)
+    bound = sock.getsockname()[:2]
+    log_path = run_file.with_suffix(".log")
+    run_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        _detach(sock, table, token, write_fd=write_fd, read_fd=read_fd, log_path=log_path,
+                idle_timeout=idle_timeout, lifetime=lifetime)
+    os.close(write_fd)
+    sock.close()
+    os.waitpid(pid, 0)
+    with os.fdopen(read_fd, "rb") as r:
+        ready, _w, _x = select.select([r], [], [], 15)
+        line = r.readline() if ready else b""
+    try:
+        server_pid = int(line)
+    except ValueError:
+        raise ColdSnapError(f"the transfer server did not start (see {log_path})", fix="read its log") from None
+    record = {"pid": server_pid, "start_time": _start_time(server_pid), "address": bound[0], "port": bound[1]}
+    atomic_write_bytes(run_file, json.dumps(record).encode(), mode=0o600)
+    return {**info, "address": bound[0], "port": bound[1], "pid": server_pid}
+
+
+def _detach(sock: socket.socket, table: dict[str, ServedFile], token: str, *, write_fd: int, read_fd: int,
+            log_path: Path, idle_timeout: float, lifetime: float) -> None:  # pragma: no cover - child
+    code = 1
+    try:
+        os.close(read_fd)
+        os.setsid()
+        if os.fork() != 0:
+            os._exit(0)
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        null = os.open(os.devnull, os.O_RDWR)
+        for target, src in ((0, null), (1, log_fd), (2, log_fd)):
+            os.dup2(src, target)
+        keep = {0, 1, 2, sock.fileno(), write_fd}
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        os.chdir("/")
+
+        def log(msg: str) -> None:
+            os.write(2, f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} [{os.getpid()}] {msg}\n".encode(errors="replace"))
+
+        server = PeerServer(sock, table, token, log=log)
+        log(f"serving {len(table)} file(s) on {sock.getsockname()[0]}:{sock.getsockname()[1]}")
+        os.write(write_fd, f"{os.getpid()}\n".encode())
+        os.close(write_fd)
+        why = serve(server, idle_timeout=idle_timeout, lifetime=lifetime)
+        log(f"stopped ({why}); {server.bytes_sent} bytes sent")
+        code = 0
+    except BaseException as exc:  # the child must never return into the module
+        with contextlib.suppress(Exception):
+            os.write(2, f"transfer server failed: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
+    finally:
+        os._exit(code)
+
+
+def stop_server(run_file: Path | str, *, timeout: float = 10.0) -> bool:
+    """Stop the server a run file describes; True when one was running. Idempotent."""
+    run_file = Path(run_file)
+    try:
+        record = json.loads(run_file.read_text())
+        pid, start = int(record["pid"]), record.get("start_time")
+    except (OSError, ValueError, KeyError, TypeError):
+        with contextlib.suppress(OSError):
+            run_file.unlink()
+        return False
+    running = start is not None and _start_time(pid) == start  # a recycled pid is never signalled
+    if running:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _start_time(pid) == start and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _start_time(pid) == start:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        run_file.unlink()
+    return running
+
+
+def file_url_path(name: str) -> str:
+    return FILE_PREFIX + quote(name)

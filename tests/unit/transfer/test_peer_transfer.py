@@ -1,0 +1,285 @@
+"""The peer transfer: a real server on loopback and the real client, as the roles use them."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    ColdSnapError,
+    IntegrityError,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.stage import (
+    StageSource,
+    peer_partial,
+    stage_payload,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import auth
+from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.client import (
+    Peer,
+    fetch_file,
+    fetch_tree,
+    partial_path,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server import (
+    PeerServer,
+    bind,
+    file_table,
+    serve,
+    start_server,
+    stop_server,
+)
+
+TOKEN = "t" * 40
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def tree(tmp_path):
+    root = tmp_path / "layout"
+    blob = os.urandom(3 << 20) + b"tail"
+    (root / "blobs" / "sha256").mkdir(parents=True)
+    (root / "blobs" / "sha256" / sha(blob)).write_bytes(blob)
+    (root / "index.json").write_text('{"schemaVersion": 2}')
+    (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    return root, blob
+
+
+def run_server(root: Path, include=None, token: str = TOKEN):
+    server = PeerServer(bind("127.0.0.1", 0), file_table(root, include), token)
+    thread = threading.Thread(target=serve, args=(server,), kwargs={"idle_timeout": 60, "lifetime": 600},
+                              daemon=True)
+    thread.start()
+    return server
+
+
+@pytest.fixture
+def served(tree):
+    server = run_server(tree[0])
+    yield server, tree
+    server.shutdown()
+
+
+def peer_of(server: PeerServer, token: str = TOKEN, **kw) -> Peer:
+    return Peer(server.server_address[0], server.server_address[1], token, **kw)
+
+
+def test_a_tree_arrives_identical_and_a_second_pull_moves_nothing(served, tmp_path):
+    server, (root, blob) = served
+    dest = tmp_path / "dest"
+    seen = []
+    out = fetch_tree(peer_of(server), dest, progress=lambda d, t: seen.append((d, t)))
+    assert sorted(out["fetched"]) == sorted(["index.json", "oci-layout", f"blobs/sha256/{sha(blob)}"])
+    for f in root.rglob("*"):
+        if f.is_file():
+            assert (dest / f.relative_to(root)).read_bytes() == f.read_bytes()
+    assert seen and seen[-1][0] == seen[-1][1] == out["bytes"]
+    assert not list(dest.rglob("*.peer-partial"))
+    again = fetch_tree(peer_of(server), dest)
+    assert again["fetched"] == [] and again["bytes_received"] == 0
+
+
+def test_a_wrong_token_is_refused_and_names_no_secret(served, tmp_path):
+    server, _tree = served
+    with pytest.raises(ColdSnapError, match="authentication failed") as err:
+        fetch_tree(peer_of(server, "w" * 40), tmp_path / "dest")
+    assert "w" * 40 not in str(err.value) and TOKEN not in str(err.value)
+    assert not (tmp_path / "dest").exists()
+
+
+def _raw_get(server: PeerServer, path: str, headers: dict) -> int:
+    conn = http.client.HTTPConnection(*server.server_address, timeout=10)
+    try:
+        conn.request("GET", path, headers=headers)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    finally:
+        conn.close()
+
+
+def test_a_replayed_request_and_an_unsigned_one_are_refused(served):
+    server, _tree = served
+    headers = auth.request_headers(TOKEN, "GET", "/v1/files")
+    assert _raw_get(server, "/v1/files", headers) == 200
+    assert _raw_get(server, "/v1/files", headers) == 403  # the same nonce twice
+    assert _raw_get(server, "/v1/files", {}) == 403
+    # a signature binds the path: signed for the listing, used for a file
+    other = auth.request_headers(TOKEN, "GET", "/v1/files")
+    assert _raw_get(server, "/v1/files/index.json", other) == 403
+
+
+def test_only_the_table_is_served_never_a_path_outside_it(tree, tmp_path):
+    root, _blob = tree
+    secret = tmp_path / "secret"
+    secret.write_text("root's secret")
+    os.symlink(secret, root / "link")
+    server = run_server(root)
+    try:
+        names = [f["name"] for f in peer_of(server).listing()]
+        assert "link" not in names
+        for path in ("/v1/files/link", "/v1/files/../secret", "/v1/files/%2E%2E/secret", "/etc/passwd"):
+            assert _raw_get(server, path, auth.request_headers(TOKEN, "GET", path)) == 404
+    finally:
+        server.shutdown()
+
+
+def test_a_partial_prefix_is_continued_and_a_wrong_one_is_fetched_again(served, tmp_path):
+    server, (_root, blob) = served
+    name = f"blobs/sha256/{sha(blob)}"
+    partial = tmp_path / "x.peer-partial"
+    partial.write_bytes(blob[:1 << 20])
+    got = fetch_file(peer_of(server), name, partial, size=len(blob), sha256=sha(blob))
+    assert got.resumed_from == 1 << 20 and got.bytes_received == len(blob) - (1 << 20)
+    assert partial.read_bytes() == blob
+    partial.write_bytes(b"\0" * 1000)  # not a prefix of the file
+    got = fetch_file(peer_of(server), name, partial, size=len(blob), sha256=sha(blob))
+    assert got.bytes_received == len(blob) and partial.read_bytes() == blob
+
+
+def test_a_file_that_is_not_what_the_receiver_expects_is_thrown_away(served, tmp_path):
+    server, (_root, blob) = served
+    partial = tmp_path / "x.peer-partial"
+    with pytest.raises(IntegrityError, match="hashes to"):
+        fetch_file(peer_of(server), "index.json", partial, size=None, sha256="0" * 64)
+    assert not partial.exists()
+    with pytest.raises(IntegrityError, match="bytes, expected"):
+        fetch_file(peer_of(server), f"blobs/sha256/{sha(blob)}", partial, size=len(blob) + 1, sha256=sha(blob))
+    assert not partial.exists()
+
+
+class CuttingProxy:
+    """A real TCP proxy that cuts the first connection after ``cut`` bytes from the server."""
+
+    def __init__(self, target: tuple[str, int], cut: int) -> None:
+        self.target, self.cut, self.connections = target, cut, 0
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _addr = self.listener.accept()
+            except OSError:
+                return
+            self.connections += 1
+            limit = self.cut if self.connections == 1 else None
+            threading.Thread(target=self._pipe, args=(client, limit), daemon=True).start()
+
+    def _pipe(self, client: socket.socket, limit: int | None) -> None:
+        upstream = socket.create_connection(self.target)
+        threading.Thread(target=self._copy, args=(client, upstream, None), daemon=True).start()
+        self._copy(upstream, client, limit)
+
+    @staticmethod
+    def _copy(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+        sent = 0
+        try:
+            while data := src.recv(65536):
+                if limit is not None and sent + len(data) >= limit:
+                    dst.sendall(data[:limit - sent])
+                    break
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+
+def test_a_dropped_connection_resumes_where_it_stopped(served, tmp_path):
+    server, (_root, blob) = served
+    proxy = CuttingProxy(server.server_address, cut=(1 << 20) + 300)
+    peer = Peer("127.0.0.1", proxy.port, TOKEN, timeout=10)
+    got = fetch_file(peer, f"blobs/sha256/{sha(blob)}", tmp_path / "p", size=len(blob), sha256=sha(blob))
+    assert proxy.connections == 2, "the transfer should have needed a second connection"
+    assert got.bytes_received == len(blob) and (tmp_path / "p").read_bytes() == blob
+    assert server.bytes_sent < 2 * len(blob)  # the second response started after what had arrived
+
+
+def test_the_detached_server_binds_one_address_records_itself_privately_and_stops(tree, tmp_path):
+    root, _blob = tree
+    run_file = tmp_path / "runs" / "t.json"
+    out = start_server(root, token=TOKEN, address="127.0.0.1", run_file=run_file, idle_timeout=60)
+    try:
+        assert out["address"] == "127.0.0.1" and out["files"] == 3
+        assert stat.S_IMODE(run_file.stat().st_mode) == 0o600
+        assert TOKEN not in run_file.read_text() and TOKEN not in run_file.with_suffix(".log").read_text()
+        assert json.loads(run_file.read_text())["pid"] == out["pid"]
+        listed = Peer("127.0.0.1", out["port"], TOKEN).listing()
+        assert {f["name"] for f in listed} >= {"index.json", "oci-layout"}
+        with pytest.raises(ColdSnapError, match="cannot listen"):  # the port is held
+            start_server(root, token=TOKEN, address="127.0.0.1", port=out["port"], run_file=tmp_path / "other.json")
+    finally:
+        assert stop_server(run_file) is True
+    assert not run_file.exists()
+    assert not Path(f"/proc/{out['pid']}").exists() or "Z" in Path(f"/proc/{out['pid']}/stat").read_text().split()[2]
+    assert stop_server(run_file) is False  # idempotent
+
+
+def test_an_idle_server_stops_by_itself(tree, tmp_path):
+    out = start_server(tree[0], token=TOKEN, address="127.0.0.1", run_file=tmp_path / "i.json", idle_timeout=1)
+    deadline = time.monotonic() + 20
+    while Path(f"/proc/{out['pid']}").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not Path(f"/proc/{out['pid']}").exists()
+    assert "idle for 1 s" in (tmp_path / "i.log").read_text()
+
+
+def test_bad_server_options_are_named(tree, tmp_path):
+    with pytest.raises(ColdSnapError, match="at least 32"):
+        start_server(tree[0], token="short", address="127.0.0.1", run_file=tmp_path / "r.json")
+    with pytest.raises(ColdSnapError, match="not a plain relative path"):
+        file_table(tree[0], ["../etc/passwd"])
+    with pytest.raises(ColdSnapError, match="does not exist"):
+        file_table(tree[0], ["missing.pack"])
+    with pytest.raises(ColdSnapError, match=r"cannot listen on 192\.0\.2\.1"):
+        bind("192.0.2.1", 0)  # TEST-NET: never an address of this host
+
+
+def test_a_payload_is_staged_from_a_peer_into_the_node_cache(tmp_path):
+    data = os.urandom(2 << 20)
+    hexd = sha(data)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / f"{hexd}.pack").write_bytes(data)
+    server = run_server(src, [f"{hexd}.pack"])
+    try:
+        source = StageSource.from_dict({"kind": "peer", "address": "127.0.0.1", "port": server.server_address[1],
+                                        "token": TOKEN})
+        assert TOKEN not in repr(source) and TOKEN not in source.describe()
+        cache = NodeCache(tmp_path / "state")
+        cache.ensure_dirs()
+        cache.downloads.mkdir(exist_ok=True)
+        peer_partial(cache, hexd).write_bytes(data[:12345])  # an earlier run stopped here
+        result = stage_payload(tmp_path / "state", f"sha256:{hexd}", len(data), source)
+        assert result.changed and result.bytes_copied == len(data) - 12345
+        assert result.path.read_bytes() == data and stat.S_IMODE(result.path.stat().st_mode) == 0o400
+        assert not peer_partial(cache, hexd).exists()
+        again = stage_payload(tmp_path / "state", f"sha256:{hexd}", len(data), source)
+        assert not again.changed and again.bytes_copied == 0
+    finally:
+        server.shutdown()
+    with pytest.raises(ColdSnapError, match="'address', 'port'"):
+        StageSource.from_dict({"kind": "peer", "address": "127.0.0.1", "token": TOKEN})
+
+
+def test_partial_names_stay_beside_the_final_name():
+    assert partial_path(Path("/x/blobs/sha256/ab")) == Path("/x/blobs/sha256/.ab.peer-partial")
