@@ -5,6 +5,9 @@ temporary names behind: a capsule extraction in progress (``capsules/extracted/.
 a staged runtime copy (``activation-runtime/sha256/.<hex>.tmp-<pid>``) or a payload copied from
 another host but never staged (``model-payloads/incoming/<hex>.pack``). Nothing ever reads them
 under those names; the next operation on the host removes the ones whose writer is gone.
+
+A payload pulled from another host keeps its bytes in ``model-payloads/downloads/<hex>.peer-partial``
+until they are verified, so that the next run resumes it; one untouched for a week is removed.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ _PID_TEMP = re.compile(r"^\..+\.(?:tmp|old)-(\d+)$")
 # A payload being copied in by a live operation is written continuously; one untouched this long
 # belongs to an operation that is gone.
 INCOMING_MAX_AGE_S = 3600.0
+PEER_PARTIAL_MAX_AGE_S = 7 * 86400.0
 
 
 def _pid_alive(pid: int) -> bool:
@@ -56,11 +60,13 @@ def clean_stale_temps(state_root: Path | str, *, check_mode: bool = False) -> li
                         shutil.rmtree(entry, ignore_errors=True)
                     else:
                         entry.unlink(missing_ok=True)
-    incoming = layout.payload_incoming
-    if incoming.is_dir():
-        now = time.time()
-        for entry in incoming.iterdir():
-            if entry.name.endswith(".pack") and now - entry.lstat().st_mtime > INCOMING_MAX_AGE_S:
+    now = time.time()
+    for parent, suffix, max_age in ((layout.payload_incoming, ".pack", INCOMING_MAX_AGE_S),
+                                    (layout.payloads / "downloads", ".peer-partial", PEER_PARTIAL_MAX_AGE_S)):
+        if not parent.is_dir():
+            continue
+        for entry in parent.iterdir():
+            if entry.name.endswith(suffix) and now - entry.lstat().st_mtime > max_age:
                 removed.append(str(entry))
                 if not check_mode:
                     entry.unlink(missing_ok=True)

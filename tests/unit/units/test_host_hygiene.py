@@ -71,10 +71,20 @@ def test_leftovers_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
     old.write_bytes(b"x")
     fresh.write_bytes(b"y")
     os.utime(old, (time.time() - 2 * housekeeping.INCOMING_MAX_AGE_S,) * 2)
-    assert sorted(housekeeping.clean_stale_temps(root, check_mode=True)) == sorted([str(stale), str(old)])
+    # a peer pull's partial bytes are kept for the next run to resume, unless abandoned for a week
+    downloads = root / "model-payloads" / "downloads"
+    downloads.mkdir()
+    abandoned, resumable = downloads / f"{'e' * 64}.peer-partial", downloads / f"{'f' * 64}.peer-partial"
+    abandoned.write_bytes(b"x")
+    resumable.write_bytes(b"y")
+    os.utime(resumable, (time.time() - 2 * housekeeping.INCOMING_MAX_AGE_S,) * 2)
+    os.utime(abandoned, (time.time() - 2 * housekeeping.PEER_PARTIAL_MAX_AGE_S,) * 2)
+    assert sorted(housekeeping.clean_stale_temps(root, check_mode=True)) == sorted([str(stale), str(old),
+                                                                                     str(abandoned)])
     assert stale.exists()
     housekeeping.clean_stale_temps(root)
     assert not stale.exists() and not old.exists() and live.exists() and fresh.exists()
+    assert not abandoned.exists() and resumable.exists()
 
 
 def test_a_staged_runtime_with_planted_bytecode_is_refused_and_restaged(tmp_path):
