@@ -110,12 +110,7 @@ def main() -> None:
     def run() -> dict:
         if not p["src"]:
             # Only ask: is this digest staged here (intact, no stray bytecode)?
-            path = activation.staged_path(Path(p["state_root"]), p["digest"])
-            cleaned = clean_stale_temps(Path(p["state_root"]), check_mode=module.check_mode)
-            staged = (path.is_dir() and not activation.bytecode_in(path)
-                      and activation.tree_digest(path) == p["digest"])
-            return {"changed": bool(cleaned), "staged": staged, "digest": p["digest"], "path": str(path),
-                    "cleaned": cleaned}
+            return activation.look(Path(p["state_root"]), p["digest"], check_mode=module.check_mode)
         digest = activation.tree_digest(Path(p["src"]))
         if p["digest"] and digest != p["digest"]:
             raise IntegrityError(f"activation runtime at {p['src']} has digest {digest}, expected {p['digest']}",

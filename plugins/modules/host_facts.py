@@ -28,6 +28,12 @@ options:
   criu_binary:
     description: CRIU to use; defaults to C(COLDSNAP_CRIU), then C(criu) on PATH, then C(/usr/local/sbin/criu).
     type: path
+  activation_digest:
+    description:
+      - Also look whether the activation runtime with this digest (C(sha256:<hex>)) is staged, intact, under
+        O(state_root), and remove what killed runs left there (as M(coldsnap.fleet.activation_runtime) without
+        C(src) does), returned as RV(activation). Saves a second task per host and operation.
+    type: str
 attributes:
   check_mode:
     support: full
@@ -52,6 +58,24 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+activation:
+  description: With O(activation_digest), whether that runtime is staged here (as M(coldsnap.fleet.activation_runtime)).
+  returned: when O(activation_digest) is given
+  type: dict
+  contains:
+    staged:
+      description: The digest is staged and intact.
+      type: bool
+    digest:
+      description: O(activation_digest).
+      type: str
+    path:
+      description: Where it is (or would be) staged.
+      type: str
+    cleaned:
+      description: Leftovers of killed runs removed (or, in check mode, that would be).
+      type: list
+      elements: str
 ansible_facts:
   description: Facts under the key C(coldsnap_host).
   returned: always
@@ -71,9 +95,12 @@ ansible_facts:
         criu: {installed: true, version: 4.1.1, check: true, binary: /usr/local/sbin/criu}
 """
 
+from pathlib import Path
+
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_facts import gather
 
 
@@ -83,12 +110,22 @@ def main() -> None:
             check_criu=dict(type="bool", default=True),
             criu_binary=dict(type="path"),
             state_root=dict(STATE_ROOT_ARG),
+            activation_digest=dict(type="str"),
         ),
         supports_check_mode=True,
     )
     p = module.params
-    run_guarded(module, lambda: {"changed": False, "ansible_facts": {
-        "coldsnap_host": gather(check_criu=p["check_criu"], criu_binary=p["criu_binary"])}}, what="host_facts")
+
+    def run() -> dict:
+        out = {"changed": False, "ansible_facts": {
+            "coldsnap_host": gather(check_criu=p["check_criu"], criu_binary=p["criu_binary"])}}
+        if p["activation_digest"]:
+            found = activation.look(Path(p["state_root"]), p["activation_digest"], check_mode=module.check_mode)
+            out["changed"] = found.pop("changed")
+            out["activation"] = found
+        return out
+
+    run_guarded(module, run, what="host_facts")
 
 
 if __name__ == "__main__":

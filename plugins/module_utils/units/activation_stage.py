@@ -16,6 +16,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.housekeeping import clean_stale_temps
 
 SKIP = ("__pycache__", ".pyc", ".pytest_cache")
 
@@ -107,3 +108,16 @@ def require_staged(state_root: Path, digest: str) -> Path:
         raise IntegrityError(f"staged activation runtime at {path} has digest {got}, expected {digest}",
                              fix=f"remove {path} and stage it again")
     return path
+
+
+def look(state_root: Path, digest: str, *, check_mode: bool = False) -> dict:
+    """Is ``digest`` staged here, intact and without stray bytecode? Also clears what killed runs left.
+
+    The module result both ``activation_runtime`` (without ``src``) and ``host_facts`` (with
+    ``activation_digest``) return: ``changed`` (leftovers removed), ``staged``, ``digest``,
+    ``path`` and ``cleaned``.
+    """
+    path = staged_path(state_root, digest)
+    cleaned = clean_stale_temps(state_root, check_mode=check_mode)
+    staged = path.is_dir() and not bytecode_in(path) and tree_digest(path) == digest
+    return {"changed": bool(cleaned), "staged": staged, "digest": digest, "path": str(path), "cleaned": cleaned}

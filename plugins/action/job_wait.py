@@ -1,0 +1,33 @@
+# Copyright: ColdSnap maintainers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+# SPDX-License-Identifier: GPL-3.0-or-later
+"""Action plugin of coldsnap.fleet.job_wait: hand a foreground step's result on without a host round trip.
+
+A step that ran in the foreground (``async: 0``) or was skipped has no job to look at: its
+result is handed on here, on the control node, exactly as the module would return it (warnings
+and deprecations were shown by the step itself). Only a real async job runs the module on the
+host, where the job file and the progress records are.
+"""
+
+from __future__ import annotations
+
+from ansible.plugins.action import ActionBase
+
+_SHOWN_BY_THE_STEP = ("warnings", "deprecations", "invocation")
+
+
+class ActionModule(ActionBase):
+    """Run the job_wait module only when there is an async job to look at."""
+
+    def run(self, tmp=None, task_vars=None):
+        result = super().run(tmp, task_vars)
+        job = self._task.args.get("job")
+        if isinstance(job, dict) and "ansible_job_id" not in job:
+            handed = {k: v for k, v in job.items() if k not in _SHOWN_BY_THE_STEP}
+            result.update(handed)
+            if handed.get("failed"):
+                result["msg"] = handed.get("msg") or "the step failed"
+            return result
+        result.update(self._execute_module(module_name="coldsnap.fleet.job_wait", module_args=self._task.args,
+                                           task_vars=task_vars))
+        return result
