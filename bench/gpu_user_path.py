@@ -9,6 +9,8 @@ whole-operation time, and for capture and restore the unit's readiness figures, 
 plane's share is visible beside restore-to-first-token.
 
 Usage: ``python bench/gpu_user_path.py --preset 1g-bf16 [--work /tmp/coldsnap-gpu-user]``.
+``--device cpu`` runs the same verbs with a CPU unit (the README's main job's request, preset
+``1g`` by default) on any machine, e.g. ``python bench/gpu_user_path.py --device cpu --preset 1g``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def collection_on_path() -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--preset", default="1g-bf16")
+    ap.add_argument("--preset", default=None, help="model preset (default 1g-bf16 on cuda, 1g on cpu)")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--work", default="/tmp/coldsnap-gpu-user")
     ap.add_argument("--port", type=int, default=18260)
     ap.add_argument("--out", default=None)
@@ -46,6 +49,7 @@ def main() -> int:
     ap.add_argument("--choose-driver", action="store_true",
                     help="leave snapshot_driver out: the controller chooses it from the host's facts")
     args = ap.parse_args()
+    args.preset = args.preset or ("1g-bf16" if args.device == "cuda" else "1g")
     collection_on_path()
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
     from coldsnap_engines.reference.config import PRESETS
@@ -62,6 +66,21 @@ def main() -> int:
 
     def request(op: str, port: int | None = None, **extra) -> Path:
         port = port or args.port
+        op_id = f"user-path-{op}-{time.strftime('%H%M%S')}"
+        if args.device == "cpu":
+            from coldsnap.demo import reference_request
+
+            artifact = Path(extra["artifact"]["path"]) if "artifact" in extra else None
+            artifact_dir = Path(extra["output"]["artifact_dir"]) if "output" in extra else None
+            req = reference_request(operation=op, op_id=op_id, model_dir=model_dir, model=ident, port=port,
+                                    state_root=state, env_digest=environment.compute(),
+                                    artifact=artifact, artifact_dir=artifact_dir)
+            req["workload"] = {"recipe": "cpu-user"}
+            if args.choose_driver:
+                req.pop("snapshot_driver", None)
+            path = work / f"{op}.json"
+            path.write_text(json.dumps(req))
+            return path
         req = {
             "format": 4, "kind": "coldsnap-operation-request", "operation": op,
             "id": f"gpu-user-{op}-{time.strftime('%H%M%S')}",

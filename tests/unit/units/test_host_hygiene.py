@@ -79,8 +79,8 @@ def test_leftovers_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
     resumable.write_bytes(b"y")
     os.utime(resumable, (time.time() - 2 * housekeeping.INCOMING_MAX_AGE_S,) * 2)
     os.utime(abandoned, (time.time() - 2 * housekeeping.PEER_PARTIAL_MAX_AGE_S,) * 2)
-    assert sorted(housekeeping.clean_stale_temps(root, check_mode=True)) == sorted([str(stale), str(old),
-                                                                                     str(abandoned)])
+    would = sorted(housekeeping.clean_stale_temps(root, check_mode=True))
+    assert would == sorted([str(stale), str(old), str(abandoned)])
     assert stale.exists()
     housekeeping.clean_stale_temps(root)
     assert not stale.exists() and not old.exists() and live.exists() and fresh.exists()
