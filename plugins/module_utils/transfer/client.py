@@ -260,7 +260,9 @@ def fetch_tree(peer: Peer, dest: Path | str, *, progress: Progress | None = None
         if _is_verified(final, size, digest):
             done += size
             continue
-        final.parent.mkdir(parents=True, exist_ok=True)
+        dest.mkdir(parents=True, exist_ok=True, mode=0o700)  # private, like everything under the state root
+        for parent in reversed(final.relative_to(dest).parents[:-1]):
+            (dest / parent).mkdir(mode=0o700, exist_ok=True)
         base = done
 
         def step(d: int, _t: int, base: int = base) -> None:
@@ -268,7 +270,7 @@ def fetch_tree(peer: Peer, dest: Path | str, *, progress: Progress | None = None
                 progress(base + d, total)
 
         got = fetch_file(peer, name, partial_path(final), size=size, sha256=digest, progress=step)
-        os.chmod(got.path, 0o644)
+        os.chmod(got.path, 0o600)
         os.replace(got.path, final)
         fsutil.fsync_dir(final.parent)
         fetched.append(name)

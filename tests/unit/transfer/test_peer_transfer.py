@@ -86,6 +86,9 @@ def test_a_tree_arrives_identical_and_a_second_pull_moves_nothing(served, tmp_pa
         if f.is_file():
             assert (dest / f.relative_to(root)).read_bytes() == f.read_bytes()
     assert seen and seen[-1][0] == seen[-1][1] == out["bytes"]
+    # private like everything under the state root: files 0600, directories 0700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in dest.rglob("*") if p.is_file()} == {0o600}
+    assert {stat.S_IMODE(p.stat().st_mode) for p in [dest, *dest.rglob("*")] if p.is_dir()} == {0o700}
     assert not list(dest.rglob("*.peer-partial"))
     again = fetch_tree(peer_of(server), dest)
     assert again["fetched"] == [] and again["bytes_received"] == 0
