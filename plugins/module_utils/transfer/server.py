@@ -138,6 +138,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "coldsnap-transfer/1"
     sys_version = ""
+    timeout = 60  # a connection that sends nothing (or stops reading) gives its thread up
 
     def log_message(self, format: str, *args: Any) -> None:  # pylint: disable=redefined-builtin
         self.server.log(f"{self.client_address[0]} {format % args}")
