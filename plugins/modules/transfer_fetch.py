@@ -83,10 +83,8 @@ bytes:
   type: int
 """
 
-import traceback
-
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import (
     LEASE_ARG,
     PROGRESS_DIR_ARG,
@@ -110,19 +108,16 @@ def main() -> None:
         supports_check_mode=False,
     )
     p = module.params
-    if not 0 < p["port"] < 65536:
-        module.fail_json(msg=f"port {p['port']} is not 1..65535; give the port transfer_serve returned")
-    peer = Peer(p["address"], p["port"], p["token"])
-    try:
+
+    def run() -> dict:
+        peer = Peer(p["address"], p["port"], p["token"])
         with ProgressSession(p["progress_dir"], lease_s=p["progress_lease"]) as session:
             writer = session.writer("transfer", phase="transfer", message=peer.describe())
             out = fetch_tree(peer, p["dest"], progress=writer)
             writer.done()
-        module.exit_json(changed=bool(out["fetched"]), **out)
-    except ColdSnapError as exc:
-        module.fail_json(msg=str(exc))
-    except Exception as exc:  # unexpected: keep the traceback for -vvv
-        module.fail_json(msg=f"transfer_fetch failed unexpectedly: {exc}", exception=traceback.format_exc())
+        return {"changed": bool(out["fetched"]), **out}
+
+    run_guarded(module, run, what="transfer_fetch")
 
 
 if __name__ == "__main__":

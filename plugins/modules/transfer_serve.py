@@ -122,16 +122,14 @@ bytes:
   sample: 1104150528
 """
 
-import re
-import traceback
-
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import (
-    STATE_ROOT_ARG,
-    StateLayout,
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
+from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server import (
+    run_file_for,
+    start_server,
+    stop_server,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server import start_server, stop_server
 
 
 def main() -> None:
@@ -152,25 +150,17 @@ def main() -> None:
         supports_check_mode=True,
     )
     p = module.params
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}", p["name"]):
-        module.fail_json(msg=f"transfer name {p['name']!r} is not letters, digits, '.', '_' and '-'; name the "
-                             "transfer after the operation, worker and destination")
-    run_file = StateLayout(p["state_root"]).runs / "transfers" / f"{p['name']}.json"
-    try:
+
+    def run() -> dict:
+        run_file = run_file_for(p["state_root"], p["name"])
         if p["state"] == "stopped":
-            stopped = False if module.check_mode else stop_server(run_file)
-            module.exit_json(changed=stopped)
-        for key in ("idle_timeout", "lifetime"):
-            if p[key] <= 0:
-                module.fail_json(msg=f"{key} must be positive, not {p[key]}; give {key} in seconds")
+            return {"changed": False if module.check_mode else stop_server(run_file)}
         served = start_server(p["root"], token=p["token"], address=p["address"], port=p["port"],
                               run_file=run_file, include=p["include"], idle_timeout=p["idle_timeout"],
                               lifetime=p["lifetime"], check_mode=module.check_mode)
-        module.exit_json(changed=True, **served)
-    except ColdSnapError as exc:
-        module.fail_json(msg=str(exc))
-    except Exception as exc:  # unexpected: keep the traceback for -vvv
-        module.fail_json(msg=f"transfer_serve failed unexpectedly: {exc}", exception=traceback.format_exc())
+        return {"changed": True, **served}
+
+    run_guarded(module, run, what="transfer_serve")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,12 @@ class Peer:
     timeout: float = 60.0
     attempts: int = 5
 
+    def __post_init__(self) -> None:
+        if not self.address or isinstance(self.port, bool) or not isinstance(self.port, int) \
+                or not 0 < self.port < 65536:
+            raise ColdSnapError(f"transfer server {self.address!r}:{self.port!r} is not an address and a port "
+                                "1..65535", fix="give the address and port transfer_serve returned")
+
     def describe(self) -> str:
         return f"peer {self.address}:{self.port}"
 

@@ -37,6 +37,7 @@ from urllib.parse import quote, unquote
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_bytes
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import auth
 
 LIST_PATH = "/v1/files"
@@ -44,6 +45,15 @@ FILE_PREFIX = "/v1/files/"
 DIGEST_NAME = re.compile(r"(?:^|/)(?:sha256/)?([0-9a-f]{64})(?:\.pack)?$")
 _SMALL = 16 << 20  # files up to this size that are not named by their digest get one in the listing
 _RANGE = re.compile(r"bytes=(\d+)-$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
+
+
+def run_file_for(state_root: Path | str, name: str) -> Path:
+    """``<state_root>/runs/transfers/<name>.json``: where the server of transfer ``name`` is recorded."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ColdSnapError(f"transfer name {name!r} is not letters, digits, '.', '_' and '-' (at most 201)",
+                            fix="name the transfer after the operation, worker and destination")
+    return StateLayout(state_root).runs / "transfers" / f"{name}.json"
 
 
 def digest_in_name(name: str) -> str | None:
@@ -283,6 +293,9 @@ def start_server(root: Path | str, *, token: str, address: str, run_file: Path |
         auth.check_token(token)
     except ValueError as exc:
         raise ColdSnapError(str(exc), fix="pass a random token (the roles generate one per transfer)") from None
+    for key, value in (("idle_timeout", idle_timeout), ("lifetime", lifetime)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ColdSnapError(f"{key} {value!r} is not a positive number of seconds", fix=f"give {key} in seconds")
     run_file = Path(run_file)
     table = file_table(root, include)
     info: dict[str, Any] = {"files": len(table), "bytes": sum(f.size for f in table.values())}

@@ -34,6 +34,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server imp
     PeerServer,
     bind,
     file_table,
+    run_file_for,
     serve,
     start_server,
     stop_server,
@@ -255,6 +256,21 @@ def test_bad_server_options_are_named(tree, tmp_path):
         file_table(tree[0], ["missing.pack"])
     with pytest.raises(ColdSnapError, match=r"cannot listen on 192\.0\.2\.1"):
         bind("192.0.2.1", 0)  # TEST-NET: never an address of this host
+
+
+def test_bad_transfer_names_timeouts_and_endpoints_are_named(tree, tmp_path):
+    assert run_file_for(tmp_path, "restore-1-payload-worker-0-to-gpu_b") == \
+        tmp_path / "runs" / "transfers" / "restore-1-payload-worker-0-to-gpu_b.json"
+    for bad in ("../../etc/x", "", ".hidden", "a/b", "x" * 300):
+        with pytest.raises(ColdSnapError, match="transfer name"):
+            run_file_for(tmp_path, bad)
+    for key in ("idle_timeout", "lifetime"):
+        with pytest.raises(ColdSnapError, match=f"{key} 0 is not a positive number"):
+            start_server(tree[0], token=TOKEN, address="127.0.0.1", run_file=tmp_path / "r.json", **{key: 0})
+    assert not (tmp_path / "r.json").exists()
+    for address, port in (("127.0.0.1", 0), ("127.0.0.1", 70000), ("", 80), ("127.0.0.1", True)):
+        with pytest.raises(ColdSnapError, match="is not an address and a port"):
+            Peer(address, port, TOKEN)
 
 
 def test_a_payload_is_staged_from_a_peer_into_the_node_cache(tmp_path):
