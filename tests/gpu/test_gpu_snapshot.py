@@ -74,10 +74,13 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, native_fill_built):
     rreq = {**req, "id": f"gpu-test-{provider}"}
     ev = run_units(unit.build_specs(rreq, host="localhost", operation="restore", capture_id="c",
                                     state_root=state, weights=weights,
-                                    validation={**req["validation"], "expected": cap["acceptance_reply"]}),
+                                    validation={**req["validation"], "expected": cap["acceptance_reply"],
+                                                "expected_logprobs": cap["logprobs"]}),
                    state_root=state, activation_digest=digest)[0]
     try:
         assert ev["reply"] == cap["acceptance_reply"]
+        # The restored engine computes the accepted log-probabilities bit for bit on the same GPU.
+        assert cap["logprobs"]["top"] == 5 and ev["logprobs_check"] == "identical", ev["logprobs"]
         log = (state / "workloads" / "gpu-test" / "unit-0" / "target.log").read_text().splitlines()
         assert json.loads(log[0])["provider"] == provider
         hydrate = [s["attrs"] for s in ev["timing"]["spans"] if s["name"] == "engine.hydrate"]

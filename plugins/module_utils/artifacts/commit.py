@@ -104,6 +104,7 @@ def build_artifact(request: dict, *, capture_id: str, evidence: dict[str, dict],
                          "model": {"id": launch["model"]["id"], "revision": launch["model"]["revision"]}}}},
         "acceptance": {"prompt": val["prompt"], "max_tokens": val["max_tokens"], "reply": reply,
                        "reply_sha256": "sha256:" + hashlib.sha256(reply.encode()).hexdigest(),
+                       "logprobs": serving[0].get("logprobs") if serving else None,
                        "validated_at": _now(),
                        "evidence": {uid: {"readiness": e.get("readiness"), "host": e.get("host")}
                                     for uid, e in evidence.items()}},

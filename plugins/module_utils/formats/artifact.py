@@ -155,6 +155,11 @@ ARTIFACT_SCHEMA = Obj({
         "max_tokens": Field(Int(minimum=1)),
         "reply": Field(Str()),
         "reply_sha256": Field(Digest()),
+        "logprobs": Field(Nullable(Obj({
+            "top": Field(Int(minimum=0, maximum=20)),
+            "sha256": Field(Digest("digest of the validation reply's per-token log-probabilities")),
+            "numerics": Field(Digest("fingerprint of the hardware that computed them")),
+        })), required=False, default=None),
         "validated_at": Field(Str(min_len=1)),
         "evidence": Field(AnyJSON(object_only=True), required=False, default={}),
     })),

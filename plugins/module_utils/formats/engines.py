@@ -81,6 +81,10 @@ class EngineSpec:
     # may name others; the captured listeners are moved there).
     port_flag: str = "--port"
     address_flag: str = "--host"
+    # Top log-probabilities per generated token the acceptance check compares exactly (on the same
+    # numerics) when the request's validation.logprobs is null; 0: the reply alone. An engine gets a
+    # default only once its log-probabilities are shown reproducible across its own restore.
+    validation_logprobs: int = 0
 
     @property
     def placement_flags(self) -> tuple[str, ...]:
@@ -110,7 +114,7 @@ ENGINES: dict[str, EngineSpec] = {
         name="reference", adapter_schema="reference-v1", canonical_writer=True, default_materialize="async",
         gpu_graph_recreation=True,
         sleep_wake=True, warm_restore=True, integration="coldsnap_engines.reference",
-        qualified="CPU (CRIU 4.1.1) and NVIDIA H200",
+        qualified="CPU (CRIU 4.1.1) and NVIDIA H200", validation_logprobs=5,
     ),
     "vllm": EngineSpec(
         name="vllm", adapter_schema="vllm-v1", canonical_writer=True, default_materialize="async",

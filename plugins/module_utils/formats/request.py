@@ -231,6 +231,11 @@ REQUEST_SCHEMA = Obj({
         "max_tokens": Field(Int(minimum=1, maximum=4096), required=False, default=16),
         "expected": Field(Nullable(Str()), required=False, default=None,
                           description="exact reply; null at capture records the cold engine's reply"),
+        "logprobs": Field(Nullable(Int(minimum=0, maximum=20)), required=False, default=None,
+                          description="top log-probabilities per generated token that capture records and "
+                                      "every later validation compares exactly where the numerics are the "
+                                      "same (CPU model and count, GPU model and driver); 0 compares the "
+                                      "reply alone; null: the engine's default"),
     }), required=False),
     "workload": Field(Obj({
         "recipe": Field(Ident("workload recipe name")),

@@ -16,7 +16,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units import captur
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import admit_capture
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import build_specs
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import (
+    accepted_validation,
+    build_specs,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import plan_weights
 
 
@@ -137,8 +140,7 @@ def capture_running_units(request: dict, artifact: dict, *, host: str, capture_i
                                 "or stage the payload, before capturing an overlay")
     native_policy = {**request["policy"], "weights": {**request["policy"]["weights"], "mode": "native"}}
     plan = plan_weights({**request, "policy": native_policy}, artifact, host=host, state_root=state_root)
-    validation = {**request["validation"], "expected": request["validation"].get("expected")
-                  or artifact["acceptance"]["reply"]}
+    validation = accepted_validation(request, artifact)
     specs = build_specs(request, host=host, operation="capture-running", capture_id=capture_id,
                         state_root=state_root, python=python, coordinator_endpoint=coordinator_endpoint,
                         weights=plan, validation=validation, timeouts=timeouts)

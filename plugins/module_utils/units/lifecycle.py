@@ -7,7 +7,10 @@ from pathlib import Path
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import build_specs
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import (
+    accepted_validation,
+    build_specs,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import plan_weights
 
 
@@ -45,9 +48,7 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
     capture_id = artifact["capture_id"] if artifact else request["id"]
     unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units} if artifact else None
     weights = plan_weights(request, artifact, host=host, state_root=state_root) if artifact else {}
-    validation = request.get("validation")
-    if validation and artifact:
-        validation = {**validation, "expected": validation.get("expected") or artifact["acceptance"]["reply"]}
+    validation = accepted_validation(request, artifact)
     op = "status" if check_mode else action
     specs = build_specs(request, host=host, operation=op, capture_id=capture_id, state_root=state_root,
                         python=python, weights=weights, validation=validation, unit_dirs=unit_dirs)

@@ -10,14 +10,11 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import placement
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import build_specs
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import (
+    accepted_validation,
+    build_specs,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import plan_weights
-
-
-def accepted_validation(request: dict, artifact: dict) -> dict:
-    """The request's validation with the artifact's acceptance reply as the expected one."""
-    return {**request["validation"], "expected": request["validation"].get("expected")
-            or artifact["acceptance"]["reply"]}
 
 
 def placements_of(request: dict, artifact: dict, host: str) -> dict[str, dict]:

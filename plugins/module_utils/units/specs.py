@@ -25,6 +25,32 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UnitSpec
 
 
+def accepted_validation(request: dict, artifact: dict | None) -> dict | None:
+    """The request's validation, checked against what the artifact accepted: its reply is the
+    expected one unless the request names another, and its log-probabilities are compared where the
+    reply is the accepted one."""
+    val = request.get("validation")
+    if val is None or artifact is None:
+        return val
+    acceptance = artifact["acceptance"]
+    expected = val.get("expected") or acceptance["reply"]
+    out = {**val, "expected": expected}
+    if expected == acceptance["reply"] and acceptance.get("logprobs"):
+        out["expected_logprobs"] = acceptance["logprobs"]
+    return out
+
+
+def validation_for_unit(request: dict, validation: dict | None) -> dict | None:
+    """What the unit's activation validates with: the served model's name, and the number of top
+    log-probabilities resolved (the request's, else the engine's default)."""
+    if validation is None:
+        return None
+    logprobs = validation.get("logprobs")
+    if logprobs is None:
+        logprobs = engine_spec(request["launch"]["engine"]).validation_logprobs
+    return {**validation, "model": request["workload"].get("served_model_name", ""), "logprobs": logprobs}
+
+
 def build_specs(request: dict, *, host: str, operation: str, capture_id: str, state_root: Path,
                 python: str | None = None, coordinator_endpoint: str | None = None,
                 weights: dict | None = None, validation: dict | None = None, unit_dirs: dict | None = None,
@@ -39,9 +65,7 @@ def build_specs(request: dict, *, host: str, operation: str, capture_id: str, st
     for unit in units_on_host(request, host):
         ident_env, transport_env = split_environment(unit.get("environment", {}))
         svc = services.get(unit["id"])
-        val = validation if validation is not None else request.get("validation")
-        if val is not None:
-            val = {**val, "model": request["workload"].get("served_model_name", "")}
+        val = validation_for_unit(request, validation if validation is not None else request.get("validation"))
         specs.append(UnitSpec(**{
             "operation": operation, "operation_id": request["id"],
             "capture_id": capture_id, "host": host,

@@ -1,14 +1,21 @@
 """Readiness evidence measured from unit start: TTR port-open, TTR HTTP-ready and
-startup TTFT (first non-empty streamed token of the exact validation request)."""
+startup TTFT (first non-empty streamed token of the exact validation request), and what the
+acceptance compares: the reply, and a digest of its per-token log-probabilities together with a
+fingerprint of the numerics that computed them."""
 
 from __future__ import annotations
 
 import hashlib
 import http.client
 import json
+import os
+import platform
+import shutil
 import socket
+import subprocess
 import threading
 import time
+from typing import NamedTuple
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_client import engine_request
 
@@ -60,14 +67,26 @@ def wait_http_ready(address: str, port: int, path: str, *, timeout: float, alive
     raise TimeoutError(f"{path} on {host}:{port} did not answer 200 within {timeout:.0f}s")
 
 
+class Completion(NamedTuple):
+    """A streamed validation completion."""
+
+    text: str
+    first_ns: int  # monotonic ns of the first non-empty token
+    logprobs: list[dict] | None = None  # per token: {"token", "logprob", "top": [[text, value], ...]}
+
+
 def stream_completion(address: str, port: int, *, model: str, prompt: str, max_tokens: int,
-                      timeout: float = 300) -> tuple[str, int]:
-    """POST a streamed temperature-0 completion; (full text, monotonic ns of the first non-empty token)."""
+                      timeout: float = 300, logprobs: int | None = None) -> Completion:
+    """POST a streamed temperature-0 completion (with ``logprobs``: the OpenAI completions field,
+    whose per-token objects are collected)."""
     host = "127.0.0.1" if address in ("0.0.0.0", "") else address
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                       "stream": True}).encode()
+    req = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if logprobs is not None:
+        req["logprobs"] = logprobs
+    body = json.dumps(req).encode()
     first_ns = None
     parts: list[str] = []
+    tokens: list[dict] | None = [] if logprobs is not None else None
     with engine_request(host, port, "POST", "/v1/completions", timeout=timeout, body=body,
                         headers={"Content-Type": "application/json"}) as resp:
         if resp.status != 200:
@@ -80,14 +99,78 @@ def stream_completion(address: str, port: int, *, model: str, prompt: str, max_t
             if data == b"[DONE]":
                 break
             chunk = json.loads(data)
-            text = chunk["choices"][0].get("text", "")
+            if "error" in chunk:
+                raise RuntimeError(f"validation stream reported an error: {chunk['error']}")
+            choice = chunk["choices"][0]
+            text = choice.get("text", "")
             if text and first_ns is None:
                 first_ns = time.monotonic_ns()
             parts.append(text)
+            if tokens is not None and choice.get("logprobs"):
+                tokens.extend(_token_logprobs(choice["logprobs"]))
     if first_ns is None:
         raise RuntimeError("validation request streamed no token")
-    return "".join(parts), first_ns
+    if tokens is not None and not tokens:
+        raise RuntimeError(f"validation request asked for logprobs={logprobs} and the engine returned none")
+    return Completion("".join(parts), first_ns, tokens)
+
+
+def _token_logprobs(lp: dict) -> list[dict]:
+    """A completions ``logprobs`` object as one record per token (top entries sorted by text)."""
+    try:
+        return [{"token": tok, "logprob": value, "top": sorted([k, v] for k, v in (top or {}).items())}
+                for tok, value, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True)]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RuntimeError(f"the engine's logprobs object is not the OpenAI completions shape: {exc}") from None
 
 
 def reply_digest(reply: str) -> str:
     return "sha256:" + hashlib.sha256(reply.encode()).hexdigest()
+
+
+def logprobs_digest(tokens: list[dict]) -> str:
+    """SHA-256 of the per-token log-probabilities as canonical JSON (floats as their shortest
+    round-trip text, so equal digests mean bit-identical values)."""
+    canon = json.dumps(tokens, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=True)
+    return "sha256:" + hashlib.sha256(canon.encode()).hexdigest()
+
+
+DIFFERS = "differs"
+
+
+def logprobs_verdict(expected: dict | None, got: dict) -> str:
+    """How a validation's log-probabilities (``{"top", "sha256", "numerics"}``) compare with the
+    accepted ones: ``"identical"``, :data:`DIFFERS` (the same numerics computed other values),
+    ``"recorded"`` (nothing accepted yet) or ``"not compared: ..."`` (other numerics, or another
+    number of top entries: a difference there would prove nothing)."""
+    if not expected:
+        return "recorded"
+    if expected["top"] != got["top"]:
+        return f"not compared: accepted with top {expected['top']}, validated with top {got['top']}"
+    if expected["numerics"] != got["numerics"]:
+        return "not compared: other numerics (CPU, CPU count, GPU or driver) than at acceptance"
+    return "identical" if expected["sha256"] == got["sha256"] else DIFFERS
+
+
+def numerics(gpu: bool) -> dict:
+    """What decides the floating-point results of a step: the CPU model and the CPUs this process
+    may run on, and with GPUs their models and the driver."""
+    cpu_model = ""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.startswith(("model name", "Model")):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    out = {"arch": platform.machine(), "cpu_model": cpu_model, "cpus": len(os.sched_getaffinity(0))}
+    smi = shutil.which("nvidia-smi") if gpu else None
+    if smi:
+        r = subprocess.run([smi, "--query-gpu=name,driver_version", "--format=csv,noheader"], check=False,
+                           capture_output=True, text=True, timeout=30)
+        out["gpus"] = sorted(line.strip() for line in r.stdout.splitlines() if line.strip())
+    return out
+
+
+def numerics_digest(doc: dict) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -43,7 +43,17 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.process import plac
 
 from coldsnap_activation import keeper
 from coldsnap_activation.engine_handle import EngineHandle
-from coldsnap_activation.probes import PortProbe, reply_digest, stream_completion, wait_http_ready
+from coldsnap_activation.probes import DIFFERS as LOGPROBS_DIFFER
+from coldsnap_activation.probes import (
+    PortProbe,
+    logprobs_digest,
+    logprobs_verdict,
+    numerics,
+    numerics_digest,
+    reply_digest,
+    stream_completion,
+    wait_http_ready,
+)
 from coldsnap_activation.sync import Phases
 
 CONTROL_DIR = "control"
@@ -189,6 +199,9 @@ class Activation:
                         for w in spec.workers]
         self.readiness: dict | None = None
         self.reply: str | None = None
+        # The validation's log-probabilities ({"top", "sha256", "numerics"}) and how they compared.
+        self.logprobs: dict | None = None
+        self.logprobs_check: str | None = None
         self.graphs: dict[str, dict | None] = {}  # per worker: what /release did with its graphs
         # What the engine's process tree needs from CRIU (the registry says; the evidence records it).
         self.criu_options = criu_mod.CriuOptions(link_remap=bool(spec.launcher.get("criu_link_remap")),
@@ -213,12 +226,15 @@ class Activation:
                                            timeout=self.spec.timeout("ready", 900), alive=alive)
             except (RuntimeError, TimeoutError) as exc:
                 raise self.handles[0].failure(str(exc)) from None
+        top = val.get("logprobs") or 0
         with self.rec.span("unit.validate") as sp:
             try:
-                reply, first_ns = stream_completion(svc["address"], svc["port"], model=val.get("model", ""),
-                                                    prompt=val["prompt"], max_tokens=val["max_tokens"])
+                done = stream_completion(svc["address"], svc["port"], model=val.get("model", ""),
+                                         prompt=val["prompt"], max_tokens=val["max_tokens"],
+                                         logprobs=top or None)
             except (OSError, RuntimeError, ValueError) as exc:
                 raise self.handles[0].failure(f"validation request failed: {exc}") from None
+            reply, first_ns = done.text, done.first_ns
             sp["attrs"]["reply_sha256"] = reply_digest(reply)
         if probe is not None:
             probe.stop()
@@ -234,12 +250,32 @@ class Activation:
                             f"got {reply!r}, expected {expected!r}",
                             fix="the restored engine does not reproduce its capture; recapture, or check the "
                                 "weights provider (payload digest / safetensors revision)")
+        if top:
+            self._check_logprobs(top, done.logprobs, val.get("expected_logprobs"))
+
+    def _check_logprobs(self, top: int, tokens: list[dict], expected: dict | None) -> None:
+        """Compare the reply's log-probabilities with the accepted ones, exactly, where the same
+        numerics computed both (another CPU or GPU model, driver or CPU count may round differently:
+        then only the reply is compared, and the evidence says so)."""
+        with self.rec.span("unit.validate.logprobs"):
+            gpu = any(h.pid is not None and cuda_mod.uses_cuda(h.pid) for h in self.handles)
+            got = {"top": top, "sha256": logprobs_digest(tokens), "numerics": numerics_digest(numerics(gpu))}
+        self.logprobs = got
+        self.logprobs_check = logprobs_verdict(expected, got)
+        if self.logprobs_check == LOGPROBS_DIFFER:
+            raise UnitError(f"unit {self.spec.unit_id}: the validation reply is the accepted one, but its "
+                            f"log-probabilities differ (top {top}: {got['sha256']}, accepted "
+                            f"{expected['sha256']}) on the same hardware: the engine computes with other "
+                            "weights or state than at capture",
+                            fix="restore again with weights from recovery (policy.weights.mode recovery) or a "
+                                "re-staged payload, or recapture; do not serve this restore")
 
     def _evidence(self, workers: list[dict], extra: dict | None = None) -> dict:
         return new_evidence(
             operation=self.spec.operation, operation_id=self.spec.operation_id, capture_id=self.spec.capture_id,
             unit=self.spec.unit_id, host=self.spec.host, workers=workers, readiness=self.readiness, reply=self.reply,
             reply_sha256=reply_digest(self.reply) if self.reply is not None else None,
+            logprobs=self.logprobs, logprobs_check=self.logprobs_check,
             timing={"spans": self.rec.spans, "marks": self.rec.marks, "t0_ns": self.t0}, **(extra or {}))
 
     # ---------------------------------------------- steps shared by the operations

@@ -45,6 +45,8 @@ def test_capture_then_restore_native_and_recovery(tp, state_root, tiny_model, en
         artifact, art = capture(wl, live=tp == 1)
         accepted = art["acceptance"]["reply"]
         assert len(accepted) == 16
+        # The reference engine's default: the top 5 log-probabilities of every token are recorded.
+        assert art["acceptance"]["logprobs"]["top"] == 5
         assert len(art["weights"]["workers"]) == tp
         for w in art["weights"]["workers"]:
             assert w["payload"] is not None and w["model_bytes"] > 0 and w["residual_bytes"] > 0
@@ -58,6 +60,7 @@ def test_capture_then_restore_native_and_recovery(tp, state_root, tiny_model, en
         assert ("Restore the units on this host (result)" in names) == (tp != 1)
         unit0 = next(u for u in units_of(native) if u["unit"] == "unit-0")
         assert unit0["reply"] == accepted
+        assert unit0["logprobs_check"] == "identical" and unit0["logprobs"] == art["acceptance"]["logprobs"]
         assert unit0["readiness"]["ttft_s"] > 0
         # A live request after the restore gives the same greedy reply.
         assert wl.complete() == accepted
@@ -68,6 +71,8 @@ def test_capture_then_restore_native_and_recovery(tp, state_root, tiny_model, en
         recovery = restore(wl, artifact, mode="recovery")  # evicts the native restore first
         unit0 = next(u for u in units_of(recovery) if u["unit"] == "unit-0")
         assert unit0["reply"] == accepted
+        # A fresh engine loading the pinned safetensors computes the same values, bit for bit.
+        assert unit0["logprobs_check"] == "identical"
         log = (state_root / "workloads" / wl.name / "unit-0" / "target.log").read_text().splitlines()
         assert json.loads(log[0])["provider"] == "recovery"
         assert len(wl.engines()) == tp

@@ -150,6 +150,57 @@ def test_corrupt_residual_fails_closed_and_leaves_no_process(captured, state_roo
         blob.write_bytes(original)
 
 
+def _flip_low_bits_of_one_extent(model_dir: Path) -> tuple[Path, bytes]:
+    """Flip the lowest bit of every value in the first 4 KiB extent of the model's largest tensor
+    (the file keeps its size and header); returns (file, original bytes)."""
+    best = None
+    for f in sorted(model_dir.glob("*.safetensors")):
+        raw = f.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        header = json.loads(raw[8:8 + n])
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = t["data_offsets"]
+            if best is None or end - begin > best[2] - best[1]:
+                best = (f, 8 + n + begin, 8 + n + end, {"F32": 4, "BF16": 2, "F16": 2}[t["dtype"]])
+    f, begin, _end, size = best
+    original = f.read_bytes()
+    data = bytearray(original)
+    for i in range(begin, begin + 4096, size):
+        data[i] ^= 1  # little-endian: the first byte holds the lowest mantissa bits
+    f.write_bytes(bytes(data))
+    return f, original
+
+
+def test_recovery_weights_with_one_wrong_extent_are_refused_before_serving(captured, tiny_model):
+    """The recovery source passes prepare's checks (file sizes, safetensors headers) with one 4 KiB
+    extent of a weight subtly wrong (random weights would still reply the accepted text): the
+    extent's digest recorded at capture refuses it during hydration, and the restore names the
+    pinned revision. (Where no digest can see a wrong weight — a value changed in memory — the
+    acceptance's log-probabilities do: tests/unit/engines/test_reference_openai.py.)"""
+    wl, artifact, art = captured
+    assert art["acceptance"]["logprobs"]["top"] == 5
+
+    def recovery(req):
+        req["policy"]["weights"]["mode"] = "recovery"
+
+    f, original = _flip_low_bits_of_one_extent(tiny_model[0])
+    try:
+        res = wl.run(wl.request("restore", artifact=artifact, mutate=recovery))
+        err = failed(res, phase_word="activate")
+        assert "hashes to" in err["message"] or "pinned revision" in err["message"], err
+        deadline = time.monotonic() + 20
+        while wl.engines() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not wl.engines(), "a restore refused during hydration must not leave the process behind"
+    finally:
+        f.write_bytes(original)
+    res = wl.run(wl.request("restore", artifact=artifact, mutate=recovery))
+    assert res.succeeded, res.receipt["error"]
+    assert res.receipt["result"]["operation"]["units"][0]["logprobs_check"] == "identical"
+
+
 def test_capture_never_replaces_an_artifact(captured):
     wl, artifact, _art = captured
     before = artifact.read_bytes()

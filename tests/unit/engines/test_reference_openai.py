@@ -109,9 +109,9 @@ def test_models_lists_the_served_name(client):
 
 
 def test_validation_probe_and_plain_clients_get_the_recorded_reply(client, server):
-    text, first_ns = probes.stream_completion("127.0.0.1", server, model=SERVED, prompt=PROMPT, max_tokens=16)
-    assert text == REPLY16 and first_ns > 0
-    assert probes.stream_completion("127.0.0.1", server, model="", prompt=PROMPT, max_tokens=16)[0] == REPLY16
+    done = probes.stream_completion("127.0.0.1", server, model=SERVED, prompt=PROMPT, max_tokens=16)
+    assert done.text == REPLY16 and done.first_ns > 0 and done.logprobs is None
+    assert probes.stream_completion("127.0.0.1", server, model="", prompt=PROMPT, max_tokens=16).text == REPLY16
     status, body = _raw(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 16})  # no model, no options
     assert status == 200 and json.loads(body)["choices"][0]["text"] == REPLY16
     assert _complete(client, temperature=0) == REPLY16
@@ -215,7 +215,7 @@ def test_chat_streams_deltas_then_finish_then_usage(client, server):
 
 
 # ---------------------------------------------------------------------------------- refusals
-REFUSED_COMPLETIONS = [("echo", True), ("logprobs", 1), ("logprobs", 0), ("best_of", 2), ("suffix", "!"),
+REFUSED_COMPLETIONS = [("echo", True), ("logprobs", 21), ("logprobs", -1), ("logprobs", True), ("best_of", 2), ("suffix", "!"),
                        ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"65": 10}),
                        ("temperature", 0.7), ("top_p", 0), ("n", 17), ("stop", ["a", "b", "c", "d", "e"]),
                        ("tools", [{"type": "function"}]), ("max_tokens", 0), ("prompt", [1, 2, 3])]
@@ -284,6 +284,76 @@ def test_a_context_overflow_is_a_400_before_any_stream(client, server, stream):
     assert status == 400 and b"data:" not in body
 
 
+# ------------------------------------------------------------------ log-probabilities
+def test_completions_logprobs_stream_and_not_agree_and_describe_greedy_decoding(client, server):
+    r = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=16, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == REPLY16 and "".join(lp.tokens) == REPLY16
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 16
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(16)]
+    for chosen, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        # greedy: the chosen token is the step's most likely one; log-probabilities are <= 0
+        assert len(top) == 3 and top[chosen] == value == max(top.values()) and value <= 0
+    streamed = probes.stream_completion("127.0.0.1", server, model="", prompt=PROMPT, max_tokens=16, logprobs=3)
+    assert streamed.text == REPLY16 and len(streamed.logprobs) == 16
+    as_records = [{"token": t, "logprob": v, "top": sorted([k, x] for k, x in top.items())}
+                  for t, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)]
+    assert probes.logprobs_digest(streamed.logprobs) == probes.logprobs_digest(as_records)
+    # the same request twice: the same values, bit for bit
+    again = probes.stream_completion("127.0.0.1", server, model="", prompt=PROMPT, max_tokens=16, logprobs=3)
+    assert probes.logprobs_digest(again.logprobs) == probes.logprobs_digest(streamed.logprobs)
+    zero = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2, logprobs=0)
+    assert zero.choices[0].logprobs.top_logprobs == [{}, {}]
+
+
+def test_logprobs_with_stop_is_refused_naming_logprobs(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=4, logprobs=2, stop=["D"])
+    assert err.value.param == "logprobs" and "stop" in err.value.message
+
+
+@pytest.fixture
+def in_process_engine(model_dir):
+    """A real engine in this process, served by the real handler: its weights can be changed."""
+    from coldsnap_engines.common.lifecycle import Lifecycle
+    from coldsnap_engines.reference.control import ReferenceControl
+    from coldsnap_engines.reference.engine import Engine
+    from coldsnap_engines.reference.server import _Server, make_serving_handler
+    from coldsnap_engines.reference.transport import Transport
+
+    engine = Engine(model_dir, device="cpu", rank=0, world=1, served_model_name=SERVED)
+    engine.start(Transport(rank=0, world=1, device="cpu", endpoint_file=None, scope="local"))
+    lifecycle = Lifecycle(ReferenceControl(engine))
+    lifecycle.mark_ready()
+    httpd = _Server(("127.0.0.1", 0), make_serving_handler(engine, lifecycle))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield engine, httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_one_wrong_extent_keeps_the_reply_but_changes_the_logprobs_digest(in_process_engine):
+    """What the acceptance check is for: a hydration that got one 4 KiB extent of one weight wrong
+    (here: the lowest mantissa bit of every value in it flipped) still replies the accepted text,
+    and only the log-probabilities tell."""
+    import torch
+
+    engine, port = in_process_engine
+    before = probes.stream_completion("127.0.0.1", port, model="", prompt=PROMPT, max_tokens=16, logprobs=5)
+    name, weight = max(engine.loaded.weights.items(), key=lambda nt: nt[1].numel())
+    as_int = {2: torch.int16, 4: torch.int32}[weight.element_size()]
+    extent = weight.view(-1)[: 4096 // weight.element_size()].view(as_int)
+    extent ^= 1
+    after = probes.stream_completion("127.0.0.1", port, model="", prompt=PROMPT, max_tokens=16, logprobs=5)
+    assert after.text == before.text == REPLY16, name
+    assert probes.logprobs_digest(after.logprobs) != probes.logprobs_digest(before.logprobs), name
+    extent ^= 1  # put the bits back: the values come back exactly
+    restored = probes.stream_completion("127.0.0.1", port, model="", prompt=PROMPT, max_tokens=16, logprobs=5)
+    assert probes.logprobs_digest(restored.logprobs) == probes.logprobs_digest(before.logprobs)
+
+
 # ------------------------------------------------------------------ a failure while streaming
 @pytest.fixture
 def failing_server(model_dir):
@@ -300,15 +370,15 @@ def failing_server(model_dir):
     lifecycle.mark_ready()
     real = engine._generate
 
-    def failing(ids, max_tokens, emit=None):
+    def failing(ids, max_tokens, emit=None, logprobs=None):
         seen: list = []
 
-        def counted(text):
+        def counted(text, *lp):
             seen.append(text)
             if len(seen) > 3:
                 raise RuntimeError("decoder fault")
-            return emit(text)
-        return real(ids, max_tokens, counted if emit else None)
+            return emit(text, *lp)
+        return real(ids, max_tokens, counted if emit else None, logprobs)
 
     engine._generate = failing
     httpd = _Server(("127.0.0.1", 0), make_serving_handler(engine, lifecycle))

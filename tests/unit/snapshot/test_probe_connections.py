@@ -74,8 +74,8 @@ def test_a_plain_client_leaves_time_wait_on_the_engine_port(engine_port):
 
 def test_health_polls_validation_stream_and_prepare_check_leave_none(engine_port):
     probes.wait_http_ready("127.0.0.1", engine_port, "/health", timeout=5, alive=lambda: True)
-    text, first_ns = probes.stream_completion("127.0.0.1", engine_port, model="m", prompt="p", max_tokens=2)
-    assert text == "ColdSnap" and first_ns > 0
+    done = probes.stream_completion("127.0.0.1", engine_port, model="m", prompt="p", max_tokens=2)
+    assert done.text == "ColdSnap" and done.first_ns > 0
     with engine_client.engine_request("127.0.0.1", engine_port, "POST", "/status", timeout=5, body=b"{}") as resp:
         assert resp.read().startswith(b"data:")
     # prepare's "is the running engine ours?" check (this stand-in reports no pid: not ours)

@@ -14,6 +14,7 @@ import shutil
 import sysconfig
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -53,6 +54,24 @@ def _stop_compile_workers() -> None:
     stop = getattr(async_compile, "shutdown_compile_workers", None)
     if stop is not None:
         stop()
+
+
+class TokenLogprobs(NamedTuple):
+    """One generated token's log-probability and the most likely tokens of its step (text, value)."""
+
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+def token_logprobs(logits: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:
+    """The float32 log-softmax of one step's logits: the chosen token's value and the ``k`` best
+    (ties in index order, as ``torch.topk`` returns them)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top: list[tuple[str, float]] = []
+    if k > 0:
+        values, indices = torch.topk(lp, min(k, lp.shape[-1]))
+        top = [(tokenizer.decode([int(i)]), float(v)) for v, i in zip(values.tolist(), indices.tolist(), strict=True)]
+    return TokenLogprobs(float(lp[chosen].item()), top)
 
 
 class ServingPaused(RuntimeError):
@@ -153,12 +172,14 @@ class Engine:
         free_host_memory()
 
     # ------------------------------------------------------------ generation
-    def generate(self, prompt: str, max_tokens: int, emit=None) -> str:
+    def generate(self, prompt: str, max_tokens: int, emit=None, logprobs: int | None = None) -> str:
         """Greedy decoding; ``emit(text)`` is called per token (streaming). Rank 0 only.
 
         ``emit`` returning true ends the generation (a stop string): at once on one rank; with
         followers the remaining steps still run, unemitted, so every rank takes the same
-        collectives."""
+        collectives. With ``logprobs`` (0..vocabulary) ``emit`` is called as
+        ``emit(text, TokenLogprobs)``: the chosen token's log-probability and the ``logprobs`` most
+        likely tokens of that step, from the float32 log-softmax of the step's logits."""
         ids = tokenizer.encode(prompt)
         if len(ids) + max_tokens > self.config.max_seq:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the context "
@@ -168,13 +189,13 @@ class Engine:
                 raise ServingPaused("the engine is not serving (paused by its control plane)")
             if self.world > 1:
                 self.transport.broadcast_command(OP_GENERATE, ids, max_tokens)
-            text = self._generate(ids, max_tokens, emit)
+            text = self._generate(ids, max_tokens, emit, logprobs)
             if self.rank == 0 and self.decoder.compiled:
                 self._compiled()  # graphs re-created after a restore: their compile workers go too
             return text
 
     @torch.inference_mode()
-    def _generate(self, ids: list[int], max_tokens: int, emit=None) -> str:
+    def _generate(self, ids: list[int], max_tokens: int, emit=None, logprobs: int | None = None) -> str:
         dev = self.device
         out: list[int] = []
         tokens = torch.tensor(ids, dtype=torch.long, device=dev)
@@ -186,7 +207,12 @@ class Engine:
             nxt = int(torch.argmax(logits).item())
             pos += tokens.shape[0]
             out.append(nxt)
-            if emitting and emit(tokenizer.decode([nxt])):
+            piece = tokenizer.decode([nxt])
+            if emitting and logprobs is not None:
+                stop = emit(piece, token_logprobs(logits, nxt, logprobs))
+            else:
+                stop = emitting and emit(piece)
+            if emitting and stop:
                 emitting = False
                 if self.world == 1:
                     break

@@ -22,6 +22,12 @@ What is implemented
     choice with its ``finish_reason`` (chat: a first chunk with ``delta.role``), then
     ``data: [DONE]``. ``stream_options.include_usage`` adds a chunk with ``choices: []`` and
     ``usage`` before ``[DONE]``. Non-streamed responses always carry ``usage``.
+  * ``logprobs`` on ``/v1/completions`` (0..20, as vLLM bounds it): every choice carries
+    ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` — per generated token its text,
+    its log-probability and the ``logprobs`` most likely tokens of that step (float32 log-softmax
+    of the step's logits; ties in token order); streamed, each token's chunk carries its own. It
+    cannot be combined with ``stop`` (the stop scanner holds text back, so tokens and text would
+    part). ColdSnap's acceptance check digests these values.
   * ``temperature``: the engine decodes greedily, so only 0 (or absent) is accepted; ``top_p``
     (0 < top_p <= 1) and ``seed`` are accepted and have no effect on greedy decoding; ``user`` is
     ignored.
@@ -29,7 +35,7 @@ What is implemented
 What is refused (HTTP 400, ``{"error": {"message", "type": "invalid_request_error", "param",
 "code"}}`` naming the parameter)
   * ``temperature`` > 0 (sampling is not implemented);
-  * ``echo``, ``logprobs``, ``top_logprobs``, ``best_of``, ``suffix``, ``presence_penalty`` /
+  * ``echo``, chat's ``logprobs`` / ``top_logprobs``, ``best_of``, ``suffix``, ``presence_penalty`` /
     ``frequency_penalty``, ``logit_bias``, ``response_format``: accepted only at their no-op value
     (false, null, 0, 1, "", {} or ``{"type": "text"}``);
   * token-id prompts, non-text content parts, tool and function messages or parameters, and any
@@ -54,6 +60,7 @@ DEFAULT_MAX_TOKENS = 16
 MAX_TOKENS = 4096
 MAX_N = 16
 MAX_STOPS = 4
+MAX_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -116,6 +123,7 @@ class Request:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None
 
     @property
     def object(self) -> str:
@@ -180,6 +188,8 @@ def parse(kind: str, req: dict, served_model_name: str) -> Request:
             continue
         if name not in _ALLOWED[kind]:
             raise APIError(400, f"{name} is not supported by the reference engine", param=name)
+        if kind == "completions" and name == "logprobs":
+            continue
         check = _NO_OP.get(name)
         if check is not None and not check(value):
             raise APIError(400, f"{name}={value!r} is not supported by the reference engine (it decodes "
@@ -235,8 +245,14 @@ def parse(kind: str, req: dict, served_model_name: str) -> Request:
                                 "not supported by the reference engine)", param="prompt")
         name = "max_tokens"
     max_tokens = _int_param(req, name, DEFAULT_MAX_TOKENS, 1, MAX_TOKENS)
+    logprobs = None
+    if kind == "completions" and req.get("logprobs") is not None:
+        logprobs = _int_param(req, "logprobs", 0, 0, MAX_LOGPROBS)
+        if stop:
+            raise APIError(400, "logprobs cannot be combined with stop in the reference engine (drop one)",
+                           param="logprobs")
     return Request(kind=kind, model=model or served_model_name, prompts=prompts, max_tokens=max_tokens, n=n,
-                   stop=stop, stream=stream, include_usage=include_usage)
+                   stop=stop, stream=stream, include_usage=include_usage, logprobs=logprobs)
 
 
 def check_context(r: Request, max_seq: int) -> list[int]:
@@ -296,6 +312,23 @@ class StopScanner:
         return out
 
 
+class LogprobsCollector:
+    """The completions ``logprobs`` object of one choice, built token by token."""
+
+    def __init__(self) -> None:
+        self.doc: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.offset = 0
+
+    def add(self, piece: str, lp) -> dict:
+        """Record one token (``lp``: the engine's TokenLogprobs); returns that token's own object."""
+        one = {"tokens": [piece], "token_logprobs": [lp.logprob], "top_logprobs": [dict(lp.top)],
+               "text_offset": [self.offset]}
+        self.offset += len(piece)
+        for key, value in one.items():
+            self.doc[key].extend(value)
+        return one
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -312,17 +345,18 @@ class Responder:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.r.model}
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         if self.r.kind == "chat":
             return {"index": index, "message": {"role": "assistant", "content": text},
                     "finish_reason": finish_reason, "logprobs": None}
-        return {"text": text, "index": index, "finish_reason": finish_reason, "logprobs": None}
+        return {"text": text, "index": index, "finish_reason": finish_reason, "logprobs": logprobs}
 
     def response(self, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
         return {**self._head(self.r.object), "choices": choices, "system_fingerprint": None,
                 "usage": usage(prompt_tokens, completion_tokens)}
 
-    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, *, role: bool = False) -> dict:
+    def chunk(self, index: int, text: str | None, finish_reason: str | None = None, *, role: bool = False,
+              logprobs: dict | None = None) -> dict:
         """A stream chunk; for completions exactly the engine's historical chunk shape."""
         if self.r.kind == "chat":
             delta: dict = {}
@@ -332,7 +366,7 @@ class Responder:
                 delta["content"] = text
             choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
         else:
-            choice = {"text": text or "", "index": index, "finish_reason": finish_reason, "logprobs": None}
+            choice = {"text": text or "", "index": index, "finish_reason": finish_reason, "logprobs": logprobs}
         out = {**self._head(self.r.chunk_object), "choices": [choice]}
         if self.r.include_usage:
             out["usage"] = None

@@ -121,9 +121,10 @@ def make_serving_handler(engine, lifecycle):
                 out = api.Responder(r)
                 choices, completion_tokens = [], 0
                 for i, prompt in enumerate(r.prompts):
-                    scan = self._generate(prompt, r)
+                    scan, lps = self._generate(prompt, r)
                     for j in range(r.n):
-                        choices.append(out.choice(i * r.n + j, scan.text, scan.finish_reason))
+                        choices.append(out.choice(i * r.n + j, scan.text, scan.finish_reason,
+                                                  lps.doc if lps else None))
                         completion_tokens += scan.tokens
                 _reply(self, 200, out.response(choices, sum(prompt_tokens), completion_tokens))
             except api.APIError as exc:
@@ -137,27 +138,31 @@ def make_serving_handler(engine, lifecycle):
                 _reply(self, 500, api.error_body(f"generation failed: {exc}", type="server_error"))
 
         def _generate(self, prompt: str, r, on_text=None):
-            """Decode one prompt through a stop scanner; ``on_text`` gets the releasable text."""
+            """Decode one prompt through a stop scanner; ``on_text(text, logprobs)`` gets the
+            releasable text (with ``logprobs``, each token's own object: no stop scanner then).
+            Returns the scanner and the choice's logprobs collector (None without logprobs)."""
             scan = api.StopScanner(r.stop)
+            lps = api.LogprobsCollector() if r.logprobs is not None else None
             failed: list[BaseException] = []
 
-            def emit(piece: str) -> bool:
+            def emit(piece: str, lp=None) -> bool:
                 text = scan.feed(piece)
-                if text and on_text is not None:
+                one = lps.add(piece, lp) if lps is not None else None
+                if (text or one) and on_text is not None:
                     try:
-                        on_text(text)
+                        on_text(text, one)
                     except Exception as exc:  # e.g. the client left: end the generation cleanly
                         failed.append(exc)   # (with followers, the engine finishes its steps)
                         return True
                 return scan.stopped
 
-            engine.generate(prompt, r.max_tokens, emit=emit)
+            engine.generate(prompt, r.max_tokens, emit=emit, logprobs=r.logprobs)
             if failed:
                 raise failed[0]
             rest = scan.flush()
             if rest and on_text is not None:
-                on_text(rest)
-            return scan
+                on_text(rest, None)
+            return scan, lps
 
         def _stream(self, r, prompt_tokens: list[int]) -> None:
             out = api.Responder(r)
@@ -175,11 +180,11 @@ def make_serving_handler(engine, lifecycle):
                             for k in indices:
                                 _sse(self, out.chunk(k, "", role=True))
 
-                        def on_text(text: str, indices=indices) -> None:
+                        def on_text(text: str, one: dict | None, indices=indices) -> None:
                             for k in indices:
-                                _sse(self, out.chunk(k, text))
+                                _sse(self, out.chunk(k, text, logprobs=one))
 
-                        scan = self._generate(prompt, r, on_text)
+                        scan, _lps = self._generate(prompt, r, on_text)
                         for k in indices:
                             _sse(self, out.chunk(k, None, scan.finish_reason))
                         completion_tokens += scan.tokens * r.n
