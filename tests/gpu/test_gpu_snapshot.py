@@ -22,11 +22,15 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize(("provider", "compiled"), [("native", False), ("recovery", False), ("native", True)],
-                         ids=["native", "recovery", "native-compiled"])
-def test_gpu_capture_restore(tmp_path, provider, compiled, native_fill_built):
+@pytest.mark.parametrize(("provider", "compiled", "engine_core"),
+                         [("native", False, False), ("recovery", False, False), ("native", True, False),
+                          ("native", False, True)],
+                         ids=["native", "recovery", "native-compiled", "native-engine-core-process"])
+def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, native_fill_built):
     """With ``--compile`` the TorchInductor graphs built at start-up must serve the restored
-    process as they are: no recompilation after the restore (TORCH_LOGS=recompiles)."""
+    process as they are: no recompilation after the restore (TORCH_LOGS=recompiles). With
+    ``--engine-core-process`` (vLLM V1's shape) CUDA lives in the unit's child process only: the
+    CUDA checkpoint and restore act on it, not on the API server."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import specs as unit
@@ -47,7 +51,8 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, native_fill_built):
                    "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": [0],
                               "command": [sys.executable, "-m", "coldsnap_engines.reference.server", "--model",
                                           str(model_dir), "--port", str(port), "--device", "cuda",
-                                          *(["--compile"] if compiled else [])],
+                                          *(["--compile"] if compiled else []),
+                                          *(["--engine-core-process"] if engine_core else [])],
                               "environment": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""),
                                               **({"TORCH_LOGS": "recompiles"} if compiled else {})},
                               "environment_digest": "sha256:" + "0" * 64,
@@ -64,6 +69,7 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, native_fill_built):
                                                state_root=state), state_root=state, activation_digest=digest)[0]
     w = cap["workers"][0]
     assert w["cuda"] is True
+    assert (w["cuda_pids"] != [w["pid"]] and len(w["cuda_pids"]) == 1) if engine_core else w["cuda_pids"] == [w["pid"]]
     # The weights were released before the checkpoint: GPU memory in use is far below the model + context.
     assert w["memory_at_checkpoint"]["gpu_used_mib"] * (1 << 20) < 2 * (1 << 30)
     pack = w["payload"]["pack"]

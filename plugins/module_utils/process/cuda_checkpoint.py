@@ -3,6 +3,12 @@
 The sequence verified on an H200 (driver 580): lock -> checkpoint (GPU memory is
 released into host memory that CRIU then dumps) ... CRIU dump/restore ... restore
 -> unlock. A failed lock or checkpoint leaves the process unlocked and running.
+
+A multi-process engine (vLLM V1: an API server without CUDA, an engine core and workers
+with it) holds CUDA contexts in several processes of one tree: :func:`checkpoint_tree`
+locks every one of them before it checkpoints any (no process may launch GPU work
+against a peer that is already checkpointed), and :func:`restore_tree` restores every
+one before it unlocks any.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import os
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import process_tree
 
 
 def _driver():
@@ -54,20 +61,41 @@ def uses_cuda(pid: int) -> bool:
         return False
 
 
+def cuda_pids(root: int) -> list[int]:
+    """The processes of ``root``'s tree that hold a CUDA context, in pid order."""
+    return sorted(pid for pid in process_tree(root) if uses_cuda(pid))
+
+
 def checkpoint(pid: int, *, lock_timeout_ms: int = 30000) -> None:
     """Lock the process's CUDA API and move its GPU state to host memory.
 
     On any failure the process is unlocked again and keeps running (FAULTS 21).
     """
+    checkpoint_tree([pid], lock_timeout_ms=lock_timeout_ms)
+
+
+def checkpoint_tree(pids: list[int], *, lock_timeout_ms: int = 30000) -> None:
+    """Lock the CUDA API of every process in ``pids``, then move each one's GPU state to host
+    memory. On any failure the ones already checkpointed are restored, every lock is released,
+    and the processes keep running (FAULTS 21)."""
     cu = _driver()
     _init(cu)
-    args = cu.CUcheckpointLockArgs()
-    args.timeoutMs = lock_timeout_ms
-    _call(cu, f"cuCheckpointProcessLock({pid})", cu.cuCheckpointProcessLock(pid, args))
+    locked: list[int] = []
+    done: list[int] = []
     try:
-        _call(cu, f"cuCheckpointProcessCheckpoint({pid})", cu.cuCheckpointProcessCheckpoint(pid, None))
+        for pid in pids:
+            args = cu.CUcheckpointLockArgs()
+            args.timeoutMs = lock_timeout_ms
+            _call(cu, f"cuCheckpointProcessLock({pid})", cu.cuCheckpointProcessLock(pid, args))
+            locked.append(pid)
+        for pid in pids:
+            _call(cu, f"cuCheckpointProcessCheckpoint({pid})", cu.cuCheckpointProcessCheckpoint(pid, None))
+            done.append(pid)
     except ColdSnapError:
-        _call(cu, f"cuCheckpointProcessUnlock({pid})", cu.cuCheckpointProcessUnlock(pid, None))
+        for pid in done:
+            cu.cuCheckpointProcessRestore(pid, None)
+        for pid in locked:
+            cu.cuCheckpointProcessUnlock(pid, None)
         raise
 
 
@@ -164,3 +192,11 @@ def unlock(pid: int) -> None:
     cu = _driver()
     _init(cu)
     _call(cu, f"cuCheckpointProcessUnlock({pid})", cu.cuCheckpointProcessUnlock(pid, None))
+
+
+def restore_tree(pids: list[int], *, remap: dict[str, str] | None = None) -> None:
+    """Restore the GPU state of every process in ``pids``, then unlock them all."""
+    for pid in pids:
+        restore(pid, remap=remap)
+    for pid in pids:
+        unlock(pid)

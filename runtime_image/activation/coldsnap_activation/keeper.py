@@ -21,10 +21,29 @@ from pathlib import Path
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def _become_subreaper() -> None:
+def become_subreaper() -> None:
+    """Orphaned descendants are re-parented to this process (which must reap them)."""
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def reap_orphans(timeout: float) -> None:
+    """Reap every child that exits within ``timeout`` s (return at once when none is left): the
+    processes of a dumped tree whose parent died first come here as zombies, and a zombie still
+    holds its pid, which a restore of the same tree needs free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        except InterruptedError:
+            continue
+        if pid == 0:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
 
 
 def _write(result_file: Path, doc: dict) -> None:
@@ -43,7 +62,7 @@ def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: st
     from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
 
     try:
-        _become_subreaper()
+        become_subreaper()
         res = criu_mod.restore(criu_mod.find_criu(criu_binary), images, work_dir=result_file.parent,
                                leave_stopped=leave_stopped, options=criu_mod.CriuOptions.from_json(options))
     except (ColdSnapError, OSError) as exc:

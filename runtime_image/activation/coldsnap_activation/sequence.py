@@ -100,15 +100,18 @@ def gpu_placement(spec: UnitSpec, worker: dict) -> tuple[list[str], list[str]]:
 
 
 def process_memory(pid: int) -> dict:
-    """What a snapshot of ``pid`` is about to carry: anonymous RSS and GPU memory in use."""
+    """What a snapshot of ``pid``'s process tree is about to carry: anonymous RSS and GPU memory
+    in use, summed over its processes (a multi-process engine holds CUDA in a child)."""
     out: dict = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
-                key, value = line.split(":", 1)
-                out[key.lower() + "_kib"] = int(value.split()[0])
-    except OSError:
-        pass
+    tree = ports.process_tree(pid)
+    for member in sorted(tree):
+        try:
+            for line in Path(f"/proc/{member}/status").read_text().splitlines():
+                if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                    key, value = line.split(":", 1)
+                    out[key.lower() + "_kib"] = out.get(key.lower() + "_kib", 0) + int(value.split()[0])
+        except OSError:
+            pass
     smi = shutil.which("nvidia-smi")
     if smi:
         import subprocess
@@ -117,8 +120,10 @@ def process_memory(pid: int) -> dict:
                            check=False, capture_output=True, text=True, timeout=30)
         for line in r.stdout.splitlines():
             parts = [x.strip() for x in line.split(",")]
-            if len(parts) == 2 and parts[0] == str(pid):
-                out["gpu_used_mib"] = int(parts[1])
+            if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in tree:
+                out["gpu_used_mib"] = out.get("gpu_used_mib", 0) + int(parts[1])
+    if len(tree) > 1:
+        out["processes"] = len(tree)
     return out
 
 
@@ -258,7 +263,7 @@ class Activation:
         numerics computed both (another CPU or GPU model, driver or CPU count may round differently:
         then only the reply is compared, and the evidence says so)."""
         with self.rec.span("unit.validate.logprobs"):
-            gpu = any(h.pid is not None and cuda_mod.uses_cuda(h.pid) for h in self.handles)
+            gpu = any(h.pid is not None and cuda_mod.cuda_pids(h.pid) for h in self.handles)
             got = {"top": top, "sha256": logprobs_digest(tokens), "numerics": numerics_digest(numerics(gpu))}
         self.logprobs = got
         self.logprobs_check = logprobs_verdict(expected, got)
@@ -331,8 +336,10 @@ class Activation:
             os.truncate(self.workload_dir / ec.LOG_FILE_NAME, 0)
         return payloads
 
-    def _dump(self, h: EngineHandle, criu, *, cuda: bool, memory: dict, payload: dict, leave_running: bool) -> dict:
-        """CRIU-dump one worker's process tree (its CUDA state already checkpointed) and describe it."""
+    def _dump(self, h: EngineHandle, criu, *, cuda: list[int], memory: dict, payload: dict,
+              leave_running: bool) -> dict:
+        """CRIU-dump one worker's process tree (the CUDA state of ``cuda``, the processes of it that
+        hold a context, already checkpointed) and describe it."""
         wid = h.worker["id"]
         # The whole tree (an engine may run several processes): CRIU restores every pid, thread id and
         # listener of it, so a restore must find all of them free.
@@ -352,7 +359,7 @@ class Activation:
         gpu_uuids, host_gpus = gpu_placement(self.spec, h.worker) if cuda else ([], [])
         return {"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
                 "gpu_uuids": gpu_uuids, "host_gpu_uuids": host_gpus,
-                "listeners": [list(x) for x in listeners], "files": used, "cuda": cuda,
+                "listeners": [list(x) for x in listeners], "files": used, "cuda": bool(cuda), "cuda_pids": cuda,
                 "memory_at_checkpoint": memory, "payload": payload, "graphs": self.graphs.get(wid),
                 "criu": {"bytes": res.bytes, "dump_seconds": res.seconds, "options": options.to_json()}}
 
@@ -368,10 +375,11 @@ class Activation:
             warm=warm, operation_id=spec.operation_id, generation=generation, transport_env=spec.transport_env,
             coordinator_endpoint=spec.coordinator["endpoint_file"] if spec.coordinator else None).to_json()
 
-    def _holds_cuda(self, h: EngineHandle) -> bool:
-        """Whether the worker holds a CUDA context (checkpointed with the CUDA driver before the dump);
-        policy.process.backend 'criu' promises there is none."""
-        used = cuda_mod.uses_cuda(h.pid)
+    def _cuda_pids(self, h: EngineHandle) -> list[int]:
+        """The processes of the worker's tree that hold a CUDA context (checkpointed with the CUDA
+        driver before the dump: an API server may have none while its engine core has one);
+        policy.process.backend 'criu' promises there are none."""
+        used = cuda_mod.cuda_pids(h.pid)
         if used and (self.spec.driver or {}).get("backend") == "criu":
             raise UnitError(f"unit {self.spec.unit_id}: worker {h.worker['id']} holds a CUDA context, but "
                             "policy.process.backend is 'criu' (plain CRIU cannot dump it)",
@@ -391,6 +399,9 @@ class Activation:
         self.unit_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.workload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         (self.workload_dir / ec.LOG_FILE_NAME).write_bytes(b"")
+        # The dump ends the engine's tree; its processes whose parent dies first come to us to be
+        # reaped (a zombie would keep its pid from the restore), whoever this host's init is.
+        keeper.become_subreaper()
         probe = None
         try:
             if spec.service:
@@ -415,9 +426,10 @@ class Activation:
             memory = {h.worker["id"]: process_memory(h.pid) for h in self.handles}
             with self.rec.span("unit.cuda.checkpoint"):
                 for h in self.handles:
-                    cuda_used[h.worker["id"]] = self._holds_cuda(h)
+                    cuda_used[h.worker["id"]] = self._cuda_pids(h)
                     if cuda_used[h.worker["id"]]:
-                        cuda_mod.checkpoint(h.pid, lock_timeout_ms=int(spec.timeout("cuda_lock", 30) * 1000))
+                        cuda_mod.checkpoint_tree(cuda_used[h.worker["id"]],
+                                                 lock_timeout_ms=int(spec.timeout("cuda_lock", 30) * 1000))
             self.phases.wait("capture/cuda", spec.timeout("phase", 600))
             workers = []
             for h in self.handles:
@@ -425,6 +437,7 @@ class Activation:
                 workers.append(self._dump(h, criu, cuda=cuda_used[wid], memory=memory[wid], payload=payloads[wid],
                                           leave_running=False))
                 h.reap(60)
+            keeper.reap_orphans(10)  # an engine's own children (e.g. its engine core), dumped with it
             self.phases.wait("capture/dumped", spec.timeout("phase", 600))
             acceptance = self.reply
             if acceptance is None and spec.coordinator:
@@ -436,6 +449,7 @@ class Activation:
             self._fail(exc)
             for h in self.handles:
                 h.kill()
+            keeper.reap_orphans(5)
             raise
         finally:
             if probe is not None:
@@ -472,15 +486,14 @@ class Activation:
             workers = []
             for h in handles:
                 wid = h.worker["id"]
-                cuda = self._holds_cuda(h)
+                cuda = self._cuda_pids(h)
                 memory = process_memory(h.pid)
                 if cuda:
-                    cuda_mod.checkpoint(h.pid, lock_timeout_ms=int(spec.timeout("cuda_lock", 30) * 1000))
+                    cuda_mod.checkpoint_tree(cuda, lock_timeout_ms=int(spec.timeout("cuda_lock", 30) * 1000))
                 workers.append(self._dump(h, criu, cuda=cuda, memory=memory, payload=payloads[wid],
                                           leave_running=True))
                 if cuda:
-                    cuda_mod.restore(h.pid)
-                    cuda_mod.unlock(h.pid)
+                    cuda_mod.restore_tree(cuda)
             self.phases.wait("overlay/dumped", spec.timeout("phase", 600))
             generation = f"{spec.operation_id}.overlay"
             self._engine_step(handles, "unit.resume", ec.RESUME,
@@ -559,8 +572,7 @@ class Activation:
                         now, host_gpus = gpu_placement(spec, h.worker)
                         remap = cuda_mod.restore_map(cw.get("gpu_uuids") or now, now, cw.get("host_gpu_uuids"),
                                                      host_gpus)
-                        cuda_mod.restore(h.pid, remap=remap)
-                        cuda_mod.unlock(h.pid)
+                        cuda_mod.restore_tree(cw.get("cuda_pids") or [h.pid], remap=remap)
             self.phases.wait("restore/released", spec.timeout("phase", 600))
             self._engine_step(self.handles, "unit.resume", ec.RESUME, lambda h: self._hydration(
                 h, generation=spec.operation_id, provider=spec.weights.get("provider", "recovery"),

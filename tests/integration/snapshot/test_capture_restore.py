@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
-from snapshot_workload import Workload, units_of
+from snapshot_workload import Workload, free_port, units_of
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
@@ -124,5 +124,51 @@ def test_a_compiled_engine_under_recreate_from_plan_drops_and_rebuilds_its_graph
         assert units_of(res.receipt)[0]["reply"] == art["acceptance"]["reply"]
         assert "engine.graphs.recreate" in json.dumps(res.receipt["timing"])
         assert wl.complete() == art["acceptance"]["reply"]
+    finally:
+        wl.stop()
+
+
+def test_an_engine_core_child_holding_the_model_is_captured_and_restored_with_its_api_server(
+        state_root, tiny_model, env_digest):
+    """The vLLM V1 shape (``--engine-core-process``): the unit's process serves HTTP and holds no
+    model; its child holds the weights and the control API. Capture dumps both with the socket
+    pair between them, restore brings both back (same pids), hydrates the child, and the API
+    server answers through it — also on another port than at capture."""
+    from test_placement import on_port
+
+    def two_processes(req):
+        req["launch"]["units"][0]["command"].append("--engine-core-process")
+
+    wl = Workload(state_root, tiny_model, env_digest, tp=1, name="core-child")
+    try:
+        res = wl.run(wl.request("capture", mutate=two_processes))
+        assert res.succeeded, res.receipt["error"]
+        artifact = Path(res.receipt["result"]["operation"]["artifact"])
+        art = load_artifact(artifact.read_bytes())
+        ev = json.loads((state_root / "captures" / art["capture_id"] / "units" / "unit-0" / "evidence.json")
+                        .read_text())
+        worker = ev["workers"][0]
+        assert worker["memory_at_checkpoint"]["processes"] == 2 and worker["cuda_pids"] == []
+        control = json.loads((state_root / "captures" / art["capture_id"] / "units" / "unit-0" / "control"
+                              / "worker-0.json").read_text())
+        assert control["pid"] != worker["pid"], "the control API is the child's"
+        assert not wl.engines()
+
+        new_port = free_port()
+
+        def moved(req):
+            two_processes(req)
+            on_port(new_port)(req)
+
+        res = wl.run(wl.request("restore", artifact=artifact, mutate=moved))
+        assert res.succeeded, res.receipt["error"]
+        unit0 = units_of(res.receipt)[0]
+        assert unit0["reply"] == art["acceptance"]["reply"] and unit0["logprobs_check"] == "identical"
+        root = unit0["workers"][0]["pid"]
+        assert root == worker["pid"] and wl.engines() == [control["pid"]]
+        children = Path(f"/proc/{root}/task/{root}/children").read_text().split()
+        assert children == [str(control["pid"])], "the engine core is the API server's child again"
+        assert "libtorch" not in Path(f"/proc/{root}/maps").read_text(), "the API server never loads torch"
+        assert wl.complete(port=new_port) == art["acceptance"]["reply"]
     finally:
         wl.stop()

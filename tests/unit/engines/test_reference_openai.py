@@ -46,9 +46,10 @@ def model_dir(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    """The real engine process on the tiny model: its port."""
+@pytest.fixture(scope="module", params=[False, True], ids=["one-process", "engine-core-process"])
+def server(model_dir, tmp_path_factory, request):
+    """The real engine process on the tiny model: its port. Also in the vLLM V1 shape
+    (``--engine-core-process``: HTTP here, the model in a child), which must answer the same."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
     env["OMP_NUM_THREADS"] = "1"
@@ -57,7 +58,8 @@ def server(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("engine") / "engine.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "coldsnap_engines.reference.server", "--model",
-                                 str(model_dir), "--port", str(port), "--device", "cpu"],
+                                 str(model_dir), "--port", str(port), "--device", "cpu",
+                                 *(["--engine-core-process"] if request.param else [])],
                                 env=env, stdout=fh, stderr=subprocess.STDOUT, cwd=str(REPO))
     try:
         try:

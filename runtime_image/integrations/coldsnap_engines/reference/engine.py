@@ -14,7 +14,6 @@ import shutil
 import sysconfig
 import threading
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -22,6 +21,7 @@ from coldsnap_engines.common.arena import free_host_memory
 from coldsnap_engines.common.lifecycle import Timing
 from coldsnap_engines.reference import loader, tokenizer
 from coldsnap_engines.reference.config import ModelConfig
+from coldsnap_engines.reference.engine_core import ServingPaused, TokenLogprobs
 from coldsnap_engines.reference.model import Decoder
 
 OP_GENERATE, OP_QUIESCE = 1, 2
@@ -56,13 +56,6 @@ def _stop_compile_workers() -> None:
         stop()
 
 
-class TokenLogprobs(NamedTuple):
-    """One generated token's log-probability and the most likely tokens of its step (text, value)."""
-
-    logprob: float
-    top: list[tuple[str, float]]
-
-
 def token_logprobs(logits: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:
     """The float32 log-softmax of one step's logits: the chosen token's value and the ``k`` best
     (ties in index order, as ``torch.topk`` returns them)."""
@@ -72,10 +65,6 @@ def token_logprobs(logits: torch.Tensor, chosen: int, k: int) -> TokenLogprobs:
         values, indices = torch.topk(lp, min(k, lp.shape[-1]))
         top = [(tokenizer.decode([int(i)]), float(v)) for v, i in zip(values.tolist(), indices.tolist(), strict=True)]
     return TokenLogprobs(float(lp[chosen].item()), top)
-
-
-class ServingPaused(RuntimeError):
-    """Generation was asked for while the control plane holds serving paused (HTTP 503)."""
 
 
 class Engine:

@@ -10,6 +10,10 @@ in-unit activation runtime drives — status, quiesce, export, release, resume,
 finish-warm, sleep, wake — served by ``coldsnap_engines.common.control`` over the
 shared ``Lifecycle`` and :class:`~coldsnap_engines.reference.control.ReferenceControl`,
 exactly as the vLLM and SGLang integrations are.
+
+With ``--engine-core-process`` the engine runs in two processes shaped like vLLM V1: this one
+serves HTTP without CUDA (without torch), its child — the engine core — holds the model, the
+CUDA context and the control API (:mod:`coldsnap_engines.reference.engine_core`).
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ def _sse(handler: BaseHTTPRequestHandler, obj) -> None:
 
 def make_serving_handler(engine, lifecycle):
     from coldsnap_engines.reference import openai_api as api
-    from coldsnap_engines.reference.engine import ServingPaused
+    from coldsnap_engines.reference.engine_core import ServingPaused
 
     routes = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -216,7 +220,25 @@ def pick_device(requested: str) -> str:
     return "cuda:0" if torch.cuda.is_available() else "cpu"
 
 
+def serve_api(args: argparse.Namespace) -> int:
+    """The API server of ``--engine-core-process``: HTTP here, the engine in a child."""
+    from coldsnap_engines.reference.engine_core import core_command, start_core
+
+    t0 = time.monotonic()
+    if int(os.environ.get(ENV_WORLD_SIZE, "1")) > 1:
+        raise SystemExit(f"{LOG_PREFIX} --engine-core-process serves one rank (world size 1); run tensor-parallel "
+                         "ranks without it")
+    core = start_core(core_command(args.argv), log)
+    httpd = _Server((args.host, args.port), make_serving_handler(core, core))
+    log(f"serving {core.served_model_name} on http://{args.host}:{args.port} from an engine-core process "
+        f"(ready in {time.monotonic() - t0:.2f}s)")
+    httpd.serve_forever()
+    return 0
+
+
 def serve(args: argparse.Namespace) -> int:
+    if args.engine_core_process:
+        return serve_api(args)
     import torch
 
     from coldsnap_engines.common.lifecycle import Lifecycle
@@ -243,6 +265,12 @@ def serve(args: argparse.Namespace) -> int:
     log(f"rank {rank}/{world} loading {args.model} on {device}")
     engine.start(transport)
     lifecycle.mark_ready()
+    if args.engine_core_fd is not None:
+        from coldsnap_engines.reference.engine_core import serve_core
+
+        log(f"engine core ready in {time.monotonic() - t0:.2f}s")
+        serve_core(engine, lifecycle, args.engine_core_fd)
+        return 0
     if rank == 0:
         httpd = _Server((args.host, args.port), make_serving_handler(engine, lifecycle))
         threading.Thread(target=httpd.serve_forever, name="coldsnap-serving", daemon=True).start()
@@ -283,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--compile", action="store_true",
                    help="compile the decoder with TorchInductor during start-up (as production engines do); "
                         "slower cold start, faster steps, kept across a snapshot")
+    s.add_argument("--engine-core-process", action="store_true",
+                   help="run the model in a child engine-core process (it holds CUDA and the control API); "
+                        "this process serves HTTP without CUDA, as vLLM V1's API server does")
+    s.add_argument("--engine-core-fd", type=int, default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=serve)
     m = sub.add_parser("make-model", help="generate deterministic weights as safetensors")
     m.add_argument("--out", required=True)
@@ -291,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=make_model_cmd)
     args = p.parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 

@@ -1,0 +1,95 @@
+"""The reference engine's two-process shape (``--engine-core-process``, like vLLM V1): the API
+server loads no torch and holds no model, its child does; either dying takes the other down (a
+unit is never half alive); tensor-parallel ranks are refused with the fix."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from engines_testlib import REPO, make_reference_model
+
+sys.path.insert(0, str(REPO / "runtime_image" / "activation"))
+from coldsnap_activation import probes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("models") / "reference-tiny"
+    make_reference_model(d)
+    return d
+
+
+def _start(model_dir: Path, log: Path, **env_extra) -> tuple[subprocess.Popen, int]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
+    env.update(OMP_NUM_THREADS="1", **env_extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "runtime_image" / "integrations"), env.get("PYTHONPATH", "")])
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-m", "coldsnap_engines.reference.server", "--model", str(model_dir),
+                                 "--port", str(port), "--device", "cpu", "--engine-core-process"],
+                                env=env, stdout=fh, stderr=subprocess.STDOUT)
+    return proc, port
+
+
+def _children(pid: int) -> list[int]:
+    return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _gone(pid: int, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{pid}/stat") as fh:  # a zombie has exited
+            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("who_dies", ["engine core", "API server"])
+def test_the_api_server_holds_no_model_and_either_process_dying_ends_both(model_dir, tmp_path, who_dies):
+    proc, port = _start(model_dir, tmp_path / "engine.log")
+    try:
+        probes.wait_http_ready("127.0.0.1", port, "/health", timeout=120, alive=lambda: proc.poll() is None)
+        assert probes.stream_completion("127.0.0.1", port, model="", prompt="ColdSnap says:",
+                                        max_tokens=16).text == "2VD{D{DDDDDDDDDD"
+        (core,) = _children(proc.pid)
+        assert "libtorch" not in Path(f"/proc/{proc.pid}/maps").read_text()
+        assert "libtorch" in Path(f"/proc/{core}/maps").read_text()
+        if who_dies == "engine core":
+            os.kill(core, signal.SIGKILL)
+            assert proc.wait(timeout=20) != 0
+            assert "the engine core" in (tmp_path / "engine.log").read_text()
+        else:
+            proc.kill()
+            proc.wait()
+            assert _gone(core), "the engine core must not outlive its API server"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_tensor_parallel_ranks_are_refused_with_the_fix(model_dir, tmp_path):
+    proc, _port = _start(model_dir, tmp_path / "engine.log", COLDSNAP_WORLD_SIZE="2")
+    assert proc.wait(timeout=60) != 0
+    assert "--engine-core-process serves one rank" in (tmp_path / "engine.log").read_text()
