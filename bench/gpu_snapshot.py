@@ -154,8 +154,9 @@ def cold_start_again(command: list[str], env: dict, port: int, validation: dict)
     proc = subprocess.Popen(command, env={**os.environ, **env}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         ready = wait_http_ready("127.0.0.1", port, "/health", timeout=900, alive=lambda: proc.poll() is None)
-        reply, first, _ = stream_completion("127.0.0.1", port, model="", prompt=validation["prompt"],
-                                            max_tokens=validation["max_tokens"])
+        done = stream_completion("127.0.0.1", port, model="", prompt=validation["prompt"],
+                                 max_tokens=validation["max_tokens"])
+        reply, first = done.text, done.first_ns
     finally:
         proc.kill()
         proc.wait()
