@@ -191,6 +191,9 @@ def main() -> int:
     ap.add_argument("--restores", type=int, default=2)
     ap.add_argument("--compile", action="store_true",
                     help="start the engine with --compile (TorchInductor graphs built during its start-up)")
+    ap.add_argument("--engine-core-process", action="store_true",
+                    help="run the engine in vLLM V1's shape: an API server without CUDA, the model and CUDA "
+                         "context in its child")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment of the engine unit (repeatable)")
     args = ap.parse_args()
@@ -209,7 +212,8 @@ def main() -> int:
     model_dir = work / f"model-{args.preset}"
     t = time.time()
     ident = make_model(model_dir, config, model_id=f"coldsnap/reference-{args.preset}")
-    result: dict = {"preset": args.preset, "compile": args.compile, "env": args.env, "model_generate_s": round(time.time() - t, 2),
+    result: dict = {"preset": args.preset, "compile": args.compile, "engine_core_process": args.engine_core_process,
+                    "env": args.env, "model_generate_s": round(time.time() - t, 2),
                     "model": ident, "native_fill": build_native_fill()}
     facts = gather(check_criu=True)
     result["host"] = {k: facts[k] for k in ("kernel", "nvidia_driver", "gpus", "criu")}
@@ -225,7 +229,8 @@ def main() -> int:
                    "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": [0],
                               "command": [sys.executable, "-m", "coldsnap_engines.reference.server", "--model",
                                           str(model_dir), "--port", str(args.port), "--device", "cuda",
-                                          *(["--compile"] if args.compile else [])],
+                                          *(["--compile"] if args.compile else []),
+                                          *(["--engine-core-process"] if args.engine_core_process else [])],
                               "environment": env, "environment_digest": "sha256:" + "0" * 64,
                               "mounts": [{"source": str(model_dir), "target": str(model_dir)}]}],
                    "execution": {"workers": [{"id": "worker-0", "unit": "unit-0", "rank": 0, "device_slot": 0}],
@@ -246,6 +251,7 @@ def main() -> int:
     w = cap["workers"][0]
     result["criu_image_bytes"] = w["criu"]["bytes"]
     result["memory_at_checkpoint"] = w.get("memory_at_checkpoint")
+    result["cuda_in"] = "the unit's process" if w.get("cuda_pids") == [w["pid"]] else f"pids {w.get('cuda_pids')}"
     result["capsule_bytes"] = dir_bytes(udir)
     result["model_bytes"] = w["payload"]["model_bytes"]
     result["residual_bytes"] = w["payload"]["residual_bytes"]
