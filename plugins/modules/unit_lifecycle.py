@@ -45,6 +45,13 @@ options:
     description: Digest of the staged activation runtime.
     type: str
     required: true
+  activation_required:
+    description:
+      - When false and no activation runtime with O(activation_digest) is staged on the host, change nothing
+        and return RV(activation_staged=false), so the caller can stage it and run the module again.
+      - When true such a host fails with the fix.
+    type: bool
+    default: true
   python:
     description: Python that runs the activation runtime.
     type: path
@@ -79,6 +86,12 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+activation_staged:
+  description: Whether the activation runtime was staged; false only with O(activation_required=false), and
+    then nothing was done.
+  returned: success
+  type: bool
+  sample: true
 units:
   description: Per-unit state after the run (C(ready), C(sleeping), C(warm), C(stopped), C(crashed) when its
     engine died without being stopped); C(ok) is true for every unit the run could report on. A stopped
@@ -118,6 +131,7 @@ def main() -> None:
             artifact=dict(type="dict"),
             host=dict(type="str", required=True),
             activation_digest=dict(type="str", required=True),
+            activation_required=dict(type="bool", default=True),
             python=dict(type="path"),
             state_root=dict(STATE_ROOT_ARG),
         ),
@@ -129,9 +143,10 @@ def main() -> None:
     def run() -> dict:
         req = validate_request(p["request"], document="request (module option)")
         art = validate_artifact(p["artifact"], document="artifact (module option)") if p["artifact"] else None
-        return lifecycle_units(req, art, host=p["host"], action=ACTIONS[p["state"]], state_root=Path(p["state_root"]),
-                               activation_digest=p["activation_digest"], python=p["python"],
-                               check_mode=module.check_mode)
+        out = lifecycle_units(req, art, host=p["host"], action=ACTIONS[p["state"]], state_root=Path(p["state_root"]),
+                              activation_digest=p["activation_digest"], python=p["python"],
+                              check_mode=module.check_mode, activation_required=p["activation_required"])
+        return {"activation_staged": True, **out}
 
     run_guarded(module, run, what="lifecycle")
 

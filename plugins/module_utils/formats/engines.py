@@ -119,6 +119,7 @@ ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(
         name="vllm", adapter_schema="vllm-v1", canonical_writer=True, default_materialize="async",
         sleep_wake=True, warm_restore=True, integration="coldsnap_engines.vllm",
+        validation_logprobs=5,
         required_options=(("--worker-extension-cls", VLLM_WORKER_EXTENSION),),
         gpu_required_args=("--enable-sleep-mode",),
         gpu_required_options=(("--sleep-mode-backend", "coldsnap"),),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import (
@@ -20,11 +21,18 @@ def _would_change(action: str, state: str | None) -> bool:
 
 
 def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: str, state_root: Path,
-                    activation_digest: str, python: str | None, check_mode: bool) -> dict:
-    """status / sleep / wake / finish-warm / stop of this host's running units (convergent)."""
+                    activation_digest: str, python: str | None, check_mode: bool,
+                    activation_required: bool = True) -> dict:
+    """status / sleep / wake / finish-warm / stop of this host's running units (convergent).
+
+    With ``activation_required`` false, a host where the activation runtime ``activation_digest``
+    is not staged is left alone and answers ``activation_staged: false`` (the caller stages it and
+    asks again): one round trip where it is staged, which is nearly always."""
     units = units_on_host(request, host)
     if not units:
         return {"changed": False, "units": []}
+    if not activation_required and not activation_stage.staged_path(state_root, activation_digest).is_dir():
+        return {"changed": False, "units": [], "activation_staged": False}
     runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
                           python=python)
     if action == "stop":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact im
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.records import record_path_for
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
 from lifecycle_workload import (
     Workload,
     boundary,
@@ -29,6 +31,8 @@ from lifecycle_workload import (
 )
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +104,15 @@ def test_warm_restore_then_wake_finishes_it(captured):
     assert marker["warm"] is True
     status = ok(run(wl, wl.request("status", artifact=artifact)))
     assert result_of(status)["units"][0]["state"] == "warm"
+    names = [t["task"] for t in status["result"]["tasks"]]
+    assert "Stage the activation runtime" not in " ".join(names), "a staged runtime is not looked at again"
+    # A host that lost its staged activation runtime gets it again, then answers.
+    digest = activation_stage.tree_digest(REPO / "runtime_image" / "activation")
+    staged = activation_stage.staged_path(wl.state_root, digest)
+    shutil.rmtree(staged)
+    status = ok(run(wl, wl.request("status", artifact=artifact)))
+    assert result_of(status)["units"][0]["state"] == "warm"
+    assert activation_stage.require_staged(wl.state_root, digest) == staged
     woken = ok(run(wl, wl.request("wake", artifact=artifact)))
     assert woken["replay_semantics"] == "convergent"
     assert result_of(woken)["units"][0]["reply"] == art["acceptance"]["reply"]

@@ -83,6 +83,7 @@ def test_capture_records_the_tree_and_keeps_the_weights_out_of_the_image(capture
     assert list((unit / "criu" / "worker-0").glob("tmpfs-dev-*.tar.gz.img"))
     assert art["capsule"]["units"][0]["state"]["files"] > 10
     assert ev["acceptance_reply"]
+    assert art["acceptance"]["logprobs"]["top"] == 5, "vLLM's default: the top 5 of every token are accepted"
 
 
 def test_native_restore_answers_as_the_cold_server_does(captured, cold_answers):
@@ -90,6 +91,7 @@ def test_native_restore_answers_as_the_cold_server_does(captured, cold_answers):
     res = _restored(wl, artifact)
     unit = res.receipt["result"]["operation"]["units"][0]
     assert unit["reply"] == art["acceptance"]["reply"]
+    assert unit["logprobs_check"] == "identical", unit["logprobs"]
     assert openai_answers(wl.port) == cold_answers
 
 
@@ -97,6 +99,7 @@ def test_recovery_restore_replays_the_pinned_safetensors(captured, cold_answers)
     wl, artifact, art = captured
     res = _restored(wl, artifact, mode="recovery")
     assert res.receipt["result"]["operation"]["units"][0]["reply"] == art["acceptance"]["reply"]
+    assert res.receipt["result"]["operation"]["units"][0]["logprobs_check"] == "identical"
     assert openai_answers(wl.port) == cold_answers
 
 
@@ -148,6 +151,7 @@ def test_sleep_releases_and_wake_brings_the_same_answers(captured, cold_answers)
     for op in ("sleep", "wake"):
         res = wl.run(wl.request(op, artifact=artifact))
         assert res.succeeded, res.receipt["error"]
+    assert res.receipt["result"]["operation"]["units"][0]["logprobs_check"] == "identical"
     assert openai_answers(wl.port) == cold_answers
 
 
