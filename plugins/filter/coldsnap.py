@@ -1,7 +1,7 @@
 # Copyright: ColdSnap maintainers
 # Apache License 2.0 (see LICENSE)
 """Filters the playbooks and roles use instead of repeating request and state-root logic:
-``unit_hosts``, ``host_units``, ``host_unit_ids``, ``state_root``, ``state_path``.
+``unit_hosts``, ``host_units``, ``host_unit_ids``, ``needs_coordinator``, ``state_root``, ``state_path``.
 
 Each is one function of module_utils (the same code the modules run)."""
 
@@ -12,7 +12,11 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout
     DEFAULT_STATE_ROOT,
     StateLayout,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import unit_hosts, units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
+    needs_coordinator,
+    unit_hosts,
+    units_on_host,
+)
 
 
 def _request(value, name: str) -> dict:
@@ -34,6 +38,11 @@ def host_units_filter(request, host: str) -> list[dict]:
 def host_unit_ids_filter(request, host: str) -> list[str]:
     """Ids of the request's launch units placed on ``host``."""
     return [u["id"] for u in units_on_host(_request(request, "host_unit_ids"), host)]
+
+
+def needs_coordinator_filter(request) -> bool:
+    """Whether the request's activation needs the coordinator (more than one launch unit or worker)."""
+    return needs_coordinator(_request(request, "needs_coordinator"))
 
 
 def state_root_filter(value=None) -> str:
@@ -58,6 +67,7 @@ class FilterModule:
             "unit_hosts": unit_hosts_filter,
             "host_units": host_units_filter,
             "host_unit_ids": host_unit_ids_filter,
+            "needs_coordinator": needs_coordinator_filter,
             "state_root": state_root_filter,
             "state_path": state_path_filter,
         }

