@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from engines_testlib import REPO, make_reference_model
+from engines_testlib import REPO, free_port, make_reference_model
 
 sys.path.insert(0, str(REPO / "runtime_image" / "activation"))
 from coldsnap_activation import probes
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +29,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _start(model_dir: Path, log: Path, **env_extra) -> tuple[subprocess.Popen, int]:
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
     env.update(OMP_NUM_THREADS="1", **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "runtime_image" / "integrations"), env.get("PYTHONPATH", "")])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ import pytest
 pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
-from engines_testlib import REPO, make_reference_model  # noqa: E402
+from engines_testlib import REPO, free_port, make_reference_model  # noqa: E402
 
 sys.path.insert(0, str(REPO / "runtime_image" / "activation"))
 from coldsnap_activation import probes  # noqa: E402
@@ -31,12 +30,6 @@ PROMPT = "ColdSnap says:"
 # The tiny model's greedy reply to the validation prompt (recorded in
 # tests/fixtures/artifacts/reference-tiny-n610.json): the OpenAI surface must not change it.
 REPLY16 = "2VD{D{DDDDDDDDDD"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +43,7 @@ def model_dir(tmp_path_factory) -> Path:
 def server(model_dir, tmp_path_factory, request):
     """The real engine process on the tiny model: its port. Also in the vLLM V1 shape
     (``--engine-core-process``: HTTP here, the model in a child), which must answer the same."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "runtime_image" / "integrations"),
@@ -358,18 +351,9 @@ def test_one_wrong_extent_keeps_the_reply_but_changes_the_logprobs_digest(in_pro
 
 # ------------------------------------------------------------------ a failure while streaming
 @pytest.fixture
-def failing_server(model_dir):
+def failing_server(in_process_engine):
     """The serving handler in-process over a real engine whose decoding fails after 3 tokens."""
-    from coldsnap_engines.common.lifecycle import Lifecycle
-    from coldsnap_engines.reference.control import ReferenceControl
-    from coldsnap_engines.reference.engine import Engine
-    from coldsnap_engines.reference.server import _Server, make_serving_handler
-    from coldsnap_engines.reference.transport import Transport
-
-    engine = Engine(model_dir, device="cpu", rank=0, world=1, served_model_name=SERVED)
-    engine.start(Transport(rank=0, world=1, device="cpu", endpoint_file=None, scope="local"))
-    lifecycle = Lifecycle(ReferenceControl(engine))
-    lifecycle.mark_ready()
+    engine, port = in_process_engine
     real = engine._generate
 
     def failing(ids, max_tokens, emit=None, logprobs=None):
@@ -383,13 +367,7 @@ def failing_server(model_dir):
         return real(ids, max_tokens, counted if emit else None, logprobs)
 
     engine._generate = failing
-    httpd = _Server(("127.0.0.1", 0), make_serving_handler(engine, lifecycle))
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        yield httpd.server_address[1]
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    return port
 
 
 @pytest.mark.parametrize("path, body", [
