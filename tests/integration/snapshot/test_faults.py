@@ -35,6 +35,14 @@ def captured(state_root, tiny_model, env_digest):
     wl.stop()
 
 
+def engines_after(wl: Workload, seconds: float) -> list[int]:
+    """The workload's engines still running once ``seconds`` passed (or none are left)."""
+    deadline = time.monotonic() + seconds
+    while wl.engines() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return wl.engines()
+
+
 def capsule_dir(art: dict) -> Path:
     return Path(art["capsule"]["units"][0]["location"])
 
@@ -142,10 +150,7 @@ def test_corrupt_residual_fails_closed_and_leaves_no_process(captured, state_roo
         # Checked before anything is evicted (the captured state is sealed at capture).
         err = failed(res, phase_word="prepare")
         assert "residual" in err["message"] or "weights.blob" in err["message"] or "sha256" in err["message"].lower()
-        deadline = time.monotonic() + 20
-        while wl.engines() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not wl.engines(), "a restore that failed after CRIU must not leave the process behind"
+        assert not engines_after(wl, 20), "a restore that failed after CRIU must not leave the process behind"
     finally:
         blob.write_bytes(original)
 
@@ -190,10 +195,7 @@ def test_recovery_weights_with_one_wrong_extent_are_refused_before_serving(captu
         res = wl.run(wl.request("restore", artifact=artifact, mutate=recovery))
         err = failed(res, phase_word="activate")
         assert "hashes to" in err["message"] or "pinned revision" in err["message"], err
-        deadline = time.monotonic() + 20
-        while wl.engines() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not wl.engines(), "a restore refused during hydration must not leave the process behind"
+        assert not engines_after(wl, 20), "a restore refused during hydration must not leave the process behind"
     finally:
         f.write_bytes(original)
     res = wl.run(wl.request("restore", artifact=artifact, mutate=recovery))
