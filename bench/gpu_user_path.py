@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+from control_plane import unit_split  # noqa: E402
 
 
 def collection_on_path() -> None:
@@ -112,7 +115,7 @@ def main() -> int:
         rc = cli([op, "--request-json", str(req), "--state-root", str(state), "--receipt-json", str(receipt)])
         wall = time.monotonic() - t
         doc = json.loads(receipt.read_text())
-        out = {"rc": rc, "state": doc["state"], "operation_s": doc["duration_seconds"], "cli_wall_s": round(wall, 2),
+        out = {"rc": rc, "state": doc["state"], **unit_split(doc), "cli_wall_s": round(wall, 2),
                "snapshot_driver": doc.get("snapshot_driver")}
         chosen = (doc.get("result") or {}).get("snapshot_driver_selection")
         if chosen:

@@ -18,10 +18,13 @@ description:
   - Capture semantics are conflict-on-existing-output - an existing different artifact is never replaced
     (the task fails); committing the identical artifact again reports no change.
   - Runs on the control node (C(delegate_to) localhost) after every unit was captured and its capsule built.
+  - With O(promote), the committed descriptor also becomes the current generation of its workload identity
+    in the descriptor store under O(state_root), in the same task (as M(coldsnap.fleet.artifact_store) with
+    O(coldsnap.fleet.artifact_store#module:state=promoted) does), returned as RV(promotion).
 extends_documentation_fragment:
   - coldsnap.fleet.attributes
   - coldsnap.fleet.attributes.ACTION_GROUP
-  - coldsnap.fleet.state.UNUSED
+  - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
 options:
   capture_id:
@@ -45,10 +48,17 @@ options:
     description: Digest of the activation runtime used for the capture.
     type: str
     required: true
+  promote:
+    description: Also promote the committed descriptor to the current generation of its identity.
+    type: bool
+    default: false
+  retention:
+    description: With O(promote), how many generations to keep (default the request's C(policy.retention.generations)).
+    type: int
 attributes:
   check_mode:
     support: full
-    details: Builds and validates the artifact without writing it.
+    details: Builds and validates the artifact without writing it (so nothing is promoted either).
   diff_mode:
     support: none
   idempotent:
@@ -67,6 +77,7 @@ EXAMPLES = r"""
     capsules: "{{ unit_hosts | map('extract', hostvars, ['coldsnap_capture_capsules', 'results']) | flatten
                   | map(attribute='capsule') | list }}"
     activation_digest: "{{ coldsnap_activation_digest }}"
+    promote: true
   delegate_to: localhost
 """
 
@@ -85,6 +96,14 @@ artifact:
   description: The artifact document.
   returned: success
   type: dict
+promotion:
+  description:
+    - With O(promote), the promotion (as M(coldsnap.fleet.artifact_store) returns it for
+      O(coldsnap.fleet.artifact_store#module:state=promoted)) - C(generation), C(created), C(current),
+      C(pruned), and the host-local C(cleanup) of pruned generations with C(cleanup_hosts),
+      C(keep_payloads), C(keep_capsules).
+  returned: when O(promote) is true, not in check mode
+  type: dict
 """
 
 import hashlib
@@ -96,6 +115,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.commit im
     by_unit,
     commit_artifact,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import ArtifactStore
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
@@ -110,6 +130,8 @@ def main() -> None:
             facts=dict(type="dict", required=True),
             capsules=dict(type="list", elements="dict", required=True),
             activation_digest=dict(type="str", required=True),
+            promote=dict(type="bool", default=False),
+            retention=dict(type="int"),
             state_root=dict(STATE_ROOT_ARG),
         ),
         supports_check_mode=True,
@@ -126,8 +148,14 @@ def main() -> None:
             return {"changed": not (out / "artifact.json").exists(), "path": str(out / "artifact.json"),
                     "artifact": art}
         path, changed = commit_artifact(out, art)
-        return {"changed": changed, "path": str(path), "sha256": "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest(),
-                "artifact": art}
+        result = {"changed": changed, "path": str(path),
+                  "sha256": "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest(), "artifact": art}
+        if p["promote"]:
+            promotion = ArtifactStore(Path(p["state_root"])).promote(str(path), request=req, retention=p["retention"],
+                                                                     check_mode=False).as_dict()
+            result["changed"] = changed or promotion["changed"]
+            result["promotion"] = promotion
+        return result
 
     run_guarded(module, run, what="artifact_commit")
 

@@ -34,15 +34,35 @@ options:
         O(state_root), and remove what killed runs left there (as M(coldsnap.fleet.activation_runtime) without
         C(src) does), returned as RV(activation). Saves a second task per host and operation.
     type: str
+  payloads:
+    description:
+      - Also verify these model payloads in the node cache under O(state_root), as M(coldsnap.fleet.payload_verify)
+        does (a valid validation record spares the hash; a pack that fails is quarantined), returned as
+        RV(payloads). This is the restore's first look - a payload found here stages nothing, saving a task
+        per host and restore.
+    type: list
+    elements: dict
+    default: []
+    suboptions:
+      sha256:
+        description: The pack's digest, C(sha256:<hex>).
+        type: str
+        required: true
+      size:
+        description: The pack's size in bytes.
+        type: int
+        required: true
 attributes:
   check_mode:
     support: full
-    details: Read-only; runs the same in check mode.
+    details: The facts are the same; in check mode nothing is cleaned, recorded or quarantined.
   diff_mode:
     support: none
   idempotent:
     support: full
-    details: Never changes anything.
+    details: >-
+      The facts change nothing. With O(activation_digest) or O(payloads) a first run may clean leftovers,
+      write a validation record or quarantine a corrupt pack; a second run finds nothing to do.
 author:
   - ColdSnap maintainers (@coldsnap)
 """
@@ -76,6 +96,13 @@ activation:
       description: Leftovers of killed runs removed (or, in check mode, that would be).
       type: list
       elements: str
+payloads:
+  description: With O(payloads), what the node cache holds of each, by digest.
+  returned: when O(payloads) is given
+  type: dict
+  sample:
+    "sha256:6d34...dddc": {verified: true, record_status: valid, bytes_hashed: 0}
+    "sha256:0a1b...77ee": {verified: false, msg: "payload sha256:0a1b...77ee is not in the node cache", quarantined: null}
 ansible_facts:
   description: Facts under the key C(coldsnap_host).
   returned: always
@@ -100,6 +127,7 @@ from pathlib import Path
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import first_look
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_facts import gather
 
@@ -111,6 +139,10 @@ def main() -> None:
             criu_binary=dict(type="path"),
             state_root=dict(STATE_ROOT_ARG),
             activation_digest=dict(type="str"),
+            payloads=dict(type="list", elements="dict", default=[], options=dict(
+                sha256=dict(type="str", required=True),
+                size=dict(type="int", required=True),
+            )),
         ),
         supports_check_mode=True,
     )
@@ -123,6 +155,9 @@ def main() -> None:
             found = activation.look(Path(p["state_root"]), p["activation_digest"], check_mode=module.check_mode)
             out["changed"] = found.pop("changed")
             out["activation"] = found
+        if p["payloads"]:
+            out["payloads"] = first_look(Path(p["state_root"]), p["payloads"], check_mode=module.check_mode)
+            out["changed"] = out["changed"] or any(v.get("changed") for v in out["payloads"].values())
         return out
 
     run_guarded(module, run, what="host_facts")

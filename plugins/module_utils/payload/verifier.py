@@ -117,6 +117,28 @@ class VerifiedPayload:
                 "record_written": self.record_written, "record_status": self.record_status}
 
 
+def first_look(state_root: Path | str, payloads: Sequence[dict], *, check_mode: bool) -> dict[str, dict]:
+    """What the node cache under ``state_root`` holds of each payload (``{"sha256", "size"}``), by digest.
+
+    Each is verified as :meth:`PayloadVerifier.verify` does (a valid record spares the hash; a pack that
+    fails is quarantined; check mode records and moves nothing). A missing or refused pack is an entry
+    with ``verified: False`` and the reason, never an exception: the caller stages what is not here.
+    """
+    cache = NodeCache(state_root)
+    out: dict[str, dict] = {}
+    for payload in payloads:
+        try:
+            with PayloadVerifier().verify(cache, payload["sha256"], payload["size"],
+                                          write_record=not check_mode) as found:
+                entry = found.as_result()
+            entry["changed"] = found.record_written
+        except ColdSnapError as exc:
+            quarantined = exc.details.get("quarantined")
+            entry = {"verified": False, "msg": str(exc), "quarantined": quarantined, "changed": bool(quarantined)}
+        out[payload["sha256"]] = entry
+    return out
+
+
 def check_pack_path(path: Path, hexd: str) -> None:
     """The pack's path must end in ``model-payloads/sha256/<hex>.pack`` for its own digest."""
     expected = f"{PACK_DIR}/{hexd}.pack"

@@ -145,3 +145,30 @@ def test_overlays_go_with_their_pruned_generation_and_count_as_retained(recorded
     assert not odir.exists()
     assert {r["capture_id"] for r in res.cleanup} == {"cap-1", "cap-1.overlay"}
     assert set(res.cleanup_hosts) == {"gpu-a", "gpu-b"}
+
+
+def _overlays_lookup():
+    from ansible_collections.coldsnap.fleet.plugins.lookup.overlays import LookupModule
+
+    return LookupModule()
+
+
+def test_overlays_lookup_lists_what_the_restore_playbook_selects_from(recorded, state_root, tmp_path):
+    """restore.yml asks the lookup (no module run); it must see exactly the store's overlays."""
+    from ansible.errors import AnsibleLookupError
+
+    _store, portable, restore, _facts, odir = recorded
+    lookup = _overlays_lookup()
+    sha = file_sha256(portable)
+    found = lookup.run([restore], state_root=str(state_root), portable_sha256=sha)
+    assert [e["path"] for e in found] == [str(odir)] and found[0]["portable_sha256"] == sha
+    # Another portable descriptor of the same identity has none; nor has another state root.
+    assert lookup.run([restore], state_root=str(state_root), portable_sha256="sha256:" + "0" * 64) == []
+    assert lookup.run([restore], state_root=str(tmp_path / "elsewhere"), portable_sha256=sha) == []
+    # A malformed request is refused naming the field, as the module refuses it.
+    broken = copy.deepcopy(restore)
+    del broken["workload"]
+    with pytest.raises(AnsibleLookupError, match="workload"):
+        lookup.run([broken], state_root=str(state_root))
+    with pytest.raises(AnsibleLookupError, match=r"unknown option.*portable_sha"):
+        lookup.run([restore], state_root=str(state_root), portable="x")

@@ -242,3 +242,32 @@ def test_payload_rewritten_in_place_after_verification_is_refused(tmp_path):
         hydrate_native(out / "native-manifest.json", v, out / "weights.blob", MemorySink(views))
     assert all(views[a.id][:] == bytes([0xA5]) * a.size for a in w.allocations)
     v.close()
+
+
+def test_first_look_reports_each_payload_and_never_raises(staged, tmp_path):
+    """The restore's first look (host_facts payloads): verified, absent and corrupt side by side."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import first_look
+
+    cache, digest, size, path = staged
+    absent = "sha256:" + "ab" * 32
+    # Check mode: the same answers, no record written.
+    dry = first_look(cache.state_root, [{"sha256": digest, "size": size}, {"sha256": absent, "size": 4096}],
+                     check_mode=True)
+    assert dry[digest]["verified"] is True and dry[digest]["changed"] is False
+    assert not records.record_path_for(path).exists()
+    assert dry[absent]["verified"] is False and "not" in dry[absent]["msg"] and dry[absent]["changed"] is False
+    # For real: the record is written (changed), a second look reuses it and changes nothing.
+    first = first_look(cache.state_root, [{"sha256": digest, "size": size}], check_mode=False)
+    assert (first[digest]["verified"], first[digest]["changed"], first[digest]["record_status"]) == (True, True, "absent")
+    again = first_look(cache.state_root, [{"sha256": digest, "size": size}], check_mode=False)
+    assert (again[digest]["changed"], again[digest]["record_reused"], again[digest]["bytes_hashed"]) == (False, True, 0)
+    # One flipped byte: refused, quarantined (a change), never the verified pack.
+    records.record_path_for(path).unlink()
+    data = bytearray(path.read_bytes())
+    data[5] ^= 1
+    path.write_bytes(bytes(data))
+    old = time.time_ns() - 10_000_000_000
+    os.utime(path, ns=(old, old))
+    bad = first_look(cache.state_root, [{"sha256": digest, "size": size}], check_mode=False)[digest]
+    assert bad["verified"] is False and bad["changed"] is True and bad["quarantined"]
+    assert not path.exists() and Path(bad["quarantined"]).is_file()
