@@ -116,6 +116,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.commit im
     commit_artifact,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import ArtifactStore
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
@@ -139,6 +140,14 @@ def main() -> None:
     p = module.params
 
     def run() -> dict:
+        # Refused before anything is written: a commit whose promotion cannot succeed would be left behind.
+        if p["retention"] is not None:
+            if not p["promote"]:
+                raise ColdSnapError("retention takes effect only when the descriptor is promoted",
+                                    fix="set promote: true, or leave retention out")
+            if p["retention"] < 1:
+                raise ColdSnapError(f"retention of {p['retention']} generations keeps nothing",
+                                    fix="set retention to 1 or more (or leave it out for the request's policy)")
         req = validate_request(p["request"], document="request (module option)")
         evidence, facts, capsules = by_unit(req, p["evidence"], p["facts"], p["capsules"])
         art = build_artifact(req, capture_id=p["capture_id"] or req["id"], evidence=evidence, facts=facts,

@@ -121,8 +121,9 @@ def first_look(state_root: Path | str, payloads: Sequence[dict], *, check_mode: 
     """What the node cache under ``state_root`` holds of each payload (``{"sha256", "size"}``), by digest.
 
     Each is verified as :meth:`PayloadVerifier.verify` does (a valid record spares the hash; a pack that
-    fails is quarantined; check mode records and moves nothing). A missing or refused pack is an entry
-    with ``verified: False`` and the reason, never an exception: the caller stages what is not here.
+    fails is quarantined; check mode records and moves nothing, and reports as changed what a real run
+    would record, like ``payload_verify``). A missing or refused pack is an entry with ``verified: False``
+    and the reason, never an exception: the caller stages what is not here.
     """
     cache = NodeCache(state_root)
     out: dict[str, dict] = {}
@@ -131,7 +132,7 @@ def first_look(state_root: Path | str, payloads: Sequence[dict], *, check_mode: 
             with PayloadVerifier().verify(cache, payload["sha256"], payload["size"],
                                           write_record=not check_mode) as found:
                 entry = found.as_result()
-            entry["changed"] = found.record_written
+            entry["changed"] = found.record_written or (check_mode and not found.reused_record)
         except ColdSnapError as exc:
             quarantined = exc.details.get("quarantined")
             entry = {"verified": False, "msg": str(exc), "quarantined": quarantined, "changed": bool(quarantined)}

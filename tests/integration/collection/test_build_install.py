@@ -97,3 +97,20 @@ def test_sanity_ignore_files_stay_empty() -> None:
     """ansible-test findings are fixed, never ignored (scripts/ansible-sanity.sh runs the tests)."""
     ignores = sorted((REPO / "tests" / "sanity").glob("ignore-*.txt")) if (REPO / "tests" / "sanity").is_dir() else []
     assert all(not p.read_text().strip() for p in ignores), [p.name for p in ignores if p.read_text().strip()]
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    ({"retention": 0, "promote": True}, "retention of 0 generations keeps nothing"),
+    ({"retention": 2}, "retention takes effect only when the descriptor is promoted"),
+])
+def test_artifact_commit_refuses_a_retention_it_cannot_apply_before_writing(installed, tmp_path, args, needle) -> None:
+    """A bad retention is refused by name before the descriptor is committed (nothing left behind)."""
+    _tarball, collections = installed
+    out = tmp_path / "out"
+    request = {"output": {"artifact_dir": str(out)}}  # refused before the request is even looked at
+    module_args = {"request": request, "evidence": [], "facts": {}, "capsules": [], "activation_digest": "sha256:" + "0" * 64,
+                   "state_root": str(tmp_path / "state"), **args}
+    p = _ansible("ansible", "localhost", "-m", "coldsnap.fleet.artifact_commit", "-a", json.dumps(module_args),
+                 "-e", f"ansible_python_interpreter={sys.executable}", "-o", collections=collections, cwd=collections)
+    assert p.returncode != 0 and needle in p.stdout, p.stdout + p.stderr
+    assert not out.exists() and not (tmp_path / "state").exists()

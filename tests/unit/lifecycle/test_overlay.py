@@ -172,3 +172,5 @@ def test_overlays_lookup_lists_what_the_restore_playbook_selects_from(recorded, 
         lookup.run([broken], state_root=str(state_root))
     with pytest.raises(AnsibleLookupError, match=r"unknown option.*portable_sha"):
         lookup.run([restore], state_root=str(state_root), portable="x")
+    with pytest.raises(AnsibleLookupError, match="takes a request"):
+        lookup.run([str(portable)], state_root=str(state_root))

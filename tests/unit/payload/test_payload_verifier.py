@@ -250,10 +250,10 @@ def test_first_look_reports_each_payload_and_never_raises(staged, tmp_path):
 
     cache, digest, size, path = staged
     absent = "sha256:" + "ab" * 32
-    # Check mode: the same answers, no record written.
+    # Check mode: the same answers, no record written, but reported as the change a real run makes.
     dry = first_look(cache.state_root, [{"sha256": digest, "size": size}, {"sha256": absent, "size": 4096}],
                      check_mode=True)
-    assert dry[digest]["verified"] is True and dry[digest]["changed"] is False
+    assert dry[digest]["verified"] is True and dry[digest]["changed"] is True
     assert not records.record_path_for(path).exists()
     assert dry[absent]["verified"] is False and "not" in dry[absent]["msg"] and dry[absent]["changed"] is False
     # For real: the record is written (changed), a second look reuses it and changes nothing.
