@@ -85,7 +85,7 @@ def main() -> int:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import specs as unit
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import NCCL_SOCKETS_ONLY
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_runtime import run_units
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import run_units
     from coldsnap_engines.reference.weights import make_model
 
     work = Path(args.work)

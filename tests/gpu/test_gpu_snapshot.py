@@ -34,7 +34,7 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, native_f
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import specs as unit
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_runtime import run_units
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import run_units
     from coldsnap_engines.reference.config import PRESETS
     from coldsnap_engines.reference.weights import make_model
 

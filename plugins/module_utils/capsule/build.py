@@ -51,6 +51,16 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import (
+    LABEL_BASE,
+    LABEL_CACHE_PATHS,
+    LABEL_CAPTURE,
+    LABEL_FORMAT,
+    LABEL_KIND,
+    LABEL_STATE_TARGET,
+    LABEL_UNIT,
+    RESERVED_LABELS,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_paths import (
     cache_path_problems,
     check_capsule_paths,
@@ -60,16 +70,6 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_pat
 
 CAPSULE_FORMAT = "1"
 LAYOUTS = ("docker", "oci-layout")
-
-LABEL_KIND = "org.coldsnap.kind"
-LABEL_FORMAT = "org.coldsnap.capsule.format"
-LABEL_UNIT = "org.coldsnap.unit"
-LABEL_CAPTURE = "org.coldsnap.capture-id"
-LABEL_STATE_TARGET = "org.coldsnap.capsule.state-target"
-LABEL_CACHE_PATHS = "org.coldsnap.capsule.cache-paths"
-LABEL_BASE = "org.coldsnap.capsule.base"
-RESERVED_LABELS = (LABEL_KIND, LABEL_FORMAT, LABEL_UNIT, LABEL_CAPTURE, LABEL_STATE_TARGET, LABEL_CACHE_PATHS,
-                   LABEL_BASE)
 
 # Never inside a capsule: model packs and their validation records (model bytes travel as payloads).
 EXCLUDED_PATTERNS = ("*.pack", "*.pack.coldsnap-validation.json", "*.pack.part", ".coldsnap-state-validation.json")

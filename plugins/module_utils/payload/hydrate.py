@@ -41,6 +41,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.manifest im
     load_replay_plan,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.records import FileIdentity
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.recovery_source import check_pin
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import (
     Progress,
     hash_fd,
@@ -412,30 +413,6 @@ def _stats(provider: str, manifest: NativeManifest, extents: int, started: float
     return HydrationStats(provider, manifest.model_bytes, manifest.residual_bytes, extents, time.monotonic() - started,
                           getattr(sink, "engine", "python"), getattr(sink, "mapped_bytes", 0),
                           getattr(sink, "map_fallback", None) if getattr(sink, "regions", None) else None)
-
-
-def check_pin(st, pin: dict) -> None:
-    """A checkpoint file against what the capture pinned (size, safetensors header digest)."""
-    if pin.get("size") is not None and st.size != pin["size"]:
-        raise IntegrityError(f"checkpoint file {st.path} has {st.size} bytes, the capture pinned {pin['size']}",
-                             fix="download the pinned model revision")
-    if pin.get("header_sha256") is not None and st.header_sha256 != pin["header_sha256"]:
-        raise IntegrityError(f"checkpoint file {st.path} has a different safetensors header than the capture",
-                             fix="download the pinned model revision")
-
-
-def check_recovery_source(replay_plan_path: Path, safetensors_dir: Path) -> None:
-    """Every checkpoint file the replay plan reads is present and matches its pins (prepare runs this
-    before anything is evicted; hydration checks the same again on the files it opens)."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.safetensors import SafetensorsFile
-
-    plan = load_replay_plan(replay_plan_path)
-    for name, pin in sorted(plan.files.items()):
-        st = SafetensorsFile(Path(safetensors_dir) / name)
-        try:
-            check_pin(st, pin)
-        finally:
-            st.close()
 
 
 def hydrate_recovery(manifest: NativeManifest | Path | str, replay_plan_path: Path, safetensors_dir: Path,

@@ -107,10 +107,8 @@ def resolve_provider(mode: str, *, state_root: Path | str, pack: PackRef | None,
             if src.kind == "huggingface" and not may_contact_hub(mode):
                 reasons.append(f"{src.describe()} skipped: {mode} never contacts the Hub")
                 continue
-            from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.stage import stage_payload
-
             try:
-                stage_payload(state_root, pack.sha256, pack.size, src, progress=progress)
+                src.stage(state_root, pack.sha256, pack.size, progress=progress)
                 payload = PayloadVerifier().verify(cache, pack.sha256, pack.size)
                 break
             except ColdSnapError as exc:

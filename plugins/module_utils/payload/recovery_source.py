@@ -10,14 +10,19 @@
   activation only looks it up in the cache, so nothing is downloaded after eviction.
 
 The files, their sizes and safetensors headers are then checked against the capture's pins
-(:func:`.hydrate.check_recovery_source`) before anything is evicted.
+(:func:`check_recovery_source`) before anything is evicted.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    ColdSnapError,
+    IntegrityError,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.manifest import load_replay_plan
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.safetensors import SafetensorsFile
 
 HUB_PATTERNS = ("*.safetensors", "*.json")
 
@@ -68,3 +73,25 @@ def recovery_dir(request: dict, *, contact_hub: bool, token: str | None = None) 
                             fix="check the repository, the token (coldsnap_hf_token) and HF_ENDPOINT, or stage "
                                 "the native payload") from None
     return Path(path)
+
+
+def check_pin(st, pin: dict) -> None:
+    """A checkpoint file against what the capture pinned (size, safetensors header digest)."""
+    if pin.get("size") is not None and st.size != pin["size"]:
+        raise IntegrityError(f"checkpoint file {st.path} has {st.size} bytes, the capture pinned {pin['size']}",
+                             fix="download the pinned model revision")
+    if pin.get("header_sha256") is not None and st.header_sha256 != pin["header_sha256"]:
+        raise IntegrityError(f"checkpoint file {st.path} has a different safetensors header than the capture",
+                             fix="download the pinned model revision")
+
+
+def check_recovery_source(replay_plan_path: Path, safetensors_dir: Path) -> None:
+    """Every checkpoint file the replay plan reads is present and matches its pins (prepare runs this
+    before anything is evicted; hydration checks the same again on the files it opens)."""
+    plan = load_replay_plan(replay_plan_path)
+    for name, pin in sorted(plan.files.items()):
+        st = SafetensorsFile(Path(safetensors_dir) / name)
+        try:
+            check_pin(st, pin)
+        finally:
+            st.close()

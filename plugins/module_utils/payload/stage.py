@@ -106,6 +106,11 @@ class StageSource:
             return f"peer {self.address}:{self.port}"
         return f"huggingface {self.repository}@{self.revision}"
 
+    def stage(self, state_root: Path | str, sha256: str, size: int, *,
+              progress: Progress | None = None) -> StageResult:
+        """:func:`stage_payload` from this source (what the provider calls, without importing staging)."""
+        return stage_payload(state_root, sha256, size, self, progress=progress)
+
 
 @dataclass(frozen=True)
 class StageResult:

@@ -27,10 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import dockerapi
-from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import LABEL_CAPTURE, LABEL_UNIT
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import (
+    LABEL_CAPTURE,
+    LABEL_UNIT,
+)
 
 ACTIVATION_TARGET = "/opt/coldsnap/activation"
 LABEL_ROLE = "org.coldsnap.role"

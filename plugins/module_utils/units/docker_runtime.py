@@ -32,9 +32,9 @@ the invoking user's uid/gid (:mod:`.ownership`), also when the
 run failed. Model packs keep their validation records valid across the chown
 (see :func:`normalize_ownership`).
 
-Why one ~520-line unit: it is the whole of one runtime (capture, restore, lifecycle,
-prepare, evict in rank containers) behind :class:`~.runtime.UnitRuntime`; the container
-primitives are :mod:`.containers` and ownership is :mod:`.ownership`.
+The running containers' steps (lifecycle, presence, evict) are :class:`~.docker_units.DockerUnits`;
+this file adds capture, prepare and restore in rank containers behind :class:`~.runtime.UnitRuntime`.
+The container primitives are :mod:`.containers` and ownership is :mod:`.ownership`.
 """
 
 from __future__ import annotations
@@ -50,8 +50,6 @@ from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import archive, dockerapi
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import (
-    LABEL_STATE_TARGET,
-    LABEL_UNIT,
     CapsuleRef,
     inspect_capsule,
 )
@@ -60,7 +58,6 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     ColdSnapError,
     UnitError,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, UnitSpec
@@ -68,37 +65,34 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.process import port
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuMoves, admit_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_units import (
+    DOCKER_PYTHON,
+    DockerUnits,
+    canonical_container,
+    canonical_name,
+    container_evidence,
+    docker_spec,
+    write_spec,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import (
-    chown_state_paths,
     normalize_ownership,
-    parse_owner,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
     UnitRuntime,
     listeners_served,
     raise_failures,
-    read_evidence,
     run_concurrently,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import model_dir
 
-DOCKER_PYTHON = "/usr/bin/python3"
 # Captured engines get ids above this; a restore container's own processes stay below it.
 PID_FLOOR = 10000
 EVIDENCE = EVIDENCE_FILE
 _CAPTURE_SUFFIX = "-capture"
 
 
-def _client(client: Any = None) -> Any:
-    return dockerapi.docker_client(client)
-
-
 def capture_container_name(recipe: str, unit_id: str) -> str:
     return docker_unit.canonical_container_name(recipe, unit_id) + _CAPTURE_SUFFIX
-
-
-def canonical_name(request: dict, unit_id: str) -> str:
-    return docker_unit.canonical_container_name(request["workload"]["recipe"], unit_id)
 
 
 # ----------------------------------------------------------------------------- capsule helpers
@@ -114,7 +108,7 @@ def capsule_entry(artifact: dict, unit_id: str) -> dict:
 
 def capsule_image(artifact: dict, unit_id: str, *, client: Any = None) -> tuple[Any, str]:
     """The local capsule image of ``unit_id`` (verified id and labels) and its state target."""
-    client = _client(client)
+    client = dockerapi.docker_client(client)
     cap = capsule_entry(artifact, unit_id)
     details = inspect_capsule(CapsuleRef.from_dict(cap), verify=True, client=client)
     target = details.get("state_target") or ""
@@ -126,7 +120,7 @@ def capsule_image(artifact: dict, unit_id: str, *, client: Any = None) -> tuple[
 
 def captured_evidence(image_id: str, state_target: str, *, client: Any = None) -> dict:
     """The capture evidence inside a capsule image (read from a created, never started, container)."""
-    client = _client(client)
+    client = dockerapi.docker_client(client)
     container = docker_unit.create_container(client, image_id, ["true"], network_mode="none",
                                              labels={docker_unit.LABEL_ROLE: "capsule-read"})
     try:
@@ -149,7 +143,7 @@ def verify_image_state(image_id: str, state_target: str, recorded: dict | None, 
     against what the capture sealed: every file, before anything is evicted."""
     import hashlib
 
-    client = _client(client)
+    client = dockerapi.docker_client(client)
     container = docker_unit.create_container(client, image_id, ["true"], network_mode="none",
                                              labels={docker_unit.LABEL_ROLE: "capsule-verify"})
     members: dict[str, tuple[str, int, str]] = {}
@@ -190,7 +184,7 @@ def verify_image_state(image_id: str, state_target: str, recorded: dict | None, 
 
 def capsule_criu_check(image_id: str, *, client: Any = None) -> dict:
     """Run the capsule's own CRIU (``criu check``) on this host, inside a rank-privileged container."""
-    client = _client(client)
+    client = dockerapi.docker_client(client)
     policy = docker_unit.privilege_policy(client, probe_image=image_id)
     container = docker_unit.create_container(
         client, image_id, ["sh", "-c", "criu --version; criu check"], network_mode="none",
@@ -252,27 +246,7 @@ def _unit_mounts(request: dict, spec: UnitSpec, *, state_root: Path, activation_
     return mounts
 
 
-def docker_spec(spec: UnitSpec, *, unit_dir: str | None = None, supervise: bool = False) -> UnitSpec:
-    """A host-built unit spec made valid inside the rank container.
-
-    The container's Python and CRIU are the image's; GPUs handed to the
-    container by ordinal appear inside it as 0..n-1.
-    """
-    unit = {**spec.unit, "devices": list(range(len(spec.unit.get("devices", []))))}
-    return spec.replace(python=DOCKER_PYTHON, criu_binary=None, supervise=supervise, unit=unit,
-                        unit_dir=unit_dir if unit_dir is not None else spec.unit_dir)
-
-
 # ----------------------------------------------------------------------------- running rank containers
-
-def _write_spec(run_dir: Path, spec: UnitSpec) -> tuple[Path, Path]:
-    spec = spec.replace(t0_ns=time.monotonic_ns())
-    spec_path = run_dir / f"spec-{spec.operation}-{spec.unit_id}.json"
-    ev_path = run_dir / f"evidence-{spec.operation}-{spec.unit_id}.json"
-    ev_path.unlink(missing_ok=True)
-    atomic_write_json(spec_path, spec.to_json(), mode=0o600)
-    return spec_path, ev_path
-
 
 def _controller_argv(operation: str, spec_path: Path, ev_path: Path, *, raise_pids: bool) -> list[str]:
     argv = [DOCKER_PYTHON, "-m", "coldsnap_activation", operation, "--spec", str(spec_path),
@@ -282,10 +256,6 @@ def _controller_argv(operation: str, spec_path: Path, ev_path: Path, *, raise_pi
     # The controller stays PID 1 (exec); everything it starts, the engine included, gets an id above the floor.
     return ["/bin/sh", "-c", f'echo {PID_FLOOR - 1} > /proc/sys/kernel/ns_last_pid && exec "$@"',
             "coldsnap-rank", *argv]
-
-
-def _read_evidence(ev_path: Path, uid: str, log_text: str, code: int | None) -> dict:
-    return read_evidence(ev_path, uid, log_text, code, who="rank container")
 
 
 def _logs(container: Any) -> str:
@@ -298,19 +268,6 @@ def _logs(container: Any) -> str:
 _raise_failures = raise_failures
 
 
-def _canonical_container(request: dict, unit_id: str, *, client: Any) -> Any | None:
-    docker = dockerapi.docker_module()
-    name = canonical_name(request, unit_id)
-    try:
-        c = client.containers.get(name)
-    except docker.errors.NotFound:
-        return None
-    if LABEL_UNIT not in (c.labels or {}):
-        raise AdmissionError(f"a container named {name!r} exists and is not a ColdSnap unit container",
-                             fix="rename or remove it; ColdSnap only replaces its own containers")
-    return c
-
-
 def _container_pids(container: Any) -> set[int]:
     """Host pids of every process in a running container (its init and all descendants)."""
     try:
@@ -321,35 +278,9 @@ def _container_pids(container: Any) -> set[int]:
     return ports.process_tree(init) if init > 0 else set()
 
 
-def _exists(client: Any, cid: str) -> bool:
-    docker = dockerapi.docker_module()
-    try:
-        client.containers.get(cid)
-        return True
-    except docker.errors.NotFound:
-        return False
-
-
-class DockerRuntime(UnitRuntime):
-    """Units as rank containers (one per unit, PID 1 = the activation runtime)."""
-
-    name = "docker"
-
-    def __init__(self, request: dict, *, client: Any = None, **kwargs: Any) -> None:
-        super().__init__(request, **kwargs)
-        self._client = client
-        self.owner = parse_owner(self.owner)
-
-    @property
-    def client(self) -> Any:
-        if self._client is None:
-            self._client = _client()
-        return self._client
-
-    @property
-    def run_dir(self) -> Path:
-        """Spec, evidence and log files of this operation's rank containers (bound into them)."""
-        return self.layout.unit_runs(self.request["id"])
+class DockerRuntime(DockerUnits, UnitRuntime):
+    """Units as rank containers (one per unit, PID 1 = the activation runtime): capture, prepare and
+    restore (running units' steps are in :class:`~.docker_units.DockerUnits`)."""
 
     # ------------------------------------------------------------ running units
     def capture(self, specs: list[UnitSpec], *, timeout: float = 3600) -> list[dict]:
@@ -363,7 +294,7 @@ class DockerRuntime(UnitRuntime):
             for host_spec in specs:
                 uid = host_spec.unit_id
                 spec = docker_spec(host_spec)
-                spec_path, ev_path = _write_spec(run_dir, spec)
+                spec_path, ev_path = write_spec(run_dir, spec)
                 mounts = _unit_mounts(request, spec, state_root=self.state_root,
                                       activation_digest=self.activation_digest, run_dir=run_dir, bind_unit_dir=True)
                 labels = docker_unit.unit_labels(capture_id=spec.capture_id, unit=uid, operation_id=request["id"],
@@ -386,7 +317,7 @@ class DockerRuntime(UnitRuntime):
                     docker_unit.stop_unit(container, timeout=5)
                 text = _logs(container)
                 (run_dir / f"activation-capture-{spec.unit_id}.log").write_text(text)
-                results[i] = _read_evidence(ev_path, spec.unit_id, text, code)
+                results[i] = container_evidence(ev_path, spec.unit_id, text, code)
 
             run_concurrently(wait, [(i, *x) for i, x in enumerate(started)])
             raise_failures(results)
@@ -412,7 +343,7 @@ class DockerRuntime(UnitRuntime):
                 uid = host_spec.unit_id
                 image, target = capsule_image(artifact, uid, client=client)
                 spec = docker_spec(host_spec, unit_dir=target, supervise=True)
-                spec_path, ev_path = _write_spec(run_dir, spec)
+                spec_path, ev_path = write_spec(run_dir, spec)
                 mounts = _unit_mounts(request, spec, state_root=self.state_root,
                                       activation_digest=self.activation_digest, run_dir=run_dir, bind_unit_dir=False)
                 labels = docker_unit.unit_labels(capture_id=artifact["capture_id"], unit=uid,
@@ -441,7 +372,7 @@ class DockerRuntime(UnitRuntime):
                     time.sleep(0.02)
                 text = _logs(container)
                 (run_dir / f"activation-{spec.operation}-{spec.unit_id}.log").write_text(text)
-                results[i] = _read_evidence(ev_path, spec.unit_id, text, code)
+                results[i] = container_evidence(ev_path, spec.unit_id, text, code)
 
             run_concurrently(wait, [(i, *x) for i, x in enumerate(started)])
             raise_failures(results)
@@ -453,45 +384,6 @@ class DockerRuntime(UnitRuntime):
             raise
         finally:
             normalize_ownership(owned, state_root=self.state_root, owner=self.owner, client=client)
-
-    def lifecycle(self, specs: list[UnitSpec]) -> list[dict]:
-        """Run a lifecycle operation (status, sleep, wake, finish-warm) inside each unit's running container."""
-        client, request = self.client, self.request
-        docker = dockerapi.docker_module()
-        results: list[dict] = [{} for _spec in specs]
-        owned: list[Path] = []
-
-        def one(i: int, spec: UnitSpec) -> None:
-            uid = spec.unit_id
-            try:
-                container = client.containers.get(canonical_name(request, uid))
-            except docker.errors.NotFound:
-                results[i] = {"ok": True, "unit": uid, "workers": [], "state": "absent", "changed": False}
-                return
-            if container.status != "running":
-                results[i] = {"ok": True, "unit": uid, "workers": [], "state": "absent", "changed": False}
-                return
-            target = container.labels.get(LABEL_STATE_TARGET) or \
-                (container.image.labels or {}).get(LABEL_STATE_TARGET)
-            s = docker_spec(spec, unit_dir=target or spec.unit_dir)
-            # The workload directory is the one state path the running container has bound read-write.
-            where = Path(s.workload_dir) / ".coldsnap"
-            where.mkdir(mode=0o700, exist_ok=True)
-            owned.append(where)
-            spec_path, ev_path = _write_spec(where, s)
-            argv = [DOCKER_PYTHON, "-m", "coldsnap_activation", s.operation, "--spec", str(spec_path),
-                    "--evidence", str(ev_path)]
-            code, out = container.exec_run(argv, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET, "PYTHONDONTWRITEBYTECODE": "1"},
-                                           user="0", stdout=True, stderr=True)
-            results[i] = _read_evidence(ev_path, uid, (out or b"").decode("utf-8", "replace"), code)
-
-        try:
-            run_concurrently(one, list(enumerate(specs)))
-        finally:
-            if self.owner is not None:
-                chown_state_paths(owned, self.owner.uid, self.owner.gid, client=client)
-        raise_failures(results)
-        return results
 
     def capture_running(self, specs: list[UnitSpec]) -> list[dict]:
         raise ColdSnapError("target-local overlays are captured from runtime 'host' units only: a docker unit's "
@@ -531,7 +423,7 @@ class DockerRuntime(UnitRuntime):
                      if not check_mode else None)
             captured = captured_evidence(image.id, target, client=client)
             moves.add(u, captured, captured_units[u["id"]])
-            running = _canonical_container(self.request, u["id"], client=client)
+            running = canonical_container(self.request, u["id"], client=client)
             # Only the canonical container this restore replaces may hold a captured port.
             replaced = _container_pids(running) if running is not None and running.status == "running" else set()
             served, what = listeners_served(artifact, self.request, u["id"])
@@ -542,35 +434,6 @@ class DockerRuntime(UnitRuntime):
                           "state": state, "listeners": [list(x) for w in captured["workers"] for x in served(w)]})
         moves.admit(self.host)
         return plans, False
-
-    def presence(self, unit_id: str) -> str:
-        c = _canonical_container(self.request, unit_id, client=self.client)
-        if c is None:
-            return "stopped"
-        with contextlib.suppress(Exception):
-            c.reload()
-        return "running" if c.status == "running" else "crashed"
-
-    def evict(self, *, check_mode: bool) -> list[dict]:
-        """Remove this workload's canonical unit containers on this host (the engines die with them)."""
-        client = self.client
-        stopped = []
-        for u in units_on_host(self.request, self.host):
-            c = _canonical_container(self.request, u["id"], client=client)
-            if c is None:
-                continue
-            stopped.append({"unit": u["id"], "container": c.name, "status": c.status})
-            if check_mode:
-                continue
-            c.remove(force=True)
-            # Wait until it is gone: its listening ports must be free for the restore.
-            deadline = time.monotonic() + 60
-            while _exists(client, c.id):
-                if time.monotonic() > deadline:
-                    raise ColdSnapError(f"container {c.name} was removed but is still listed after 60 s",
-                                        fix="check dockerd's health")
-                time.sleep(0.05)
-        return stopped
 
 
 def _owned_paths(request: dict, specs: list[UnitSpec], *, state_root: Path, run_dir: Path,

@@ -6,13 +6,17 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_units import DockerUnits
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import HostUnits
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import (
     accepted_validation,
     build_specs,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import plan_weights
+
+# The running halves of the runtimes only (see .runtime): this module's closure stays small.
+RUNNING_UNITS = {"host": HostUnits, "docker": DockerUnits}
 
 
 def _would_change(action: str, state: str | None) -> bool:
@@ -27,14 +31,19 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
 
     With ``activation_required`` false, a host where the activation runtime ``activation_digest``
     is not staged is left alone and answers ``activation_staged: false`` (the caller stages it and
-    asks again): one round trip where it is staged, which is nearly always."""
+    asks again): one round trip where it is staged, which is nearly always. Only sleep, wake and
+    finish-warm run it: ``status`` (and check mode, which only reads) asks a host unit's workers
+    through their control APIs and a docker unit's container through the runtime it was started
+    with, and ``stop`` only ends processes."""
     units = units_on_host(request, host)
     if not units:
         return {"changed": False, "units": []}
-    if not activation_required and not activation_stage.staged_path(state_root, activation_digest).is_dir():
+    runs_activation = action in ("sleep", "wake", "finish-warm") and not check_mode
+    if not activation_required and runs_activation and \
+            not activation_stage.staged_path(state_root, activation_digest).is_dir():
         return {"changed": False, "units": [], "activation_staged": False}
-    runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
-                          python=python)
+    runtime = RUNNING_UNITS[request["launch"]["runtime"]](request, host=host, state_root=state_root,
+                                                          activation_digest=activation_digest, python=python)
     if action == "stop":
         # The engines (whole process trees, or the unit containers) go; captures, artifacts, payloads and
         # the model cache stay, so the workload can be restored again.

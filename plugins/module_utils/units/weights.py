@@ -10,7 +10,6 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import PayloadRef, WorkerFiles
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import recovery_source
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate import check_recovery_source
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.provider import (
     resolve_provider,
 )
@@ -68,7 +67,7 @@ def plan_weights(request: dict, artifact: dict, *, host: str, state_root: Path,
         replay = WorkerFiles.of(directory, wid).replay if directory else None
         if replay is not None and replay.is_file():
             try:
-                check_recovery_source(replay, Path(plan["model_dir"]))
+                recovery_source.check_recovery_source(replay, Path(plan["model_dir"]))
             except ColdSnapError as exc:
                 raise ColdSnapError(f"worker {wid} would be filled from the pinned safetensors, which fail here: "
                                     f"{exc.problem}", fix=exc.fix) from None

@@ -318,3 +318,53 @@ def test_hydration_bytes_are_reported_in_status_and_watched_as_progress(rig):
     record = json.loads((rig["tmp"] / "progress" / "hydrate-unit-0.progress.json").read_text())
     assert record["done"] == record["total"] == total and record["state"] == "done"
     assert record["phase"] == "unit unit-0 hydration" and record["unit"] == "bytes"
+
+
+def _status_spec(rig, workers: list[str]):
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UnitSpec
+
+    return UnitSpec(operation="status", operation_id="op-status", capture_id="cap", unit={"id": "unit-0"},
+                    workers=[{"id": w, "rank": i} for i, w in enumerate(workers)], world_size=len(workers),
+                    unit_count=1, state_root=str(rig["tmp"] / "state"), unit_dir=str(rig["tmp"] / "unit"),
+                    workload_dir=str(rig["tmp"] / "wl"), python=sys.executable, model={}, driver={})
+
+
+def test_status_without_the_activation_runtime_reads_each_worker_as_the_activation_runtime_would(rig):
+    """Runtime host answers ``status`` from the workers' control APIs: the state the engine reports,
+    ``mixed`` across workers that disagree, ``absent`` without a control file, and a failure naming
+    the worker when the pid in the control file is not the engine answering."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import unit_status
+
+    ev = unit_status(_status_spec(rig, ["worker-0"]))
+    assert (ev["ok"], ev["state"], ev["changed"]) == (True, "ready", False)
+    assert ev["workers"] == [{"worker": "worker-0", "pid": os.getpid(), "state": "ready"}]
+    assert (ev["kind"], ev["operation"], ev["unit"]) == ("coldsnap-unit-evidence", "status", "unit-0")
+
+    rig["handle"].call("POST", "/quiesce")
+    assert unit_status(_status_spec(rig, ["worker-0"]))["state"] == "quiesced"
+
+    # A second worker of the unit that never wrote its control file: the unit is not (all) here.
+    assert unit_status(_status_spec(rig, ["worker-0", "worker-1"]))["state"] == "absent"
+
+    # A second worker in another state: mixed.
+    other = Lifecycle(rig["control"])
+    other.mark_ready()
+    second = EngineHandle(unit="unit-0", worker={"id": "worker-1"}, workload_dir=rig["tmp"] / "wl")
+    server = ControlServer(other, control_file=second.control_file, extra_status={"unit": "unit-0"})
+    try:
+        ev = unit_status(_status_spec(rig, ["worker-0", "worker-1"]))
+        assert ev["state"] == "mixed"
+        assert [w["state"] for w in ev["workers"]] == ["quiesced", "ready"]
+    finally:
+        server.close()
+
+    # The control file names a pid that is not the process answering on its port (a reused pid, a
+    # stale file): the worker is reported as not running, by name.
+    path = rig["handle"].control_file
+    info = json.loads(path.read_text())
+    path.write_text(json.dumps({**info, "pid": 1}))
+    with pytest.raises(UnitError, match=r"worker-0 \(pid 1\) is not running"):
+        unit_status(_status_spec(rig, ["worker-0"]))
+    path.write_text("{not json")
+    with pytest.raises(UnitError, match="worker-0's control file cannot be read"):
+        unit_status(_status_spec(rig, ["worker-0"]))

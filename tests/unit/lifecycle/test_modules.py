@@ -132,3 +132,23 @@ def test_delete_refuses_a_hand_edited_descriptor_and_never_follows_its_locations
     assert (state_root / "model-payloads" / "sha256" / f"{sha.split(':')[1]}.pack").exists()
     assert other_cap.is_dir(), "another recipe's retained capsule stays"
     assert any(k["image_id"] == other["capsule"]["units"][0]["image_id"] for k in out["kept"]["capsules"])
+
+
+def test_unit_lifecycle_needs_the_activation_runtime_only_to_sleep_or_wake(state_root):
+    """Run as Ansible ships it (the module's own small set of library files): status and stop of a
+    workload that does not run here answer without the activation runtime; sleep asks for it to be
+    staged first (``activation_staged: false``), and the role then stages it and asks again."""
+    digest = "sha256:" + "ab" * 32  # never staged under this state root
+    base = {"host": "localhost", "state_root": str(state_root), "activation_digest": digest,
+            "activation_required": False}
+    for state, op in (("status", "status"), ("stopped", "stop")):
+        res = run_module("unit_lifecycle", {**base, "state": state,
+                                            "request": make_request(operation=op, op_id=f"op-{op}")})
+        assert not res.get("failed"), res
+        assert res["activation_staged"] is True
+        assert [(u["unit"], u["state"]) for u in res["units"]] == [("unit-0", "stopped")]
+    res = run_module("unit_lifecycle", {**base, "state": "sleeping",
+                                        "request": make_request(operation="sleep", op_id="op-sleep")})
+    assert not res.get("failed"), res
+    assert (res["activation_staged"], res["changed"], res["units"]) == (False, False, [])
+    assert not (state_root / "activation-runtime").exists()

@@ -21,6 +21,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.publish imp
     payload_objects,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import docker_runtime as dr
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import ownership
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import Owner
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "artifacts" / "reference-tiny-n610.json"
@@ -137,12 +138,12 @@ def test_payload_objects_are_distinct_digests_owned_by_the_first_workers_host():
 
 
 def test_owner_forms():
-    assert dr.parse_owner("1001:1002") == Owner(1001, 1002)
-    assert dr.parse_owner({"uid": 5, "gid": "6"}) == Owner(5, 6)
-    assert dr.parse_owner(None) is None and dr.parse_owner("") is None
+    assert ownership.parse_owner("1001:1002") == Owner(1001, 1002)
+    assert ownership.parse_owner({"uid": 5, "gid": "6"}) == Owner(5, 6)
+    assert ownership.parse_owner(None) is None and ownership.parse_owner("") is None
     for bad in ("1001", "a:b", {"uid": 1}, "-1:3"):
         with pytest.raises(ColdSnapError):
-            dr.parse_owner(bad)
+            ownership.parse_owner(bad)
 
 
 def test_specs_are_made_valid_inside_the_container():

@@ -1,0 +1,179 @@
+"""Runtime ``docker``, running units: status, sleep, wake and stop of rank containers.
+
+:class:`DockerUnits` is what the lifecycle needs; :class:`~.docker_runtime.DockerRuntime`
+adds capture, prepare and restore. Each lifecycle step runs the activation runtime inside the
+unit's running container (``docker exec``), as PID 1's sibling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import dockerapi
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    AdmissionError,
+    ColdSnapError,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import (
+    LABEL_STATE_TARGET,
+    LABEL_UNIT,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UnitSpec
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import (
+    chown_state_paths,
+    parse_owner,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
+    RunningUnits,
+    raise_failures,
+    read_evidence,
+    run_concurrently,
+)
+
+DOCKER_PYTHON = "/usr/bin/python3"
+
+
+def canonical_name(request: dict, unit_id: str) -> str:
+    return docker_unit.canonical_container_name(request["workload"]["recipe"], unit_id)
+
+
+def docker_spec(spec: UnitSpec, *, unit_dir: str | None = None, supervise: bool = False) -> UnitSpec:
+    """A host-built unit spec made valid inside the rank container.
+
+    The container's Python and CRIU are the image's; GPUs handed to the
+    container by ordinal appear inside it as 0..n-1.
+    """
+    unit = {**spec.unit, "devices": list(range(len(spec.unit.get("devices", []))))}
+    return spec.replace(python=DOCKER_PYTHON, criu_binary=None, supervise=supervise, unit=unit,
+                        unit_dir=unit_dir if unit_dir is not None else spec.unit_dir)
+
+
+def write_spec(run_dir: Path, spec: UnitSpec) -> tuple[Path, Path]:
+    spec = spec.replace(t0_ns=time.monotonic_ns())
+    spec_path = run_dir / f"spec-{spec.operation}-{spec.unit_id}.json"
+    ev_path = run_dir / f"evidence-{spec.operation}-{spec.unit_id}.json"
+    ev_path.unlink(missing_ok=True)
+    atomic_write_json(spec_path, spec.to_json(), mode=0o600)
+    return spec_path, ev_path
+
+
+def container_evidence(ev_path: Path, uid: str, log_text: str, code: int | None) -> dict:
+    return read_evidence(ev_path, uid, log_text, code, who="rank container")
+
+
+def canonical_container(request: dict, unit_id: str, *, client: Any) -> Any | None:
+    docker = dockerapi.docker_module()
+    name = canonical_name(request, unit_id)
+    try:
+        c = client.containers.get(name)
+    except docker.errors.NotFound:
+        return None
+    if LABEL_UNIT not in (c.labels or {}):
+        raise AdmissionError(f"a container named {name!r} exists and is not a ColdSnap unit container",
+                             fix="rename or remove it; ColdSnap only replaces its own containers")
+    return c
+
+
+def container_exists(client: Any, cid: str) -> bool:
+    docker = dockerapi.docker_module()
+    try:
+        client.containers.get(cid)
+        return True
+    except docker.errors.NotFound:
+        return False
+
+
+class DockerUnits(RunningUnits):
+    """This request's units on this host as rank containers, while they run."""
+
+    name = "docker"
+
+    def __init__(self, request: dict, *, client: Any = None, **kwargs: Any) -> None:
+        super().__init__(request, **kwargs)
+        self._client = client
+        self.owner = parse_owner(self.owner)
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = dockerapi.docker_client()
+        return self._client
+
+    @property
+    def run_dir(self) -> Path:
+        """Spec, evidence and log files of this operation's rank containers (bound into them)."""
+        return self.layout.unit_runs(self.request["id"])
+
+    def lifecycle(self, specs: list[UnitSpec]) -> list[dict]:
+        """Run a lifecycle operation (status, sleep, wake, finish-warm) inside each unit's running container."""
+        client, request = self.client, self.request
+        docker = dockerapi.docker_module()
+        results: list[dict] = [{} for _spec in specs]
+        owned: list[Path] = []
+
+        def one(i: int, spec: UnitSpec) -> None:
+            uid = spec.unit_id
+            try:
+                container = client.containers.get(canonical_name(request, uid))
+            except docker.errors.NotFound:
+                results[i] = {"ok": True, "unit": uid, "workers": [], "state": "absent", "changed": False}
+                return
+            if container.status != "running":
+                results[i] = {"ok": True, "unit": uid, "workers": [], "state": "absent", "changed": False}
+                return
+            target = container.labels.get(LABEL_STATE_TARGET) or \
+                (container.image.labels or {}).get(LABEL_STATE_TARGET)
+            s = docker_spec(spec, unit_dir=target or spec.unit_dir)
+            # The workload directory is the one state path the running container has bound read-write.
+            where = Path(s.workload_dir) / ".coldsnap"
+            where.mkdir(mode=0o700, exist_ok=True)
+            owned.append(where)
+            spec_path, ev_path = write_spec(where, s)
+            argv = [DOCKER_PYTHON, "-m", "coldsnap_activation", s.operation, "--spec", str(spec_path),
+                    "--evidence", str(ev_path)]
+            code, out = container.exec_run(argv, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET, "PYTHONDONTWRITEBYTECODE": "1"},
+                                           user="0", stdout=True, stderr=True)
+            results[i] = container_evidence(ev_path, uid, (out or b"").decode("utf-8", "replace"), code)
+
+        try:
+            run_concurrently(one, list(enumerate(specs)))
+        finally:
+            if self.owner is not None:
+                chown_state_paths(owned, self.owner.uid, self.owner.gid, client=client)
+        raise_failures(results)
+        return results
+
+    def presence(self, unit_id: str) -> str:
+        c = canonical_container(self.request, unit_id, client=self.client)
+        if c is None:
+            return "stopped"
+        with contextlib.suppress(Exception):
+            c.reload()
+        return "running" if c.status == "running" else "crashed"
+
+    def evict(self, *, check_mode: bool) -> list[dict]:
+        """Remove this workload's canonical unit containers on this host (the engines die with them)."""
+        client = self.client
+        stopped = []
+        for u in units_on_host(self.request, self.host):
+            c = canonical_container(self.request, u["id"], client=client)
+            if c is None:
+                continue
+            stopped.append({"unit": u["id"], "container": c.name, "status": c.status})
+            if check_mode:
+                continue
+            c.remove(force=True)
+            # Wait until it is gone: its listening ports must be free for the restore.
+            deadline = time.monotonic() + 60
+            while container_exists(client, c.id):
+                if time.monotonic() > deadline:
+                    raise ColdSnapError(f"container {c.name} was removed but is still listed after 60 s",
+                                        fix="check dockerd's health")
+                time.sleep(0.05)
+        return stopped

@@ -1,0 +1,180 @@
+"""Runtime ``host``, running units: status, sleep, wake and stop of engines that run as host processes.
+
+:class:`HostUnits` is what the lifecycle needs; :class:`~.host_runtime.HostRuntime` adds
+capture, prepare and restore. ``status`` asks each worker's control API directly (it only
+reads); sleep, wake and finish-warm run the activation runtime (:func:`run_units`), which
+owns hydration and validation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UnitSpec, new_evidence
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_client import (
+    ControlCallError,
+    EngineClient,
+    engine_answers,
+    pid_alive,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
+    RunningUnits,
+    raise_failures,
+    read_evidence,
+    run_concurrently,
+)
+
+
+class HostUnits(RunningUnits):
+    """This request's units on this host as host processes, while they run."""
+
+    name = "host"
+
+    def run(self, specs: list[UnitSpec], *, timeout: float = 3600) -> list[dict]:
+        return run_units(specs, state_root=self.state_root, activation_digest=self.activation_digest,
+                         timeout=timeout)
+
+    def lifecycle(self, specs: list[UnitSpec]) -> list[dict]:
+        if specs and all(s.operation == "status" for s in specs):
+            return [unit_status(s) for s in specs]
+        return self.run(specs)
+
+    def running_pid(self, unit_id: str) -> int | None:
+        """The pid of this workload's engine running on the host, if any (proven through its control API)."""
+        wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
+        for f in sorted(wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*"))):
+            try:
+                info = ec.ControlInfo.load(f)
+            except (OSError, ValueError):
+                continue
+            if engine_answers(info):
+                return info.pid
+        return None
+
+    def presence(self, unit_id: str) -> str:
+        if self.running_pid(unit_id) is not None:
+            return "running"
+        wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
+        return "crashed" if any(wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*"))) else "stopped"
+
+    def evict(self, *, check_mode: bool) -> list[dict]:
+        """SIGKILL this workload's engines (each whole process tree), wait until their pids are free, and
+        remove their control files (the workload is stopped, not crashed)."""
+        stopped = []
+        for u in units_on_host(self.request, self.host):
+            pid = self.running_pid(u["id"])
+            if pid is None:
+                continue
+            tree = ports.process_tree(pid)
+            stopped.append({"unit": u["id"], "pid": pid, "processes": len(tree)})
+            if check_mode:
+                continue
+            for p in sorted(tree):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p, signal.SIGKILL)
+            # Wait until the pids are gone, not just dead: the restore needs them free again.
+            deadline = time.monotonic() + 30
+            while any(Path(f"/proc/{p}").exists() for p in tree):
+                if time.monotonic() > deadline:
+                    raise ColdSnapError(f"unit {u['id']}: engine pid {pid} was killed but not reaped within 30 s",
+                                        fix="its parent does not reap children; restart the unit's keeper or host init")
+                time.sleep(0.02)
+        if not check_mode:
+            for u in units_on_host(self.request, self.host):
+                wdir = self.layout.workload(self.request["workload"]["recipe"], u["id"])
+                for f in wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*")):
+                    f.unlink(missing_ok=True)
+        return stopped
+
+
+def unit_status(spec: UnitSpec) -> dict:
+    """A running unit's state from its workers' control APIs (what the activation runtime's ``status``
+    answers, without starting it): ``absent`` when a worker has no control file, the workers' common
+    state, or ``mixed``. A worker whose engine does not answer as itself fails the unit."""
+    t0 = time.monotonic_ns()
+    workers = []
+    state = "absent"
+    for w in spec.workers:
+        try:
+            info = ec.ControlInfo.load(ec.control_file_path(spec.workload_dir, w["id"]))
+        except FileNotFoundError:
+            workers = []
+            break
+        except (OSError, ValueError) as exc:
+            raise UnitError(f"unit {spec.unit_id}: worker {w['id']}'s control file cannot be read: {exc}",
+                            fix="restore the workload (its engine is not one ColdSnap can reach)") from None
+        reply = None
+        if pid_alive(info.pid):
+            with contextlib.suppress(OSError, ControlCallError, http.client.HTTPException):
+                reply = EngineClient(info).status(timeout=30)
+        if reply is None or int(reply.get("pid", -1)) != info.pid:
+            raise UnitError(f"unit {spec.unit_id}: worker {w['id']} (pid {info.pid}) is not running",
+                            fix="restore the workload first")
+        workers.append({"worker": w["id"], "pid": info.pid, "state": reply["state"]})
+    if workers:
+        states = {w["state"] for w in workers}
+        state = states.pop() if len(states) == 1 else "mixed"
+    return new_evidence(operation=spec.operation, operation_id=spec.operation_id, capture_id=spec.capture_id,
+                        unit=spec.unit_id, host=spec.host, workers=workers, readiness=None, reply=None,
+                        reply_sha256=None, logprobs=None, logprobs_check=None,
+                        timing={"spans": [], "marks": [], "t0_ns": t0}, state=state, changed=False, ok=True)
+
+
+def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_digest: str,
+              timeout: float = 3600) -> list[dict]:
+    """Run the activation runtime for every spec at once as host processes; their evidence in order.
+
+    All units are started before any is awaited (units of one activation meet at
+    coordinator phases). The first failure's message is raised with every unit's.
+    Files go to the operation's run directory (``runs/<operation id>/``).
+    """
+    layout = StateLayout(state_root)
+    adir = activation_stage.require_staged(layout.root, activation_digest)
+    run_dir = layout.run(specs[0].operation_id) if specs else layout.runs
+    run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    procs = []
+    for base in specs:
+        spec = base.replace(t0_ns=time.monotonic_ns())
+        uid = spec.unit_id
+        spec_path = run_dir / f"spec-{spec.operation}-{uid}.json"
+        ev_path = run_dir / f"evidence-{spec.operation}-{uid}.json"
+        log_path = run_dir / f"activation-{spec.operation}-{uid}.log"
+        ev_path.unlink(missing_ok=True)
+        atomic_write_json(spec_path, spec.to_json(), mode=0o600)
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": os.pathsep.join(
+            [str(adir)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+        log = open(log_path, "ab")
+        os.fchmod(log.fileno(), 0o600)
+        p = subprocess.Popen([spec.python, "-m", "coldsnap_activation", spec.operation, "--spec", str(spec_path),
+                              "--evidence", str(ev_path)], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                             env=env, cwd="/")
+        procs.append((uid, p, ev_path, log, log_path))
+    results: list[dict] = [{} for _proc in procs]
+
+    def wait(i: int, proc: tuple) -> None:
+        uid, p, ev_path, log, log_path = proc
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        log.close()
+        results[i] = read_evidence(ev_path, uid, log_path.read_text(errors="replace"), p.returncode,
+                                   who="activation runtime")
+
+    run_concurrently(wait, list(enumerate(procs)))
+    raise_failures(results)
+    return results
