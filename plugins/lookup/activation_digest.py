@@ -37,21 +37,18 @@ _raw:
   elements: str
 """
 
-from pathlib import Path
-
 from ansible.errors import AnsibleLookupError
 from ansible.plugins.lookup import LookupBase
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.activation_stage import tree_digest
-
-DEFAULT = Path(__file__).resolve().parents[2] / "runtime_image" / "activation"
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.activation_stage import (
+    runtime_dirs,
+    tree_digest,
+)
 
 
 class LookupModule(LookupBase):
     def run(self, terms, variables=None, **kwargs):
-        dirs = [Path(t) for t in terms] or [DEFAULT]
-        out = []
-        for d in dirs:
-            if not (d / "coldsnap_activation" / "__main__.py").is_file():
-                raise AnsibleLookupError(f"{d} is not an activation runtime directory (no coldsnap_activation/)")
-            out.append(tree_digest(d))
-        return out
+        try:
+            return [tree_digest(d) for d in runtime_dirs(terms)]
+        except ColdSnapError as exc:
+            raise AnsibleLookupError(str(exc)) from None

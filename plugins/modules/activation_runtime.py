@@ -12,13 +12,13 @@ module: activation_runtime
 short_description: Stage the ColdSnap activation runtime content-addressed on a host
 version_added: "0.1.0"
 description:
-  - Copies the activation runtime (the per-unit rank controller) from O(src) into
+  - Copies the activation runtime (the per-unit rank controller) from O(src), or writes it from O(files), into
     C(<state_root>/activation-runtime/sha256/<digest>/), where the digest covers every file's path,
     executable bit and bytes. Units run it from there (runtime C(host)) or mount it read-only
     (runtime C(docker)), so it can be fixed without recapturing a capsule while its ABI matches.
   - With O(digest), the staged copy must have exactly that digest (the module fails otherwise).
-  - With O(digest) and no O(src), nothing is staged; the module reports whether that digest is already
-    staged (and intact) on the host, so a role copies the files only when they are missing.
+  - With O(digest) and neither O(src) nor O(files), nothing is staged; the module reports whether that
+    digest is already staged (and intact) on the host, so a role sends the files only when they are missing.
 extends_documentation_fragment:
   - coldsnap.fleet.attributes
   - coldsnap.fleet.attributes.ACTION_GROUP
@@ -26,9 +26,18 @@ extends_documentation_fragment:
 options:
   src:
     description:
-      - Directory on the host holding the runtime files (the role copies them there first).
+      - Directory on the host holding the runtime files.
       - Omit it (with O(digest)) to only ask whether that digest is staged.
     type: path
+  files:
+    description:
+      - The runtime's files themselves, as the P(coldsnap.fleet.activation_files#lookup) lookup returns them
+        on the control node (relative path to C(content), base64, and C(executable)); they travel in this task's
+        arguments, so staging takes one task instead of a copy of each file.
+      - Written under a temporary name and checked against O(digest) (required with it) before anything is
+        staged; a name that is not a plain relative path of the runtime is refused.
+      - Mutually exclusive with O(src).
+    type: dict
   digest:
     description: Expected digest C(sha256:<hex>); refuse anything else.
     type: str
@@ -52,11 +61,18 @@ EXAMPLES = r"""
     state_root: /var/lib/coldsnap
   register: runtime_check
 
-- name: Stage the activation runtime
+- name: Stage the activation runtime from the control node in one task
+  coldsnap.fleet.activation_runtime:
+    files: "{{ lookup('coldsnap.fleet.activation_files') }}"
+    digest: "{{ lookup('coldsnap.fleet.activation_digest') }}"
+    state_root: /var/lib/coldsnap
+  when: not runtime_check.staged
+  register: runtime
+
+- name: Stage the activation runtime from files already on the host
   coldsnap.fleet.activation_runtime:
     src: /var/lib/coldsnap/activation-runtime/incoming
     state_root: /var/lib/coldsnap
-  register: runtime
 """
 
 RETURN = r"""
@@ -99,15 +115,30 @@ def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
             src=dict(type="path"),
+            files=dict(type="dict"),
             digest=dict(type="str"),
             state_root=dict(STATE_ROOT_ARG),
         ),
         required_one_of=[("src", "digest")],
+        mutually_exclusive=[("src", "files")],
+        required_by={"files": "digest"},
         supports_check_mode=True,
     )
     p = module.params
 
+    def stage_files() -> dict:
+        state_root = Path(p["state_root"])
+        if module.check_mode:
+            looked = activation.look(state_root, p["digest"], check_mode=True)
+            return {**looked, "changed": not looked["staged"] or looked["changed"]}
+        cleaned = clean_stale_temps(state_root)
+        digest, path, changed = activation.stage_files(p["files"], state_root, p["digest"])
+        return {"changed": changed or bool(cleaned), "staged": True, "digest": digest, "path": str(path),
+                "cleaned": cleaned}
+
     def run() -> dict:
+        if p["files"] is not None:
+            return stage_files()
         if not p["src"]:
             # Only ask: is this digest staged here (intact, no stray bytecode)?
             return activation.look(Path(p["state_root"]), p["digest"], check_mode=module.check_mode)

@@ -7,12 +7,17 @@ changed file is a different runtime and a tampered copy is refused.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import os
 import shutil
 from pathlib import Path
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    ColdSnapError,
+    IntegrityError,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
@@ -51,6 +56,78 @@ def tree_digest(root: Path) -> str:
         h.update(len(rel).to_bytes(4, "big") + rel + mode + len(data).to_bytes(8, "big"))
         h.update(data)
     return "sha256:" + h.hexdigest()
+
+
+def runtime_dirs(paths: list) -> list[Path]:
+    """Activation runtime directories on the control node: ``paths``, or the collection's own
+    ``runtime_image/activation``; each must hold ``coldsnap_activation/__main__.py``."""
+    dirs = [Path(p) for p in paths] or [Path(__file__).resolve().parents[3] / "runtime_image" / "activation"]
+    for d in dirs:
+        if not (d / "coldsnap_activation" / "__main__.py").is_file():
+            raise ColdSnapError(f"{d} is not an activation runtime directory (no coldsnap_activation/__main__.py)",
+                                fix="give the collection's runtime_image/activation directory, or nothing")
+    return dirs
+
+
+def file_map(root: Path) -> dict[str, dict]:
+    """The runtime's files as one value for a module option: relative path -> ``{"content": base64,
+    "executable": bool}``, exactly the files :func:`tree_digest` covers (read on the control node, so
+    the runtime reaches a host in the module's own arguments: one task, no per-file copies)."""
+    root = Path(root)
+    return {f.relative_to(root).as_posix(): {"content": base64.b64encode(f.read_bytes()).decode("ascii"),
+                                             "executable": os.access(f, os.X_OK)} for f in _files(root)}
+
+
+def _safe_relpath(rel: object) -> str:
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\x00" in rel or "\\" in rel:
+        raise ColdSnapError(f"activation runtime file name {rel!r} is not a relative path",
+                            fix="pass the map the coldsnap.fleet.activation_files lookup returns")
+    parts = rel.split("/")
+    if any(part in ("", ".", "..") or part.startswith(".") or part in SKIP or part.endswith(SKIP)
+           for part in parts):
+        raise ColdSnapError(f"activation runtime file name {rel!r} is not a plain relative path of the runtime",
+                            fix="pass the map the coldsnap.fleet.activation_files lookup returns")
+    return rel
+
+
+def stage_files(files: dict, state_root: Path, digest: str) -> tuple[str, Path, bool]:
+    """Stage a runtime given as :func:`file_map`'s map; it must have exactly ``digest`` (checked before
+    anything lands under the content-addressed name). (digest, path, changed)."""
+    parse_digest(digest, what="activation runtime digest")
+    if not isinstance(files, dict) or not files:
+        raise ColdSnapError("the activation runtime file map is empty",
+                            fix="pass the map the coldsnap.fleet.activation_files lookup returns")
+    final = staged_path(state_root, digest)
+    if final.is_dir() and not bytecode_in(final) and tree_digest(final) == digest:
+        return digest, final, False
+    StateLayout(state_root).ensure_private_root()
+    final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    # A temporary name the next operation removes if this one is killed (see .housekeeping).
+    incoming = final.with_name(f".{final.name}.incoming.tmp-{os.getpid()}")
+    shutil.rmtree(incoming, ignore_errors=True)
+    incoming.mkdir(mode=0o700)
+    try:
+        for name, entry in sorted(files.items()):
+            rel = _safe_relpath(name)
+            if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+                raise ColdSnapError(f"activation runtime file {rel!r} has no base64 content",
+                                    fix="pass the map the coldsnap.fleet.activation_files lookup returns")
+            try:
+                data = base64.b64decode(entry["content"], validate=True)
+            except (binascii.Error, ValueError):
+                raise ColdSnapError(f"activation runtime file {rel!r} is not valid base64",
+                                    fix="pass the map the coldsnap.fleet.activation_files lookup returns") from None
+            dst = incoming / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.write_bytes(data)
+            os.chmod(dst, 0o755 if entry.get("executable") else 0o644)
+        got = tree_digest(incoming)
+        if got != digest:
+            raise IntegrityError(f"the activation runtime files given have digest {got}, expected {digest}",
+                                 fix="pass the files and the digest of the same collection version")
+        return stage(incoming, state_root)
+    finally:
+        shutil.rmtree(incoming, ignore_errors=True)
 
 
 def staged_path(state_root: Path, digest: str) -> Path:

@@ -152,3 +152,25 @@ def test_unit_lifecycle_needs_the_activation_runtime_only_to_sleep_or_wake(state
     assert not res.get("failed"), res
     assert (res["activation_staged"], res["changed"], res["units"]) == (False, False, [])
     assert not (state_root / "activation-runtime").exists()
+
+
+def test_activation_runtime_stages_from_its_files_in_one_task_check_mode_then_idempotent(state_root):
+    """The role's path (the lookup's file map in the task's own arguments): check mode writes nothing,
+    the first run stages exactly the digest, the second changes nothing; a wrong digest stages nothing."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
+
+    src = collection_root() / "ansible_collections" / "coldsnap" / "fleet" / "runtime_image" / "activation"
+    files, digest = activation_stage.file_map(src), activation_stage.tree_digest(src)
+    args = {"files": files, "digest": digest, "state_root": str(state_root)}
+    check = run_module("activation_runtime", args, "--check")
+    assert (check["changed"], check["staged"]) == (True, False)
+    assert not activation_stage.staged_path(state_root, digest).exists()
+    first = run_module("activation_runtime", args)
+    assert (first["changed"], first["staged"], first["digest"]) == (True, True, digest)
+    assert activation_stage.require_staged(state_root, digest) == Path(first["path"])
+    assert run_module("activation_runtime", args)["changed"] is False
+    wrong = run_module("activation_runtime", {**args, "digest": "sha256:" + "0" * 64})
+    assert wrong["failed"] and "expected sha256:" + "0" * 64 in wrong["msg"]
+    assert not activation_stage.staged_path(state_root, "sha256:" + "0" * 64).exists()
+    both = run_module("activation_runtime", {**args, "src": str(src)})
+    assert both["failed"] and "mutually exclusive" in both["msg"]

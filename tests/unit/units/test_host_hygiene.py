@@ -3,6 +3,7 @@ leaves behind, and the staged activation runtime's integrity."""
 
 from __future__ import annotations
 
+import base64
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     AdmissionError,
+    ColdSnapError,
     IntegrityError,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
@@ -100,6 +102,41 @@ def test_a_staged_runtime_with_planted_bytecode_is_refused_and_restaged(tmp_path
     again_digest, again_path, again_changed = activation_stage.stage(src, tmp_path / "state")
     assert again_changed and again_digest == digest and not activation_stage.bytecode_in(again_path)
     assert activation_stage.require_staged(tmp_path / "state", digest) == again_path
+
+
+def test_the_runtime_staged_from_its_file_map_is_the_runtime_staged_from_its_directory(tmp_path):
+    """What the control node reads (file_map) stages, on a host, the very tree the digest names; a map
+    that differs from the digest, or names a file outside the runtime, stages nothing."""
+    src = REPO / "runtime_image" / "activation"
+    digest = activation_stage.tree_digest(src)
+    files = activation_stage.file_map(src)
+    assert "coldsnap_activation/__main__.py" in files and not any("__pycache__" in k for k in files)
+    root = tmp_path / "state"
+
+    tampered = dict(files)
+    entry = tampered["coldsnap_activation/sequence.py"]
+    data = bytearray(base64.b64decode(entry["content"]))
+    data[100] ^= 1  # one bit of one file
+    tampered["coldsnap_activation/sequence.py"] = {**entry, "content": base64.b64encode(bytes(data)).decode()}
+    with pytest.raises(IntegrityError, match="expected " + digest):
+        activation_stage.stage_files(tampered, root, digest)
+    assert not activation_stage.staged_path(root, digest).exists()
+    for bad in ("../escape.py", "/etc/cron.d/x", "coldsnap_activation/../../x.py", "coldsnap_activation/.hidden",
+                "coldsnap_activation/__pycache__/sequence.cpython-311.pyc", ""):
+        with pytest.raises(ColdSnapError, match="relative path"):
+            activation_stage.stage_files({**files, bad: files["coldsnap_activation/__init__.py"]}, root, digest)
+    with pytest.raises(ColdSnapError, match="base64"):
+        activation_stage.stage_files({**files, "coldsnap_activation/__init__.py": {"content": "not base64!"}},
+                                     root, digest)
+    assert not activation_stage.staged_path(root, digest).exists()
+    assert not any(p.name.startswith(".") for p in activation_stage.staged_path(root, digest).parent.iterdir())
+
+    got, path, changed = activation_stage.stage_files(files, root, digest)
+    assert (got, changed) == (digest, True)
+    assert activation_stage.require_staged(root, digest) == path
+    assert os.access(path / "coldsnap_activation" / "__main__.py", os.R_OK)
+    assert activation_stage.stage_files(files, root, digest)[2] is False  # idempotent
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temporary left
 
 
 def test_ports_free_refuses_a_live_listener_even_without_a_workload():
