@@ -265,9 +265,6 @@ def _logs(container: Any) -> str:
         return f"(no logs: {exc})"
 
 
-_raise_failures = raise_failures
-
-
 def _container_pids(container: Any) -> set[int]:
     """Host pids of every process in a running container (its init and all descendants)."""
     try:

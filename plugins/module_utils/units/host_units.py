@@ -123,6 +123,10 @@ def unit_status(spec: UnitSpec) -> dict:
         if reply is None or int(reply.get("pid", -1)) != info.pid:
             raise UnitError(f"unit {spec.unit_id}: worker {w['id']} (pid {info.pid}) is not running",
                             fix="restore the workload first")
+        if not isinstance(reply.get("state"), str):
+            raise UnitError(f"unit {spec.unit_id}: worker {w['id']} (pid {info.pid}) answered {ec.STATUS} without "
+                            "a state", fix="the engine's integration does not speak ColdSnap's control API; restore "
+                                          "the workload with this collection's engines")
         workers.append({"worker": w["id"], "pid": info.pid, "state": reply["state"]})
     if workers:
         states = {w["state"] for w in workers}
