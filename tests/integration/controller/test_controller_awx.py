@@ -64,10 +64,16 @@ def survey_answers(state_root: Path) -> dict[str, str]:
 def test_job_template_runs_the_collection_playbook_through_the_awx_project(tmp_path: Path) -> None:
     """The collection's status.yml, through docs/awx/project's wrapper, on a workload that is not running."""
     import ansible_runner
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import load_request
 
-    # No artifact: nothing was captured, nothing runs; status reports the unit stopped.
+    # No artifact: nothing was captured, nothing runs. Under the survey's state root (a string) this
+    # workload left the control file of an engine that is gone: status must find it there (crashed).
     req = json.loads(REQUEST.read_text()) | {"operation": "status"}
+    wdir = StateLayout(tmp_path / "state").workload(req["workload"]["recipe"], "unit-0")
+    wdir.mkdir(parents=True)
+    ec.control_file_path(wdir, "worker-0").write_text(json.dumps({"port": 9, "token": "t" * 32, "pid": 2 ** 22 + 1}))
     # Launch-time structured extra vars (the request, as docs/awx.md builds it) + survey answers + AWX's own.
     extravars = {"coldsnap_request": load_request(json.dumps(req)), **survey_answers(tmp_path / "state"), **AWX_VARS}
     events: list[dict] = []
@@ -83,8 +89,8 @@ def test_job_template_runs_the_collection_playbook_through_the_awx_project(tmp_p
     result = set_stats_artifacts(events)[STATS_RESULT_KEY]
     assert result["state"] == "status"
     assert [(u["unit"], u["host"], u["state"], u["ok"]) for u in result["units"]] == [
-        ("unit-0", "localhost", "stopped", True)]
-    # The survey's state root (a string) was used as the path: the activation runtime is staged there.
-    assert list((tmp_path / "state" / "activation-runtime" / "sha256").iterdir())
+        ("unit-0", "localhost", "crashed", True)]
+    # Status reads; it stages nothing (not even the activation runtime) on the host.
+    assert not (tmp_path / "state" / "activation-runtime").exists()
     on_disk = [json.loads(p.read_text()) for p in Path(r.config.artifact_dir, "job_events").glob("*.json")]
     assert set_stats_artifacts(sorted(on_disk, key=lambda e: e["counter"]))[STATS_RESULT_KEY] == result
