@@ -125,8 +125,9 @@ def unit_status(spec: UnitSpec) -> dict:
                             fix="restore the workload first")
         if not isinstance(reply.get("state"), str):
             raise UnitError(f"unit {spec.unit_id}: worker {w['id']} (pid {info.pid}) answered {ec.STATUS} without "
-                            "a state", fix="the engine's integration does not speak ColdSnap's control API; restore "
-                                          "the workload with this collection's engines")
+                            "a state",
+                            fix="the engine's integration does not speak ColdSnap's control API; restore "
+                                "the workload with this collection's engines")
         workers.append({"worker": w["id"], "pid": info.pid, "state": reply["state"]})
     if workers:
         states = {w["state"] for w in workers}
