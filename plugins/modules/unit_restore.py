@@ -128,10 +128,15 @@ weights:
   returned: when phase is prepare
   type: dict
 stopped:
-  description: Engines stopped by O(phase=evict).
+  description:
+    - Engines stopped by O(phase=evict), one entry per unit. Runtime C(host) lists every worker's engine pid
+      (C(pids); C(pid) is the first) and how many processes of their trees ended; runtime C(docker) the unit's
+      container.
   returned: when phase is evict
   type: list
   elements: dict
+  sample:
+    - {unit: unit-0, pid: 4242, pids: [4242, 4250], processes: 2}
 coldsnap_timing:
   description: Unit-clock spans of the activation (activate).
   returned: when phase is activate and this host has units to restore, not in check mode

@@ -22,6 +22,35 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _request(tmp_path: Path, model_dir: Path, ident: dict, port: int, *, workers: int, flags: list[str],
+             env: dict) -> dict:
+    """A capture request for the reference engine on GPUs 0..workers-1: one unit, ``workers`` ranks."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+
+    return validate_request({
+        "format": 4, "kind": "coldsnap-operation-request", "operation": "capture", "id": "gpu-test",
+        "snapshot_driver": {"id": "n610"}, "output": {"artifact_dir": str(tmp_path / "artifact")},
+        "launch": {"engine": "reference", "runtime": "host",
+                   "model": {"id": ident["id"], "revision": ident["revision"],
+                             "source": {"kind": "local-safetensors", "path": str(model_dir)}},
+                   "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": list(range(workers)),
+                              "command": [sys.executable, "-m", "coldsnap_engines.reference.server", "--model",
+                                          str(model_dir), "--port", str(port), "--device", "cuda", *flags],
+                              "environment": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""), **env},
+                              "environment_digest": "sha256:" + "0" * 64,
+                              "mounts": [{"source": str(model_dir), "target": str(model_dir)}]}],
+                   "execution": {"workers": [{"id": f"worker-{r}", "unit": "unit-0", "rank": r, "device_slot": r}
+                                             for r in range(workers)],
+                                 "groups": [{"kind": "tensor", "workers": [f"worker-{r}" for r in range(workers)]}],
+                                 "services": [{"id": "api", "unit": "unit-0", "port": port}],
+                                 "adapter": {"schema": "reference-v1", "digest": "sha256:" + "1" * 64,
+                                             "payload": {"tp": workers}}}},
+        "policy": {"weights": {"native": {"materialize": "off"}}},
+        "validation": {"prompt": "ColdSnap says:", "max_tokens": 8},
+        "workload": {"recipe": "gpu-test"},
+    })
+
+
 @pytest.mark.parametrize(("provider", "compiled", "engine_core"),
                          [("native", False, False), ("recovery", False, False), ("native", True, False),
                           ("native", False, True)],
@@ -31,7 +60,6 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, native_f
     process as they are: no recompilation after the restore (TORCH_LOGS=recompiles). With
     ``--engine-core-process`` (vLLM V1's shape) CUDA lives in the unit's child process only: the
     CUDA checkpoint and restore act on it, not on the API server."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import specs as unit
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import run_units
@@ -41,29 +69,9 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, native_f
     model_dir = tmp_path / "model"
     ident = make_model(model_dir, PRESETS["small"], model_id="coldsnap/reference-small")
     state = tmp_path / "state"
-    port = _port()
-    req = validate_request({
-        "format": 4, "kind": "coldsnap-operation-request", "operation": "capture", "id": "gpu-test",
-        "snapshot_driver": {"id": "n610"}, "output": {"artifact_dir": str(tmp_path / "artifact")},
-        "launch": {"engine": "reference", "runtime": "host",
-                   "model": {"id": ident["id"], "revision": ident["revision"],
-                             "source": {"kind": "local-safetensors", "path": str(model_dir)}},
-                   "units": [{"id": "unit-0", "index": 0, "host": "localhost", "devices": [0],
-                              "command": [sys.executable, "-m", "coldsnap_engines.reference.server", "--model",
-                                          str(model_dir), "--port", str(port), "--device", "cuda",
-                                          *(["--compile"] if compiled else []),
-                                          *(["--engine-core-process"] if engine_core else [])],
-                              "environment": {"PYTHONPATH": os.environ.get("PYTHONPATH", ""),
-                                              **({"TORCH_LOGS": "recompiles"} if compiled else {})},
-                              "environment_digest": "sha256:" + "0" * 64,
-                              "mounts": [{"source": str(model_dir), "target": str(model_dir)}]}],
-                   "execution": {"workers": [{"id": "worker-0", "unit": "unit-0", "rank": 0, "device_slot": 0}],
-                                 "services": [{"id": "api", "unit": "unit-0", "port": port}],
-                                 "adapter": {"schema": "reference-v1", "digest": "sha256:" + "1" * 64}}},
-        "policy": {"weights": {"native": {"materialize": "off"}}},
-        "validation": {"prompt": "ColdSnap says:", "max_tokens": 8},
-        "workload": {"recipe": "gpu-test"},
-    })
+    req = _request(tmp_path, model_dir, ident, _port(), workers=1,
+                   flags=[*(["--compile"] if compiled else []), *(["--engine-core-process"] if engine_core else [])],
+                   env={"TORCH_LOGS": "recompiles"} if compiled else {})
     digest, _adir, _staged = activation.stage(Path(__file__).resolve().parents[2] / "runtime_image" / "activation", state)
     cap = run_units(unit.build_specs(req, host="localhost", operation="capture", capture_id="c",
                                                state_root=state), state_root=state, activation_digest=digest)[0]
@@ -95,4 +103,60 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, native_f
             assert not [line for line in log if "ecompil" in line], log
     finally:
         os.kill(ev["workers"][0]["pid"], signal.SIGKILL)
+        time.sleep(0.5)
+
+
+def test_gpu_unit_with_two_ranks(tmp_path, native_fill_built):
+    """vLLM's in-process tensor parallelism in shape: one unit holding two NCCL ranks on two GPUs. The
+    unit's CUDA processes are locked and checkpointed together (both ranks), restored together and
+    only then unlocked; the reply and log-probabilities are the captured ones."""
+    import torch
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import daemon
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import specs as unit
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import run_units
+    from coldsnap_engines.reference.config import PRESETS
+    from coldsnap_engines.reference.weights import make_model
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two NVIDIA GPUs")
+    model_dir = tmp_path / "model"
+    ident = make_model(model_dir, PRESETS["small"], model_id="coldsnap/reference-small")
+    state = tmp_path / "state"
+    req = _request(tmp_path, model_dir, ident, _port(), workers=2, flags=[],
+                   env={"NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0",
+                        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
+    digest, _adir, _staged = activation.stage(Path(__file__).resolve().parents[2] / "runtime_image" / "activation", state)
+
+    def run(request: dict, **kw) -> dict:
+        ep = state / "runs" / request["id"] / "coordinator.json"
+        daemon.start_coordinator(ep, scope=request["id"])
+        try:
+            [ev] = run_units(unit.build_specs(request, host="localhost", state_root=state, capture_id="c",
+                                              coordinator_endpoint=str(ep), **kw),
+                             state_root=state, activation_digest=digest)
+        finally:
+            daemon.stop_coordinator(ep)
+        return ev
+
+    cap = run(req, operation="capture")
+    assert [w["worker"] for w in cap["workers"]] == ["worker-0", "worker-1"]
+    assert all(w["cuda"] and w["cuda_pids"] == [w["pid"]] for w in cap["workers"])
+    weights = {"model_dir": str(model_dir), "materialize": "off", "workers": {
+        w["worker"]: {"provider": "native", "pack": {"path": str(state / w["payload"]["pack"]["path"]),
+                                                     "sha256": w["payload"]["pack"]["sha256"],
+                                                     "size": w["payload"]["pack"]["size"]}}
+        for w in cap["workers"]}}
+    ev = run({**req, "id": "gpu-test-two-ranks"}, operation="restore", weights=weights,
+             validation={**req["validation"], "expected": cap["acceptance_reply"],
+                         "expected_logprobs": cap["logprobs"]})
+    try:
+        assert ev["reply"] == cap["acceptance_reply"]
+        assert ev["logprobs_check"] == "identical", ev["logprobs"]
+        assert sorted(w["pid"] for w in ev["workers"]) == sorted(w["pid"] for w in cap["workers"])
+        restored = [s for s in ev["timing"]["spans"] if s["name"] == "unit.cuda.restore"]
+        assert len(restored) == 1, "one CUDA restore step for the whole unit"
+    finally:
+        for w in ev["workers"]:
+            os.kill(w["pid"], signal.SIGKILL)
         time.sleep(0.5)

@@ -63,10 +63,11 @@ class HostRuntime(HostUnits, UnitRuntime):
         be slept, stopped or replaced). Refused before anything starts."""
         recipe = self.request["workload"]["recipe"]
         for u in units:
-            pid = self.running_pid(u["id"])
-            if pid is not None:
+            pids = self.running_pids(u["id"])
+            if pids:
                 raise ColdSnapError(
-                    f"unit {u['id']}: workload {recipe!r} is running on {self.host} (engine pid {pid}); a capture "
+                    f"unit {u['id']}: workload {recipe!r} is running on {self.host} (engine pid "
+                    f"{', '.join(map(str, pids))}); a capture "
                     "would start a second engine in its place",
                     fix="stop it first (coldsnap.fleet.unit_lifecycle state=stopped; a restore brings it back), "
                         "or capture under another workload.recipe")
@@ -154,14 +155,12 @@ class HostRuntime(HostUnits, UnitRuntime):
 
     def replaced_pids(self, unit_id: str) -> set[int]:
         """Every process and thread id of this workload's running unit (empty when none runs)."""
-        pid = self.running_pid(unit_id)
-        if pid is None:
-            return set()
         out: set[int] = set()
-        for p in ports.process_tree(pid):
-            out.add(p)
-            with contextlib.suppress(OSError):
-                out.update(ports.tids_of(p))
+        for pid in self.running_pids(unit_id):
+            for p in ports.process_tree(pid):
+                out.add(p)
+                with contextlib.suppress(OSError):
+                    out.update(ports.tids_of(p))
         return out
 
 

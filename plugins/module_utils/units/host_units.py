@@ -52,20 +52,22 @@ class HostUnits(RunningUnits):
             return [unit_status(s) for s in specs]
         return self.run(specs)
 
-    def running_pid(self, unit_id: str) -> int | None:
-        """The pid of this workload's engine running on the host, if any (proven through its control API)."""
+    def running_pids(self, unit_id: str) -> list[int]:
+        """The pids of this workload's engines running on the host, one per worker of the unit that
+        answers (proven through its control API); empty when none runs."""
         wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
+        pids = []
         for f in sorted(wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*"))):
             try:
                 info = ec.ControlInfo.load(f)
             except (OSError, ValueError):
                 continue
             if engine_answers(info):
-                return info.pid
-        return None
+                pids.append(info.pid)
+        return pids
 
     def presence(self, unit_id: str) -> str:
-        if self.running_pid(unit_id) is not None:
+        if self.running_pids(unit_id):
             return "running"
         wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
         return "crashed" if any(wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*"))) else "stopped"
@@ -75,11 +77,12 @@ class HostUnits(RunningUnits):
         remove their control files (the workload is stopped, not crashed)."""
         stopped = []
         for u in units_on_host(self.request, self.host):
-            pid = self.running_pid(u["id"])
-            if pid is None:
+            pids = self.running_pids(u["id"])
+            if not pids:
                 continue
-            tree = ports.process_tree(pid)
-            stopped.append({"unit": u["id"], "pid": pid, "processes": len(tree)})
+            # Every worker's engine of the unit, each with its whole process tree.
+            tree = set().union(*(ports.process_tree(pid) for pid in pids))
+            stopped.append({"unit": u["id"], "pid": pids[0], "pids": pids, "processes": len(tree)})
             if check_mode:
                 continue
             for p in sorted(tree):
@@ -89,7 +92,7 @@ class HostUnits(RunningUnits):
             deadline = time.monotonic() + 30
             while any(Path(f"/proc/{p}").exists() for p in tree):
                 if time.monotonic() > deadline:
-                    raise ColdSnapError(f"unit {u['id']}: engine pid {pid} was killed but not reaped within 30 s",
+                    raise ColdSnapError(f"unit {u['id']}: engine pids {pids} were killed but not reaped within 30 s",
                                         fix="its parent does not reap children; restart the unit's keeper or host init")
                 time.sleep(0.02)
         if not check_mode:

@@ -386,15 +386,43 @@ class Activation:
                             fix="use backend 'cuda-criu' (snapshot driver n610), or keep CUDA out of the process")
         return used
 
+    def _checkpoint_cuda(self, handles: list[EngineHandle]) -> dict[str, list[int]]:
+        """Checkpoint the GPU state of every process of the unit that holds a CUDA context, all
+        workers at once: every process is locked before any is checkpointed (a worker's engine
+        core and its peers in the same unit alike), and a failure gives every one back its GPU
+        state and lock. Returns the processes per worker."""
+        used = {h.worker["id"]: self._cuda_pids(h) for h in handles}
+        every = [pid for h in handles for pid in used[h.worker["id"]]]
+        if every:
+            cuda_mod.checkpoint_tree(every, lock_timeout_ms=int(self.spec.timeout("cuda_lock", 30) * 1000))
+        return used
+
+    def _restore_cuda(self, restored: list[tuple[EngineHandle, dict]]) -> None:
+        """Restore the GPU state of every CUDA process of the unit, then unlock them all (no worker
+        runs CUDA before every peer has its state back). One GPU map for the whole unit: the unit
+        may run on other GPUs than at capture (placement), matched by UUID in worker order."""
+        before: list[str] = []
+        now: list[str] = []
+        pids: list[int] = []
+        host_before: list[str] | None = None
+        host_now: list[str] = []
+        for h, cw in restored:
+            if not cw["cuda"]:
+                continue
+            used_now, host_now = gpu_placement(self.spec, h.worker)
+            before += cw.get("gpu_uuids") or used_now
+            now += used_now
+            host_before = host_before or cw.get("host_gpu_uuids")
+            pids += cw.get("cuda_pids") or [h.pid]
+        if pids:
+            cuda_mod.restore_tree(pids, remap=cuda_mod.restore_map(before, now, host_before, host_now))
+
     def _fail(self, exc: BaseException) -> None:
         self.phases.abort(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     # ------------------------------------------------------------- capture
     def capture(self) -> dict:
         spec = self.spec
-        if len(self.handles) != 1:
-            raise UnitError(f"unit {spec.unit_id}: the engine runs one worker per unit, got {len(self.handles)}",
-                            fix="declare one worker per launch unit (use more units for tensor parallelism)")
         criu = criu_mod.find_criu(spec.criu_binary)
         self.unit_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.workload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -422,14 +450,9 @@ class Activation:
             self.phases.wait("capture/quiesced", spec.timeout("phase", 600))
             payloads = self._export_and_release(self.handles, export_pack=bool(spec.weights.get("export_pack", True)))
             self.phases.wait("capture/released", spec.timeout("phase", 600))
-            cuda_used = {}
             memory = {h.worker["id"]: process_memory(h.pid) for h in self.handles}
             with self.rec.span("unit.cuda.checkpoint"):
-                for h in self.handles:
-                    cuda_used[h.worker["id"]] = self._cuda_pids(h)
-                    if cuda_used[h.worker["id"]]:
-                        cuda_mod.checkpoint_tree(cuda_used[h.worker["id"]],
-                                                 lock_timeout_ms=int(spec.timeout("cuda_lock", 30) * 1000))
+                cuda_used = self._checkpoint_cuda(self.handles)
             self.phases.wait("capture/cuda", spec.timeout("phase", 600))
             workers = []
             for h in self.handles:
@@ -483,17 +506,18 @@ class Activation:
             self.phases.wait("overlay/quiesced", spec.timeout("phase", 600))
             payloads = self._export_and_release(handles, export_pack=True)
             self.phases.wait("overlay/released", spec.timeout("phase", 600))
+            memory = {h.worker["id"]: process_memory(h.pid) for h in handles}
+            cuda = self._checkpoint_cuda(handles)
             workers = []
-            for h in handles:
-                wid = h.worker["id"]
-                cuda = self._cuda_pids(h)
-                memory = process_memory(h.pid)
-                if cuda:
-                    cuda_mod.checkpoint_tree(cuda, lock_timeout_ms=int(spec.timeout("cuda_lock", 30) * 1000))
-                workers.append(self._dump(h, criu, cuda=cuda, memory=memory, payload=payloads[wid],
-                                          leave_running=True))
-                if cuda:
-                    cuda_mod.restore_tree(cuda)
+            try:
+                for h in handles:
+                    wid = h.worker["id"]
+                    workers.append(self._dump(h, criu, cuda=cuda[wid], memory=memory[wid], payload=payloads[wid],
+                                              leave_running=True))
+            finally:
+                every = [pid for h in handles for pid in cuda[h.worker["id"]]]
+                if every:  # the engines keep running: their GPU state comes back in place
+                    cuda_mod.restore_tree(every)
             self.phases.wait("overlay/dumped", spec.timeout("phase", 600))
             generation = f"{spec.operation_id}.overlay"
             self._engine_step(handles, "unit.resume", ec.RESUME,
@@ -566,13 +590,7 @@ class Activation:
                 for h in self.handles:
                     for pid in sorted(ports.process_tree(h.pid)):  # CRIU left the whole tree stopped
                         os.kill(pid, signal.SIGCONT)
-                    cw = by_worker[h.worker["id"]]
-                    if cw["cuda"]:
-                        # The unit may run on other GPUs than at capture (placement): remap by UUID.
-                        now, host_gpus = gpu_placement(spec, h.worker)
-                        remap = cuda_mod.restore_map(cw.get("gpu_uuids") or now, now, cw.get("host_gpu_uuids"),
-                                                     host_gpus)
-                        cuda_mod.restore_tree(cw.get("cuda_pids") or [h.pid], remap=remap)
+                self._restore_cuda([(h, by_worker[h.worker["id"]]) for h in self.handles])
             self.phases.wait("restore/released", spec.timeout("phase", 600))
             self._engine_step(self.handles, "unit.resume", ec.RESUME, lambda h: self._hydration(
                 h, generation=spec.operation_id, provider=spec.weights.get("provider", "recovery"),

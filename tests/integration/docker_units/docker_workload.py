@@ -56,8 +56,9 @@ class DockerWorkload:
     """One docker workload (recipe) on localhost: its requests and runs."""
 
     def __init__(self, state_root: Path, model: tuple[Path, dict], image: str, name: str, *,
-                 owner: tuple[int, int] | None = None) -> None:
+                 owner: tuple[int, int] | None = None, tp: int = 1) -> None:
         self.state_root = state_root
+        self.tp = tp
         self.model_dir, self.ident = model
         self.image = image
         self.name = name
@@ -74,7 +75,7 @@ class DockerWorkload:
         req = reference_request(operation="restore" if publish else operation,
                                 op_id=op_id, model_dir=self.model_dir, model=self.ident, port=self.port,
                                 state_root=self.state_root, env_digest="sha256:" + "0" * 64, artifact=artifact,
-                                threads=1,
+                                threads=1, tp=self.tp,
                                 artifact_dir=(self.state_root / "artifacts" / op_id) if operation == "capture"
                                 else None)
         req["operation"] = operation

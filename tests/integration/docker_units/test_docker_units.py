@@ -248,3 +248,37 @@ def test_prepare_refuses_a_foreign_container_under_the_canonical_name(captured, 
         assert client.containers.get(name).id == foreign.id, "a container ColdSnap does not own is left alone"
     finally:
         foreign.remove(force=True)
+
+
+def test_a_unit_container_holds_both_ranks_of_a_tensor_parallel_unit(tmp_path, runtime_image, tiny_model, recipes):
+    """Two gloo ranks in one unit: one container, both engines dumped and restored in it, both ended with it."""
+    recipe = "dockerunits-tp2"
+    recipes.append(recipe)
+    wl = DockerWorkload(tmp_path / "state", tiny_model, runtime_image["runtime_image"], recipe, tp=2)
+
+    def one_unit(req: dict) -> None:
+        req["launch"]["units"] = req["launch"]["units"][:1]
+        for w in req["launch"]["execution"]["workers"]:
+            w["unit"] = "unit-0"
+
+    try:
+        cap = wl.run(wl.request("capture", mutate=one_unit))
+        assert cap.succeeded, cap.receipt["error"]
+        path = Path(cap.receipt["result"]["operation"]["artifact"])
+        art = load_artifact(path.read_bytes())
+        assert [c["unit"] for c in art["capsule"]["units"]] == ["unit-0"]
+        assert {w["unit"] for w in art["weights"]["workers"]} == {"unit-0"} and len(art["weights"]["workers"]) == 2
+        res = wl.run(wl.request("restore", artifact=path, mutate=one_unit))
+        assert res.succeeded, res.receipt["error"]
+        [unit] = res.receipt["result"]["operation"]["units"]
+        assert unit["reply"] == art["acceptance"]["reply"]
+        assert sorted(w["worker"] for w in unit["workers"]) == ["worker-0", "worker-1"]
+        assert wl.complete() == art["acceptance"]["reply"]
+        top = wl.container().top()
+        engines = [p for p in top["Processes"] if "coldsnap-reference-engine" in " ".join(p)]
+        assert len(engines) == 2, top
+        status = wl.run(wl.request("status", artifact=path, mutate=one_unit))
+        assert status.succeeded, status.receipt["error"]
+        assert [w["state"] for w in status.receipt["result"]["operation"]["units"][0]["workers"]] == ["ready"] * 2
+    finally:
+        wl.stop()
