@@ -196,6 +196,9 @@ def main() -> int:
                          "context in its child")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment of the engine unit (repeatable)")
+    ap.add_argument("--driver", choices=("n610", "n580"), default="n610",
+                    help="snapshot driver: n610 dumps the started engine with its CUDA state, n580 the "
+                         "context-free template (CUDA created on restore)")
     args = ap.parse_args()
     extra_env = env_arg(ap, args.env)
     setup_paths()
@@ -212,7 +215,8 @@ def main() -> int:
     model_dir = work / f"model-{args.preset}"
     t = time.time()
     ident = make_model(model_dir, config, model_id=f"coldsnap/reference-{args.preset}")
-    result: dict = {"preset": args.preset, "compile": args.compile, "engine_core_process": args.engine_core_process,
+    result: dict = {"preset": args.preset, "driver": args.driver, "compile": args.compile,
+                    "engine_core_process": args.engine_core_process,
                     "env": args.env, "model_generate_s": round(time.time() - t, 2),
                     "model": ident, "native_fill": build_native_fill()}
     facts = gather(check_criu=True)
@@ -222,7 +226,7 @@ def main() -> int:
         env.update(fresh_compile_caches(work))
     req = validate_request({
         "format": 4, "kind": "coldsnap-operation-request", "operation": "capture", "id": "gpu-capture",
-        "snapshot_driver": {"id": "n610"}, "output": {"artifact_dir": str(work / "artifact")},
+        "snapshot_driver": {"id": args.driver}, "output": {"artifact_dir": str(work / "artifact")},
         "launch": {"engine": "reference", "runtime": "host",
                    "model": {"id": ident["id"], "revision": ident["revision"],
                              "source": {"kind": "local-safetensors", "path": str(model_dir)}},
@@ -236,7 +240,8 @@ def main() -> int:
                    "execution": {"workers": [{"id": "worker-0", "unit": "unit-0", "rank": 0, "device_slot": 0}],
                                  "services": [{"id": "api", "unit": "unit-0", "port": args.port}],
                                  "adapter": {"schema": "reference-v1", "digest": "sha256:" + "1" * 64}}},
-        "policy": {"process": {"backend": "cuda-criu"}, "weights": {"native": {"materialize": "off"}}},
+        "policy": {"process": {"backend": "cuda-criu" if args.driver == "n610" else "criu"},
+                   "weights": {"native": {"materialize": "off"}}},
         "validation": {"prompt": "ColdSnap says:", "max_tokens": 16},
         "workload": {"recipe": "gpu-bench"},
     })
@@ -251,7 +256,8 @@ def main() -> int:
     w = cap["workers"][0]
     result["criu_image_bytes"] = w["criu"]["bytes"]
     result["memory_at_checkpoint"] = w.get("memory_at_checkpoint")
-    result["cuda_in"] = "the unit's process" if w.get("cuda_pids") == [w["pid"]] else f"pids {w.get('cuda_pids')}"
+    result["cuda_in"] = ("none (a template)" if not w.get("cuda_pids") else
+                         "the unit's process" if w.get("cuda_pids") == [w["pid"]] else f"pids {w.get('cuda_pids')}")
     result["capsule_bytes"] = dir_bytes(udir)
     result["model_bytes"] = w["payload"]["model_bytes"]
     result["residual_bytes"] = w["payload"]["residual_bytes"]

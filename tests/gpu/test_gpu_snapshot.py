@@ -23,13 +23,13 @@ def _port() -> int:
 
 
 def _request(tmp_path: Path, model_dir: Path, ident: dict, port: int, *, workers: int, flags: list[str],
-             env: dict) -> dict:
+             env: dict, driver: str = "n610") -> dict:
     """A capture request for the reference engine on GPUs 0..workers-1: one unit, ``workers`` ranks."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 
     return validate_request({
         "format": 4, "kind": "coldsnap-operation-request", "operation": "capture", "id": "gpu-test",
-        "snapshot_driver": {"id": "n610"}, "output": {"artifact_dir": str(tmp_path / "artifact")},
+        "snapshot_driver": {"id": driver}, "output": {"artifact_dir": str(tmp_path / "artifact")},
         "launch": {"engine": "reference", "runtime": "host",
                    "model": {"id": ident["id"], "revision": ident["revision"],
                              "source": {"kind": "local-safetensors", "path": str(model_dir)}},
@@ -51,15 +51,19 @@ def _request(tmp_path: Path, model_dir: Path, ident: dict, port: int, *, workers
     })
 
 
-@pytest.mark.parametrize(("provider", "compiled", "engine_core"),
-                         [("native", False, False), ("recovery", False, False), ("native", True, False),
-                          ("native", False, True)],
-                         ids=["native", "recovery", "native-compiled", "native-engine-core-process"])
-def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, native_fill_built):
+@pytest.mark.parametrize(("provider", "compiled", "engine_core", "driver"),
+                         [("native", False, False, "n610"), ("recovery", False, False, "n610"),
+                          ("native", True, False, "n610"), ("native", False, True, "n610"),
+                          ("native", False, False, "n580"), ("recovery", False, False, "n580")],
+                         ids=["native", "recovery", "native-compiled", "native-engine-core-process",
+                              "n580-template-native", "n580-template-recovery"])
+def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, driver, native_fill_built):  # noqa: PLR0917
     """With ``--compile`` the TorchInductor graphs built at start-up must serve the restored
     process as they are: no recompilation after the restore (TORCH_LOGS=recompiles). With
     ``--engine-core-process`` (vLLM V1's shape) CUDA lives in the unit's child process only: the
-    CUDA checkpoint and restore act on it, not on the API server."""
+    CUDA checkpoint and restore act on it, not on the API server. Under n580 the image is the
+    context-free template (no CUDA state in it); the restore creates CUDA and the weight
+    allocations on this host's driver and hydrates them."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import specs as unit
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import run_units
@@ -71,15 +75,20 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, native_f
     state = tmp_path / "state"
     req = _request(tmp_path, model_dir, ident, _port(), workers=1,
                    flags=[*(["--compile"] if compiled else []), *(["--engine-core-process"] if engine_core else [])],
-                   env={"TORCH_LOGS": "recompiles"} if compiled else {})
+                   env={"TORCH_LOGS": "recompiles"} if compiled else {}, driver=driver)
     digest, _adir, _staged = activation.stage(Path(__file__).resolve().parents[2] / "runtime_image" / "activation", state)
     cap = run_units(unit.build_specs(req, host="localhost", operation="capture", capture_id="c",
                                                state_root=state), state_root=state, activation_digest=digest)[0]
     w = cap["workers"][0]
-    assert w["cuda"] is True
-    assert (w["cuda_pids"] != [w["pid"]] and len(w["cuda_pids"]) == 1) if engine_core else w["cuda_pids"] == [w["pid"]]
-    # The weights were released before the checkpoint: GPU memory in use is far below the model + context.
-    assert w["memory_at_checkpoint"]["gpu_used_mib"] * (1 << 20) < 2 * (1 << 30)
+    if driver == "n580":  # dumped as a template: no CUDA context, nothing on the GPU
+        assert w["cuda"] is False and w["cuda_pids"] == []
+        assert not w["memory_at_checkpoint"].get("gpu_used_mib")
+    else:
+        assert w["cuda"] is True
+        assert (w["cuda_pids"] != [w["pid"]] and len(w["cuda_pids"]) == 1) if engine_core else \
+            w["cuda_pids"] == [w["pid"]]
+        # The weights were released before the checkpoint: GPU memory in use is far below the model + context.
+        assert w["memory_at_checkpoint"]["gpu_used_mib"] * (1 << 20) < 2 * (1 << 30)
     pack = w["payload"]["pack"]
     weights = {"model_dir": str(model_dir), "materialize": "off", "workers": {"worker-0": {
         "provider": provider,
@@ -97,6 +106,7 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, native_f
         assert cap["logprobs"]["top"] == 5 and ev["logprobs_check"] == "identical", ev["logprobs"]
         log = (state / "workloads" / "gpu-test" / "unit-0" / "target.log").read_text().splitlines()
         assert json.loads(log[0])["provider"] == provider
+        assert json.loads(log[0]).get("template", False) is (driver == "n580")
         hydrate = [s["attrs"] for s in ev["timing"]["spans"] if s["name"] == "engine.hydrate"]
         assert [h["fill"] for h in hydrate] == ["native" if native_fill_built else "python"], hydrate
         if compiled:  # the log was reset before the dump: these are the restored process's lines

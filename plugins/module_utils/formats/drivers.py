@@ -89,7 +89,8 @@ SNAPSHOT_DRIVERS: dict[str, DriverContract] = {
                         "artifact_scope": "portable"},
             "weights": {"mode": "auto"},
         },
-        qualified=("cpu: reference engine, CRIU 4.1.1",),
+        qualified=("cpu: reference engine, CRIU 4.1.1",
+                   "gpu: reference engine (context-free template), H200, driver 580.159"),
     ),
 }
 

@@ -38,13 +38,17 @@ ENV_COORDINATOR = "COLDSNAP_COORDINATOR"
 # The state root the engine was started under: /export writes only below its captures/
 # directory and into its node cache (set by the activation runtime; anything else is refused).
 ENV_STATE_ROOT = "COLDSNAP_STATE_ROOT"
+# "1": start as a context-free template (snapshot driver n580): imports, configuration and the
+# control API, then wait in state ``template`` before any CUDA, weight or transport work; ``/start``
+# continues with the cold start (capture), ``/resume`` builds the engine from a hydration (restore).
+ENV_TEMPLATE = "COLDSNAP_TEMPLATE"
 CAPTURES_DIR = "captures"
 RUNS_DIR = "runs"
 
 # ------------------------------------------------------------------ states
-LOADING, READY, QUIESCING, QUIESCED, RELEASED, WARM, SLEEPING = (
-    "loading", "ready", "quiescing", "quiesced", "released", "warm", "sleeping")
-STATES = (LOADING, READY, QUIESCING, QUIESCED, RELEASED, WARM, SLEEPING)
+LOADING, READY, QUIESCING, QUIESCED, RELEASED, WARM, SLEEPING, TEMPLATE = (
+    "loading", "ready", "quiescing", "quiesced", "released", "warm", "sleeping", "template")
+STATES = (LOADING, READY, QUIESCING, QUIESCED, RELEASED, WARM, SLEEPING, TEMPLATE)
 
 # ------------------------------------------------------------------ routes
 STATUS = "/status"
@@ -55,7 +59,8 @@ RESUME = "/resume"
 FINISH_WARM = "/finish-warm"
 SLEEP = "/sleep"
 WAKE = "/wake"
-ROUTES = (QUIESCE, EXPORT, RELEASE, RESUME, FINISH_WARM, SLEEP, WAKE)
+START = "/start"
+ROUTES = (QUIESCE, EXPORT, RELEASE, RESUME, FINISH_WARM, SLEEP, WAKE, START)
 
 CONTROL_HOST = "127.0.0.1"
 MAX_BODY = 1 << 20

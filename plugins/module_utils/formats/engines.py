@@ -62,8 +62,9 @@ class EngineSpec:
     # Workers one CPU unit (no devices) may hold (0 = any), and why.
     max_cpu_unit_workers: int = 0
     max_cpu_unit_workers_reason: str = ""
-    # The n580 boundary on GPUs: a context-free pre-exec template (no CUDA context captured).
-    gpu_template_capture: bool = False
+    # The n580 boundary: the engine can stop as a context-free template (before CUDA, weights and
+    # transport; ENV_TEMPLATE) and build itself from a hydration after the restore.
+    template_capture: bool = False
     # policy.process.graph_policy 'recreate-from-plan' on GPU units: the integration drops its compiled and
     # captured (CUDA) graphs before the dump and has them re-created from the plan when it resumes. (On CPU
     # units vLLM captures no graphs: nothing to drop; the reference engine drops its TorchInductor graphs.)
@@ -94,7 +95,7 @@ class EngineSpec:
     def launcher(self) -> dict:
         """The unit launcher settings the activation runtime applies (recorded in the unit spec)."""
         return {"private_shm": self.private_shm, "environment": dict(self.unit_environment),
-                "criu_link_remap": self.criu_link_remap}
+                "criu_link_remap": self.criu_link_remap, "template": self.template_capture}
 
     def as_capability(self) -> dict:
         return {
@@ -113,7 +114,7 @@ VLLM_WORKER_EXTENSION = "coldsnap_engines.vllm.worker.ColdSnapWorkerExtension"
 ENGINES: dict[str, EngineSpec] = {
     "reference": EngineSpec(
         name="reference", adapter_schema="reference-v1", canonical_writer=True, default_materialize="async",
-        gpu_graph_recreation=True,
+        gpu_graph_recreation=True, template_capture=True,
         sleep_wake=True, warm_restore=True, integration="coldsnap_engines.reference",
         qualified="CPU (CRIU 4.1.1) and NVIDIA H200", validation_logprobs=5,
     ),
@@ -308,7 +309,7 @@ def engine_issues(request: dict) -> list[FormatIssue]:
     launch = request["launch"]
     spec = ENGINES[launch["engine"]]
     issues: list[FormatIssue] = []
-    if (request["snapshot_driver"]["id"] == "n580" and not spec.gpu_template_capture
+    if (request["snapshot_driver"]["id"] == "n580" and not spec.template_capture
             and any(u["devices"] for u in launch["units"])):
         issues.append(FormatIssue(
             "$.snapshot_driver.id",

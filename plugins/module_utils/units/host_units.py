@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import marked_root
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
@@ -53,8 +54,10 @@ class HostUnits(RunningUnits):
         return self.run(specs)
 
     def running_pids(self, unit_id: str) -> list[int]:
-        """The pids of this workload's engines running on the host, one per worker of the unit that
-        answers (proven through its control API); empty when none runs."""
+        """The root pids of this workload's engines running on the host, one per worker of the unit that
+        answers (proven through its control API); empty when none runs. An engine whose control API
+        lives in a child (an engine-core process) is counted from the process the activation started,
+        its ancestor with the same control file in its environment."""
         wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
         pids = []
         for f in sorted(wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*"))):
@@ -63,7 +66,7 @@ class HostUnits(RunningUnits):
             except (OSError, ValueError):
                 continue
             if engine_answers(info):
-                pids.append(info.pid)
+                pids.append(marked_root(info.pid, ec.ENV_CONTROL_FILE))
         return pids
 
     def presence(self, unit_id: str) -> str:

@@ -59,6 +59,12 @@ from coldsnap_activation.sync import Phases
 CONTROL_DIR = "control"
 
 
+def is_template(spec: UnitSpec) -> bool:
+    """Snapshot driver n580 with an engine that can stop as a context-free template: the capture
+    dumps the engine there (before CUDA, weights and transport), not after its start."""
+    return (spec.driver or {}).get("id") == "n580" and bool((spec.launcher or {}).get("template"))
+
+
 def _engine_env(spec: UnitSpec, worker: dict) -> dict[str, str]:
     bindir = os.path.dirname(spec.python)
     env = {
@@ -80,6 +86,8 @@ def _engine_env(spec: UnitSpec, worker: dict) -> dict[str, str]:
     })
     if spec.coordinator:
         env[ec.ENV_COORDINATOR] = spec.coordinator["endpoint_file"]
+    if is_template(spec):
+        env[ec.ENV_TEMPLATE] = "1"
     devices = spec.unit.get("devices", [])
     if worker.get("device_slot") is not None and devices:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # ordinals as NVML and host_facts number them
@@ -330,11 +338,61 @@ class Activation:
             for h in handles:
                 reply = h.call("POST", ec.RELEASE, ec.ReleaseBody(graphs=graph_policy).to_json())
                 self.graphs[h.worker["id"]] = reply.get("graphs")
-            logs = self.unit_dir / "logs"
-            logs.mkdir(exist_ok=True)
-            shutil.copyfile(self.workload_dir / ec.LOG_FILE_NAME, logs / "capture.log")
-            os.truncate(self.workload_dir / ec.LOG_FILE_NAME, 0)
+            self._keep_capture_log(truncate=True)
         return payloads
+
+    def _keep_capture_log(self, *, truncate: bool) -> None:
+        """Append the workload log so far to the capture's ``logs/capture.log``; ``truncate``: start it
+        afresh (before a dump: CRIU records its size, and a restore starts with an empty log)."""
+        logs = self.unit_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        with open(self.workload_dir / ec.LOG_FILE_NAME, "rb") as src, open(logs / "capture.log", "ab") as dst:
+            shutil.copyfileobj(src, dst)
+        if truncate:
+            os.truncate(self.workload_dir / ec.LOG_FILE_NAME, 0)
+
+    def _capture_template(self, criu, probe: PortProbe | None) -> list[dict]:
+        """Snapshot driver n580: dump every worker while it waits as a template (no CUDA context, no
+        weights, no transport: the image restores under any driver), leave it running, then let it
+        start for real (``/start``: its cold start from the checkpoint), validate it and export its
+        payload as any capture does. The engines end with the capture; the templates are the state."""
+        spec = self.spec
+        self._keep_capture_log(truncate=True)
+        workers = []
+        for h in self.handles:
+            if self._cuda_pids(h):  # the engine broke the template contract: never dump CUDA state here
+                raise UnitError(f"unit {spec.unit_id}: worker {h.worker['id']} holds a CUDA context at its "
+                                "template boundary", fix="the engine must not initialise CUDA before /start")
+            workers.append(self._dump(h, criu, cuda=[], memory=process_memory(h.pid), payload=None,
+                                      leave_running=True))
+        self.phases.wait("capture/template", spec.timeout("phase", 600))
+        with self.rec.span("unit.engine.load"):
+            self._engine_step(self.handles, "unit.engine.template.start", ec.START, {})
+            for h in self.handles:
+                h.wait_state((ec.READY,), spec.timeout("ready", 900))
+        self._validate(probe, expected=(spec.validation or {}).get("expected"))
+        self.phases.wait("capture/validated", spec.timeout("phase", 600))
+        if self.reply is not None:
+            self.phases.publish("capture/reply", self.reply.encode())
+        self._engine_step(self.handles, "unit.quiesce", ec.QUIESCE)
+        self.phases.wait("capture/quiesced", spec.timeout("phase", 600))
+        payloads = {}
+        with self.rec.span("unit.export"):
+            for h in self.handles:
+                body = ec.ExportBody(out_dir=str(self.spec.worker_files(h.worker["id"]).directory),
+                                     model=spec.model, export_pack=bool(spec.weights.get("export_pack", True)),
+                                     state_root=spec.state_root, progress_dir=self._export_progress_dir())
+                payloads[h.worker["id"]] = h.call("POST", ec.EXPORT, body.to_json())["payload"]
+        for w in workers:
+            w["payload"] = payloads[w["worker"]]
+        with self.rec.span("unit.engine.stop"):
+            for h in self.handles:
+                h.kill()
+                h.reap(60)
+            keeper.reap_orphans(10)
+        self._keep_capture_log(truncate=False)
+        self.phases.wait("capture/dumped", spec.timeout("phase", 600))
+        return workers
 
     def _dump(self, h: EngineHandle, criu, *, cuda: list[int], memory: dict, payload: dict,
               leave_running: bool) -> dict:
@@ -440,28 +498,10 @@ class Activation:
                             private_shm=self.criu_options.mount_namespace)
                 for h in self.handles:
                     h.wait_control(spec.timeout("start", 900))
+                template = is_template(spec)
                 for h in self.handles:
-                    h.wait_state((ec.READY,), spec.timeout("ready", 900))
-            self._validate(probe, expected=(spec.validation or {}).get("expected"))
-            self.phases.wait("capture/validated", spec.timeout("phase", 600))
-            if self.reply is not None:
-                self.phases.publish("capture/reply", self.reply.encode())
-            self._engine_step(self.handles, "unit.quiesce", ec.QUIESCE)
-            self.phases.wait("capture/quiesced", spec.timeout("phase", 600))
-            payloads = self._export_and_release(self.handles, export_pack=bool(spec.weights.get("export_pack", True)))
-            self.phases.wait("capture/released", spec.timeout("phase", 600))
-            memory = {h.worker["id"]: process_memory(h.pid) for h in self.handles}
-            with self.rec.span("unit.cuda.checkpoint"):
-                cuda_used = self._checkpoint_cuda(self.handles)
-            self.phases.wait("capture/cuda", spec.timeout("phase", 600))
-            workers = []
-            for h in self.handles:
-                wid = h.worker["id"]
-                workers.append(self._dump(h, criu, cuda=cuda_used[wid], memory=memory[wid], payload=payloads[wid],
-                                          leave_running=False))
-                h.reap(60)
-            keeper.reap_orphans(10)  # an engine's own children (e.g. its engine core), dumped with it
-            self.phases.wait("capture/dumped", spec.timeout("phase", 600))
+                    h.wait_state((ec.TEMPLATE,) if template else (ec.READY,), spec.timeout("ready", 900))
+            workers = self._capture_template(criu, probe) if template else self._capture_started(criu, probe)
             acceptance = self.reply
             if acceptance is None and spec.coordinator:
                 acceptance = (self.phases.fetch("capture/reply", 60) or b"").decode()
@@ -477,6 +517,32 @@ class Activation:
         finally:
             if probe is not None:
                 probe.stop()
+
+    def _capture_started(self, criu, probe: PortProbe | None) -> list[dict]:
+        """Snapshot driver n610 (and n580 where the engine has no template): validate the started
+        engine, export its payload, release its weights, checkpoint its CUDA state, dump it."""
+        spec = self.spec
+        self._validate(probe, expected=(spec.validation or {}).get("expected"))
+        self.phases.wait("capture/validated", spec.timeout("phase", 600))
+        if self.reply is not None:
+            self.phases.publish("capture/reply", self.reply.encode())
+        self._engine_step(self.handles, "unit.quiesce", ec.QUIESCE)
+        self.phases.wait("capture/quiesced", spec.timeout("phase", 600))
+        payloads = self._export_and_release(self.handles, export_pack=bool(spec.weights.get("export_pack", True)))
+        self.phases.wait("capture/released", spec.timeout("phase", 600))
+        memory = {h.worker["id"]: process_memory(h.pid) for h in self.handles}
+        with self.rec.span("unit.cuda.checkpoint"):
+            cuda_used = self._checkpoint_cuda(self.handles)
+        self.phases.wait("capture/cuda", spec.timeout("phase", 600))
+        workers = []
+        for h in self.handles:
+            wid = h.worker["id"]
+            workers.append(self._dump(h, criu, cuda=cuda_used[wid], memory=memory[wid], payload=payloads[wid],
+                                      leave_running=False))
+            h.reap(60)
+        keeper.reap_orphans(10)  # an engine's own children (e.g. its engine core), dumped with it
+        self.phases.wait("capture/dumped", spec.timeout("phase", 600))
+        return workers
 
     # ----------------------------------------------- capture in place (overlay)
     def capture_running(self) -> dict:

@@ -227,12 +227,20 @@ def test_every_problem_is_reported_at_once(base):
     assert "did you mean 'vllm'" in p["$.launch.engine"]
 
 
-def test_n580_on_gpu_units_needs_a_template_capture(base):
+def test_n580_on_gpu_units_needs_a_template_capture(base, monkeypatch):
+    import dataclasses
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engines
+
     base["snapshot_driver"]["id"] = "n580"
     base["policy"]["process"]["backend"] = "criu"
     base["launch"]["units"][0]["devices"] = [0]
     base["launch"]["execution"]["workers"][0]["device_slot"] = 0
-    # The engine's rules are part of the one request validation (CLI, modules, Python callers).
+    engine = base["launch"]["engine"]
+    assert engines.ENGINES[engine].template_capture  # the reference engine stops as a template
+    assert not engine_issues(validate_request(base))
+    # An engine without one: the engine's rules are part of the one request validation (CLI, modules, Python).
+    monkeypatch.setitem(engines.ENGINES, engine, dataclasses.replace(engines.ENGINES[engine], template_capture=False))
     issues = problems(base)
     assert "pre-CUDA template capture" in issues["$.snapshot_driver.id"]
     base["launch"]["units"][0]["devices"] = []

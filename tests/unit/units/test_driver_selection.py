@@ -65,10 +65,33 @@ def test_a_named_driver_wins_and_a_contradicting_choice_is_refused(raw):
 def test_candidates_are_newest_first_and_say_why_a_driver_does_not_fit(raw):
     assert driver_candidates(copy.deepcopy(raw))[0] == ["n610", "n580"]
     valid, refused = driver_candidates(gpu(raw))
-    assert valid == ["n610"]  # no engine has a pre-CUDA template for n580 on GPU units
-    assert refused["n580"].issues[0].path == "$.snapshot_driver.id"
+    assert valid == ["n610", "n580"] and not refused  # the reference engine stops as a pre-CUDA template
     policy = {**copy.deepcopy(raw), "policy": {"process": {"backend": "criu"}}}
-    assert driver_candidates(gpu(policy))[0] == []  # criu cannot dump CUDA, n580 has no GPU template
+    valid, refused = driver_candidates(gpu(policy))
+    assert valid == ["n580"]  # plain CRIU cannot dump CUDA state: only the template fits
+    assert refused["n610"].issues[0].path == "$.policy.process.backend"
+
+
+def test_an_engine_without_a_template_has_no_n580_on_gpu_units(raw, monkeypatch):
+    import dataclasses
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engines
+
+    name = raw["launch"]["engine"]
+    monkeypatch.setitem(engines.ENGINES, name, dataclasses.replace(engines.ENGINES[name], template_capture=False))
+    valid, refused = driver_candidates(gpu(raw))
+    assert valid == ["n610"]
+    assert refused["n580"].issues[0].path == "$.snapshot_driver.id"
+
+
+def test_a_driver_580_host_with_two_gpu_ranks_in_a_unit_gets_the_template(raw):
+    req = gpu(raw, workers=2)
+    host = req["launch"]["units"][0]["host"]
+    valid = driver_candidates(copy.deepcopy(req))[0]
+    checked = validate_request(req, snapshot_driver="n610")
+    choice = choose_snapshot_driver(valid, checked, {host: {"nvidia_driver": "580.159.04"}})
+    # n610 on driver 580 admits one GPU worker per unit (its r580 row); the template has no such limit.
+    assert choice["id"] == "n580" and choice["rows"] == ["n580"]
 
 
 def test_cpu_units_need_no_facts(raw):

@@ -97,6 +97,7 @@ def make_handler(lifecycle: Lifecycle, tokens: TokenSource, extra_status: dict):
         ec.FINISH_WARM: lifecycle.finish_warm,
         ec.SLEEP: lifecycle.sleep,
         ec.WAKE: lifecycle.wake,
+        ec.START: lifecycle.start,
     }
 
     class Handler(BaseHTTPRequestHandler):

@@ -5,6 +5,7 @@ stays engine-neutral):
 
     loading -> ready -> quiesced -> released -> [snapshot] -> (warm ->) ready
     ready <-> sleeping
+    loading -> template -> [snapshot] -> ready   (snapshot driver n580: /start or /resume)
 
 ``quiesce`` stops serving, releases the distributed transport and discards
 the KV cache; ``export`` writes the worker payloads while the weights are
@@ -12,6 +13,12 @@ resident; ``release`` frees the weight memory (addresses kept) and switches the
 live load config to the ``coldsnap`` loader; ``resume`` re-creates memory at the
 captured addresses, rebuilds the transport from the restore activation's
 coordinator and (unless warm) hydrates weights and re-zeros the KV cache.
+
+A *template* (:meth:`Lifecycle.mark_template`) is an engine that stopped before any CUDA,
+weight or transport work: its snapshot is context-free, so it restores under any NVIDIA
+driver. ``/start`` runs the engine's own cold start from there (a capture continues that
+way to its validation), ``/resume`` builds the engine from a hydration instead (the
+allocations are created fresh at new addresses, then filled from the pack or recovery).
 
 Engine specifics sit behind :class:`EngineControl`; an engine may run its
 workers in other processes (vLLM's collective RPC, SGLang's scheduler loop).
@@ -24,6 +31,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
@@ -89,12 +97,62 @@ class Lifecycle:
         self.materialized: dict | None = None
         self.graphs_released = False  # /release dropped the graphs (recreate-from-plan); /resume re-creates them
         self._log = log or (lambda msg: print(f"[coldsnap] {msg}", file=sys.stderr, flush=True))
+        # A template's two ways on: the engine's cold start, and its build from a hydration.
+        self._template: tuple[Callable[[], None], Callable[[dict, Callable[[], None]], None]] | None = None
+        self.started = threading.Event()  # left the template (or never was one) and serving
+
+    def mark_template(self, *, start: Callable[[], None],
+                      restore: Callable[[dict, Callable[[], None]], None]) -> None:
+        """The engine stops here, before CUDA, weights and transport, until ``/start`` (``start()``:
+        its cold start) or ``/resume`` (``restore(spec, hydrate)``: create the allocations, call
+        ``hydrate()``, finish the start). The integration's main thread waits on :attr:`started`."""
+        with self.lock:
+            if self.state != ec.LOADING:
+                raise EngineStateError(f"engine is {self.state!r}; only a loading engine becomes a template")
+            self._template = (start, restore)
+            self.state = ec.TEMPLATE
 
     def mark_ready(self) -> None:
         """The engine finished its own start-up (called once by the integration)."""
         with self.lock:
             if self.state == ec.LOADING:
                 self.state = ec.READY
+                self.started.set()
+
+    def start(self, body: dict | None = None) -> dict:
+        """``/start``: a template runs the engine's own cold start (weights from the checkpoint)."""
+        if body:
+            raise ValueError(f"/start takes no body fields, got {sorted(body)}")
+        with self.lock:
+            self._expect(ec.TEMPLATE)
+            start, _restore = self._template
+            self.timing = Timing()
+            self.state = ec.LOADING  # a failure leaves it loading: the engine cannot go back to a template
+            self._template = None
+            with self.timing.span("engine.start"):
+                start()
+            self.state = ec.READY
+            self.started.set()
+            return {"spans": self.timing.spans}
+
+    def _resume_template(self, spec: dict) -> dict:
+        """``/resume`` of a restored template: build the engine from the hydration."""
+        _start, restore = self._template
+        self.state = ec.LOADING
+        self._template = None
+        stats: dict = {}
+
+        def hydrate() -> None:
+            with self.timing.span("engine.hydrate") as sp:
+                stats.update(self.control.hydrate(spec))
+                sp["attrs"].update({k: v for k, v in stats.items() if isinstance(v, (int, float, str))})
+
+        with self.timing.span("engine.template.build"):
+            restore(spec, hydrate)
+        self.state = ec.READY
+        self.started.set()
+        self._materialize_after(spec, stats)
+        return {"spans": self.timing.spans, "hydration": stats}
 
     def _expect(self, *states: str) -> None:
         if self.state not in states:
@@ -160,15 +218,20 @@ class Lifecycle:
     def resume(self, body: dict) -> dict:
         spec = ec.HydrationBody.from_json(body).to_json()
         with self.lock:
-            self._expect(ec.RELEASED)
+            self._expect(ec.RELEASED, ec.TEMPLATE)
+            if self.state == ec.TEMPLATE and spec.get("warm"):
+                raise EngineStateError("a template has no warm boundary (snapshot driver n580): restore it fully")
             self._check_materialize(spec)
             self.timing = Timing()
             self.restores += 1
             # The workload log was reset before CRIU ran: this marker is its first line.
             print(json.dumps({"coldsnap": "restore-boundary", "operation_id": spec.get("operation_id"),
                               "restores": self.restores, "provider": spec.get("provider"),
-                              "warm": bool(spec.get("warm")), "wall_unix": time.time()}),
+                              "warm": bool(spec.get("warm")), "wall_unix": time.time(),
+                              **({"template": True} if self.state == ec.TEMPLATE else {})}),
                   file=sys.stderr, flush=True)
+            if self.state == ec.TEMPLATE:
+                return self._resume_template(spec)
             with self.timing.span("engine.arenas.recreate"):
                 self.control.recreate_memory()
             with self.timing.span("engine.transport.rebuild"):
@@ -209,6 +272,11 @@ class Lifecycle:
             stats = self.control.hydrate(spec)
             sp["attrs"].update({k: v for k, v in stats.items() if isinstance(v, (int, float, str))})
         self._zero_kv_and_serve()
+        self._materialize_after(spec, stats)
+        return {"spans": self.timing.spans, "hydration": stats}
+
+    def _materialize_after(self, spec: dict, stats: dict) -> None:
+        """After a recovery hydration: write the native payload now (required) or in the background (async)."""
         mat = spec.get("materialize", "off")
         if spec.get("provider") == "recovery" and mat in ("async", "required"):
             if mat == "required":
@@ -217,7 +285,6 @@ class Lifecycle:
             else:
                 threading.Thread(target=self._materialize_bg, args=(spec,), daemon=True,
                                  name="coldsnap-materialize").start()
-        return {"spans": self.timing.spans, "hydration": stats}
 
     def _materialize_bg(self, spec: dict) -> None:
         try:

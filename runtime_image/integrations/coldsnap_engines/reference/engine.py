@@ -106,8 +106,25 @@ class Engine:
         self.transport = transport
         with self.timing.span("engine.transport.init"):
             transport.init(generation=0)
+        self._finish_start()
+
+    def start_from_template(self, transport, spec: dict, hydrate) -> None:
+        """A restored template's start (snapshot driver n580): the arenas are created here, on this
+        host's driver, laid out from the checkpoint's headers, and filled by ``hydrate()`` (pack or
+        recovery, with the residual) instead of the loader; then the transport of the restore's
+        coordinator and the usual warm-up."""
+        with self.timing.span("engine.arenas.create"):
+            self.loaded = loader.load(self.model_dir, self.config, rank=self.rank, world=self.world,
+                                      device=self.device, read=False)
+        hydrate()
+        self.transport = transport
+        with self.timing.span("engine.transport.init"):
+            self.rebuild_transport(spec, 0)
+        self._finish_start()
+
+    def _finish_start(self) -> None:
         self.decoder = Decoder(self.config, self.loaded.weights, self.loaded.rope, world=self.world,
-                               all_reduce=transport.all_reduce)
+                               all_reduce=self.transport.all_reduce)
         with self.timing.span("engine.kv.alloc"):
             self.new_kv()
         if self.device != "cpu":

@@ -96,9 +96,15 @@ def plan_layout(config: ModelConfig, index: dict[str, str], rank: int, world: in
     return plans, _align(max(off, 1), PAGE)
 
 
-def load(model_dir: Path, config: ModelConfig, *, rank: int, world: int, device: str, observe: bool = True) -> LoadedWeights:
-    """Allocate arenas, copy this rank's shards from safetensors, record every write."""
+def load(model_dir: Path, config: ModelConfig, *, rank: int, world: int, device: str, observe: bool = True,
+         read: bool = True) -> LoadedWeights:
+    """Allocate arenas, copy this rank's shards from safetensors, record every write.
+
+    ``read=False`` only allocates the arenas and lays the tensors out in them (the same layout,
+    from the checkpoint's headers): a template restore then fills them by hydration."""
     from safetensors import safe_open
+
+    observe = observe and read
 
     if observe:
         from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import (
@@ -120,6 +126,10 @@ def load(model_dir: Path, config: ModelConfig, *, rank: int, world: int, device:
     for p in plan:
         by_file.setdefault(p.file, []).append(p)
     for fname, items in sorted(by_file.items()):
+        if not read:
+            for p in items:
+                weights[p.name] = arenas["params"].tensor(p.offset, p.shape, dtype)
+            continue
         with safe_open(str(model_dir / fname), framework="pt", device="cpu") as f:
             for p in items:
                 sl = f.get_slice(p.name)

@@ -31,6 +31,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engine_cont
     ENV_COORDINATOR,
     ENV_RANK,
     ENV_SCOPE,
+    ENV_TEMPLATE,
     ENV_WORLD_SIZE,
     READY,
 )
@@ -212,9 +213,11 @@ def make_serving_handler(engine, lifecycle):
     return Handler
 
 
-def pick_device(requested: str) -> str:
+def pick_device(requested: str, *, template: bool = False) -> str:
     if requested != "auto":
         return requested
+    if template:  # asking torch would initialise the CUDA driver: the unit's visible devices say it
+        return "cuda:0" if os.environ.get("CUDA_VISIBLE_DEVICES", "").strip() else "cpu"
     import torch
 
     return "cuda:0" if torch.cuda.is_available() else "cpu"
@@ -252,7 +255,7 @@ def serve(args: argparse.Namespace) -> int:
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    device = pick_device(args.device)
+    device = pick_device(args.device, template=os.environ.get(ENV_TEMPLATE) == "1")
     engine = Engine(Path(args.model), device=device, rank=rank, world=world,
                     served_model_name=args.served_model_name or Path(args.model).name, max_seq=args.max_seq,
                     compile=args.compile)
@@ -262,9 +265,22 @@ def serve(args: argparse.Namespace) -> int:
     transport = Transport(rank=rank, world=world, device=device,
                           endpoint_file=os.environ.get(ENV_COORDINATOR),
                           scope=os.environ.get(ENV_SCOPE, "local"))
-    log(f"rank {rank}/{world} loading {args.model} on {device}")
-    engine.start(transport)
-    lifecycle.mark_ready()
+    if os.environ.get(ENV_TEMPLATE) == "1":
+        # Snapshot driver n580: stop before CUDA, weights and transport until the activation says how on.
+        control_ = lifecycle.control
+
+        def restore(spec: dict, hydrate) -> None:
+            control_.relocatable = True  # the arenas are new: same ids and sizes, other addresses
+            engine.start_from_template(transport, spec, hydrate)
+
+        lifecycle.mark_template(start=lambda: engine.start(transport), restore=restore)
+        log(f"rank {rank}/{world} waiting as a template for {args.model} on {device} "
+            f"({time.monotonic() - t0:.2f}s)")
+        lifecycle.started.wait()
+    else:
+        log(f"rank {rank}/{world} loading {args.model} on {device}")
+        engine.start(transport)
+        lifecycle.mark_ready()
     if args.engine_core_fd is not None:
         from coldsnap_engines.reference.engine_core import serve_core
 
