@@ -51,6 +51,8 @@ def main() -> int:
                     help="finally restore onto this port while a stranger holds the captured one")
     ap.add_argument("--choose-driver", action="store_true",
                     help="leave snapshot_driver out: the controller chooses it from the host's facts")
+    ap.add_argument("--driver", choices=("n610", "n580"), default="n610",
+                    help="the snapshot driver the GPU requests name (n580: the engine captured as a template)")
     args = ap.parse_args()
     args.preset = args.preset or ("1g-bf16" if args.device == "cuda" else "1g")
     collection_on_path()
@@ -98,13 +100,16 @@ def main() -> int:
                        "execution": {"workers": [{"id": "worker-0", "unit": "unit-0", "rank": 0, "device_slot": 0}],
                                      "services": [{"id": "api", "unit": "unit-0", "port": port}],
                                      "adapter": {"schema": "reference-v1", "digest": "sha256:" + "1" * 64}}},
-            "policy": {"process": {"backend": "cuda-criu"}, "weights": {"native": {"materialize": "off"}}},
+            "policy": {"process": {"backend": "cuda-criu" if args.driver == "n610" else "criu"},
+                       "weights": {"native": {"materialize": "off"}}},
             "validation": {"prompt": "ColdSnap says:", "max_tokens": 16},
-            "workload": {"recipe": "gpu-user"},
+            "workload": {"recipe": f"gpu-user-{args.driver}"},
             **extra,
         }
-        if not args.choose_driver:
-            req["snapshot_driver"] = {"id": "n610"}
+        if args.choose_driver:
+            req["policy"].pop("process")  # the chosen driver's defaults
+        else:
+            req["snapshot_driver"] = {"id": args.driver}
         path = work / f"{op}.json"
         path.write_text(json.dumps(req))
         return path
