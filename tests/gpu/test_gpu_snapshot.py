@@ -138,12 +138,12 @@ def test_gpu_unit_with_two_ranks(tmp_path, native_fill_built):
                         "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"})
     digest, _adir, _staged = activation.stage(Path(__file__).resolve().parents[2] / "runtime_image" / "activation", state)
 
-    def run(request: dict, **kw) -> dict:
+    def run(request: dict, operation: str, **kw) -> dict:
         ep = state / "runs" / request["id"] / "coordinator.json"
         daemon.start_coordinator(ep, scope=request["id"])
         try:
-            [ev] = run_units(unit.build_specs(request, host="localhost", state_root=state, capture_id="c",
-                                              coordinator_endpoint=str(ep), **kw),
+            [ev] = run_units(unit.build_specs(request, host="localhost", operation=operation, state_root=state,
+                                              capture_id="c", coordinator_endpoint=str(ep), **kw),
                              state_root=state, activation_digest=digest)
         finally:
             daemon.stop_coordinator(ep)

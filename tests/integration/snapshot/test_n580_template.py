@@ -36,8 +36,8 @@ def boundary(state_root, wl: Workload) -> dict:
 
 @pytest.mark.parametrize(("tp", "engine_core"), [(1, False), (2, False), (1, True)],
                          ids=["tp1", "tp2", "tp1-engine-core-process"])
-def test_an_n580_capture_is_a_template_that_restores_by_building_the_engine(tp, engine_core, state_root, tiny_model,
-                                                                           env_digest):
+def test_an_n580_capture_is_a_template_that_restores_by_building_the_engine(
+        tp, engine_core, state_root, tiny_model, env_digest):
     wl = N580(state_root, tiny_model, env_digest, tp=tp, name=f"n580-tp{tp}{'-core' if engine_core else ''}")
     wl.engine_core = engine_core  # the template is then the API server and its engine core, both dumped
     try:
