@@ -282,3 +282,31 @@ def test_a_unit_container_holds_both_ranks_of_a_tensor_parallel_unit(tmp_path, r
         assert [w["state"] for w in status.receipt["result"]["operation"]["units"][0]["workers"]] == ["ready"] * 2
     finally:
         wl.stop()
+
+
+def test_an_n580_template_is_captured_and_restored_inside_unit_containers(tmp_path, runtime_image, tiny_model,
+                                                                          recipes):
+    """Snapshot driver n580 under runtime docker: the rank container dumps the engine as a template and the
+    restored container builds it from the hydration; the reply is the captured one."""
+    recipe = "dockerunits-n580"
+    recipes.append(recipe)
+    wl = DockerWorkload(tmp_path / "state", tiny_model, runtime_image["runtime_image"], recipe)
+
+    def n580(req: dict) -> None:
+        req["snapshot_driver"]["id"] = "n580"
+        req["policy"]["process"].update(backend="criu", graph_policy="recreate-from-plan")
+
+    try:
+        cap = wl.run(wl.request("capture", mutate=n580))
+        assert cap.succeeded, cap.receipt["error"]
+        path = Path(cap.receipt["result"]["operation"]["artifact"])
+        art = load_artifact(path.read_bytes())
+        assert art["snapshot_driver"]["id"] == "n580"
+        res = wl.run(wl.request("restore", artifact=path, mutate=n580))
+        assert res.succeeded, res.receipt["error"]
+        assert res.receipt["result"]["operation"]["units"][0]["reply"] == art["acceptance"]["reply"]
+        assert wl.complete() == art["acceptance"]["reply"]
+        marker = json.loads((wl.state_root / "workloads" / recipe / "unit-0" / "target.log").read_text().splitlines()[0])
+        assert marker["coldsnap"] == "restore-boundary" and marker["template"] is True
+    finally:
+        wl.stop()
