@@ -323,9 +323,18 @@ class Activation:
             return wanted
         return None
 
-    def _export_and_release(self, handles: list[EngineHandle], *, export_pack: bool) -> dict:
-        """/export every worker's payload into the unit directory, /release the weights, keep the
-        engine log of the capture and start the workload log afresh (CRIU records its size)."""
+    def _validate_and_quiesce(self, probe: PortProbe | None) -> None:
+        """A capture's validation (the accepted reply, shared with the other units) and quiesce."""
+        spec = self.spec
+        self._validate(probe, expected=(spec.validation or {}).get("expected"))
+        self.phases.wait("capture/validated", spec.timeout("phase", 600))
+        if self.reply is not None:
+            self.phases.publish("capture/reply", self.reply.encode())
+        self._engine_step(self.handles, "unit.quiesce", ec.QUIESCE)
+        self.phases.wait("capture/quiesced", spec.timeout("phase", 600))
+
+    def _export(self, handles: list[EngineHandle], *, export_pack: bool) -> dict:
+        """/export every worker's payload into the unit directory (and the pack into the node cache)."""
         payloads = {}
         with self.rec.span("unit.export"):
             for h in handles:
@@ -333,6 +342,12 @@ class Activation:
                                      model=self.spec.model, export_pack=export_pack, state_root=self.spec.state_root,
                                      progress_dir=self._export_progress_dir())
                 payloads[h.worker["id"]] = h.call("POST", ec.EXPORT, body.to_json())["payload"]
+        return payloads
+
+    def _export_and_release(self, handles: list[EngineHandle], *, export_pack: bool) -> dict:
+        """/export every worker's payload, /release the weights, keep the engine log of the capture
+        and start the workload log afresh (CRIU records its size)."""
+        payloads = self._export(handles, export_pack=export_pack)
         graph_policy = (self.spec.driver or {}).get("graph_policy")
         with self.rec.span("unit.release"):
             for h in handles:
@@ -370,19 +385,8 @@ class Activation:
             self._engine_step(self.handles, "unit.engine.template.start", ec.START, {})
             for h in self.handles:
                 h.wait_state((ec.READY,), spec.timeout("ready", 900))
-        self._validate(probe, expected=(spec.validation or {}).get("expected"))
-        self.phases.wait("capture/validated", spec.timeout("phase", 600))
-        if self.reply is not None:
-            self.phases.publish("capture/reply", self.reply.encode())
-        self._engine_step(self.handles, "unit.quiesce", ec.QUIESCE)
-        self.phases.wait("capture/quiesced", spec.timeout("phase", 600))
-        payloads = {}
-        with self.rec.span("unit.export"):
-            for h in self.handles:
-                body = ec.ExportBody(out_dir=str(self.spec.worker_files(h.worker["id"]).directory),
-                                     model=spec.model, export_pack=bool(spec.weights.get("export_pack", True)),
-                                     state_root=spec.state_root, progress_dir=self._export_progress_dir())
-                payloads[h.worker["id"]] = h.call("POST", ec.EXPORT, body.to_json())["payload"]
+        self._validate_and_quiesce(probe)
+        payloads = self._export(self.handles, export_pack=bool(spec.weights.get("export_pack", True)))
         for w in workers:
             w["payload"] = payloads[w["worker"]]
         with self.rec.span("unit.engine.stop"):
@@ -522,12 +526,7 @@ class Activation:
         """Snapshot driver n610 (and n580 where the engine has no template): validate the started
         engine, export its payload, release its weights, checkpoint its CUDA state, dump it."""
         spec = self.spec
-        self._validate(probe, expected=(spec.validation or {}).get("expected"))
-        self.phases.wait("capture/validated", spec.timeout("phase", 600))
-        if self.reply is not None:
-            self.phases.publish("capture/reply", self.reply.encode())
-        self._engine_step(self.handles, "unit.quiesce", ec.QUIESCE)
-        self.phases.wait("capture/quiesced", spec.timeout("phase", 600))
+        self._validate_and_quiesce(probe)
         payloads = self._export_and_release(self.handles, export_pack=bool(spec.weights.get("export_pack", True)))
         self.phases.wait("capture/released", spec.timeout("phase", 600))
         memory = {h.worker["id"]: process_memory(h.pid) for h in self.handles}
