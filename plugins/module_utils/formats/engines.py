@@ -62,6 +62,10 @@ class EngineSpec:
     # Workers one CPU unit (no devices) may hold (0 = any), and why.
     max_cpu_unit_workers: int = 0
     max_cpu_unit_workers_reason: str = ""
+    # Workers any unit may hold (0 = any), and why: the activation starts one engine process per worker,
+    # so an engine that serves all ranks of a unit from one server cannot hold more than one yet.
+    max_unit_workers: int = 0
+    max_unit_workers_reason: str = ""
     # The n580 boundary: the engine can stop as a context-free template (before CUDA, weights and
     # transport; ENV_TEMPLATE) and build itself from a hydration after the restore.
     template_capture: bool = False
@@ -132,6 +136,10 @@ ENGINES: dict[str, EngineSpec] = {
         max_cpu_unit_workers=1,
         max_cpu_unit_workers_reason="vLLM's CPU ranks talk over gloo TCP, which a snapshot would have to carry "
                                     "established; the CPU integration drives one worker per unit",
+        max_unit_workers=1,
+        max_unit_workers_reason="vLLM serves every rank of a unit from one server (in-process tensor "
+                                "parallelism), while the activation starts one engine process per worker; "
+                                "driving several ranks through one server's control endpoint is not wired yet",
         unit_environment=(("VLLM_RPC_BASE_PATH", "/dev/shm"), ("VLLM_NO_USAGE_STATS", "1"),
                           ("VLLM_DO_NOT_TRACK", "1")),
         load_format_flag="--load-format",
@@ -354,16 +362,22 @@ def engine_issues(request: dict) -> list[FormatIssue]:
             f"{len(workers)}: {spec.max_workers_reason}",
             "run one worker (tensor parallel size 1), or use an engine whose integration releases the transport",
         ))
-    if spec.max_cpu_unit_workers:
-        for i, unit in enumerate(launch["units"]):
-            held = [w["id"] for w in workers if w["unit"] == unit["id"]]
-            if not unit["devices"] and len(held) > spec.max_cpu_unit_workers:
-                issues.append(FormatIssue(
-                    f"$.launch.units[{i}]",
-                    f"CPU unit {unit['id']!r} of engine {spec.name!r} holds {len(held)} workers "
-                    f"({', '.join(held)}): {spec.max_cpu_unit_workers_reason}",
-                    "run tensor parallel size 1 on CPU (one worker per unit), or give the unit GPU devices",
-                ))
+    for i, unit in enumerate(launch["units"]):
+        held = [w["id"] for w in workers if w["unit"] == unit["id"]]
+        if spec.max_cpu_unit_workers and not unit["devices"] and len(held) > spec.max_cpu_unit_workers:
+            issues.append(FormatIssue(
+                f"$.launch.units[{i}]",
+                f"CPU unit {unit['id']!r} of engine {spec.name!r} holds {len(held)} workers "
+                f"({', '.join(held)}): {spec.max_cpu_unit_workers_reason}",
+                "run tensor parallel size 1 on CPU (one worker per unit)",
+            ))
+        elif spec.max_unit_workers and len(held) > spec.max_unit_workers:
+            issues.append(FormatIssue(
+                f"$.launch.units[{i}]",
+                f"unit {unit['id']!r} of engine {spec.name!r} holds {len(held)} workers ({', '.join(held)}): "
+                f"{spec.max_unit_workers_reason}",
+                f"run tensor parallel size 1 (one worker per unit) with engine {spec.name!r} for now",
+            ))
     if request["operation"] == "capture":
         for i, unit in enumerate(launch["units"]):
             for where, problem, fix in command_issues(spec.name, unit["command"], unit.get("environment", {}),

@@ -150,7 +150,7 @@ def test_sglang_refuses_materialization_and_more_workers(reference_request):
     assert "at most 1 worker" in msgs["$.launch.execution.workers"]
 
 
-def test_vllm_cpu_units_hold_one_worker_gpu_units_may_hold_more(reference_request):
+def test_vllm_units_hold_one_worker(reference_request):
     req = _as_engine(reference_request, "vllm", VLLM_OK, VLLM_ENV)
     unit = req["launch"]["units"][0]
     w = req["launch"]["execution"]["workers"]
@@ -160,5 +160,12 @@ def test_vllm_cpu_units_hold_one_worker_gpu_units_may_hold_more(reference_reques
     issue = {i.path: i for i in engine_issues(req)}["$.launch.units[0]"]
     assert "holds 2 workers (worker-0, worker-1)" in issue.message and "gloo TCP" in issue.message
     assert "tensor parallel size 1" in issue.fix
+    # On GPUs vLLM serves both ranks from one server, while the activation starts a process per worker.
     unit["devices"] = ["GPU-0", "GPU-1"]
+    w[0]["device_slot"], w[1]["device_slot"] = 0, 1
+    issue = {i.path: i for i in engine_issues(req)}["$.launch.units[0]"]
+    assert "holds 2 workers" in issue.message and "one server" in issue.message
+    assert "one worker per unit" in issue.fix
+    # The reference engine runs a process per rank: a unit may hold both.
+    req["launch"]["engine"] = "reference"
     assert "$.launch.units[0]" not in {i.path for i in engine_issues(req)}
