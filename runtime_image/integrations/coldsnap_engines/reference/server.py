@@ -255,7 +255,8 @@ def serve(args: argparse.Namespace) -> int:
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads:
         torch.set_num_threads(int(threads))
-    device = pick_device(args.device, template=os.environ.get(ENV_TEMPLATE) == "1")
+    template = os.environ.get(ENV_TEMPLATE) == "1"
+    device = pick_device(args.device, template=template)
     engine = Engine(Path(args.model), device=device, rank=rank, world=world,
                     served_model_name=args.served_model_name or Path(args.model).name, max_seq=args.max_seq,
                     compile=args.compile)
@@ -265,12 +266,10 @@ def serve(args: argparse.Namespace) -> int:
     transport = Transport(rank=rank, world=world, device=device,
                           endpoint_file=os.environ.get(ENV_COORDINATOR),
                           scope=os.environ.get(ENV_SCOPE, "local"))
-    if os.environ.get(ENV_TEMPLATE) == "1":
+    if template:
         # Snapshot driver n580: stop before CUDA, weights and transport until the activation says how on.
-        control_ = lifecycle.control
-
         def restore(spec: dict, hydrate) -> None:
-            control_.relocatable = True  # the arenas are new: same ids and sizes, other addresses
+            lifecycle.control.relocatable = True  # the arenas are new: same ids and sizes, other addresses
             engine.start_from_template(transport, spec, hydrate)
 
         lifecycle.mark_template(start=lambda: engine.start(transport), restore=restore)
