@@ -1,14 +1,16 @@
 """Capture and restore of one launch unit, phase by phase.
 
-Capture: start the engine -> ready -> exact validation -> quiesce (transport down,
-KV discarded) -> export residual/manifest/replay (+ pack) -> release the weights
--> CUDA checkpoint (GPU) -> CRIU dump.
-Restore: ports/pids free -> CRIU restore (stopped) -> CUDA restore -> release ->
-resume (arenas at the same addresses, fresh transport from the coordinator,
-hydration, zeroed KV) -> exact validation.
+Capture: start the engine (every worker of the unit) -> ready -> exact validation -> quiesce
+(transport down, KV discarded) -> export residual/manifest/replay (+ pack) -> release the
+weights -> CUDA checkpoint of every CUDA process of the unit (all locked first) -> CRIU dump.
+Under snapshot driver n580, for an engine that can stop as a template: start -> template ->
+CRIU dump (left running) -> /start -> ready -> validation, quiesce, export -> the engines end.
+Restore: ports/pids free -> CRIU restore (stopped) -> CUDA restore (all restored, then all
+unlocked) -> resume (arenas at the same addresses, or built afresh by a template; fresh
+transport from the coordinator, hydration, zeroed KV) -> exact validation.
 Every cross-unit step is a coordinator phase; any unit can fail the activation.
 
-Why one ~530-line unit: capture, capture in place, restore and the lifecycle verbs are one
+Why one ~650-line unit: capture, capture in place, restore and the lifecycle verbs are one
 sequence of shared steps (engine control steps, export + release, dump, hydration bodies)
 and coordinator phases; the steps are methods here so every operation uses the same ones.
 """
