@@ -10,7 +10,7 @@ unlocked) -> resume (arenas at the same addresses, or built afresh by a template
 transport from the coordinator, hydration, zeroed KV) -> exact validation.
 Every cross-unit step is a coordinator phase; any unit can fail the activation.
 
-Why one ~650-line unit: capture, capture in place, restore and the lifecycle verbs are one
+Why one ~760-line unit: capture, capture in place, restore and the lifecycle verbs are one
 sequence of shared steps (engine control steps, export + release, dump, hydration bodies)
 and coordinator phases; the steps are methods here so every operation uses the same ones.
 """
