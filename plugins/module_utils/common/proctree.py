@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 
@@ -12,8 +11,8 @@ def process_tree(root: int) -> set[int]:
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        ppid = parent_pid(int(proc.name))
+        if ppid is not None:
             children.setdefault(ppid, []).append(int(proc.name))
     tree, todo = set(), [root]
     while todo:
