@@ -168,6 +168,43 @@ def test_recovery_restore_then_sleep_and_wake(rig):
     assert r["state"] == "ready" and _snapshot(rig["arenas"]) == before
 
 
+def test_a_sleep_waits_for_the_background_materialize_that_reads_the_weights(rig):
+    """materialize 'async' writes the pack from the resident weights after a recovery restore: a
+    sleep at once must not free them under it (the pack would be lost, or written from zeros)."""
+    import threading
+
+    before, payload, out = _capture(rig)
+    spec = _spec(rig, out, payload, "recovery", materialize="async")
+    Path(spec["pack"]["path"]).unlink()  # another host: the pack is not cached, the weights are its source
+    gate, reading = threading.Event(), threading.Event()
+    write = rig["control"].materialize
+
+    def slow_materialize(body):
+        reading.set()
+        gate.wait(60)
+        return write(body)
+
+    rig["control"].materialize = slow_materialize
+    assert rig["handle"].call("POST", "/resume", spec)["state"] == "ready"
+    assert reading.wait(30)
+    slept = {}
+    sleeper = threading.Thread(target=lambda: slept.update(rig["handle"].call("POST", "/sleep")))
+    sleeper.start()
+    for _ in range(10):
+        assert rig["handle"].call("GET", "/status")["state"] == "ready", "weights freed under the materialize"
+        time.sleep(0.05)
+    gate.set()
+    sleeper.join(60)
+    assert slept["state"] == "sleeping"
+    assert "engine.materialize.wait" in [s["name"] for s in slept["spans"]]
+    assert rig["life"].last_error is None
+    assert rig["life"].materialized["sha256"] == payload["pack"]["sha256"]
+    assert Path(spec["pack"]["path"]).exists(), "the pack written from the weights before they were freed"
+    assert not any(rig["arenas"]["params"].view()[:4096])
+    r = rig["handle"].call("POST", "/wake", _spec(rig, out, payload, "native"))
+    assert r["state"] == "ready" and _snapshot(rig["arenas"]) == before
+
+
 def test_warm_restore_stops_before_hydration(rig):
     before, payload, out = _capture(rig)
     assert rig["handle"].call("POST", "/resume", _spec(rig, out, payload, "native", warm=True))["state"] == "warm"

@@ -95,6 +95,7 @@ class Lifecycle:
         self.restores = 0
         self.last_error: str | None = None
         self.materialized: dict | None = None
+        self._materializer: threading.Thread | None = None
         self.graphs_released = False  # /release dropped the graphs (recreate-from-plan); /resume re-creates them
         self._log = log or (lambda msg: print(f"[coldsnap] {msg}", file=sys.stderr, flush=True))
         # A template's two ways on: the engine's cold start, and its build from a hydration.
@@ -209,6 +210,7 @@ class Lifecycle:
                     graphs["released"] = int(release_graphs())
                     sp["attrs"]["graphs"] = graphs["released"]
                 self.graphs_released = graphs["released"] > 0
+            self._await_materialize()
             with self.timing.span("engine.weights.release"):
                 self.control.release_weights()
             self.state = ec.RELEASED
@@ -283,8 +285,16 @@ class Lifecycle:
                 with self.timing.span("engine.materialize"):
                     stats["materialized"] = self.control.materialize(spec)
             else:
-                threading.Thread(target=self._materialize_bg, args=(spec,), daemon=True,
-                                 name="coldsnap-materialize").start()
+                self._materializer = threading.Thread(target=self._materialize_bg, args=(spec,), daemon=True,
+                                                      name="coldsnap-materialize")
+                self._materializer.start()
+
+    def _await_materialize(self) -> None:
+        """A background materialize reads the resident weights: memory is released only after it."""
+        if self._materializer is not None:
+            with self.timing.span("engine.materialize.wait"):
+                self._materializer.join()
+            self._materializer = None
 
     def _materialize_bg(self, spec: dict) -> None:
         try:
@@ -299,6 +309,7 @@ class Lifecycle:
         with self.lock:
             self._expect(ec.READY)
             self.timing = Timing()
+            self._await_materialize()
             with self.timing.span("engine.sleep"):
                 self.control.sleep()
             self.state = ec.SLEEPING

@@ -103,6 +103,7 @@ class ReferenceControl(LocalControl):
 
     def sleep(self) -> None:
         self._pause_serving()
+        self.eng.park_followers()
         self._release(("kv_cache", "weights"))
         worker.check_released()
 

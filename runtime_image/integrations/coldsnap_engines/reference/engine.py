@@ -24,7 +24,7 @@ from coldsnap_engines.reference.config import ModelConfig
 from coldsnap_engines.reference.engine_core import ServingPaused, TokenLogprobs
 from coldsnap_engines.reference.model import Decoder
 
-OP_GENERATE, OP_QUIESCE = 1, 2
+OP_GENERATE, OP_QUIESCE, OP_PARK = 1, 2, 3
 
 
 def require_cpu_compiler() -> None:
@@ -240,7 +240,7 @@ class Engine:
             if op == OP_GENERATE:
                 self._generate(ids, max_tokens)
                 self._compiled()
-            elif op == OP_QUIESCE:
+            elif op in (OP_QUIESCE, OP_PARK):
                 self.transport_ready.clear()
                 self.loop_idle.set()
 
@@ -253,6 +253,18 @@ class Engine:
     def unpause(self) -> None:
         with self.gen_lock:
             self.paused = False
+
+    def park_followers(self, timeout: float = 120) -> None:
+        """Before a sleep releases memory: rank 0 (paused) tells the followers to park; a follower
+        waits until it has (its generation in flight finished, no command taken until woken). A
+        follower never frees weights a collective of rank 0's may still read."""
+        if self.world == 1:
+            return
+        if self.rank == 0:
+            self.transport.broadcast_command(OP_PARK, [], 0)
+        elif not self.loop_idle.wait(timeout=timeout):
+            raise RuntimeError(f"rank {self.rank} was not parked by rank 0 within {timeout:.0f} s: rank 0's "
+                               "engine must sleep too (sleep every unit of the workload)")
 
     # ------------------------------------------------------------- transport
     def release_transport(self) -> None:
@@ -272,5 +284,7 @@ class Engine:
         self.transport.init(generation=spec.get("generation") or generation)
 
     def open_transport(self) -> None:
-        """Let the followers' loop run again (after the KV cache exists)."""
+        """Let the followers' loop run again (after the KV cache exists). Not idle from here on: a
+        sleep that follows at once waits for rank 0's park, not for the last one's."""
+        self.loop_idle.clear()
         self.transport_ready.set()
