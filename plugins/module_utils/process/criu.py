@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import subprocess
+import tarfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     AdmissionError,
@@ -117,6 +119,7 @@ class CriuOptions:
 
     link_remap: bool = False
     mount_namespace: bool = False
+    shm_archive: bool = False
 
     def dump_args(self) -> list[str]:
         return ["--link-remap"] if self.link_remap else []
@@ -128,12 +131,78 @@ class CriuOptions:
         return out
 
     def to_json(self) -> dict:
-        return {"link_remap": self.link_remap, "mount_namespace": self.mount_namespace}
+        out = {"link_remap": self.link_remap, "mount_namespace": self.mount_namespace}
+        if self.shm_archive:
+            out["shm_archive"] = True
+        return out
 
     @classmethod
     def from_json(cls, data: dict | None) -> CriuOptions:
         data = data or {}
-        return cls(link_remap=bool(data.get("link_remap")), mount_namespace=bool(data.get("mount_namespace")))
+        return cls(link_remap=bool(data.get("link_remap")), mount_namespace=bool(data.get("mount_namespace")),
+                   shm_archive=bool(data.get("shm_archive")))
+
+
+# ``shm_archive``: the tree shares /dev/shm with nothing else but is in the caller's own mount
+# namespace (a unit's container, whose /dev/shm is the container's): CRIU does not save that
+# tmpfs, so its files (ring buffers, semaphores, CRIU's own link-remap files) are archived beside
+# the images after the dump and put back before the restore, into the fresh container's /dev/shm.
+SHM_ARCHIVE = "coldsnap-dev-shm.tar.gz"
+SHM_DIR = "/dev/shm"
+
+
+def archive_shm(images_dir: Path, shm_dir: str = SHM_DIR) -> int:
+    """Write the regular files and directories of ``shm_dir`` to the images' SHM_ARCHIVE (sockets are
+    re-bound by CRIU; nothing else is expected there). Returns the bytes archived."""
+    root = Path(shm_dir)
+    total = 0
+    tmp = Path(images_dir) / (SHM_ARCHIVE + ".part")
+    with tarfile.open(tmp, "w:gz", compresslevel=1, format=tarfile.PAX_FORMAT) as tar:  # ring buffers: mostly zeros
+        for path in sorted(root.rglob("*")):
+            st = path.lstat()
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+                continue
+            info = tarfile.TarInfo(path.relative_to(root).as_posix())
+            info.mode, info.mtime = stat.S_IMODE(st.st_mode), int(st.st_mtime)
+            if stat.S_ISDIR(st.st_mode):
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+                continue
+            info.size = st.st_size
+            with open(path, "rb") as fh:
+                tar.addfile(info, fh)
+            total += st.st_size
+    os.replace(tmp, Path(images_dir) / SHM_ARCHIVE)
+    return total
+
+
+def unpack_shm(images_dir: Path, shm_dir: str = SHM_DIR) -> int:
+    """Put the archived /dev/shm files back (regular files and directories only, relative names
+    only: the images may come from a capsule someone else built). Returns the files written."""
+    archive = Path(images_dir) / SHM_ARCHIVE
+    if not archive.is_file():
+        raise ColdSnapError(f"{archive} is missing: the capture archived /dev/shm there",
+                            fix="restore from the complete capsule")
+    root = Path(shm_dir)
+    written = 0
+    with tarfile.open(archive, "r:gz") as tar:
+        for info in tar:
+            parts = PurePosixPath(info.name).parts
+            if not parts or info.name.startswith("/") or ".." in parts or not (info.isreg() or info.isdir()):
+                raise ColdSnapError(f"{archive}: member {info.name!r} is not a plain relative file or directory",
+                                    fix="the capsule was altered; restore from the published capsule")
+            dest = root.joinpath(*parts)
+            if info.isdir():
+                dest.mkdir(mode=info.mode & 0o7777, parents=True, exist_ok=True)
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            src = tar.extractfile(info)
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, info.mode & 0o7777)
+            with os.fdopen(fd, "wb") as out:
+                shutil.copyfileobj(src, out)
+            os.chmod(dest, info.mode & 0o7777)
+            written += 1
+    return written
 
 
 @dataclass(frozen=True)
@@ -153,6 +222,8 @@ def dump(criu: Criu, pid: int, images_dir: Path, *, leave_running: bool = False,
     if leave_running:
         args.append("--leave-running")
     secs = _run(criu, args, images_dir / "dump.log", "dump", timeout)
+    if options is not None and options.shm_archive:
+        archive_shm(images_dir)
     size = sum(f.stat().st_size for f in images_dir.iterdir() if f.is_file())
     return DumpResult(str(images_dir), size, secs)
 
@@ -195,6 +266,8 @@ def restore(criu: Criu, images_dir: Path, *, work_dir: Path, leave_stopped: bool
         args.append("--leave-stopped")
     if sibling:
         args.append("--restore-sibling")
+    if options is not None and options.shm_archive:
+        unpack_shm(images_dir)
     secs = _run(criu, args, work / "restore.log", "restore", timeout)
     return RestoreResult(int(pidfile.read_text().strip()), secs)
 

@@ -203,6 +203,15 @@ def capsule_criu_check(image_id: str, *, client: Any = None) -> dict:
 
 # ----------------------------------------------------------------------------- mounts
 
+def unit_shm_size(spec: UnitSpec) -> int | None:
+    """The /dev/shm of a container whose engine shares memory between its processes (the registry's
+    ``private_shm``, archived with the dump there): half the host's memory, as the host launcher's
+    tmpfs; Docker's 64 MiB default otherwise."""
+    if not spec.launcher.get("shm_archive"):
+        return None
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
 def _covered(path: str, targets: list[str]) -> bool:
     return any(path == t or path.startswith(t.rstrip("/") + "/") for t in targets)
 
@@ -302,7 +311,8 @@ class DockerRuntime(DockerUnits, UnitRuntime):
                     image=units[uid]["image"], name=capture_container_name(request["workload"]["recipe"], uid),
                     command=_controller_argv("capture", spec_path, ev_path, raise_pids=True),
                     mounts=mounts, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET, "PYTHONDONTWRITEBYTECODE": "1"}, labels=labels,
-                    client=client, replace=True, gpus=[str(d) for d in units[uid].get("devices", [])] or None)
+                    client=client, replace=True, gpus=[str(d) for d in units[uid].get("devices", [])] or None,
+                    shm_size=unit_shm_size(spec))
                 started.append((spec, container, ev_path))
             results: list[dict] = [{} for _unit in started]
 
@@ -350,7 +360,8 @@ class DockerRuntime(DockerUnits, UnitRuntime):
                     image=image.id, name=canonical_name(request, uid),
                     command=_controller_argv(spec.operation, spec_path, ev_path, raise_pids=False),
                     mounts=mounts, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET, "PYTHONDONTWRITEBYTECODE": "1"}, labels=labels,
-                    client=client, replace=True, gpus=[str(d) for d in units[uid].get("devices", [])] or None)
+                    client=client, replace=True, gpus=[str(d) for d in units[uid].get("devices", [])] or None,
+                    shm_size=unit_shm_size(spec))
                 started.append((spec, container, ev_path))
             results: list[dict] = [{} for _unit in started]
 

@@ -50,7 +50,12 @@ def docker_spec(spec: UnitSpec, *, unit_dir: str | None = None, supervise: bool 
     container by ordinal appear inside it as 0..n-1.
     """
     unit = {**spec.unit, "devices": list(range(len(spec.unit.get("devices", []))))}
-    return spec.replace(python=DOCKER_PYTHON, criu_binary=None, supervise=supervise, unit=unit,
+    launcher = dict(spec.launcher)
+    if launcher.get("private_shm"):
+        # The container is the unit's own mount namespace and /dev/shm: no namespace of the engine's
+        # own (CRIU could not take the container's bind mounts into it); /dev/shm is archived instead.
+        launcher.update(private_shm=False, shm_archive=True)
+    return spec.replace(python=DOCKER_PYTHON, criu_binary=None, supervise=supervise, unit=unit, launcher=launcher,
                         unit_dir=unit_dir if unit_dir is not None else spec.unit_dir)
 
 

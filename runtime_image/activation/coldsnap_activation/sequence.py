@@ -220,7 +220,8 @@ class Activation:
         self.graphs: dict[str, dict | None] = {}  # per worker: what /release did with its graphs
         # What the engine's process tree needs from CRIU (the registry says; the evidence records it).
         self.criu_options = criu_mod.CriuOptions(link_remap=bool(spec.launcher.get("criu_link_remap")),
-                                                 mount_namespace=bool(spec.launcher.get("private_shm")))
+                                                 mount_namespace=bool(spec.launcher.get("private_shm")),
+                                                 shm_archive=bool(spec.launcher.get("shm_archive")))
 
     # ------------------------------------------------------------- helpers
     def _since_t0(self, t_ns: int | None) -> float | None:

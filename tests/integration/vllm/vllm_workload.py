@@ -77,6 +77,45 @@ class VllmWorkload:
             kill_tree(pid)
 
 
+class VllmDockerWorkload(VllmWorkload):
+    """The same server as a launch unit of runtime ``docker``: the vLLM variant of the runtime image
+    (``runtime_image/build.py --engine vllm``), vLLM's compiled kernels in the unit's workload
+    directory (mounted into the unit's containers, kept beside its state)."""
+
+    def __init__(self, state_root: Path, image: str, model_dir: Path, ident: dict, *, name: str = "vllm-docker") -> None:
+        super().__init__(state_root, "python3", model_dir, ident, "sha256:" + "0" * 64, name=name)
+        self.image = image
+        self.cache_root = state_root / "workloads" / name / "unit-0" / "vllm-cache"
+
+    def request(self, operation: str, *, artifact: Path | None = None, mutate=None) -> dict:
+        def docker(req):
+            req["launch"]["runtime"] = "docker"
+            for u in req["launch"]["units"]:
+                u.pop("environment_digest", None)
+                u["image"] = self.image
+            req["policy"]["cache"]["paths"] = []
+            if mutate is not None:
+                mutate(req)
+
+        return super().request(operation, artifact=artifact, mutate=docker)
+
+    def container(self):
+        import docker
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.units.containers import (
+            canonical_container_name,
+        )
+
+        try:
+            return docker.from_env().containers.get(canonical_container_name(self.name, "unit-0"))
+        except docker.errors.NotFound:
+            return None
+
+    def stop(self) -> None:
+        c = self.container()
+        if c is not None:
+            c.remove(force=True)
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and its descendants, and wait until they are gone."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports import process_tree

@@ -1,0 +1,67 @@
+"""/dev/shm of a unit's container, archived beside the CRIU images after a dump and put back before
+the restore (``CriuOptions.shm_archive``): plain files and directories with their modes, sockets
+left to CRIU, and an archive from an altered capsule refused before a byte lands outside."""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import tarfile
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu
+
+
+def test_files_and_modes_come_back_and_sockets_are_left_to_criu(tmp_path):
+    shm = tmp_path / "shm"
+    (shm / "ring").mkdir(parents=True)
+    (shm / "psm_0a1b").write_bytes(os.urandom(70_000))
+    (shm / "ring" / "sem.mp-x").write_bytes(b"\x01")
+    os.chmod(shm / "psm_0a1b", 0o600)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(shm / "ipc-socket"))
+        images = tmp_path / "images"
+        images.mkdir()
+        assert criu.archive_shm(images, str(shm)) == 70_001
+    assert not (images / (criu.SHM_ARCHIVE + ".part")).exists()
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert criu.unpack_shm(images, str(fresh)) == 2
+    assert (fresh / "psm_0a1b").read_bytes() == (shm / "psm_0a1b").read_bytes()
+    assert (fresh / "psm_0a1b").stat().st_mode & 0o777 == 0o600
+    assert (fresh / "ring" / "sem.mp-x").read_bytes() == b"\x01"
+    assert not (fresh / "ipc-socket").exists()
+
+
+def test_options_record_the_archive_only_when_used():
+    assert "shm_archive" not in criu.CriuOptions(link_remap=True, mount_namespace=True).to_json()
+    opts = criu.CriuOptions(link_remap=True, shm_archive=True)
+    assert criu.CriuOptions.from_json(opts.to_json()) == opts
+
+
+@pytest.mark.parametrize("name,kind", [("../outside", tarfile.REGTYPE), ("/abs", tarfile.REGTYPE),
+                                       ("link", tarfile.SYMTYPE)])
+def test_an_altered_archive_is_refused(tmp_path, name, kind):
+    images = tmp_path / "images"
+    images.mkdir()
+    with tarfile.open(images / criu.SHM_ARCHIVE, "w:gz") as tar:
+        info = tarfile.TarInfo(name)
+        info.type = kind
+        if kind == tarfile.SYMTYPE:
+            info.linkname = "/etc/passwd"
+            tar.addfile(info)
+        else:
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"z"))
+    dest = tmp_path / "shm"
+    dest.mkdir()
+    with pytest.raises(ColdSnapError, match="not a plain relative file"):
+        criu.unpack_shm(images, str(dest))
+    assert not (tmp_path / "outside").exists() and not list(dest.iterdir())
+
+
+def test_a_missing_archive_names_the_capsule(tmp_path):
+    with pytest.raises(ColdSnapError, match="archived /dev/shm"):
+        criu.unpack_shm(tmp_path, str(tmp_path / "shm"))
