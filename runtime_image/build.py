@@ -387,8 +387,9 @@ def engine_build(client: Any, *, runtime: Any, engine: str, python: str, engine_
     site, env_python, env_id = engine_site(engine, engine_python)
     if env_python != python:
         raise ColdSnapError(f"the {engine} environment runs Python {env_python}, the runtime image's base "
-                            f"Python {python}", fix=f"build the environment with the base suite's python3 "
-                                                   f"(PYTHON=python{python} scripts/engine-env.sh {engine})")
+                            f"Python {python}",
+                            fix=f"build the environment with the base suite's python3 "
+                                f"(PYTHON=python{python} scripts/engine-env.sh {engine})")
     entries, _unused = archive.collect_tree(site, "site", exclude=_engine_skip, what=f"the {engine} environment")
     # Libraries the base lacks (libnuma for vLLM's CPU kernels): this host's copies, the same Debian suite.
     syslibs = missing_in_image(client, runtime, engine_system_libraries(site))

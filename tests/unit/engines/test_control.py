@@ -190,7 +190,7 @@ def test_a_sleep_waits_for_the_background_materialize_that_reads_the_weights(rig
     slept = {}
     sleeper = threading.Thread(target=lambda: slept.update(rig["handle"].call("POST", "/sleep")))
     sleeper.start()
-    for _ in range(10):
+    for _look in range(10):
         assert rig["handle"].call("GET", "/status")["state"] == "ready", "weights freed under the materialize"
         time.sleep(0.05)
     gate.set()

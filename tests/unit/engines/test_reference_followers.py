@@ -92,7 +92,7 @@ def test_a_follower_asked_to_sleep_first_waits_for_rank_0_and_its_generation_in_
     follower = threading.Thread(target=sleep_follower)
     follower.start()
     # While rank 0 has not been asked, the follower keeps its weights: it stays ready, its sleep pending.
-    for _ in range(20):
+    for _look in range(20):
         assert state(ranks, 1) == ec.READY, "the follower released its memory before rank 0 parked it"
         time.sleep(0.05)
     assert follower.is_alive()
