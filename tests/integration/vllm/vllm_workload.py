@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +17,9 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 import coldsnap  # noqa: F401  # pylint: disable=unused-import
 from coldsnap.demo import VLLM_ENGINE_ENV, VLLM_SERVED, vllm_request, vllm_serve_command
 from coldsnap.runner import operation_extravars, run_playbook
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docker_units"))
+from docker_workload import DockerWorkload
 
 SERVED = VLLM_SERVED
 PROMPT = "The snapshot restored the model server"
@@ -99,21 +103,9 @@ class VllmDockerWorkload(VllmWorkload):
 
         return super().request(operation, artifact=artifact, mutate=docker)
 
-    def container(self):
-        import docker
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.units.containers import (
-            canonical_container_name,
-        )
-
-        try:
-            return docker.from_env().containers.get(canonical_container_name(self.name, "unit-0"))
-        except docker.errors.NotFound:
-            return None
-
-    def stop(self) -> None:
-        c = self.container()
-        if c is not None:
-            c.remove(force=True)
+    # The unit's container is found and removed as the reference engine's docker workloads do.
+    container = DockerWorkload.container
+    stop = DockerWorkload.stop
 
 
 def kill_tree(pid: int) -> None:
