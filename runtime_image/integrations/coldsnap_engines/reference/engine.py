@@ -24,7 +24,7 @@ from coldsnap_engines.reference.config import ModelConfig
 from coldsnap_engines.reference.engine_core import ServingPaused, TokenLogprobs
 from coldsnap_engines.reference.model import Decoder
 
-OP_GENERATE, OP_QUIESCE, OP_PARK = 1, 2, 3
+OP_GENERATE, OP_PARK = 1, 2  # OP_PARK: stop taking commands until woken (before a sleep or a quiesce)
 
 
 def require_cpu_compiler() -> None:
@@ -240,7 +240,7 @@ class Engine:
             if op == OP_GENERATE:
                 self._generate(ids, max_tokens)
                 self._compiled()
-            elif op in (OP_QUIESCE, OP_PARK):
+            elif op == OP_PARK:
                 self.transport_ready.clear()
                 self.loop_idle.set()
 
@@ -255,25 +255,23 @@ class Engine:
             self.paused = False
 
     def park_followers(self, timeout: float = 120) -> None:
-        """Before a sleep releases memory: rank 0 (paused) tells the followers to park; a follower
-        waits until it has (its generation in flight finished, no command taken until woken). A
-        follower never frees weights a collective of rank 0's may still read."""
+        """Before a sleep releases memory or a quiesce tears the transport down: rank 0 (paused)
+        tells the followers to park; a follower waits until it has (its generation in flight
+        finished, no command taken until woken). A follower never frees weights a collective of
+        rank 0's may still read."""
         if self.world == 1:
             return
         if self.rank == 0:
             self.transport.broadcast_command(OP_PARK, [], 0)
         elif not self.loop_idle.wait(timeout=timeout):
             raise RuntimeError(f"rank {self.rank} was not parked by rank 0 within {timeout:.0f} s: rank 0's "
-                               "engine must sleep too (sleep every unit of the workload)")
+                               "engine must sleep (or quiesce) too: act on every unit of the workload")
 
     # ------------------------------------------------------------- transport
     def release_transport(self) -> None:
-        """Tear down torch.distributed (rank 0 first tells the followers to park)."""
+        """Tear down torch.distributed (the followers parked first)."""
         if self.world > 1:
-            if self.rank == 0:
-                self.transport.broadcast_command(OP_QUIESCE, [], 0)
-            else:
-                self.loop_idle.wait(timeout=120)
+            self.park_followers()
             self.transport.release()
         self.transport_ready.clear()
 
