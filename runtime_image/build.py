@@ -328,7 +328,8 @@ def runtime_build(client: Any, *, base: Any, cache: Path, criu: Path, criu_versi
 
 # ----------------------------------------------------------------------------- engine variants
 
-ENGINE_MODULES = {"vllm": "vllm"}  # engine -> the module a variant must be able to find
+# engine -> the compiled module a variant must import (its shared libraries all found in the image)
+ENGINE_MODULES = {"vllm": "vllm._C"}
 # Debian packages an engine needs beyond the runtime's: vLLM's CPU kernels compile with TorchInductor
 # (a C++ compiler, Python.h, and openssl to hash headers, at start-up even with --enforce-eager) and link libnuma.
 ENGINE_PACKAGES = {"vllm": ("g++", "libnuma1", "openssl", "python3-dev")}
@@ -352,33 +353,19 @@ def engine_site(engine: str, python: str | None) -> tuple[Path, str, str]:
             raise ColdSnapError(f"scripts/engine-env.sh {engine} failed: {r.stderr.strip()[-800:]}",
                                 fix="build the engine environment first (it needs PyPI access once)")
         python = r.stdout.strip().splitlines()[-1]
-    r = subprocess.run([python, "-c", "import sys, sysconfig; print(sysconfig.get_paths()['purelib']); "
-                        "print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True, check=False)
-    if r.returncode != 0:
-        raise ColdSnapError(f"the {engine} environment's python {python} does not run: {r.stderr.strip()[-400:]}",
-                            fix=f"rebuild it: scripts/engine-env.sh {engine}")
+    try:
+        r = subprocess.run([python, "-c", "import sys, sysconfig; print(sysconfig.get_paths()['purelib']); "
+                            "print('%d.%d' % sys.version_info[:2])"], capture_output=True, text=True, check=False)
+        problem = None if r.returncode == 0 and len(r.stdout.split()) == 2 else \
+            (r.stderr.strip()[-400:] or f"exit status {r.returncode}")
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    if problem is not None:
+        raise ColdSnapError(f"--engine-python {python} does not run as the {engine} environment's python: {problem}",
+                            fix=f"give that environment's bin/python, or leave --engine-python out "
+                                f"(scripts/engine-env.sh {engine} builds or finds it)")
     site, version = r.stdout.split()
     return Path(site), version, Path(python).parents[1].name
-
-
-def engine_system_libraries(site: Path) -> list[str]:
-    """The system shared libraries (outside the environment) its extension modules link against."""
-    objects = sorted(str(p) for p in site.rglob("*.so*") if p.is_file() and not p.is_symlink())
-    libs: set[str] = set()
-    for i in range(0, len(objects), 64):
-        out = subprocess.run(["ldd", *objects[i:i + 64]], check=False, capture_output=True, text=True).stdout
-        libs.update(m.group(1) for m in re.finditer(r"=>\s+(/\S+)\s+\(0x", out))
-    env_root = str(site.parents[2])
-    return sorted(lib for lib in libs if not lib.startswith(env_root + "/"))
-
-
-def missing_in_image(client: Any, image: Any, paths: list[str]) -> list[str]:
-    """Which of ``paths`` the image lacks (one throw-away container, no network)."""
-    if not paths:
-        return []
-    out = client.containers.run(image.id, ["/bin/sh", "-c", 'for f; do [ -e "$f" ] || echo "$f"; done', "sh", *paths],
-                                remove=True, network_mode="none", stdout=True, stderr=False)
-    return sorted(out.decode().split())
 
 
 def engine_build(client: Any, *, runtime: Any, engine: str, python: str, engine_python: str | None, tag: str,
@@ -391,37 +378,28 @@ def engine_build(client: Any, *, runtime: Any, engine: str, python: str, engine_
                             fix=f"build the environment with the base suite's python3 "
                                 f"(PYTHON=python{python} scripts/engine-env.sh {engine})")
     entries, _unused = archive.collect_tree(site, "site", exclude=_engine_skip, what=f"the {engine} environment")
-    # Libraries the base lacks (libnuma for vLLM's CPU kernels): this host's copies, the same Debian suite.
-    syslibs = missing_in_image(client, runtime, engine_system_libraries(site))
-    lib_entries = [archive.LayerEntry("syslibs" + os.path.join(os.path.realpath(os.path.dirname(lib)),
-                                                               os.path.basename(lib)), Path(os.path.realpath(lib)))
-                   for lib in syslibs]  # at the directory's real path: /lib is a link into /usr on merged-/usr
     dists = sorted(e.arcname.split("/")[1] for e in entries if e.arcname.count("/") == 1
                    and e.arcname.endswith(".dist-info"))
     dockerfile = (HERE / "Dockerfile.engine").read_bytes()
     module = ENGINE_MODULES[engine]
-    check = (f"import importlib.util, sys\nif importlib.util.find_spec({module!r}) is None:\n"
-             f"    sys.exit('{module} is not importable in the {engine} variant')\n").encode()
+    check = (f"import sys\nimport torch  # noqa\ntry:\n    import {module}  # noqa\nexcept ImportError as exc:\n"
+             f"    sys.exit(f'{module} does not import in the {engine} variant: {{exc}}')\n").encode()
     inputs = canonical_sha256({"format": BUILD_FORMAT, "runtime": runtime.id, "engine": engine, "environment": env_id,
                                "dists": dists, "dockerfile": hashlib.sha256(dockerfile).hexdigest(),
-                               "libraries": [[e.arcname, sha256_file(e.source)] for e in lib_entries],
                                "check": hashlib.sha256(check).hexdigest()})
     image = find_labelled(client, "runtime", inputs)
     if image is not None:
         return image, True, inputs
     engine_json = json.dumps({"format": 1, "kind": "coldsnap-engine-variant", "engine": engine,
                               "environment": env_id, "python": python, "runtime_image": runtime.id,
-                              "distributions": dists, "system_libraries": syslibs},
-                             indent=2, sort_keys=True).encode() + b"\n"
+                              "distributions": dists}, indent=2, sort_keys=True).encode() + b"\n"
 
     def write_context(tar: Any) -> None:
         dockerapi.add_bytes(tar, "Dockerfile", dockerfile)
         dockerapi.add_bytes(tar, "engine.pth", f"/opt/coldsnap/engines/{engine}\n".encode())
         dockerapi.add_bytes(tar, "engine.json", engine_json)
         dockerapi.add_bytes(tar, "check.py", check)
-        archive.add_entries(tar, entries + lib_entries)
-        if not lib_entries:
-            archive.add_entries(tar, [archive.LayerEntry("syslibs", None)])
+        archive.add_entries(tar, entries)
 
     labels = {**{k: v for k, v in (runtime.labels or {}).items() if k.startswith("org.coldsnap.")},
               LABEL_KIND: "runtime", LABEL_INPUTS: inputs, "org.coldsnap.engine": engine,
