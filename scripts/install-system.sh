@@ -48,10 +48,14 @@ fi
 # ---------------------------------------------------------------- CRIU >= 4
 # CRIU 4.1.1 (Debian 13's package and Debian 12's trixie source) cannot dump a process
 # that holds a TCP socket on Linux >= 6.16 (getsockopt SO_PASSCRED/SO_PASSSEC now fails
-# on inet sockets). We build 4.1.1 from Debian's source with our patch under
-# scripts/criu/ whenever the installed CRIU fails that probe.
+# on inet sockets). We build 4.1.1 from Debian's source with our patches under
+# scripts/criu/ whenever the installed CRIU fails that probe (the second patch gives a restored
+# process its huge-page advice before its memory is read back: faster restores where THP is
+# "madvise"; a distribution CRIU that passes the probe restores correctly, only slower).
 criu_major() { "$1" --version 2>/dev/null | sed -n 's/^Version: \([0-9]*\).*/\1/p'; }
 patch_id() { cat "$here"/scripts/criu/*.patch | sha256sum | cut -c1-12; }
+# Our build says which patches it carries: `criu --version` prints "GitID: coldsnap-<patch id>".
+criu_gitid() { "$1" --version 2>/dev/null | sed -n 's/^GitID: //p'; }
 
 mkdir -p "$CACHE_DIR"
 criu_from_cache=0
@@ -129,7 +133,7 @@ build_criu_from_trixie_source() {
     build-essential pkg-config libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev \
     protobuf-compiler python3-protobuf libnl-3-dev libnet1-dev libcap-dev libaio-dev \
     libbsd-dev libgnutls28-dev libnftables-dev uuid-dev dpkg-dev patch >/dev/null
-  if [ "${1:-}" != fresh ] && [ -x "$prefix/criu" ] && [ "$(criu_major "$prefix/criu")" -ge 4 ] 2>/dev/null; then
+  if [ "${1:-}" != fresh ] && [ -x "$prefix/criu" ] && [ "$(criu_gitid "$prefix/criu")" = "coldsnap-$(patch_id)" ]; then
     log "using cached CRIU build $prefix/criu"
     criu_from_cache=1
   else
@@ -146,8 +150,8 @@ build_criu_from_trixie_source() {
     for p in "$here"/scripts/criu/*.patch; do
       patch -s -d "$work/criu-$CRIU_VERSION" -p1 < "$p"
     done
-    make -s -C "$work/criu-$CRIU_VERSION" -j"$(nproc)" criu >/dev/null 2>&1 \
-      || { make -C "$work/criu-$CRIU_VERSION" criu 2>&1 | tail -30 >&2; exit 1; }
+    make -s -C "$work/criu-$CRIU_VERSION" -j"$(nproc)" GITID="coldsnap-$(patch_id)" criu >/dev/null 2>&1 \
+      || { make -C "$work/criu-$CRIU_VERSION" GITID="coldsnap-$(patch_id)" criu 2>&1 | tail -30 >&2; exit 1; }
     rm -rf "$prefix.tmp"; mkdir -p "$prefix.tmp"
     cp "$work/criu-$CRIU_VERSION/criu/criu" "$prefix.tmp/criu"
     rm -rf "$prefix"; mv "$prefix.tmp" "$prefix"
@@ -156,8 +160,25 @@ build_criu_from_trixie_source() {
   install -m 0755 "$prefix/criu" /usr/local/sbin/criu
 }
 
-if have_good_criu; then
+stale_coldsnap_criu() {
+  # The criu on PATH is ColdSnap's own build, but from another set of patches than scripts/criu/
+  # has now (a machine bootstrapped by an older checkout): build the current one.
+  local bin
+  bin=$(command -v criu 2>/dev/null) || return 1
+  [ "$(readlink -f "$bin")" = /usr/local/sbin/criu ] || return 1
+  [ "$(criu_gitid "$bin")" != "coldsnap-$(patch_id)" ]
+}
+
+if have_good_criu && ! stale_coldsnap_criu; then
   log "CRIU $(criu --version | sed -n 's/^Version: //p') already installed and dumps TCP sockets"
+elif stale_coldsnap_criu; then
+  log "the installed CRIU is ColdSnap's build with other patches than scripts/criu/ has"
+  build_criu_from_trixie_source; hash -r
+  have_good_criu || {
+    echo "the rebuilt CRIU failed its probes ($PROBE_LOG):" >&2
+    cat "$PROBE_LOG" >&2
+    exit 1
+  }
 else
   # The distribution's runtime libraries (and its criu on Debian 13) come from the package
   # when it is new enough; the patched build then takes precedence in /usr/local/sbin.

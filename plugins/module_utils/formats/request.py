@@ -48,6 +48,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets imp
     is_credential_name,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (
+    HUGE_PAGES_ENV,
+    HUGE_PAGES_VALUES,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
     REQUEST_FORMAT,
     REQUEST_KIND,
@@ -337,6 +341,10 @@ def cross_check(req: dict) -> list[FormatIssue]:
         for name in sorted(unit.get("environment", {})):
             if is_credential_name(name):
                 add(f"{p}.environment.{name}", f"{name} looks like a credential", UNIT_SECRET_FIX)
+        huge = unit.get("environment", {}).get(HUGE_PAGES_ENV)
+        if huge is not None and huge.strip().lower() not in HUGE_PAGES_VALUES:
+            add(f"{p}.environment.{HUGE_PAGES_ENV}", f"{huge!r} is neither on nor off",
+                "write 'on' (the default: the unit's memory is restored into transparent huge pages) or 'off'")
         if launch["runtime"] == "docker":
             if "image" not in unit:
                 add(f"{p}.image", "runtime 'docker' needs a digest-pinned image", ids.IMAGE_REF_FIX)

@@ -36,6 +36,19 @@ def pack_relpath(hex_digest: str) -> str:
     return f"{PACK_DIR}/{hex_digest}{PACK_SUFFIX}"
 
 
+# A unit's environment may turn off the restore into transparent huge pages (docs/user-guide.md,
+# "GPU hosts"): its processes then come back in the pages they had.
+HUGE_PAGES_ENV = "COLDSNAP_HUGE_PAGES"
+HUGE_PAGES_VALUES = {"on": True, "1": True, "true": True, "yes": True,
+                     "off": False, "0": False, "false": False, "no": False}
+
+
+def huge_pages_wanted(environment: dict | None) -> bool:
+    """Whether a unit with this (validated) environment is restored into huge pages; on by default."""
+    value = (environment or {}).get(HUGE_PAGES_ENV)
+    return True if value is None else HUGE_PAGES_VALUES.get(str(value).strip().lower(), True)
+
+
 @dataclass(frozen=True)
 class PayloadRef:
     """A file of a worker's payload: ``path`` (relative to its directory, or to the state root

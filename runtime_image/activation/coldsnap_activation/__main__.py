@@ -20,13 +20,14 @@ def main(argv: list[str] | None = None) -> int:
         k.add_argument("--images", required=True, type=Path)
         k.add_argument("--result", required=True, type=Path)
         k.add_argument("--leave-stopped", action="store_true")
+        k.add_argument("--huge-pages", action="store_true", help="restore large anonymous memory into huge pages")
         k.add_argument("--criu", default=None)
         k.add_argument("--options", default=None, help="CRIU options recorded at capture (JSON)")
         ka = k.parse_args(argv[1:])
         from coldsnap_activation.keeper import run
 
         return run(ka.images, ka.result, leave_stopped=ka.leave_stopped, criu_binary=ka.criu,
-                   options=json.loads(ka.options) if ka.options else None)
+                   options=json.loads(ka.options) if ka.options else None, huge_pages=ka.huge_pages)
     p = argparse.ArgumentParser(prog="coldsnap_activation")
     p.add_argument("operation", choices=UNIT_OPERATIONS)
     p.add_argument("--spec", required=True, type=Path, help="unit spec JSON written by the module")

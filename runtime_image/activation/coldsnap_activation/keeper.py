@@ -56,7 +56,7 @@ def _write(result_file: Path, doc: dict) -> None:
 
 
 def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: str | None,
-        options: dict | None = None) -> int:
+        options: dict | None = None, huge_pages: bool = False) -> int:
     """Restore ``images`` as our descendant, report, then reap until the tree is gone."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
     from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
@@ -64,7 +64,8 @@ def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: st
     try:
         become_subreaper()
         res = criu_mod.restore(criu_mod.find_criu(criu_binary), images, work_dir=result_file.parent,
-                               leave_stopped=leave_stopped, options=criu_mod.CriuOptions.from_json(options))
+                               leave_stopped=leave_stopped, options=criu_mod.CriuOptions.from_json(options),
+                               huge_pages=huge_pages)
     except (ColdSnapError, OSError) as exc:
         _write(result_file, {"ok": False, "error": str(exc)})
         return 1
@@ -79,7 +80,7 @@ def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: st
 
 
 def start(images: Path, *, work_dir: Path, leave_stopped: bool, criu_binary: str | None, log_path: Path,
-          timeout: float = 600, options: dict | None = None) -> dict:
+          timeout: float = 600, options: dict | None = None, huge_pages: bool = False) -> dict:
     """Spawn a keeper for ``images`` and wait for its restore result (pid, seconds).
 
     CRIU's log and the result go to ``work_dir`` (fresh, 0700), never into the image directory."""
@@ -93,6 +94,8 @@ def start(images: Path, *, work_dir: Path, leave_stopped: bool, criu_binary: str
             "--result", str(result_file)]
     if leave_stopped:
         args.append("--leave-stopped")
+    if huge_pages:
+        args.append("--huge-pages")
     if criu_binary:
         args += ["--criu", criu_binary]
     if options:

@@ -36,6 +36,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing impo
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (
     EVIDENCE_FILE,
     UnitSpec,
+    huge_pages_wanted,
     new_evidence,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
@@ -640,12 +641,14 @@ class Activation:
                                                        unit=spec.unit_id)
                     served += [{"worker": wid, **m} for m in rebound]
                     options = criu_mod.CriuOptions.from_json((cw.get("criu") or {}).get("options"))
+                    huge = huge_pages_wanted(spec.unit.get("environment"))
                     if spec.supervise:  # we are the container's PID 1: the tree becomes our child
                         pid = criu_mod.restore(criu, images, work_dir=work, leave_stopped=True, sibling=True,
-                                               options=options).pid
+                                               options=options, huge_pages=huge).pid
                     else:
                         kept = keeper.start(images, work_dir=work, leave_stopped=True, criu_binary=criu.binary,
-                                            log_path=self.workload_dir / "keeper.log", options=options.to_json())
+                                            log_path=self.workload_dir / "keeper.log", options=options.to_json(),
+                                            huge_pages=huge)
                         if not kept["ok"]:
                             raise UnitError(f"unit {spec.unit_id}: {kept['error']}")
                         pid = kept["pid"]

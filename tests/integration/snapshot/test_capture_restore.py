@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,28 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt imp
 from snapshot_workload import Workload, free_port, units_of
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
+
+
+def huge_page_kib(pids: list[int]) -> int:
+    """AnonHugePages of these processes, summed (KiB)."""
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                total += int(line.split()[1])
+    return total
+
+
+def restores_into_huge_pages() -> bool:
+    """ColdSnap's CRIU build on a host with transparent huge pages (not ``never``)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process.criu import find_criu
+
+    version = subprocess.run([find_criu().binary, "--version"], check=True, capture_output=True, text=True).stdout
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "GitID: coldsnap-" in version and "[never]" not in mode
 
 
 def capture(wl: Workload, *, live: bool = False) -> tuple[Path, dict]:
@@ -64,6 +87,8 @@ def test_capture_then_restore_native_and_recovery(tp, state_root, tiny_model, en
         assert unit0["readiness"]["ttft_s"] > 0
         # A live request after the restore gives the same greedy reply.
         assert wl.complete() == accepted
+        if restores_into_huge_pages():  # the engine's large anonymous mappings came back in 2 MiB pages
+            assert huge_page_kib(wl.engines()) > 0
         log = (state_root / "workloads" / wl.name / "unit-0" / "target.log").read_text().splitlines()
         marker = json.loads(log[0])
         assert marker["coldsnap"] == "restore-boundary" and marker["provider"] == "native"
