@@ -7,6 +7,7 @@
         model-payloads/incoming/           payloads arriving from another host
         activation-runtime/sha256/<hex>/   staged activation runtimes (content-addressed)
         activation-runtime/incoming/       the runtime's files as copied, before staging
+        activation-runtime/bytecode/       its compiled modules (PYTHONPYCACHEPREFIX; sources untouched)
         captures/<capture id>/units/<unit>/   a unit's captured state
         capsules/oci/                      OCI-layout capsules (runtime host)
         capsules/extracted/<hex>/          capsule state extracted for a restore
@@ -82,6 +83,13 @@ class StateLayout:
 
     def activation_runtime(self, hex_digest: str) -> Path:
         return self.activation_runtimes / hex_digest
+
+    @property
+    def activation_bytecode(self) -> Path:
+        """Compiled modules of the activation runtime and the collection code it imports (Python's
+        ``PYTHONPYCACHEPREFIX``): written by the first start, read by every later one, so a restore
+        does not compile ~100 modules before it can begin; the staged sources stay as staged."""
+        return self.root / ACTIVATION_RUNTIME / "bytecode"
 
     @property
     def activation_incoming(self) -> Path:

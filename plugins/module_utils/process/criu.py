@@ -207,6 +207,13 @@ def unpack_shm(images_dir: Path, shm_dir: str = SHM_DIR) -> int:
     return written
 
 
+# What ColdSnap's CRIU build (scripts/criu/0003-*.patch) reads at dump: a page of private anonymous
+# memory whose bytes are all zero is left out of the images (a private anonymous page that is not
+# restored reads as zeros). A CUDA checkpoint parks the process's GPU memory in host memory, much of
+# it zeros; so are freed heaps. Other CRIU builds ignore it and dump every present page.
+CRIU_SKIP_ZERO_ENV = "COLDSNAP_CRIU_SKIP_ZERO"
+
+
 @dataclass(frozen=True)
 class DumpResult:
     images_dir: str
@@ -223,7 +230,7 @@ def dump(criu: Criu, pid: int, images_dir: Path, *, leave_running: bool = False,
             "--tcp-close", "--skip-in-flight", "--file-locks", *(options or CriuOptions()).dump_args()]
     if leave_running:
         args.append("--leave-running")
-    secs = _run(criu, args, images_dir / "dump.log", "dump", timeout)
+    secs = _run(criu, args, images_dir / "dump.log", "dump", timeout, env={CRIU_SKIP_ZERO_ENV: "1"})
     if options is not None and options.shm_archive:
         archive_shm(images_dir)
     size = sum(f.stat().st_size for f in images_dir.iterdir() if f.is_file())

@@ -156,6 +156,8 @@ def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_diges
     adir = activation_stage.require_staged(layout.root, activation_digest)
     run_dir = layout.run(specs[0].operation_id) if specs else layout.runs
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    bytecode = layout.activation_bytecode
+    bytecode.mkdir(parents=True, exist_ok=True, mode=0o700)
     procs = []
     for base in specs:
         spec = base.replace(t0_ns=time.monotonic_ns())
@@ -165,8 +167,9 @@ def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_diges
         log_path = run_dir / f"activation-{spec.operation}-{uid}.log"
         ev_path.unlink(missing_ok=True)
         atomic_write_json(spec_path, spec.to_json(), mode=0o600)
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": os.pathsep.join(
+        env = {**os.environ, "PYTHONPYCACHEPREFIX": str(bytecode), "PYTHONPATH": os.pathsep.join(
             [str(adir)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         log = open(log_path, "ab")
         os.fchmod(log.fileno(), 0o600)
         p = subprocess.Popen([spec.python, "-m", "coldsnap_activation", spec.operation, "--spec", str(spec_path),

@@ -607,6 +607,8 @@ class Activation:
         spec = self.spec
         captured = json.loads((self.unit_dir / EVIDENCE_FILE).read_text())
         by_worker = {w["worker"]: w for w in captured["workers"]}
+        if any(w.get("cuda") for w in captured["workers"]):
+            cuda_mod.preload()  # the driver's start-up overlaps the CRIU restore
         criu = criu_mod.find_criu(spec.criu_binary)
         moved = placement.Placement.from_json(spec.placement)
         restored: list[EngineHandle] = []

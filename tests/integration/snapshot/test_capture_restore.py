@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
 from snapshot_workload import Workload, free_port, units_of
@@ -101,6 +102,11 @@ def test_capture_then_restore_native_and_recovery(tp, state_root, tiny_model, en
         log = (state_root / "workloads" / wl.name / "unit-0" / "target.log").read_text().splitlines()
         assert json.loads(log[0])["provider"] == "recovery"
         assert len(wl.engines()) == tp
+        # The activation runtime's bytecode is kept beside the staged runtimes, which stay as staged.
+        layout = StateLayout(state_root)
+        assert any(layout.activation_bytecode.rglob("coldsnap_activation/sequence*.pyc"))
+        assert not any(layout.activation_runtimes.rglob("__pycache__"))
+        assert layout.activation_bytecode.stat().st_mode & 0o777 == 0o700
     finally:
         wl.stop()
 

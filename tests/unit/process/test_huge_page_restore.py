@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -57,12 +55,6 @@ def thp_mode() -> str:
     return text.split("[", 1)[1].split("]", 1)[0]
 
 
-def coldsnap_build(criu: criu_mod.Criu) -> bool:
-    """ColdSnap's own CRIU build (scripts/install-system.sh) says so in its version."""
-    out = subprocess.run([criu.binary, "--version"], check=True, capture_output=True, text=True).stdout
-    return "GitID: coldsnap-" in out
-
-
 def start_child(tmp_path: Path) -> tuple[subprocess.Popen, dict]:
     info_file = tmp_path / "child.json"
     proc = subprocess.Popen([sys.executable, "-c", CHILD, str(info_file)], stdin=subprocess.DEVNULL,
@@ -91,16 +83,6 @@ def mapping(pid: int, address: int) -> dict:
     raise AssertionError(f"no mapping of pid {pid} holds {address:#x}")
 
 
-def kill(proc_or_pid) -> None:
-    pid = proc_or_pid if isinstance(proc_or_pid, int) else proc_or_pid.pid
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    if not isinstance(proc_or_pid, int):
-        proc_or_pid.wait(timeout=30)
-
-
 @pytest.mark.parametrize("env,wanted", [(None, True), ({}, True), ({"COLDSNAP_HUGE_PAGES": "on"}, True),
                                         ({"COLDSNAP_HUGE_PAGES": "off"}, False),
                                         ({"COLDSNAP_HUGE_PAGES": " OFF "}, False),
@@ -112,38 +94,34 @@ def test_a_units_environment_decides(env, wanted):
 
 @pytest.mark.criu
 @pytest.mark.parametrize("huge", [True, False], ids=["huge-pages", "as-dumped"])
-def test_restored_memory_is_the_dumped_bytes_in_huge_pages_when_asked(tmp_path, huge):
-    criu = criu_mod.find_criu()
+def test_restored_memory_is_the_dumped_bytes_in_huge_pages_when_asked(tmp_path, huge, criu_build, reap):
+    criu, coldsnap_build = criu_build
     proc, info = start_child(tmp_path)
-    restored = None
-    try:
-        before_small = mapping(info["pid"], info["small"])
-        assert before_small["hi"] - before_small["lo"] == MIB, "the small mapping is a VMA of its own"
-        assert "hg" not in mapping(info["pid"], info["big"])["flags"], "nothing advised before the dump"
-        criu_mod.dump(criu, info["pid"], tmp_path / "images")
-        proc.wait(timeout=30)
-        restored = criu_mod.restore(criu, tmp_path / "images", work_dir=tmp_path / "work", huge_pages=huge).pid
-        assert restored == info["pid"]
-        with open(f"/proc/{restored}/mem", "rb") as mem:
-            mem.seek(info["big"])
-            assert hashlib.sha256(mem.read(BIG)).hexdigest() == info["sha256"], "the dumped bytes come back"
-            mem.seek(info["small"])
-            assert mem.read(MIB) == b"s" * MIB
-        big, small = mapping(restored, info["big"]), mapping(restored, info["small"])
-        assert "hg" not in small["flags"], "under 2 MiB nothing gains from huge pages: left as dumped"
-        if not coldsnap_build(criu) or thp_mode() in ("absent", "never"):
-            return  # another CRIU ignores the request; without THP there are no huge pages to have
-        if huge:
-            assert "hg" in big["flags"], big
-            assert big["anon_huge_kib"] * 1024 >= BIG // 2, f"restored in 4 KiB pages: {big}"
-        else:
-            assert "hg" not in big["flags"], "without the request the process comes back as it was"
-            if thp_mode() == "madvise":
-                assert big["anon_huge_kib"] == 0, big
-    finally:
-        kill(proc)
-        if restored is not None:
-            kill(restored)
+    reap(proc)
+    before_small = mapping(info["pid"], info["small"])
+    assert before_small["hi"] - before_small["lo"] == MIB, "the small mapping is a VMA of its own"
+    assert "hg" not in mapping(info["pid"], info["big"])["flags"], "nothing advised before the dump"
+    criu_mod.dump(criu, info["pid"], tmp_path / "images")
+    proc.wait(timeout=30)
+    restored = criu_mod.restore(criu, tmp_path / "images", work_dir=tmp_path / "work", huge_pages=huge).pid
+    reap(restored)
+    assert restored == info["pid"]
+    with open(f"/proc/{restored}/mem", "rb") as mem:
+        mem.seek(info["big"])
+        assert hashlib.sha256(mem.read(BIG)).hexdigest() == info["sha256"], "the dumped bytes come back"
+        mem.seek(info["small"])
+        assert mem.read(MIB) == b"s" * MIB
+    big, small = mapping(restored, info["big"]), mapping(restored, info["small"])
+    assert "hg" not in small["flags"], "under 2 MiB nothing gains from huge pages: left as dumped"
+    if not coldsnap_build or thp_mode() in ("absent", "never"):
+        return  # another CRIU ignores the request; without THP there are no huge pages to have
+    if huge:
+        assert "hg" in big["flags"], big
+        assert big["anon_huge_kib"] * 1024 >= BIG // 2, f"restored in 4 KiB pages: {big}"
+    else:
+        assert "hg" not in big["flags"], "without the request the process comes back as it was"
+        if thp_mode() == "madvise":
+            assert big["anon_huge_kib"] == 0, big
 
 
 def test_a_request_with_an_unknown_value_is_refused_naming_the_field(example_request_text):

@@ -147,3 +147,28 @@ def test_a_unit_whose_workers_stay_on_their_gpus_restores_without_a_map_and_skip
     seen.clear()
     act._restore_cuda(list(zip(handles, [{"cuda": False}, {"cuda": False}], strict=True)))
     assert seen == []
+
+
+def test_the_driver_starts_in_the_background_and_a_missing_one_is_left_to_the_restore(monkeypatch):
+    """``preload`` (started before the CRIU restore) runs cuInit off the caller's thread; without
+    cuda-python or a GPU it ends quietly: the restore's own call reports the error, naming the fix."""
+    import threading
+
+    inits: list[str] = []
+    fake = FakeDriver()
+    monkeypatch.setattr(fake, "cuInit", lambda _flags: inits.append(threading.current_thread().name) or (0,))
+    monkeypatch.setattr(cuda, "_driver", lambda: fake)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    cuda.preload().join(10)
+    assert inits == ["coldsnap-cuda-init"]
+    assert cuda.os.environ["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+    def missing():
+        raise ColdSnapError("cuda-python is not installed on this host", fix="pip install cuda-python")
+
+    monkeypatch.setattr(cuda, "_driver", missing)
+    thread = cuda.preload()
+    thread.join(10)
+    assert not thread.is_alive()
+    with pytest.raises(ColdSnapError, match="cuda-python"):
+        cuda.restore_tree([4242])
