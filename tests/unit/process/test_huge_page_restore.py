@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -55,18 +52,6 @@ def thp_mode() -> str:
     return text.split("[", 1)[1].split("]", 1)[0]
 
 
-def start_child(tmp_path: Path) -> tuple[subprocess.Popen, dict]:
-    info_file = tmp_path / "child.json"
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(info_file)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd="/")
-    deadline = time.time() + 60
-    while not info_file.exists():
-        assert proc.poll() is None, "the child died before it was ready"
-        assert time.time() < deadline, "the child did not get ready in 60 s"
-        time.sleep(0.05)
-    return proc, json.loads(info_file.read_text())
-
-
 def mapping(pid: int, address: int) -> dict:
     """The smaps entry of ``pid``'s mapping that holds ``address``: bounds, VmFlags, AnonHugePages (KiB)."""
     cur: dict | None = None
@@ -94,10 +79,9 @@ def test_a_units_environment_decides(env, wanted):
 
 @pytest.mark.criu
 @pytest.mark.parametrize("huge", [True, False], ids=["huge-pages", "as-dumped"])
-def test_restored_memory_is_the_dumped_bytes_in_huge_pages_when_asked(tmp_path, huge, criu_build, reap):
+def test_restored_memory_is_the_dumped_bytes_in_huge_pages_when_asked(tmp_path, huge, criu_build, reap, spawn_ready):
     criu, coldsnap_build = criu_build
-    proc, info = start_child(tmp_path)
-    reap(proc)
+    proc, info = spawn_ready(CHILD, "child")
     before_small = mapping(info["pid"], info["small"])
     assert before_small["hi"] - before_small["lo"] == MIB, "the small mapping is a VMA of its own"
     assert "hg" not in mapping(info["pid"], info["big"])["flags"], "nothing advised before the dump"

@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import marked_root, process_tree
 
@@ -20,6 +22,11 @@ CHILD = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c
 def _start(env: dict) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen([sys.executable, "-c", CHILD], env={**os.environ, **env}, stdout=subprocess.PIPE, text=True)
     child = int(proc.stdout.readline())
+    # A vfork()ed child's pid is known before the kernel has laid out its new environment: until then
+    # /proc/<pid>/environ reads empty. Wait for it (a launcher's engine is long past that point).
+    deadline = time.monotonic() + 10
+    while not Path(f"/proc/{child}/environ").read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.001)
     return proc, child
 
 

@@ -7,10 +7,8 @@ zeros in a child over its parent's data (memory shared copy-on-write after ``for
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -55,18 +53,6 @@ while True:
 """.replace("SIZE_BYTES", str(SIZE))
 
 
-def start_tree(tmp_path: Path) -> tuple[subprocess.Popen, dict]:
-    info_file = tmp_path / "tree.json"
-    proc = subprocess.Popen([sys.executable, "-c", TREE, str(info_file)], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd="/")
-    deadline = time.time() + 60
-    while not info_file.exists():
-        assert proc.poll() is None, "the process tree died before it was ready"
-        assert time.time() < deadline, "the process tree did not get ready in 60 s"
-        time.sleep(0.05)
-    return proc, json.loads(info_file.read_text())
-
-
 def pages_bytes(images: Path) -> int:
     return sum(f.stat().st_size for f in images.glob("pages-*.img"))
 
@@ -85,10 +71,9 @@ def read(pid: int, addr: int, size: int) -> bytes:
 
 
 @pytest.mark.criu
-def test_zeros_come_back_as_zeros_and_data_as_data(tmp_path, criu_build, reap):
+def test_zeros_come_back_as_zeros_and_data_as_data(tmp_path, criu_build, reap, spawn_ready):
     criu, coldsnap_build = criu_build
-    proc, info = start_tree(tmp_path)
-    reap(proc)
+    proc, info = spawn_ready(TREE, "process tree")
     reap(info["child"])
     criu_mod.dump(criu, info["pid"], tmp_path / "images")
     proc.wait(timeout=30)
@@ -112,13 +97,12 @@ def test_zeros_come_back_as_zeros_and_data_as_data(tmp_path, criu_build, reap):
 
 
 @pytest.mark.criu
-def test_without_the_request_every_present_page_is_dumped(tmp_path, criu_build, reap):
+def test_without_the_request_every_present_page_is_dumped(tmp_path, criu_build, reap, spawn_ready):
     """The same tree dumped by CRIU without the environment variable: all 2 x 32 MiB written."""
     criu, coldsnap_build = criu_build
     if not coldsnap_build:
         pytest.skip("another CRIU build dumps every page anyway")  # never in CI: install-system.sh builds it
-    proc, info = start_tree(tmp_path)
-    reap(proc)
+    _proc, info = spawn_ready(TREE, "process tree")
     reap(info["child"])
     images = tmp_path / "images"
     images.mkdir(mode=0o700)
