@@ -144,6 +144,17 @@ def unit_status(spec: UnitSpec) -> dict:
                         timing={"spans": [], "marks": [], "t0_ns": t0}, state=state, changed=False, ok=True)
 
 
+def bytecode_dir(layout: StateLayout) -> Path:
+    """The activation runtime's bytecode directory (``PYTHONPYCACHEPREFIX``), created private; anything
+    else under that name is refused, naming it, rather than written through."""
+    path = layout.activation_bytecode
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise UnitError(f"{path} is not a directory: it holds the activation runtime's compiled modules",
+                        fix=f"remove {path}; the next operation creates it again")
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return path
+
+
 def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_digest: str,
               timeout: float = 3600) -> list[dict]:
     """Run the activation runtime for every spec at once as host processes; their evidence in order.
@@ -156,8 +167,7 @@ def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_diges
     adir = activation_stage.require_staged(layout.root, activation_digest)
     run_dir = layout.run(specs[0].operation_id) if specs else layout.runs
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    bytecode = layout.activation_bytecode
-    bytecode.mkdir(parents=True, exist_ok=True, mode=0o700)
+    bytecode = bytecode_dir(layout)
     procs = []
     for base in specs:
         spec = base.replace(t0_ns=time.monotonic_ns())

@@ -148,3 +148,26 @@ def test_ports_free_refuses_a_live_listener_even_without_a_workload():
             ports.require_ports_free([("127.0.0.1", s.getsockname()[1])], unit="u")
     finally:
         s.close()
+
+
+def test_the_activation_bytecode_directory_is_private_and_never_written_through_a_link(tmp_path):
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import bytecode_dir
+
+    layout = StateLayout(tmp_path / "state")
+    made = bytecode_dir(layout)
+    assert made == layout.activation_bytecode and made.is_dir()
+    assert made.stat().st_mode & 0o777 == 0o700
+    assert bytecode_dir(layout) == made  # a second start finds it
+    made.rmdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    made.symlink_to(elsewhere)
+    with pytest.raises(UnitError) as err:
+        bytecode_dir(layout)
+    assert str(made) in str(err.value) and "remove" in err.value.fix
+    made.unlink()
+    made.write_text("not a directory")
+    with pytest.raises(UnitError):
+        bytecode_dir(layout)
