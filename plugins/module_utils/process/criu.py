@@ -29,14 +29,21 @@ HARMLESS = ("Can't setup RLIMIT_NOFILE",)
 
 @dataclass(frozen=True)
 class Criu:
-    """A CRIU binary and its version."""
+    """A CRIU binary, its version and its build id (``GitID`` of ``criu --version``)."""
 
     binary: str
     version: str
+    gitid: str = ""
 
     @property
     def major(self) -> int:
         return int(self.version.split(".")[0])
+
+    @property
+    def coldsnap_build(self) -> bool:
+        """ColdSnap's own build (scripts/install-system.sh, with the patches of scripts/criu/), which
+        honours CRIU_HUGE_ANON_ENV and CRIU_SKIP_ZERO_ENV; any other CRIU ignores them."""
+        return self.gitid.startswith("coldsnap-")
 
 
 def find_criu(binary: str | None = None) -> Criu:
@@ -53,7 +60,8 @@ def find_criu(binary: str | None = None) -> Criu:
     m = re.search(r"^Version:\s*(\S+)", out, re.M)
     if not m:
         raise ColdSnapError(f"cannot read the version of {path}", fix="install CRIU >= 4")
-    criu = Criu(path, m.group(1))
+    gitid = re.search(r"^GitID:\s*(\S+)", out, re.M)
+    criu = Criu(path, m.group(1), gitid.group(1) if gitid else "")
     if criu.major < MIN_MAJOR:
         raise ColdSnapError(f"CRIU {criu.version} at {path} is too old (need >= {MIN_MAJOR})",
                             fix="run scripts/install-system.sh, which builds CRIU 4.1.1")
@@ -241,6 +249,16 @@ def dump(criu: Criu, pid: int, images_dir: Path, *, leave_running: bool = False,
 # of 2 MiB or more as if advised with MADV_HUGEPAGE, advice applied before the pages are read back.
 # Other CRIU builds ignore it.
 CRIU_HUGE_ANON_ENV = "COLDSNAP_CRIU_HUGE_ANON"
+
+
+def thp_mode() -> str:
+    """This host's transparent huge page mode ('always', 'madvise', 'never'; 'absent' without THP):
+    under 'never' a restore asked for huge pages gets 4 KiB pages."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "absent"
+    return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "absent"
 
 
 @dataclass(frozen=True)

@@ -610,6 +610,7 @@ class Activation:
         if any(w.get("cuda") for w in captured["workers"]):
             cuda_mod.preload()  # the driver's start-up overlaps the CRIU restore
         criu = criu_mod.find_criu(spec.criu_binary)
+        huge = huge_pages_wanted(spec.unit.get("environment"))
         moved = placement.Placement.from_json(spec.placement)
         restored: list[EngineHandle] = []
         served: list[dict] = []
@@ -643,7 +644,6 @@ class Activation:
                                                        unit=spec.unit_id)
                     served += [{"worker": wid, **m} for m in rebound]
                     options = criu_mod.CriuOptions.from_json((cw.get("criu") or {}).get("options"))
-                    huge = huge_pages_wanted(spec.unit.get("environment"))
                     if spec.supervise:  # we are the container's PID 1: the tree becomes our child
                         pid = criu_mod.restore(criu, images, work_dir=work, leave_stopped=True, sibling=True,
                                                options=options, huge_pages=huge).pid

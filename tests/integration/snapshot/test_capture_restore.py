@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,14 +26,9 @@ def huge_page_kib(pids: list[int]) -> int:
 
 def restores_into_huge_pages() -> bool:
     """ColdSnap's CRIU build on a host with transparent huge pages (not ``never``)."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.process.criu import find_criu
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu
 
-    version = subprocess.run([find_criu().binary, "--version"], check=True, capture_output=True, text=True).stdout
-    try:
-        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
-    return "GitID: coldsnap-" in version and "[never]" not in mode
+    return criu.find_criu().coldsnap_build and criu.thp_mode() not in ("never", "absent")
 
 
 def capture(wl: Workload, *, live: bool = False) -> tuple[Path, dict]:

@@ -16,11 +16,9 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu
 
 @pytest.fixture
 def criu_build() -> tuple[criu_mod.Criu, bool]:
-    """The CRIU the tests use, and whether it is ColdSnap's build (scripts/install-system.sh, with the
-    patches of scripts/criu/), which says so in its version."""
+    """The CRIU the tests use, and whether it is ColdSnap's build (with the patches of scripts/criu/)."""
     criu = criu_mod.find_criu()
-    out = subprocess.run([criu.binary, "--version"], check=True, capture_output=True, text=True).stdout
-    return criu, "GitID: coldsnap-" in out
+    return criu, criu.coldsnap_build
 
 
 @pytest.fixture

@@ -44,14 +44,6 @@ while True:
 """.replace("BIG_BYTES", str(BIG))
 
 
-def thp_mode() -> str:
-    try:
-        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return "absent"
-    return text.split("[", 1)[1].split("]", 1)[0]
-
-
 def mapping(pid: int, address: int) -> dict:
     """The smaps entry of ``pid``'s mapping that holds ``address``: bounds, VmFlags, AnonHugePages (KiB)."""
     cur: dict | None = None
@@ -97,14 +89,14 @@ def test_restored_memory_is_the_dumped_bytes_in_huge_pages_when_asked(tmp_path, 
         assert mem.read(MIB) == b"s" * MIB
     big, small = mapping(restored, info["big"]), mapping(restored, info["small"])
     assert "hg" not in small["flags"], "under 2 MiB nothing gains from huge pages: left as dumped"
-    if not coldsnap_build or thp_mode() in ("absent", "never"):
+    if not coldsnap_build or criu_mod.thp_mode() in ("absent", "never"):
         return  # another CRIU ignores the request; without THP there are no huge pages to have
     if huge:
         assert "hg" in big["flags"], big
         assert big["anon_huge_kib"] * 1024 >= BIG // 2, f"restored in 4 KiB pages: {big}"
     else:
         assert "hg" not in big["flags"], "without the request the process comes back as it was"
-        if thp_mode() == "madvise":
+        if criu_mod.thp_mode() == "madvise":
             assert big["anon_huge_kib"] == 0, big
 
 

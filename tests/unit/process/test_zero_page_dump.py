@@ -110,3 +110,16 @@ def test_without_the_request_every_present_page_is_dumped(tmp_path, criu_build, 
     subprocess.run([criu.binary, "dump", "-t", str(info["pid"]), "-D", str(images), "-o", "dump.log",
                     "--leave-running"], check=True, env=env, capture_output=True)
     assert pages_bytes(images) >= 2 * SIZE
+
+
+@pytest.mark.parametrize("version_text,ours", [("Version: 4.1.1\nGitID: coldsnap-3efccbd52e76\n", True),
+                                               ("Version: 4.1.1\n", False),
+                                               ("Version: 4.1\nGitID: v4.1-2-gabcdef\n", False)])
+def test_only_coldsnaps_build_is_taken_for_one(tmp_path, version_text, ours):
+    """The requests these tests check are ignored by other CRIU builds: which one runs is read once,
+    from ``criu --version``, with the version itself."""
+    fake = tmp_path / "criu"
+    fake.write_text(f"#!/bin/sh\nprintf '{version_text}'\n")
+    fake.chmod(0o755)
+    criu = criu_mod.find_criu(str(fake))
+    assert criu.major == 4 and criu.coldsnap_build is ours
