@@ -51,7 +51,8 @@ fi
 # on inet sockets). We build 4.1.1 from Debian's source with our patches under
 # scripts/criu/ whenever the installed CRIU fails that probe (the second patch gives a restored
 # process its huge-page advice before its memory is read back: faster restores where THP is
-# "madvise"; a distribution CRIU that passes the probe restores correctly, only slower).
+# "madvise"; the third leaves all-zero pages out of a dump: smaller images; a distribution CRIU
+# that passes the probe dumps and restores correctly, only larger and slower).
 criu_major() { "$1" --version 2>/dev/null | sed -n 's/^Version: \([0-9]*\).*/\1/p'; }
 patch_id() { cat "$here"/scripts/criu/*.patch | sha256sum | cut -c1-12; }
 # Our build says which patches it carries: `criu --version` prints "GitID: coldsnap-<patch id>".
