@@ -289,7 +289,9 @@ def main() -> int:
                          "fill": hydrate_fills(ev),
                          "spans": {s["name"]: round((s["end_ns"] - s["start_ns"]) / 1e9, 4)
                                    for s in ev["timing"]["spans"]},
-                         "timeline": timeline(ev["timing"]["spans"])})
+                         "timeline": timeline(ev["timing"]["spans"]),
+                         "launch_to_admission_s": round((min(s["start_ns"] for s in ev["timing"]["spans"])
+                                                         - ev["timing"]["t0_ns"]) / 1e9, 4)})
         kill_pid(ev["workers"][0]["pid"])
         time.sleep(0.5)
     result["restores"] = restores

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -16,18 +15,14 @@ def main(argv: list[str] | None = None) -> int:
     # Everything the runtime (and CRIU, its child) writes is private: images hold process memory.
     os.umask(0o077)
     if argv[:1] == ["keeper"]:
-        k = argparse.ArgumentParser(prog="coldsnap_activation keeper")
-        k.add_argument("--images", required=True, type=Path)
-        k.add_argument("--result", required=True, type=Path)
-        k.add_argument("--leave-stopped", action="store_true")
-        k.add_argument("--huge-pages", action="store_true", help="restore large anonymous memory into huge pages")
+        k = argparse.ArgumentParser(prog="coldsnap_activation keeper",
+                                    description="restore a process tree and parent it; what to restore comes "
+                                                "as one JSON line on stdin")
         k.add_argument("--criu", default=None)
-        k.add_argument("--options", default=None, help="CRIU options recorded at capture (JSON)")
         ka = k.parse_args(argv[1:])
         from coldsnap_activation.keeper import run
 
-        return run(ka.images, ka.result, leave_stopped=ka.leave_stopped, criu_binary=ka.criu,
-                   options=json.loads(ka.options) if ka.options else None, huge_pages=ka.huge_pages)
+        return run(ka.criu)
     p = argparse.ArgumentParser(prog="coldsnap_activation")
     p.add_argument("operation", choices=UNIT_OPERATIONS)
     p.add_argument("--spec", required=True, type=Path, help="unit spec JSON written by the module")
@@ -35,13 +30,17 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UnitSpec
 
-    from coldsnap_activation.sequence import main_run
-
     spec = UnitSpec.load(args.spec)
     if spec.operation != args.operation:
         print(f"spec is for {spec.operation!r}, not {args.operation!r}", file=sys.stderr)
         return 2
-    return main_run(spec, args.evidence)
+    from coldsnap_activation import keeper
+
+    # A restore's keepers start now: their start-up overlaps ours (the imports below, admission).
+    keepers = keeper.prestart(spec)
+    from coldsnap_activation.sequence import main_run
+
+    return main_run(spec, args.evidence, keepers=keepers)
 
 
 if __name__ == "__main__":

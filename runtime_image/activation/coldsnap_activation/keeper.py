@@ -5,7 +5,9 @@ CRIU restores a detached process tree as a child of the ``criu`` process; when
 init. Not every init reaps promptly, and an unreaped restored engine keeps its pid
 — which CRIU needs free for the next restore. The keeper marks itself a child
 subreaper, runs ``criu restore``, reports the result, then stays as the restored
-tree's parent and reaps it when it exits. Docker units do not need it: the rank
+tree's parent and reaps it when it exits. It is started with the activation (its
+Python start and imports overlap the activation's own, off the restore's critical
+path) and reads what to restore from a pipe. Docker units do not need it: the rank
 controller is the container's PID 1.
 """
 
@@ -55,17 +57,14 @@ def _write(result_file: Path, doc: dict) -> None:
     os.replace(tmp, result_file)
 
 
-def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: str | None,
-        options: dict | None = None, huge_pages: bool = False) -> int:
-    """Restore ``images`` as our descendant, report, then reap until the tree is gone."""
+def _restore_and_reap(criu, images: Path, result_file: Path, *, leave_stopped: bool, options: dict | None,
+                      huge_pages: bool) -> int:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
     from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
 
     try:
-        become_subreaper()
-        res = criu_mod.restore(criu_mod.find_criu(criu_binary), images, work_dir=result_file.parent,
-                               leave_stopped=leave_stopped, options=criu_mod.CriuOptions.from_json(options),
-                               huge_pages=huge_pages)
+        res = criu_mod.restore(criu, images, work_dir=result_file.parent, leave_stopped=leave_stopped,
+                               options=criu_mod.CriuOptions.from_json(options), huge_pages=huge_pages)
     except (ColdSnapError, OSError) as exc:
         _write(result_file, {"ok": False, "error": str(exc)})
         return 1
@@ -79,36 +78,117 @@ def run(images: Path, result_file: Path, *, leave_stopped: bool, criu_binary: st
             continue
 
 
+def run(criu_binary: str | None) -> int:
+    """Started ahead of its restore: become the subreaper and load CRIU's wrapper now,
+    then read what to restore as one JSON line on stdin (``images``, ``result``, ``log``,
+    ``leave_stopped``, ``options``, ``huge_pages``). End of input before that line: nothing to do
+    (the restore was refused or failed first), exit 0."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
+
+    error = None
+    criu = None
+    try:
+        become_subreaper()
+        criu = criu_mod.find_criu(criu_binary)
+    except (ColdSnapError, OSError) as exc:
+        error = str(exc)
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    job = json.loads(line)
+    # From here on this process outlives the one that started it: its output goes to the keeper's
+    # own log, and it holds no end of the pipe (CRIU, its child, would inherit it).
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    result_file = Path(job["result"])
+    if error is not None:
+        _write(result_file, {"ok": False, "error": error})
+        return 1
+    return _restore_and_reap(criu, Path(job["images"]), result_file, leave_stopped=bool(job["leave_stopped"]),
+                             options=job.get("options"), huge_pages=bool(job.get("huge_pages")))
+
+
+class Prestarted:
+    """A keeper process started ahead of a restore (its Python start and imports overlap the
+    activation's own start and admission), waiting on a pipe for what to restore."""
+
+    def __init__(self, criu_binary: str | None) -> None:
+        import subprocess
+
+        args = [sys.executable, "-m", "coldsnap_activation", "keeper"]
+        if criu_binary:
+            args += ["--criu", criu_binary]
+        # Until it is told what to restore, its output goes where ours does (the activation's log).
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, start_new_session=True, cwd="/", close_fds=True)
+        self.sent = False
+
+    def go(self, images: Path, *, work_dir: Path, leave_stopped: bool, log_path: Path, timeout: float = 600,
+           options: dict | None = None, huge_pages: bool = False) -> dict:
+        """Restore ``images`` and wait for the result (pid, seconds). CRIU's log and the result go
+        to ``work_dir`` (fresh, 0700), never into the image directory; the keeper's own output
+        to ``log_path``."""
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.process.criu import private_work_dir
+
+        result_file = private_work_dir(work_dir) / "keeper-result.json"
+        result_file.unlink(missing_ok=True)
+        job = {"images": str(images), "result": str(result_file), "log": str(log_path),
+               "leave_stopped": leave_stopped, "options": options, "huge_pages": huge_pages}
+        self.sent = True
+        try:
+            self.proc.stdin.write((json.dumps(job) + "\n").encode())
+            self.proc.stdin.close()
+        except OSError:  # it is gone already; its exit status says so below
+            pass
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if result_file.exists():
+                return json.loads(result_file.read_text())
+            if self.proc.poll() is not None and not result_file.exists():
+                return {"ok": False,
+                        "error": f"the unit keeper exited with status {self.proc.returncode}; see {log_path}"}
+            time.sleep(0.002)
+        return {"ok": False, "error": f"the unit keeper did not report within {timeout:.0f}s; see {log_path}"}
+
+    def cancel(self, timeout: float = 10) -> None:
+        """Not needed after all: it reads end of input and exits (killed if it does not). A keeper
+        that was given its restore stays: it parents the restored tree."""
+        import subprocess
+
+        if self.sent:
+            return
+        if self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def prestart(spec) -> list[Prestarted]:
+    """One waiting keeper per worker for a restore that will need them (a unit on a host, whose
+    restored tree has no supervisor to parent it); none for any other operation."""
+    if spec.operation not in ("restore", "warm") or spec.supervise:
+        return []
+    return [Prestarted(spec.criu_binary) for _worker in spec.workers]
+
+
 def start(images: Path, *, work_dir: Path, leave_stopped: bool, criu_binary: str | None, log_path: Path,
-          timeout: float = 600, options: dict | None = None, huge_pages: bool = False) -> dict:
-    """Spawn a keeper for ``images`` and wait for its restore result (pid, seconds).
-
-    CRIU's log and the result go to ``work_dir`` (fresh, 0700), never into the image directory."""
-    import subprocess
-
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.process.criu import private_work_dir
-
-    result_file = private_work_dir(work_dir) / "keeper-result.json"
-    result_file.unlink(missing_ok=True)
-    args = [sys.executable, "-m", "coldsnap_activation", "keeper", "--images", str(images),
-            "--result", str(result_file)]
-    if leave_stopped:
-        args.append("--leave-stopped")
-    if huge_pages:
-        args.append("--huge-pages")
-    if criu_binary:
-        args += ["--criu", criu_binary]
-    if options:
-        args += ["--options", json.dumps(options)]
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(log_fd, "ab") as log:
-        proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
-                                cwd="/", close_fds=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if result_file.exists():
-            return json.loads(result_file.read_text())
-        if proc.poll() is not None and not result_file.exists():
-            return {"ok": False, "error": f"the unit keeper exited with status {proc.returncode}; see {log_path}"}
-        time.sleep(0.002)
-    return {"ok": False, "error": f"the unit keeper did not report within {timeout:.0f}s; see {log_path}"}
+          timeout: float = 600, options: dict | None = None, huge_pages: bool = False,
+          ready: Prestarted | None = None) -> dict:
+    """Restore ``images`` in a keeper (``ready``, one started ahead, or a new one) and wait for
+    its result (pid, seconds)."""
+    return (ready or Prestarted(criu_binary)).go(images, work_dir=work_dir, leave_stopped=leave_stopped,
+                                                 log_path=log_path, timeout=timeout, options=options,
+                                                 huge_pages=huge_pages)

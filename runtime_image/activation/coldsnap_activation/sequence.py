@@ -199,8 +199,9 @@ def watch_hydration(handles: list[EngineHandle], writer: ProgressWriter, *, inte
 class Activation:
     """One unit's capture or restore run."""
 
-    def __init__(self, spec: UnitSpec) -> None:
+    def __init__(self, spec: UnitSpec, keepers: list[keeper.Prestarted] | None = None) -> None:
         self.spec = spec
+        self.keepers = list(keepers or [])  # restore: waiting keepers, one per worker
         self.t0 = spec.t0_ns or time.monotonic_ns()
         # Live progress: each step this unit starts (unit.criu.restore, unit.resume = hydration...).
         self.progress = ProgressWriter(spec.progress_dir, f"unit-{spec.unit_id}", phase=f"unit {spec.unit_id}",
@@ -650,7 +651,7 @@ class Activation:
                     else:
                         kept = keeper.start(images, work_dir=work, leave_stopped=True, criu_binary=criu.binary,
                                             log_path=self.workload_dir / "keeper.log", options=options.to_json(),
-                                            huge_pages=huge)
+                                            huge_pages=huge, ready=self.keepers.pop(0) if self.keepers else None)
                         if not kept["ok"]:
                             raise UnitError(f"unit {spec.unit_id}: {kept['error']}")
                         pid = kept["pid"]
@@ -731,9 +732,11 @@ class Activation:
         return 0
 
 
-def main_run(spec: UnitSpec, evidence_out: Path | None) -> int:
-    """Run the spec's operation, write evidence (or the error) as JSON, return the exit status."""
-    act = Activation(spec)
+def main_run(spec: UnitSpec, evidence_out: Path | None, keepers: list[keeper.Prestarted] | None = None) -> int:
+    """Run the spec's operation, write evidence (or the error) as JSON, return the exit status.
+    ``keepers``: started ahead for a restore; those it did not use are told to exit (they also
+    exit when this process does: their end of input)."""
+    act = Activation(spec, keepers)
     try:
         if spec.operation == "capture":
             ev = act.capture()
@@ -757,6 +760,8 @@ def main_run(spec: UnitSpec, evidence_out: Path | None) -> int:
         ev = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:],
               "unit": spec.unit_id, "timing": {"spans": act.rec.spans, "marks": act.rec.marks, "t0_ns": act.t0}}
         code = 1
+    for k in act.keepers:
+        k.cancel()
     if evidence_out is not None:
         atomic_write_json(evidence_out, ev)
     else:

@@ -1,0 +1,114 @@
+"""The unit keeper, started ahead of a restore: it waits on a pipe, restores what it is given as the
+restored tree's parent (and reaps it), reports a CRIU failure, and exits on its own when the restore
+does not need it or the activation that started it is gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
+
+ACTIVATION = Path(__file__).resolve().parents[3] / "runtime_image" / "activation"
+sys.path.insert(0, str(ACTIVATION))
+from coldsnap_activation import keeper  # noqa: E402
+
+SLEEPER = r"""
+import json, os, sys, time
+out = sys.argv[1]
+with open(out + ".tmp", "w") as fh:
+    json.dump({"pid": os.getpid()}, fh)
+os.rename(out + ".tmp", out)
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.fixture(autouse=True)
+def activation_path(monkeypatch):
+    """The keeper runs as ``python -m coldsnap_activation keeper``: it needs what this process imports."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ACTIVATION), *[p for p in sys.path if p]]))
+
+
+def gone(pid: int, timeout: float = 30) -> bool:
+    """Whether ``pid`` exits (or is left a zombie for its new parent to reap) within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_only_a_restore_on_a_host_starts_keepers_one_per_worker():
+    spec = SimpleNamespace(operation="restore", supervise=False, criu_binary=None, workers=[{}, {}])
+    started = keeper.prestart(spec)
+    try:
+        assert len(started) == 2 and all(k.proc.poll() is None for k in started)
+    finally:
+        for k in started:
+            k.cancel()
+    assert [k.proc.returncode for k in started] == [0, 0], "told nothing to restore, they exit cleanly"
+    for other in (SimpleNamespace(operation="restore", supervise=True, criu_binary=None, workers=[{}]),
+                  SimpleNamespace(operation="capture", supervise=False, criu_binary=None, workers=[{}]),
+                  SimpleNamespace(operation="sleep", supervise=False, criu_binary=None, workers=[{}])):
+        assert keeper.prestart(other) == [], other
+
+
+def test_a_keeper_exits_when_the_activation_that_started_it_dies(tmp_path):
+    out = tmp_path / "keeper.pid"
+    parent = subprocess.run([sys.executable, "-c", (
+        f"import sys; sys.path.insert(0, {str(ACTIVATION)!r})\n"
+        "from coldsnap_activation import keeper\n"
+        f"k = keeper.Prestarted(None); open({str(out)!r}, 'w').write(str(k.proc.pid))\n"
+        "import os; os._exit(3)\n")], check=False, timeout=60)
+    assert parent.returncode == 3
+    pid = int(out.read_text())
+    assert gone(pid), "a keeper whose activation died must not wait for ever"
+
+
+@pytest.mark.criu
+def test_a_failed_restore_is_reported_and_the_keeper_exits(tmp_path):
+    k = keeper.Prestarted(None)
+    (tmp_path / "images").mkdir()
+    res = k.go(tmp_path / "images", work_dir=tmp_path / "work", leave_stopped=False, log_path=tmp_path / "keeper.log",
+               timeout=120)
+    assert res["ok"] is False and "restore" in res["error"].lower(), res
+    assert k.proc.wait(timeout=30) == 1
+    k.cancel()  # told its restore already: nothing more to do, and no error
+    assert not (tmp_path / "images" / "restore.log").exists(), "CRIU's log never goes into the image directory"
+
+
+@pytest.mark.criu
+def test_the_started_keeper_restores_the_tree_parents_it_and_reaps_it(tmp_path, reap, spawn_ready):
+    criu = criu_mod.find_criu()
+    proc, info = spawn_ready(SLEEPER, "sleeper")
+    criu_mod.dump(criu, info["pid"], tmp_path / "images")
+    proc.wait(timeout=30)  # CRIU's dump ends the process
+    k = keeper.Prestarted(None)
+    reap(k.proc)
+    log = tmp_path / "keeper.log"
+    res = k.go(tmp_path / "images", work_dir=tmp_path / "work", leave_stopped=False, log_path=log, timeout=120)
+    assert res["ok"] is True, res
+    assert res["pid"] == info["pid"] and res["keeper"] == k.proc.pid
+    reap(res["pid"])
+    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{res['pid']}/status").read_text().splitlines()
+                  if ":\t" in line)
+    assert int(status["PPid"]) == k.proc.pid, "the restored tree is the keeper's child"
+    assert os.readlink(f"/proc/{k.proc.pid}/fd/0") == "/dev/null", "the keeper holds no end of the pipe"
+    assert json.loads((tmp_path / "work" / "keeper-result.json").read_text()) == res
+    assert oct((tmp_path / "work" / "keeper-result.json").stat().st_mode & 0o777) == "0o600"
+    assert log.exists() and oct(log.stat().st_mode & 0o777) == "0o600"
+    os.kill(res["pid"], 9)
+    assert k.proc.wait(timeout=30) == 0, "the keeper reaps the tree, then ends"
+    assert gone(res["pid"], timeout=5)
