@@ -94,7 +94,7 @@ def run(criu_binary: str | None) -> int:
     except (ColdSnapError, OSError) as exc:
         error = str(exc)
     line = sys.stdin.readline()
-    if not line.strip():
+    if not line.endswith("\n"):  # end of input (a line cut short: the activation died writing it)
         return 0
     job = json.loads(line)
     # From here on this process outlives the one that started it: its output goes to the keeper's
@@ -142,18 +142,19 @@ class Prestarted:
         job = {"images": str(images), "result": str(result_file), "log": str(log_path),
                "leave_stopped": leave_stopped, "options": options, "huge_pages": huge_pages}
         self.sent = True
+        where = str(log_path)
         try:
             self.proc.stdin.write((json.dumps(job) + "\n").encode())
             self.proc.stdin.close()
-        except OSError:  # it is gone already; its exit status says so below
-            pass
+        except OSError:  # it ended before it was given its restore: what it said is in our own log
+            where = "the activation runtime's log"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if result_file.exists():
                 return json.loads(result_file.read_text())
             if self.proc.poll() is not None and not result_file.exists():
                 return {"ok": False,
-                        "error": f"the unit keeper exited with status {self.proc.returncode}; see {log_path}"}
+                        "error": f"the unit keeper exited with status {self.proc.returncode}; see {where}"}
             time.sleep(0.002)
         return {"ok": False, "error": f"the unit keeper did not report within {timeout:.0f}s; see {log_path}"}
 

@@ -112,3 +112,20 @@ def test_the_started_keeper_restores_the_tree_parents_it_and_reaps_it(tmp_path, 
     os.kill(res["pid"], 9)
     assert k.proc.wait(timeout=30) == 0, "the keeper reaps the tree, then ends"
     assert gone(res["pid"], timeout=5)
+
+
+def test_a_keeper_given_half_a_line_restores_nothing(tmp_path):
+    k = keeper.Prestarted(None)
+    k.proc.stdin.write(json.dumps({"images": str(tmp_path), "result": str(tmp_path / "r.json")})[:20].encode())
+    k.proc.stdin.close()
+    assert k.proc.wait(timeout=30) == 0
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_a_keeper_that_ended_before_its_restore_is_reported(tmp_path):
+    k = keeper.Prestarted(None)
+    k.proc.kill()
+    k.proc.wait(timeout=30)
+    res = k.go(tmp_path / "images", work_dir=tmp_path / "work", leave_stopped=False, log_path=tmp_path / "keeper.log",
+               timeout=30)
+    assert res["ok"] is False and "exited with status -9" in res["error"], res
