@@ -13,7 +13,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import 
     accepted_validation,
     build_specs,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import plan_weights
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import (
+    plan_weights,
+    read_packs_ahead,
+)
 
 # The running halves of the runtimes only (see .runtime): this module's closure stays small.
 RUNNING_UNITS = {"host": HostUnits, "docker": DockerUnits}
@@ -65,6 +68,8 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
     capture_id = artifact["capture_id"] if artifact else request["id"]
     unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units} if artifact else None
     weights = plan_weights(request, artifact, host=host, state_root=state_root) if artifact else {}
+    if weights and action in ("wake", "finish-warm") and not check_mode:
+        read_packs_ahead(weights)
     validation = accepted_validation(request, artifact)
     op = "status" if check_mode else action
     specs = build_specs(request, host=host, operation=op, capture_id=capture_id, state_root=state_root,

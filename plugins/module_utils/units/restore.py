@@ -14,7 +14,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import 
     accepted_validation,
     build_specs,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import plan_weights
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import (
+    plan_weights,
+    read_packs_ahead,
+)
 
 
 def placements_of(request: dict, artifact: dict, host: str) -> dict[str, dict]:
@@ -35,6 +38,8 @@ def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, st
     # A Hugging Face recovery source is downloaded now, never after eviction (check mode downloads nothing).
     weights = plan_weights(request, artifact, host=host, state_root=state_root, staging_failures=staging_failures,
                            worker_dirs=worker_dirs, contact_hub=True, hub_token=hub_token, dry_run=check_mode) if plans else {}
+    if weights and not check_mode:
+        read_packs_ahead(weights)
     return {"changed": changed, "units": plans, "weights": weights}
 
 

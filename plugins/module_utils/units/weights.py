@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import readahead
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import PayloadRef, WorkerFiles
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import recovery_source
@@ -72,3 +73,14 @@ def plan_weights(request: dict, artifact: dict, *, host: str, state_root: Path,
                 raise ColdSnapError(f"worker {wid} would be filled from the pinned safetensors, which fail here: "
                                     f"{exc.problem}", fix=exc.fix) from None
     return plan
+
+
+def read_packs_ahead(plan: dict) -> list[str]:
+    """Queue reads of the packs ``plan`` hydrates from into the page cache, without waiting: the
+    engine reads them only after eviction and the CRIU and CUDA restores (a CPU engine maps the
+    pack and faults it in on its first request), and a pack that left the page cache since it was
+    verified would then come off the disk in page-fault-sized reads on the critical path. The
+    packs whose reads were queued."""
+    packs = sorted({e["pack"]["path"] for e in plan.get("workers", {}).values()
+                    if e.get("provider") == "native" and e.get("pack")})
+    return [p for p in packs if readahead(p)]
