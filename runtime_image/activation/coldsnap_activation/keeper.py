@@ -102,13 +102,17 @@ def run(criu_binary: str | None) -> int:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    result_file = Path(job["result"])
+    try:
+        log = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:  # e.g. a symbolic link planted under the log's name
+        _write(result_file, {"ok": False, "error": f"cannot open the unit keeper's log {job['log']}: {exc}"})
+        return 1
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    result_file = Path(job["result"])
     if error is not None:
         _write(result_file, {"ok": False, "error": error})
         return 1

@@ -129,3 +129,15 @@ def test_a_keeper_that_ended_before_its_restore_is_reported(tmp_path):
     res = k.go(tmp_path / "images", work_dir=tmp_path / "work", leave_stopped=False, log_path=tmp_path / "keeper.log",
                timeout=30)
     assert res["ok"] is False and "exited with status -9" in res["error"], res
+
+
+def test_a_log_planted_as_a_link_is_refused_by_name(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("untouched\n")
+    log = tmp_path / "keeper.log"
+    log.symlink_to(target)
+    k = keeper.Prestarted(None)
+    res = k.go(tmp_path / "images", work_dir=tmp_path / "work", leave_stopped=False, log_path=log, timeout=30)
+    assert res["ok"] is False and str(log) in res["error"], res
+    assert target.read_text() == "untouched\n"
+    assert k.proc.wait(timeout=30) == 1
