@@ -140,8 +140,10 @@ def test_read_only_verification_writes_nothing(staged, tmp_path):
     with PayloadVerifier().verify(cache, digest, size, write_record=False) as v:
         assert not v.record_written and v.bytes_hashed == size
     assert sorted(p.name for p in cache.root.rglob("*")) == before
-    with open(path, "r+b") as fh:
-        fh.write(b"\0")
+    with open(path, "r+b") as fh:  # flip the first byte (writing a fixed value may change nothing)
+        first = fh.read(1)[0]
+        fh.seek(0)
+        fh.write(bytes([first ^ 0xFF]))
     with pytest.raises(IntegrityError, match="not quarantined"):
         PayloadVerifier().verify(cache, digest, size, write_record=False)
     assert path.exists()
