@@ -154,7 +154,7 @@ def main() -> None:
     def run() -> dict:
         run_file = run_file_for(p["state_root"], p["name"])
         if p["state"] == "stopped":
-            return {"changed": False if module.check_mode else stop_server(run_file)}
+            return {"changed": stop_server(run_file, check_mode=module.check_mode)}
         served = start_server(p["root"], token=p["token"], address=p["address"], port=p["port"],
                               run_file=run_file, include=p["include"], idle_timeout=p["idle_timeout"],
                               lifetime=p["lifetime"], check_mode=module.check_mode)

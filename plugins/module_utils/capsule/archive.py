@@ -384,7 +384,8 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
                 target_name = normalize_member_name(target_name, what=f"{what} member") if target_name else ""
                 if not target_name:
                     if info.isdir():
-                        dir_modes.append((tmp, info.mode & SAFE_MODE_MASK, int(info.mtime)))
+                        # The root stays 0700 whatever its entry says (captured state is process memory).
+                        dir_modes.append((tmp, 0o700, int(info.mtime)))
                         continue
                     raise ArchiveError(f"{what} member {info.name!r} maps onto the root", fix="rebuild the archive")
                 _no_symlink_on_path(tmp, target_name, what)
@@ -438,7 +439,6 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
         if expected_digest is not None and reader.digest != expected_digest:
             raise IntegrityError(f"{what} has digest {reader.digest}, expected {expected_digest}",
                                  fix="the stored bytes are corrupt; pull or rebuild the capsule")
-        # The root stays private (captured state is process memory); an archive entry for it may only narrow that.
         os.chmod(tmp, 0o700)
         # Directory modes last: a read-only directory must not block its own members.
         for path, mode, mtime in sorted(dir_modes, key=lambda d: len(str(d[0])), reverse=True):

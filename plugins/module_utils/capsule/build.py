@@ -646,6 +646,7 @@ def restore_caches(ref: CapsuleRef | dict, cache_paths: list[str], scratch: Path
             with open(oci.blob_path(img.layout, layer.digest), "rb") as fh:
                 archive.safe_extract(fh, scratch, expected_digest=layer.digest, select=select,
                                      what=f"capsule layer {layer.digest} of unit {ref.unit!r}", replace=True)
+            moves: list[tuple[str, str]] = []  # every placement is checked before the first one is made
             for dirpath, dirnames, filenames in os.walk(scratch):
                 rel = os.path.relpath(dirpath, scratch)
                 target_dir = "/" + ("" if rel == "." else rel)
@@ -653,12 +654,49 @@ def restore_caches(ref: CapsuleRef | dict, cache_paths: list[str], scratch: Path
                     target = os.path.join(target_dir, name)
                     if os.path.lexists(target):
                         continue
-                    os.makedirs(target_dir, mode=0o755, exist_ok=True)
-                    shutil.move(os.path.join(dirpath, name), target)
-                    added.append(target)
+                    _check_cache_placement(os.path.join(dirpath, name), target, _cache_root_of(target, prefixes),
+                                           ref.unit)
+                    moves.append((os.path.join(dirpath, name), target))
+            for source, target in moves:
+                os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+                shutil.move(source, target)
+                added.append(target)
     finally:
         archive._rmtree(scratch)
     return sorted(added)
+
+
+def _cache_root_of(target: str, prefixes: list[str]) -> str:
+    """The declared cache path (``/``-rooted) that holds ``target``; the select above kept only those."""
+    return "/" + max((p for p in prefixes if target == "/" + p or target.startswith("/" + p + "/")), key=len)
+
+
+def _check_cache_placement(source: str, target: str, cache_root: str, unit: str) -> None:
+    """Refuse a cache file whose placement would write outside its declared cache path.
+
+    The capsule's symbolic links must point inside that path (``x -> ../../etc`` passes the
+    scratch tree's own check, as the layer is rooted at ``/``), and no directory between the
+    cache path and ``target`` may be a link on this host (an earlier capsule's link would make
+    ``makedirs`` and the move follow it out of the cache).
+    """
+    if os.path.islink(source):
+        dest = posixpath.normpath(posixpath.join(posixpath.dirname(target), os.readlink(source)))
+        if not (dest == cache_root or dest.startswith(cache_root.rstrip("/") + "/")):
+            raise IntegrityError(f"capsule of unit {unit!r}: the cache link {target} points outside "
+                                 f"its cache path {cache_root} (to {dest})",
+                                 fix="rebuild the capsule from a cache whose links stay inside it")
+    cur = cache_root
+    for part in posixpath.relpath(posixpath.dirname(target), cache_root).split("/"):
+        if part in ("", "."):
+            continue
+        cur = posixpath.join(cur, part)
+        if os.path.islink(cur):
+            raise ColdSnapError(f"capsule of unit {unit!r}: {cur} on this host is a symbolic link inside the "
+                                f"cache path {cache_root}; a cache file is not placed through it ({target})",
+                                fix=f"remove the link {cur} (the capsule adds the directory), or drop "
+                                    f"{cache_root} from policy.cache.paths")
+        if not os.path.exists(cur):
+            return
 
 
 def _extract_docker_state(ref: CapsuleRef, dest: Path, *, replace: bool, client: Any) -> list[str]:

@@ -115,6 +115,7 @@ def rendezvous(
     after restore) without any rank needing to know where the others run.
     """
     _check_args(name, rank, world, timeout)
+    _check_args(f"rendezvous:{name}", rank, world, timeout, shown=name)  # its barrier's name, before the set
     deadline = time.monotonic() + timeout
     client.set(rendezvous_key(name, rank), value)
     barrier(client, f"rendezvous:{name}", rank, world, max(0.001, deadline - time.monotonic()))
@@ -130,10 +131,19 @@ def rendezvous(
     return values
 
 
-def _check_args(name: str, rank: int, world: int, timeout: float) -> None:
-    if not isinstance(name, str) or not name or len(name) > 1024 or not name.isprintable():
+_MAX_NAME = 1024
+
+
+def _check_args(name: str, rank: int, world: int, timeout: float, *, shown: str | None = None) -> None:
+    if not isinstance(name, str) or not name or not name.isprintable():
         raise BarrierError(f"barrier name {name!r} is empty or malformed",
                            fix="give a short printable phase name, unique within the activation")
+    if len(name) > _MAX_NAME:
+        over = len(name) - _MAX_NAME
+        raise BarrierError(f"barrier name {(shown if shown is not None else name)[:40]!r}... is {over} "
+                           f"character{'s' if over > 1 else ''} too long",
+                           fix=f"keep barrier names within {_MAX_NAME} characters "
+                               f"(rendezvous names within {_MAX_NAME - len('rendezvous:')})")
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
         raise BarrierError(f"barrier {name!r}: world {world!r} must be an int >= 1", fix="pass the rank count")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:

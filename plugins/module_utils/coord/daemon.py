@@ -180,12 +180,17 @@ def start_coordinator(
         raise ColdSnapError(f"coordinator port {port!r} is not 0..65535", fix="give 0 for an ephemeral port")
     if not scope:
         raise ColdSnapError("coordinator scope is empty", fix="pass the operation id as scope")
-    try:
-        endpoint_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as exc:
-        raise ColdSnapError(f"cannot create the directory of coordinator endpoint file {endpoint_file}: "
-                            f"{exc.strerror or exc}", fix="choose an endpoint_file in a writable directory") from None
-    with file_lock(_lock_file_for(endpoint_file), timeout=startup_timeout + 15):
+    if check_mode and not endpoint_file.parent.is_dir():
+        return CoordinatorState(str(endpoint_file), running=False, changed=True,
+                                message=f"would start a coordinator for scope {scope}")
+    if not check_mode:
+        try:
+            endpoint_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise ColdSnapError(f"cannot create the directory of coordinator endpoint file {endpoint_file}: "
+                                f"{exc.strerror or exc}",
+                                fix="choose an endpoint_file in a writable directory") from None
+    with _lock_unless_check(endpoint_file, check_mode, startup_timeout + 15):
         state = coordinator_status(endpoint_file)
         if state.running:
             return _already_running(state, scope=scope, address=address, port=port)
@@ -203,6 +208,11 @@ def start_coordinator(
                 fix=f"read {log_file_for(endpoint_file)}",
             )
         return dataclasses.replace(state, changed=True, removed=stale, message=f"started, {state.message}")
+
+
+def _lock_unless_check(endpoint_file: Path, check_mode: bool, timeout: float) -> contextlib.AbstractContextManager:
+    """The endpoint's lock; check mode only reads, so it takes none (taking one creates its file)."""
+    return contextlib.nullcontext() if check_mode else file_lock(_lock_file_for(endpoint_file), timeout=timeout)
 
 
 def _already_running(state: CoordinatorState, *, scope: str, address: str, port: int) -> CoordinatorState:
@@ -305,7 +315,9 @@ def stop_coordinator(endpoint_file: Path | str, *, check_mode: bool = False, tim
     Idempotent: nothing running and nothing left -> ``changed`` False.
     """
     endpoint_file = Path(endpoint_file).absolute()
-    with file_lock(_lock_file_for(endpoint_file), timeout=timeout + 30):
+    if not endpoint_file.parent.is_dir():  # nothing was ever started there, and nothing is made now
+        return CoordinatorState(str(endpoint_file), running=False, changed=False, message="not running")
+    with _lock_unless_check(endpoint_file, check_mode, timeout + 30):
         state = coordinator_status(endpoint_file)
         leftovers = _leftovers(endpoint_file)
         if not state.running and not leftovers:

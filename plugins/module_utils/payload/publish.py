@@ -153,12 +153,16 @@ def upload_host_payloads(*, artifact: dict, host: str, state_root: Path, reposit
     verifier = PayloadVerifier()
     results: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
+        if not check_mode:
+            # Every lock before any hash, in one order on every host: two publishes that share
+            # payloads never hold one each and wait on the other.
+            for digest in sorted({o.sha256 for o in objects}):
+                stack.enter_context(cache.lock(digest))
         for obj in objects:
             if check_mode:
                 vp = verifier.verify(cache, obj.sha256, obj.size, write_record=False, rehash=True)
             else:
-                # Held until the upload finished: nothing can replace the pack between hash and send.
-                stack.enter_context(cache.lock(obj.sha256))
+                # The lock is held until the upload finished: nothing replaces the pack between hash and send.
                 vp = verifier.verify_locked(cache.path_for(obj.sha256), obj.sha256, obj.size, rehash=True)
             stack.callback(vp.close)
             results.append({**obj.as_dict(), "rehash_seconds": round(vp.seconds, 6), "bytes_hashed": vp.bytes_hashed,

@@ -36,6 +36,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams imp
     Progress,
     _pipelined,
     hash_fd,
+    space_error,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.writer import (
@@ -269,14 +270,39 @@ def peer_partial(cache: NodeCache, hexd: str) -> Path:
     return cache.downloads / f"{hexd}.peer-partial"
 
 
+def _free_bytes(path: Path) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def _stage_peer(cache: NodeCache, hexd: str, size: int, source: StageSource, progress: Progress | None) -> int:
     if source.address is None or source.port is None or source.token is None:
         raise AssertionError("a peer stage source lacks its endpoint")
     cache.ensure_dirs()
     cache.downloads.mkdir(mode=0o700, exist_ok=True)
     partial = peer_partial(cache, hexd)
-    got = fetch_file(Peer(source.address, source.port, source.token), source.filename or f"{hexd}.pack", partial,
-                     size=size, sha256=hexd, progress=progress)
+    what = f"model payload sha256:{hexd} from {source.address}"
+    have = partial.stat().st_size if partial.is_file() and not partial.is_symlink() else 0
+    free = _free_bytes(cache.downloads)
+    if free is not None and have <= size and free < size - have:
+        raise ColdSnapError(f"no space on the file system of {cache.downloads} for {what}: "
+                            f"{size - have} bytes needed, {free} free",
+                            fix="free space there (or point coldsnap_state_root at a larger file system) "
+                                "and run again" + (f"; the {have} bytes already fetched are kept in {partial}"
+                                                   if have else ""))
+    try:
+        got = fetch_file(Peer(source.address, source.port, source.token), source.filename or f"{hexd}.pack",
+                         partial, size=size, sha256=hexd, progress=progress)
+    except OSError as exc:
+        err = space_error(exc, what=what, path=partial, needed=size)
+        if err is exc:
+            raise
+        with contextlib.suppress(OSError):
+            partial.unlink()  # a full disk is not left full by our half file
+        raise err from None
     fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         _commit_verified(cache, fd, partial, hexd, size)

@@ -135,7 +135,9 @@ def first_look(state_root: Path | str, payloads: Sequence[dict], *, check_mode: 
             entry["changed"] = found.record_written or (check_mode and not found.reused_record)
         except ColdSnapError as exc:
             quarantined = exc.details.get("quarantined")
-            entry = {"verified": False, "msg": str(exc), "quarantined": quarantined, "changed": bool(quarantined)}
+            # Check mode moves nothing but reports the quarantine a real run would make.
+            changed = bool(quarantined) or (check_mode and bool(exc.details.get("wrong_object")))
+            entry = {"verified": False, "msg": str(exc), "quarantined": quarantined, "changed": changed}
         out[payload["sha256"]] = entry
     return out
 
@@ -288,6 +290,13 @@ class PayloadVerifier:
             ident = records.FileIdentity.of(st)
             record_path = records.record_path_for(path)
             if ident.st_size != size:
+                if _matches_its_name(fd, record_path, hexd, ident, progress=progress, pipelined=pipelined):
+                    # The object is right and the caller's size is wrong: a shared pack stays in the cache.
+                    raise IntegrityError(
+                        f"model payload {path} is sha256:{hexd} with {ident.st_size} bytes (verified), but the "
+                        f"artifact says {size} bytes; the pack is intact and was left in the cache",
+                        fix="the artifact or request gives the wrong size for this digest: use the size the "
+                            "capture recorded for it", details={"quarantined": None})
                 self._refuse(cache, path, ident, read_only,
                              f"model payload {path} has {ident.st_size} bytes, the artifact says {size}")
             check = records.check_record(record_path, hexd, size, ident)
@@ -310,9 +319,8 @@ class PayloadVerifier:
                 try:
                     records.write_record(record_path, hexd, size, after, observed, method="full-sha256")
                     written = True
-                except OSError as exc:
-                    if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-                        raise
+                except OSError:
+                    pass  # the record only spares the next hash (a full or read-only disk): the pack is verified
             return VerifiedPayload(path, digest, size, fd, after, False, size, written, check.status,
                                    time.monotonic() - started)
         except BaseException:
@@ -331,7 +339,18 @@ class PayloadVerifier:
             where = " (read-only verification: left in place, not quarantined)"
         else:
             where = "; it could not be quarantined (it was replaced or lives on another file system)"
-        raise IntegrityError(problem + where, fix=STAGE_FIX, details={"quarantined": str(moved) if moved else None})
+        # "wrong_object": the file is not what its name says (a real run quarantines it when it can).
+        raise IntegrityError(problem + where, fix=STAGE_FIX,
+                             details={"quarantined": str(moved) if moved else None, "wrong_object": True})
+
+
+def _matches_its_name(fd: int, record_path: Path, hexd: str, ident: records.FileIdentity, *,
+                      progress: Progress | None, pipelined: bool) -> bool:
+    """Whether the open pack is the object its name says, whatever size a caller expected."""
+    if records.check_record(record_path, hexd, ident.st_size, ident).valid:
+        return True
+    return hash_fd(fd, ident.st_size, progress=progress, what=f"model payload sha256:{hexd}",
+                   pipelined=pipelined) == hexd
 
 
 class _SummedProgress:

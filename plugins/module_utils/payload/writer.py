@@ -56,7 +56,8 @@ class PackWriter:
                  lock_held: bool = False, what: str = "model payload",
                  lock_timeout: float | None = DEFAULT_LOCK_TIMEOUT) -> None:
         self.cache = cache
-        self.expected_hex = parse_digest(expected_sha256, what="model payload digest") if expected_sha256 else None
+        self.expected_hex = (parse_digest(expected_sha256, what="model payload digest")
+                             if expected_sha256 is not None else None)
         self.size = size
         self.lock_held = lock_held
         self.what = what

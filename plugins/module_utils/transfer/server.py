@@ -362,18 +362,27 @@ def _detach(sock: socket.socket, table: dict[str, ServedFile], token: str, *, wr
         os._exit(code)
 
 
-def stop_server(run_file: Path | str, *, timeout: float = 10.0) -> bool:
-    """Stop the server a run file describes; True when one was running. Idempotent."""
-    run_file = Path(run_file)
+def _running_server(run_file: Path) -> tuple[int, Any] | None:
+    """``(pid, start_time)`` of the live server a run file describes; None for none (a recycled
+    pid, whose start time differs, is not it)."""
     try:
         record = json.loads(run_file.read_text())
         pid, start = int(record["pid"]), record.get("start_time")
     except (OSError, ValueError, KeyError, TypeError):
-        with contextlib.suppress(OSError):
-            run_file.unlink()
-        return False
-    running = start is not None and _start_time(pid) == start  # a recycled pid is never signalled
-    if running:
+        return None
+    return (pid, start) if start is not None and _start_time(pid) == start else None
+
+
+def stop_server(run_file: Path | str, *, timeout: float = 10.0, check_mode: bool = False) -> bool:
+    """Stop the server a run file describes; True when one was running (in check mode: would stop
+    one, and nothing is signalled or removed). Idempotent."""
+    run_file = Path(run_file)
+    live = _running_server(run_file)
+    if check_mode:
+        return live is not None
+    running = live is not None
+    if live is not None:
+        pid, start = live
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout

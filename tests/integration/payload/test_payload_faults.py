@@ -242,3 +242,46 @@ def test_duplicate_capture_workers_converge_on_one_object(tmp_path):
     assert records.check_record(cache.record_path_for(results[0]["sha256"]), results[0]["sha256"][7:],
                                 results[0]["size"],
                                 records.FileIdentity.of(cache.path_for(results[0]["sha256"]).stat())).valid
+
+
+def test_enospc_while_staging_from_a_peer(tmp_path, monkeypatch):
+    """FAULTS 3 for a host-to-host stage: too little space is refused before any byte is fetched;
+    a disk that fills during the transfer ends in the same clear error, and the half file is removed
+    (a partial kept on a full disk would fail every other write there). Then it succeeds."""
+    import secrets as _secrets
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import stage as stage_mod
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server import (
+        PeerServer,
+        bind,
+        file_table,
+    )
+
+    data = os.urandom(3 << 20)
+    hexd = hashlib.sha256(data).hexdigest()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / f"{hexd}.pack").write_bytes(data)
+    token = _secrets.token_hex(32)
+    server = PeerServer(bind("127.0.0.1", 0), file_table(src), token)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    source = StageSource("peer", token=token, address="127.0.0.1", port=server.server_address[1])
+    try:
+        with small_tmpfs(tmp_path / "small", "4m") as fs:
+            filler = fs / "filler"
+            filler.write_bytes(bytes(2 << 20))
+            cache = NodeCache(fs / "state")
+            with pytest.raises(ColdSnapError, match=r"no space on the file system .* bytes needed") as early:
+                stage_payload(fs / "state", f"sha256:{hexd}", len(data), source)
+            assert "free space" in str(early.value) and token not in str(early.value)
+            assert not stage_mod.peer_partial(cache, hexd).exists()
+            monkeypatch.setattr(stage_mod, "_free_bytes", lambda _p: None)  # a file system that cannot tell
+            with pytest.raises(ColdSnapError, match="no space left") as late:
+                stage_payload(fs / "state", f"sha256:{hexd}", len(data), source)
+            assert "partial file was removed" in str(late.value)
+            assert not stage_mod.peer_partial(cache, hexd).exists() and not cache.path_for(f"sha256:{hexd}").exists()
+            filler.unlink()
+            done = stage_payload(fs / "state", f"sha256:{hexd}", len(data), source)
+            assert done.changed and done.path.read_bytes() == data
+    finally:
+        server.shutdown()

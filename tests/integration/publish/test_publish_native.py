@@ -245,3 +245,40 @@ def test_a_refused_upload_commits_nothing_and_never_shows_the_token(captured, tm
     assert not (out / "artifact.json").exists()
     assert TOKEN not in json.dumps(res.receipt)
     assert token_leaks(captured.wl.state_root / "runs" / req["id"]) == []
+
+
+def test_every_payload_lock_is_taken_before_any_hash_in_digest_order(tmp_path, no_xet, monkeypatch):
+    """Two publishes on one host that list shared payloads in opposite orders cannot hold one lock
+    each and wait on the other: every digest's lock is taken first, in one order, then the hashes."""
+    blobs = [os.urandom(64 * 1024 + i) for i in range(2)]
+    hexes = [hashlib.sha256(b).hexdigest() for b in blobs]
+    art = shared_payload_artifact(blobs[0])
+    art["launch"]["units"][1]["host"] = "localhost"
+    art["capsule"]["units"][1]["host"] = "localhost"
+    order = sorted(range(2), key=lambda i: hexes[i], reverse=True)  # the artifact lists the larger digest first
+    for w, i in zip(art["weights"]["workers"], order, strict=True):
+        w["payload"] = {"owner": w["worker"], "size": len(blobs[i]), "sha256": f"sha256:{hexes[i]}",
+                        "path": pack_relpath(hexes[i])}
+    art = validate_artifact(art)
+    for b in blobs:
+        stage_pack(tmp_path, b)
+    events: list[str] = []
+    real_lock, real_verify = NodeCache.lock, native.PayloadVerifier.verify_locked
+
+    def lock(self, sha256, **kw):
+        events.append("lock " + sha256)
+        return real_lock(self, sha256, **kw)
+
+    def verify_locked(self, path, sha256, size, **kw):
+        events.append("hash " + sha256)
+        return real_verify(self, path, sha256, size, **kw)
+
+    monkeypatch.setattr(NodeCache, "lock", lock)
+    monkeypatch.setattr(native.PayloadVerifier, "verify_locked", verify_locked)
+    with WritableHubStandin(REPO_ID, token=TOKEN) as hub:
+        out = native.upload_host_payloads(artifact=art, host="localhost", state_root=tmp_path, repository=REPO_ID,
+                                          branch="main", token=TOKEN, endpoint=hub.endpoint)
+    assert sorted(hub.uploaded) == sorted(hexes) and out["changed"] is True
+    first, second = sorted(f"sha256:{h}" for h in hexes)
+    assert events[:2] == [f"lock {first}", f"lock {second}"]
+    assert sorted(events[2:]) == [f"hash {first}", f"hash {second}"]

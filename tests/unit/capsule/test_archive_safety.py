@@ -209,3 +209,18 @@ def test_set_id_sticky_and_world_write_bits_never_survive_extraction(sandbox: Pa
         got = stat.S_IMODE(os.stat(p).st_mode)
         assert got & 0o7002 == 0, f"{p}: {oct(got)}"
         assert got == mode & 0o775
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o775, 0o777, 0o500, 0o000])
+def test_the_destination_stays_private_whatever_the_archive_says_of_its_root(sandbox: Path, mode: int) -> None:
+    """Captured state is process memory: a root entry (``./``, or the state prefix a select maps
+    onto the root) neither widens the destination's 0700 nor locks its owner out."""
+    data = _tar([_dir("state", mode), _file("state/f", b"x")])
+
+    def select(name: str) -> str | None:
+        return "" if name == "state" else (name[len("state/"):] if name.startswith("state/") else None)
+
+    dest = sandbox / "work" / "dest"
+    safe_extract(io.BytesIO(data), dest, select=select)
+    assert stat.S_IMODE(os.stat(dest).st_mode) == 0o700
+    assert (dest / "f").read_bytes() == b"x"

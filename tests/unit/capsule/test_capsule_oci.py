@@ -257,3 +257,54 @@ def test_capsule_ref_validates_its_fields() -> None:
         CapsuleRef("u", "docker", "sha256:abc", "x", 0)
     ref = CapsuleRef("u", "docker", "sha256:" + "0" * 64, "x", 1)
     assert CapsuleRef.from_dict({**ref.as_dict(), "host": "h"}) == ref
+
+
+def _cache_capsule(root: Path, members: list[tuple[str, bytes, str, bytes]]) -> CapsuleRef:
+    """A one-layer OCI capsule written by hand (the builder refuses such trees, a crafted one need not)."""
+    bio = io.BytesIO()
+    with tarfile.open(fileobj=bio, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, kind, link, data in members:
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, link
+            info.mode = 0o755 if kind == tarfile.DIRTYPE else 0o644
+            info.size = len(data) if kind == tarfile.REGTYPE else 0
+            tar.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+    layer = oci.write_blob_bytes(root, bio.getvalue(), oci.MEDIA_LAYER_TAR)
+    config = oci.write_blob_bytes(root, oci.json_bytes({"rootfs": {"type": "layers", "diff_ids": [layer.digest]},
+                                                        "config": {}}), oci.MEDIA_CONFIG)
+    manifest = oci.write_blob_bytes(root, oci.json_bytes({"schemaVersion": 2, "mediaType": oci.MEDIA_MANIFEST,
+                                                          "config": config.as_dict(), "layers": [layer.as_dict()]}),
+                                    oci.MEDIA_MANIFEST)
+    oci.write_layout_files(root, manifest)
+    return CapsuleRef(unit="unit-0", layout="oci-layout", image_id=manifest.digest, location=str(root), bytes=0)
+
+
+def test_restore_caches_never_places_a_file_outside_its_cache_path(tmp_path: Path) -> None:
+    """One capsule's link out of the cache (``x -> ../outside``) is refused before anything is placed;
+    a link already on the host inside the cache path is not followed by a later capsule's files."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    cache = tmp_path / "cache"
+    p = str(cache).strip("/")
+    d, sym, reg = tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.REGTYPE
+    escaping = _cache_capsule(tmp_path / "a", [(p, d, "", b""), (p + "/ok.so", reg, "", b"k"),
+                                               (p + "/x", sym, "../outside", b"")])
+    with pytest.raises(IntegrityError, match=r"cache link .*/x points outside its cache path"):
+        restore_caches(escaping, [str(cache)], tmp_path / "scratch")
+    assert not (cache / "x").is_symlink() and not (cache / "ok.so").exists()
+    assert not (tmp_path / "scratch").exists()
+
+    cache.mkdir(exist_ok=True)
+    (cache / "x").symlink_to(outside)  # however it got there
+    through = _cache_capsule(tmp_path / "b", [(p, d, "", b""), (p + "/x", d, "", b""),
+                                              (p + "/x/pwned", reg, "", b"outside"), (p + "/y.so", reg, "", b"y")])
+    with pytest.raises(ColdSnapError, match=r"is a symbolic link inside the cache path"):
+        restore_caches(through, [str(cache)], tmp_path / "scratch")
+    assert os.listdir(outside) == [] and not (cache / "y.so").exists()
+
+    inside = _cache_capsule(tmp_path / "c", [(p, d, "", b""), (p + "/k", d, "", b""), (p + "/k/a.so", reg, "", b"a"),
+                                             (p + "/latest", sym, "k/a.so", b"")])
+    (cache / "x").unlink()
+    assert restore_caches(inside, [str(cache)], tmp_path / "scratch") == [str(cache / "k" / "a.so"),
+                                                                           str(cache / "latest")]
+    assert (cache / "latest").read_bytes() == b"a"

@@ -133,3 +133,15 @@ def test_rendezvous_exchanges_values_in_rank_order(client) -> None:
         t.join(60)
     expected = [b"10.0.0.0:29500", b"10.0.0.1:29501", b"10.0.0.2:29502"]
     assert results == {0: expected, 1: expected, 2: expected}
+
+
+def test_a_rendezvous_name_too_long_for_its_barrier_is_refused_before_its_value_is_published(client) -> None:
+    """The rendezvous's barrier is named ``rendezvous:<name>``: a name that fits the limit alone but
+    not with that prefix is refused up front (naming the limit), and no value is left behind."""
+    name = "n" * 1020
+    with pytest.raises(BarrierError, match=r"too long.*rendezvous names within 1013"):
+        rendezvous(client, name, 0, 1, b"v", timeout=5)
+    assert client.try_get(f"rendezvous/{name}/0") is None
+    assert rendezvous(client, "n" * 1013, 0, 1, b"v", timeout=5) == [b"v"]
+    with pytest.raises(BarrierError, match=r"1 character too long"):
+        barrier(client, "b" * 1025, 0, 1, 5)

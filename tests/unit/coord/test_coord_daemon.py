@@ -89,6 +89,20 @@ def test_check_mode_changes_nothing(endpoint_file) -> None:
     assert daemon.coordinator_status(endpoint_file).pid == running.pid
 
 
+def test_check_mode_and_a_stop_with_nothing_there_create_no_file_or_directory(endpoint_file) -> None:
+    """Check mode only reads: no directory, no lock file; a stop where nothing ever ran is a no-op
+    that makes nothing either (a real stop used to leave the directory and a lock file behind)."""
+    run_dir = endpoint_file.parent
+    assert daemon.start_coordinator(endpoint_file, scope="op-1", check_mode=True).changed
+    assert not daemon.stop_coordinator(endpoint_file, check_mode=True).changed
+    assert not daemon.stop_coordinator(endpoint_file).changed
+    assert not run_dir.exists()
+    run_dir.mkdir()
+    assert daemon.start_coordinator(endpoint_file, scope="op-1", check_mode=True).changed
+    assert not daemon.stop_coordinator(endpoint_file, check_mode=True).changed
+    assert os.listdir(run_dir) == []
+
+
 def _dead_pid() -> int:
     proc = subprocess.Popen(["true"])
     proc.wait()

@@ -126,12 +126,45 @@ def test_new_inode_with_same_size_and_mtime_is_rehashed(staged):
         assert (v.reused_record, v.bytes_hashed, v.record_status) == (False, size, "stale")
 
 
-def test_wrong_size_fails_before_hashing_and_quarantines(staged):
+def test_a_truncated_pack_is_refused_and_quarantined(staged):
     cache, digest, size, path = staged
+    os.truncate(path, size - 17)
+    with pytest.raises(IntegrityError, match=f"has {size - 17} bytes, the artifact says {size}"):
+        PayloadVerifier().verify(cache, digest, size)
+    assert not path.exists() and cache.quarantined()
+
+
+def test_a_wrong_size_from_the_caller_leaves_an_intact_pack_in_the_cache(staged):
+    """The pack is the object its name says; only the caller's size is wrong: refused, nothing moved
+    (other captures share the object), and with a valid record not even hashed."""
+    cache, digest, size, path = staged
+    with pytest.raises(IntegrityError, match=f"with {size} bytes \\(verified\\), but the artifact says {size + 1}"
+                       ".*intact") as exc:
+        PayloadVerifier().verify(cache, digest, size + 1)
+    assert exc.value.details["quarantined"] is None and "wrong_object" not in exc.value.details
+    assert path.exists() and not cache.quarantined()
+    _hash_first_then_reuse(cache, digest, size)  # now with a record
     seen = []
-    with pytest.raises(IntegrityError, match=f"has {size} bytes"):
-        PayloadVerifier().verify(cache, digest, size + 1, progress=lambda d, t: seen.append(d))
-    assert seen == [] and not path.exists() and cache.quarantined()
+    with pytest.raises(IntegrityError, match="intact"):
+        PayloadVerifier().verify(cache, digest, size - 1, progress=lambda d, t: seen.append(d))
+    assert seen == [] and path.exists()
+    with PayloadVerifier().verify(cache, digest, size) as ok:
+        assert ok.reused_record
+
+
+def test_a_record_that_cannot_be_written_does_not_fail_a_verified_pack(staged, monkeypatch):
+    """A full disk (ENOSPC) after the hash: the pack is verified, only unrecorded (the next use re-hashes)."""
+    import errno
+
+    cache, digest, size, path = staged
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(records, "write_record", full)
+    with PayloadVerifier().verify(cache, digest, size) as v:
+        assert (v.reused_record, v.bytes_hashed, v.record_written) == (False, size, False)
+    assert not records.record_path_for(path).exists() and path.exists()
 
 
 def test_read_only_verification_writes_nothing(staged, tmp_path):
@@ -270,6 +303,8 @@ def test_first_look_reports_each_payload_and_never_raises(staged, tmp_path):
     path.write_bytes(bytes(data))
     old = time.time_ns() - 10_000_000_000
     os.utime(path, ns=(old, old))
+    dry_bad = first_look(cache.state_root, [{"sha256": digest, "size": size}], check_mode=True)[digest]
+    assert dry_bad["verified"] is False and dry_bad["changed"] is True and path.exists()  # would quarantine
     bad = first_look(cache.state_root, [{"sha256": digest, "size": size}], check_mode=False)[digest]
     assert bad["verified"] is False and bad["changed"] is True and bad["quarantined"]
     assert not path.exists() and Path(bad["quarantined"]).is_file()

@@ -231,9 +231,13 @@ def test_the_detached_server_binds_one_address_records_itself_privately_and_stop
         assert {f["name"] for f in listed} >= {"index.json", "oci-layout"}
         with pytest.raises(ColdSnapError, match="cannot listen"):  # the port is held
             start_server(root, token=TOKEN, address="127.0.0.1", port=out["port"], run_file=tmp_path / "other.json")
+        # check mode says it would stop the server, and signals and removes nothing
+        assert stop_server(run_file, check_mode=True) is True
+        assert run_file.exists() and Peer("127.0.0.1", out["port"], TOKEN).listing()
     finally:
         assert stop_server(run_file) is True
     assert not run_file.exists()
+    assert stop_server(run_file, check_mode=True) is False
     assert not Path(f"/proc/{out['pid']}").exists() or "Z" in Path(f"/proc/{out['pid']}/stat").read_text().split()[2]
     assert stop_server(run_file) is False  # idempotent
 
