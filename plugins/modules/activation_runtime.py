@@ -150,7 +150,7 @@ def main() -> None:
         # What killed operations left behind (temporary names nothing reads) goes first.
         cleaned = clean_stale_temps(Path(p["state_root"]), check_mode=module.check_mode)
         if module.check_mode:
-            staged = path.is_dir() and activation.tree_digest(path) == digest
+            staged = activation.is_staged(path, digest)
             return {"changed": not staged or bool(cleaned), "staged": staged, "digest": digest, "path": str(path),
                     "cleaned": cleaned}
         digest, path, changed = activation.stage(Path(p["src"]), Path(p["state_root"]))

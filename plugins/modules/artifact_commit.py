@@ -152,16 +152,14 @@ def main() -> None:
         evidence, facts, capsules = by_unit(req, p["evidence"], p["facts"], p["capsules"])
         art = build_artifact(req, capture_id=p["capture_id"] or req["id"], evidence=evidence, facts=facts,
                              capsules=capsules, activation_digest=p["activation_digest"])
-        out = Path(req["output"]["artifact_dir"])
-        if module.check_mode:
-            return {"changed": not (out / "artifact.json").exists(), "path": str(out / "artifact.json"),
-                    "artifact": art}
-        path, changed = commit_artifact(out, art)
-        result = {"changed": changed, "path": str(path),
-                  "sha256": "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest(), "artifact": art}
+        path, changed = commit_artifact(Path(req["output"]["artifact_dir"]), art, check_mode=module.check_mode)
+        result: dict = {"changed": changed, "path": str(path), "artifact": art}
+        if not path.exists():  # check mode, nothing committed yet: the commit (and any promotion) would change
+            return result
+        result["sha256"] = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
         if p["promote"]:
             promotion = ArtifactStore(Path(p["state_root"])).promote(str(path), request=req, retention=p["retention"],
-                                                                     check_mode=False).as_dict()
+                                                                     check_mode=module.check_mode).as_dict()
             result["changed"] = changed or promotion["changed"]
             result["promotion"] = promotion
         return result

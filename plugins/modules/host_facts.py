@@ -19,7 +19,7 @@ description:
 extends_documentation_fragment:
   - coldsnap.fleet.attributes
   - coldsnap.fleet.attributes.ACTION_GROUP
-  - coldsnap.fleet.state.UNUSED
+  - coldsnap.fleet.state
 options:
   check_criu:
     description: Run C(criu check) (a second or two). Disable for a quick inventory.

@@ -43,7 +43,11 @@ options:
 attributes:
   check_mode:
     support: full
-    details: Only reads (and refreshes the job's lease); the step's own check mode decides what it changes.
+    details:
+      - Reads the job (and refreshes its lease); the step's own check mode decides what it changes.
+      - With O(cleanup), the async job's own files (its results file and O(progress_dir), which the step
+        wrote in this same run) are removed in check mode too, as C(ansible.builtin.async_status) with
+        C(mode=cleanup) does; nothing else is touched.
   diff_mode:
     support: full
     details: Returns the step's own C(diff).

@@ -141,8 +141,12 @@ def _same_except_times(a: dict, b: dict) -> bool:
     return strip(a) == strip(b)
 
 
-def commit_artifact(artifact_dir: Path, artifact: dict) -> tuple[Path, bool]:
-    """Commit ``artifact`` as <artifact_dir>/artifact.json; (path, changed). Never replaces another one."""
+def commit_artifact(artifact_dir: Path, artifact: dict, *, check_mode: bool = False) -> tuple[Path, bool]:
+    """Commit ``artifact`` as <artifact_dir>/artifact.json; (path, changed). Never replaces another one.
+
+    Check mode writes nothing and answers as the commit would: changed when nothing is there yet,
+    unchanged for the same descriptor, the same error for another one.
+    """
     artifact_dir = Path(artifact_dir)
     final = artifact_dir / ARTIFACT_FILE
     if final.exists():
@@ -152,7 +156,8 @@ def commit_artifact(artifact_dir: Path, artifact: dict) -> tuple[Path, bool]:
         raise ColdSnapError(
             f"{final} already holds artifact {existing.get('capture_id')!r}; capture never replaces an artifact",
             fix="choose a new output.artifact_dir (capture semantics: conflict-on-existing-output)")
-    write_exclusive(final, artifact)
+    if not check_mode:
+        write_exclusive(final, artifact)
     return final, True
 
 

@@ -74,7 +74,8 @@ def native_status(request: dict, artifact: dict, *, host: str, state_root: Path 
             try:
                 with PayloadVerifier().verify(NodeCache(state_root), p["sha256"], p["size"],
                                               write_record=not check_mode) as verified:
-                    changed |= bool(verified.record_written) or check_mode
+                    # check mode: the record a real run would write (none when a valid one was reused)
+                    changed |= bool(verified.record_written) or (check_mode and not verified.reused_record)
                 state, reason = "verified", "full SHA-256 verification passed"
             except IntegrityError as exc:
                 state, reason = "corrupt", exc.problem

@@ -45,6 +45,12 @@ def bytecode_in(root: Path) -> list[str]:
     return sorted(out)
 
 
+def is_staged(path: Path, digest: str) -> bool:
+    """``path`` holds the runtime ``digest`` names, intact and without stray bytecode (which the digest
+    does not see, and which Python would load instead of the sources)."""
+    return path.is_dir() and not bytecode_in(path) and tree_digest(path) == digest
+
+
 def tree_digest(root: Path) -> str:
     """``sha256:<hex>`` over (relative path, executable bit, content) of every file."""
     root = Path(root)
@@ -98,7 +104,7 @@ def stage_files(files: dict, state_root: Path, digest: str) -> tuple[str, Path, 
         raise ColdSnapError("the activation runtime file map is empty",
                             fix="pass the map the coldsnap.fleet.activation_files lookup returns")
     final = staged_path(state_root, digest)
-    if final.is_dir() and not bytecode_in(final) and tree_digest(final) == digest:
+    if is_staged(final, digest):
         return digest, final, False
     StateLayout(state_root).ensure_private_root()
     final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -196,5 +202,5 @@ def look(state_root: Path, digest: str, *, check_mode: bool = False) -> dict:
     """
     path = staged_path(state_root, digest)
     cleaned = clean_stale_temps(state_root, check_mode=check_mode)
-    staged = path.is_dir() and not bytecode_in(path) and tree_digest(path) == digest
+    staged = is_staged(path, digest)
     return {"changed": bool(cleaned), "staged": staged, "digest": digest, "path": str(path), "cleaned": cleaned}

@@ -134,3 +134,16 @@ def test_native_status_reports_only_this_hosts_workers(state_root):
     art = make_artifact(req, capture_id="c")
     res = native(state_root, art, req)
     assert [w["worker"] for w in res["workers"]] == ["worker-0"]
+
+
+def test_native_status_check_mode_reports_only_the_record_a_real_run_would_write(state_root):
+    sha, size = put_pack(state_root, b"weights")
+    req = make_request()
+    art = make_artifact(req, capture_id="c", pack=(sha, size))
+    pack = NodeCache(state_root).path_for(sha)
+    # put_pack left a valid record: a real verify reuses it, so check mode changes nothing either
+    assert native(state_root, art, req, verify=True, check_mode=True)["changed"] is False
+    record_path_for(pack).unlink()
+    dry = native(state_root, art, req, verify=True, check_mode=True)
+    assert dry["changed"] is True and not record_path_for(pack).exists()
+    assert native(state_root, art, req, verify=True)["changed"] is True and record_path_for(pack).exists()

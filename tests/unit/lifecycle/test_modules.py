@@ -174,3 +174,38 @@ def test_activation_runtime_stages_from_its_files_in_one_task_check_mode_then_id
     assert not activation_stage.staged_path(state_root, "sha256:" + "0" * 64).exists()
     both = run_module("activation_runtime", {**args, "src": str(src)})
     assert both["failed"] and "mutually exclusive" in both["msg"]
+
+
+def test_activation_runtime_check_mode_sees_stray_bytecode_in_a_staged_runtime(state_root):
+    """Bytecode the digest does not cover (Python would load it instead of the sources) makes a real
+    run re-stage; check mode says so too instead of calling the runtime staged."""
+    src = collection_root() / "ansible_collections" / "coldsnap" / "fleet" / "runtime_image" / "activation"
+    args = {"src": str(src), "state_root": str(state_root)}
+    first = run_module("activation_runtime", args)
+    assert first["changed"] and first["staged"]
+    planted = Path(first["path"]) / "coldsnap_activation" / "__pycache__"
+    planted.mkdir()
+    (planted / "sequence.cpython-311.pyc").write_bytes(b"not the staged source")
+    check = run_module("activation_runtime", args, "--check")
+    assert (check["changed"], check["staged"]) == (True, False), check
+    assert planted.exists()  # check mode removed nothing
+    assert run_module("activation_runtime", args)["changed"] is True and not planted.exists()
+    assert run_module("activation_runtime", args, "--check")["changed"] is False
+
+
+def test_artifact_commit_check_mode_answers_as_the_commit_and_the_promotion_would(state_root, tmp_path):
+    """Check mode writes nothing and reports what the run would: unchanged for the committed
+    descriptor, changed while it is not yet promoted, the same refusal for a conflicting one."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.commit import commit_artifact
+
+    req = make_request()
+    art = make_artifact(req, capture_id="cap-1")
+    out = tmp_path / "out"
+    path, changed = commit_artifact(out, art, check_mode=True)
+    assert changed and not path.exists() and not out.exists()
+    path, changed = commit_artifact(out, art)
+    assert changed and path.exists()
+    assert commit_artifact(out, art, check_mode=True) == (path, False)
+    other = make_artifact(req, capture_id="cap-2")
+    with pytest.raises(Exception, match="capture never replaces an artifact"):
+        commit_artifact(out, other, check_mode=True)
