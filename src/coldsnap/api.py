@@ -123,8 +123,12 @@ def load(request: RequestSource, *, snapshot_driver: str | None = None, document
 
 def decoded_request(request: RequestSource) -> tuple[Any, str]:
     """The request as decoded JSON (not yet validated) and the document name its errors use."""
+    if isinstance(request, dict):
+        return request, "request"  # as decoded: a strict decoder's record of duplicate keys stays with it
     if isinstance(request, Mapping):
         return dict(request), "request"
+    if not isinstance(request, str | os.PathLike):
+        return request, "request"  # not an object: validation says so at "$"
     name = os.fspath(request)
     document = f"request {name if name != '-' else '(stdin)'}"
     return strict_loads(read_input(name), document=document), document

@@ -100,6 +100,9 @@ def list_runs(state_root: Path | str, *, limit: int | None = None) -> list[RunEn
     except PermissionError:
         raise ColdSnapError(f"{runs_dir} is not readable by this user",
                             fix="run as the user ColdSnap runs as, or pass --state-root") from None
+    except OSError as exc:  # the state root (or its runs/) is a file, a dangling link...
+        raise ColdSnapError(f"{runs_dir} cannot be listed: {exc.strerror or exc}",
+                            fix="pass --state-root the state directory (the one holding runs/)") from None
     entries = sorted((read_run(d) for d in dirs), key=RunEntry.sort_key, reverse=True)
     return entries[:limit] if limit is not None else entries
 

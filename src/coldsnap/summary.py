@@ -7,6 +7,7 @@ readiness, the artifact path); anything missing is left out, never guessed.
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,7 +19,7 @@ WIDTH = 100
 
 def format_duration(seconds: Any) -> str:
     """``0.84 s``, ``11.40 s``, ``3 min 07 s``, ``1 h 02 min``; ``-`` for a missing value."""
-    if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool) or not math.isfinite(seconds):
         return "-"
     if seconds < 60:
         return f"{seconds:.2f} s"
@@ -74,7 +75,8 @@ def unit_rows(receipt: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
     # capture: the acceptance evidence carries each unit's readiness, the capsules their state.
     acceptance = op.get("acceptance")
     evidence = acceptance.get("evidence") if isinstance(acceptance, Mapping) else None
-    capsule_state = {c["unit"]: c.get("state") for c in op.get("capsules") or []
+    capsules = op.get("capsules")
+    capsule_state = {c["unit"]: c.get("state") for c in (capsules if isinstance(capsules, list) else [])
                      if isinstance(c, Mapping) and isinstance(c.get("unit"), str)}
     if isinstance(evidence, Mapping):
         for uid, raw in evidence.items():

@@ -125,13 +125,26 @@ def _color_key(span: Mapping[str, Any]) -> str:
     return "phase:" + _phase(str(span.get("name") or "?"))
 
 
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _drawable(event: Any, time_key: str) -> bool:
+    """A span or mark the timeline can place: the types its lanes and bars read (a receipt is written by
+    the controller, but one edited by hand or cut short must not stop the drawing)."""
+    return (isinstance(event, Mapping) and isinstance(event.get(time_key), int)
+            and isinstance(event.get("clock"), str | None) and isinstance(event.get("host"), str | None)
+            and isinstance(event.get("attrs"), Mapping | None)
+            and (time_key != "start_ns" or event.get("end_ns") is None or isinstance(event.get("end_ns"), int)))
+
+
 def timeline_model(receipt: Mapping[str, Any]) -> TimelineModel:
-    """Lanes, bars and legend of a receipt's timing envelope."""
-    spans = [s for s in (receipt.get("timing") or {}).get("spans", [])
-             if isinstance(s, Mapping) and isinstance(s.get("start_ns"), int)
-             and (s.get("end_ns") is None or isinstance(s.get("end_ns"), int))]
-    marks_in = [m for m in (receipt.get("timing") or {}).get("marks", [])
-                if isinstance(m, Mapping) and isinstance(m.get("t_ns"), int)]
+    """Lanes, bars and legend of a receipt's timing envelope (events of other shapes are left out)."""
+    timing = _mapping(receipt.get("timing"))
+    spans = [s for s in (timing.get("spans") if isinstance(timing.get("spans"), list) else [])
+             if _drawable(s, "start_ns")]
+    marks_in = [m for m in (timing.get("marks") if isinstance(timing.get("marks"), list) else [])
+                if _drawable(m, "t_ns")]
     # Every clock's own first event (the fallback origin of a clock without an anchor).
     firsts: dict[str, int] = {}
     for s in spans:
@@ -188,7 +201,7 @@ def timeline_model(receipt: Mapping[str, Any]) -> TimelineModel:
         if lane in lane_order:
             marks.append((lane, (m["t_ns"] - origins[m["clock"]]) / 1e9, str(m.get("name"))))
     state = receipt.get("state", "?")
-    if ((receipt.get("result") or {}).get("runner") or {}).get("cancelled"):
+    if _mapping(_mapping(receipt.get("result")).get("runner")).get("cancelled"):
         state = f"{state} (cancelled)"
     duration = receipt.get("duration_seconds")
     title = (f"coldsnap {receipt.get('operation', '?')}{' --prepare-only' if receipt.get('prepare_only') else ''}"

@@ -32,7 +32,7 @@ def _emit(value: Any, out: list[str]) -> None:
     elif value is False:
         out.append("false")
     elif isinstance(value, int):
-        out.append(str(value))
+        out.append(str(value) if abs(value) <= _EXACT else _number(_as_double(value)))
     elif isinstance(value, float):
         out.append(_number(value))
     elif isinstance(value, str):
@@ -78,13 +78,25 @@ def _string(s: str) -> str:
     return "".join(parts)
 
 
+# JCS numbers are IEEE doubles: integers up to 2**53 print exactly; larger ones print as the double
+# they round to, in ECMAScript's shortest form (9007199254740993 -> 9007199254740992, 10**21 -> 1e+21).
+_EXACT = 2**53
+
+
+def _as_double(value: int) -> float:
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"integer of {len(str(abs(value)))} digits is beyond JSON's double range") from None
+
+
 def _number(x: float) -> str:
     """ECMAScript Number.prototype.toString, as JCS requires."""
     if math.isnan(x) or math.isinf(x):
         raise ValueError("NaN and Infinity are not JSON")
     if x == 0:
         return "0"
-    if x.is_integer() and abs(x) < 1e21:
+    if x.is_integer() and abs(x) <= _EXACT:
         return str(int(x))
     sign = "-" if x < 0 else ""
     digits, exp = _shortest_digits(abs(x))

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import re
 from typing import Any
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import OPERATIONS, Digest, Ident
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import (
     AnyJSON,
+    Bool,
     Const,
     Field,
     Nullable,
@@ -46,12 +50,27 @@ def replay_semantics(operation: str, *, prepare_only: bool = False) -> str:
     return REPLAY_SEMANTICS[operation]
 
 
+_RFC3339 = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,6})?(?:Z|[+-]\d\d:\d\d)")
+
+
+_RFC3339_FIX = "write an RFC 3339 time with its offset (at most microseconds), such as 2026-11-29T11:08:00.123456Z"
+
+
+def _rfc3339(value: str) -> tuple[str, str] | None:
+    """A real date and time in the RFC 3339 form the pattern admits (no 30 February)."""
+    try:
+        dt.datetime.fromisoformat(value)
+    except ValueError:
+        return f"{value!r} is not a valid date and time", _RFC3339_FIX
+    return None
+
+
 RECEIPT_SCHEMA = Obj({
     "format": Field(Const(RECEIPT_FORMAT)),
     "kind": Field(Const(RECEIPT_KIND)),
     "operation_id": Field(Ident()),
     "operation": Field(Str(enum=OPERATIONS)),
-    "prepare_only": Field(AnyJSON(), required=False, default=False),
+    "prepare_only": Field(Bool(), required=False, default=False),
     "state": Field(Str(enum=("succeeded", "failed", "running")),
                    description="'running' is written when a run starts and replaced when it ends: a run whose "
                                "controller died keeps saying so, never an older run's outcome"),
@@ -59,8 +78,9 @@ RECEIPT_SCHEMA = Obj({
     "engine": Field(Nullable(Str())),
     "snapshot_driver": Field(Nullable(Str())),
     "replay_semantics": Field(Str(enum=SEMANTICS)),
-    "started_at": Field(Str(min_len=1)),
-    "completed_at": Field(Nullable(Str(min_len=1)), description="null while running"),
+    "started_at": Field(Str(pattern=_RFC3339.pattern, check=_rfc3339, pattern_fix=_RFC3339_FIX)),
+    "completed_at": Field(Nullable(Str(pattern=_RFC3339.pattern, check=_rfc3339, pattern_fix=_RFC3339_FIX)),
+                          description="null while running"),
     "duration_seconds": Field(Num(minimum=0)),
     "timing": Field(AnyJSON(object_only=True)),
     "result": Field(Nullable(AnyJSON(object_only=True))),
@@ -81,7 +101,14 @@ def receipt_json_schema() -> dict:
 
 def validate_receipt(value: Any) -> dict:
     """Validate a receipt object (what the controller writes)."""
-    return validate_document(RECEIPT_SCHEMA, value, document="receipt")
+    receipt = validate_document(RECEIPT_SCHEMA, value, document="receipt")
+    want = replay_semantics(receipt["operation"], prepare_only=receipt["prepare_only"])
+    if receipt["replay_semantics"] != want:
+        raise FormatError([FormatIssue("$.replay_semantics",
+                                        f"{receipt['replay_semantics']!r} is not what repeating "
+                                        f"{receipt['operation']}{' --prepare-only' if receipt['prepare_only'] else ''}"
+                                        f" does", f"set it to {want!r}")], document="receipt")
+    return receipt
 
 
 def load_receipt(text: str | bytes) -> dict:

@@ -462,6 +462,18 @@ def cross_check(req: dict) -> list[FormatIssue]:
     if op == "publish-native" and not native.get("repository"):
         add("$.policy.weights.native.repository", "publish-native uploads payloads but no repository is set",
             "set policy.weights.native.repository to the Hugging Face repository ('org/name')")
+    weights = policy.get("weights", {})
+    recovery_on = weights.get("recovery", {}).get("enabled", True)
+    if weights.get("mode") == "recovery" and not recovery_on:
+        add("$.policy.weights.mode", "mode 'recovery' asks for the recovery provider that "
+            "policy.weights.recovery.enabled turns off", "enable recovery, or use mode 'native' or 'auto'")
+    if op == "capture" and native.get("export") is False:
+        if not recovery_on:
+            add("$.policy.weights.native.export", "with the native export off and recovery disabled, nothing "
+                "could give a restore of this capture its weights", "export the native payload, or enable recovery")
+        elif weights.get("mode") == "native":
+            add("$.policy.weights.mode", "mode 'native' needs the native payload that native.export false leaves "
+                "out of the capture", "export it (native.export true), or use mode 'auto' or 'recovery'")
     for i, st in enumerate(native.get("staged", [])):
         if st["worker"] not in worker_ids:
             add(f"$.policy.weights.native.staged[{i}].worker", f"unknown worker {st['worker']!r}",

@@ -66,7 +66,8 @@ class Const(Schema):
     description: str = ""
 
     def validate(self, value, path, issues):
-        if value != self.value or isinstance(value, bool) != isinstance(self.value, bool):
+        # exactly the constant: 4.0 is not the format 4, nor True the 1
+        if value != self.value or type(value) is not type(self.value):
             issues.append(FormatIssue(path, f"must be {self.value!r}, got {value!r}",
                                       f"set it to {self.value!r} (this ColdSnap speaks only that version)"))
             return MISSING
@@ -387,7 +388,7 @@ class OneOfKind(Schema):
         if not isinstance(value, dict):
             return self._wrong_type(value, path, issues, "an object")
         kind = value.get(self.discriminator)
-        if kind not in self.variants:
+        if not isinstance(kind, str) or kind not in self.variants:
             issues.append(FormatIssue(_path_key(path, self.discriminator),
                                       f"{kind!r} is not one of {', '.join(self.variants)}",
                                       f"set {self.discriminator!r} to one of: {', '.join(self.variants)}"))

@@ -7,6 +7,8 @@ at its JSON path together with every other problem in the document.
 from __future__ import annotations
 
 import json
+import math
+import sys
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
@@ -36,7 +38,24 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name} is not JSON")
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_hook, parse_constant=_reject_constant)
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:24]}{'...' if len(text) > 24 else ''} is beyond the range of a JSON "
+                         "number (an IEEE double)")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    # 309 digits reach past the largest double (1.8e308); checked before int() (Python refuses 4300+ digits)
+    if digits > 309 or abs(value := int(text)) > sys.float_info.max:
+        raise ValueError(f"an integer of {digits} digits is beyond the range of a JSON number (an IEEE double)")
+    return value
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_pairs_hook, parse_constant=_reject_constant,
+                            parse_float=_finite_float, parse_int=_bounded_int)
 # No ColdSnap document nests deeper than a dozen levels; a bound keeps hostile input (100,000
 # nested arrays) from exhausting the recursion of the decoder and of the schema walk.
 MAX_DEPTH = 64
@@ -93,7 +112,14 @@ def strict_loads(text: str | bytes, *, document: str = "document") -> Any:
         raise FormatError([FormatIssue("$", "nests too deeply to decode", "check what produced the document")],
                           document=document) from None
     except ValueError as exc:
-        raise FormatError([FormatIssue("$", str(exc), "use finite numbers")], document=document) from None
+        raise FormatError([FormatIssue("$", str(exc), "use finite numbers a double can hold")],
+                          document=document) from None
+    where = _lone_surrogate(value, "$")
+    if where is not None:
+        raise FormatError([FormatIssue(where, "holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), "
+                                              "which is not Unicode text",
+                                       "escape characters outside the BMP as a surrogate pair, or write them as UTF-8")],
+                          document=document)
     rest = _skip_ws(text, end)
     if rest != len(text):
         line = text.count("\n", 0, rest) + 1
@@ -103,6 +129,31 @@ def strict_loads(text: str | bytes, *, document: str = "document") -> Any:
             document=document,
         )
     return value
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The JSON path of the first string (or key) holding an unpaired surrogate; None when there is none.
+    Bounded by MAX_DEPTH like the decoder."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                if not key.isascii():
+                    try:
+                        key.encode("utf-8")
+                    except UnicodeEncodeError:
+                        return where
+                stack.append((sub, f"{where}.{key}"))
+        elif isinstance(item, list):
+            stack.extend((sub, f"{where}[{i}]") for i, sub in enumerate(item))
+    return None
 
 
 def _skip_ws(text: str, pos: int) -> int:

@@ -3,21 +3,40 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
-from pathlib import Path
 from typing import Any
+
+# No ColdSnap document comes near this (a receipt of a large fleet is a few MiB); a bound keeps a
+# mistaken path (/dev/zero, a pack) from filling memory.
+MAX_INPUT_BYTES = 64 << 20
 
 
 def read_input(path: str) -> bytes:
-    """Read a file, or standard input for '-'."""
-    if path == "-":
-        return sys.stdin.buffer.read()
-    try:
-        return Path(path).read_bytes()
-    except FileNotFoundError:
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+    """Read a JSON document from a file (a pipe such as ``<(jq ...)`` too), or standard input for '-'."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 
-        raise ColdSnapError(f"{path}: no such file", fix="give the path of the JSON document, or '-' for stdin") from None
+    fix = "give the path of the JSON document, or '-' for stdin"
+    if path == "-":
+        data = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
+    else:
+        try:
+            with open(path, "rb") as fh:
+                if stat.S_ISDIR(os.fstat(fh.fileno()).st_mode):
+                    raise IsADirectoryError(path)
+                data = fh.read(MAX_INPUT_BYTES + 1)
+        except FileNotFoundError:
+            raise ColdSnapError(f"{path}: no such file", fix=fix) from None
+        except IsADirectoryError:
+            raise ColdSnapError(f"{path}: is a directory", fix=fix) from None
+        except OSError as exc:
+            raise ColdSnapError(f"{path}: cannot be read ({exc.strerror or exc})",
+                                fix=fix + " that this user can read") from None
+    if len(data) > MAX_INPUT_BYTES:
+        raise ColdSnapError(f"{'standard input' if path == '-' else path}: more than {MAX_INPUT_BYTES >> 20} MiB, "
+                            "larger than any ColdSnap document", fix=fix)
+    return data
 
 
 def print_json(obj: Any) -> None:

@@ -24,6 +24,12 @@ def run(args) -> int:
     from coldsnap.timeline import render_timeline
 
     receipt = load_receipt(read_input(args.receipt))
-    out = render_timeline(receipt, Path(args.output))
+    try:
+        out = render_timeline(receipt, Path(args.output))
+    except OSError as exc:
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+        raise ColdSnapError(f"cannot write the timeline to {args.output}: {exc.strerror or exc}",
+                            fix="give -o a PNG file path in a writable directory") from None
     print(f"timeline: {out}", file=sys.stderr)
     return 0

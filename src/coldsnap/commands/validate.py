@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, FormatError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
     artifact_json_schema,
     load_artifact,
@@ -65,6 +65,13 @@ def run(args) -> int:
         if args.json_errors:
             json.dump({"valid": False, "document": exc.document, "errors": [i.as_dict() for i in exc.issues]},
                       sys.stdout, indent=2)
+            sys.stdout.write("\n")
+            return 2
+        raise
+    except ColdSnapError as exc:  # the document could not be read (no such file, a directory, too large)
+        if args.json_errors:
+            json.dump({"valid": False, "document": args.request_json or args.artifact_json or args.receipt_json,
+                       "errors": [{"path": "$", "message": exc.problem, "fix": exc.fix}]}, sys.stdout, indent=2)
             sys.stdout.write("\n")
             return 2
         raise

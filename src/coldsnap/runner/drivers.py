@@ -41,10 +41,11 @@ def resolve_snapshot_driver(operation: str, raw: Mapping[str, Any], *, inventory
         return None, None
     if operation != "capture":
         return _from_artifact(raw)
-    candidates, refused = driver_candidates(dict(raw))
+    raw = raw if isinstance(raw, dict) else dict(raw)  # as decoded: its duplicate keys are still reported
+    candidates, refused = driver_candidates(raw)
     if not candidates:
         raise next(iter(refused.values()))
-    request = validate_request(dict(raw), snapshot_driver=candidates[0])
+    request = validate_request(raw, snapshot_driver=candidates[0])
     gpu_hosts = sorted({u["host"] for u in request["launch"]["units"] if u["devices"]})
     known = dict(facts or {})
     missing = [h for h in gpu_hosts if h not in known]
@@ -63,7 +64,7 @@ def _first_issue(exc: FormatError) -> str:
 
 def _from_artifact(raw: Mapping[str, Any]) -> tuple[str | None, dict | None]:
     path = (raw.get("artifact") or {}).get("path") if isinstance(raw.get("artifact"), Mapping) else None
-    if not path or not Path(path).is_file():
+    if not isinstance(path, str) or not path or not Path(path).is_file():
         return None, None  # validation names $.snapshot_driver with the fix
     try:
         artifact = load_artifact(Path(path).read_bytes())

@@ -1,0 +1,131 @@
+"""Bad input to the controller: one clear message and a non-zero exit, never a traceback; the strict
+formats refuse what the real run would refuse (or could not hash), and nothing else."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_json
+
+from coldsnap.cli import main
+
+RECEIPT = Path(__file__).resolve().parents[2] / "fixtures" / "receipts" / "restore-reference-tiny.json"
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _request(tmp_path: Path, text: str, name: str = "r.json") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_a_path_that_is_not_a_readable_document(tmp_path, capsys) -> None:
+    (tmp_path / "d").mkdir()
+    rc, _out, err = _run(capsys, "validate", "--request-json", str(tmp_path / "d"))
+    assert rc == 2 and "is a directory" in err and "Traceback" not in err
+    rc, out, _err = _run(capsys, "validate", "--json-errors", "--request-json", str(tmp_path / "none.json"))
+    assert rc == 2 and json.loads(out)["errors"][0]["message"].endswith("no such file")
+    rc, _out, err = _run(capsys, "runs", "list", "--state-root", str(RECEIPT))
+    assert rc == 2 and "cannot be listed" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("text", ["[]", "null", "7"])
+def test_a_document_that_is_not_an_object(capsys, monkeypatch, text) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+    rc, _out, err = _run(capsys, "validate", "--request-json", "-")
+    assert rc == 2 and "$: expected an object" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("driver", [True, False])
+def test_duplicate_keys_are_refused_by_validate_as_by_the_run(tmp_path, capsys, example_request_text, driver) -> None:
+    req = json.loads(example_request_text)
+    if not driver:
+        req.pop("snapshot_driver", None)
+    text = json.dumps(req).replace('"format": 4,', '"format": 5, "format": 4,', 1)
+    rc, _out, err = _run(capsys, "validate", "--request-json", str(_request(tmp_path, text)))
+    assert rc == 2 and "$.format: duplicate key 'format'" in err
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda t: t.replace('"format": 4', '"format": 4.0', 1), "$.format: must be 4"),
+    (lambda t: t.replace('"prompt": "', '"prompt": "\\ud800', 1), "$.validation.prompt: holds a lone UTF-16 surrogate"),
+    (lambda t: t.replace('"format": 4', '"format": 1e400', 1), "beyond the range of a JSON number"),
+    (lambda t: t.replace('"format": 4', '"format": 1' + "0" * 5000, 1), "an integer of 5001 digits"),
+])
+def test_numbers_and_strings_a_hash_could_not_take_are_refused(tmp_path, capsys, example_request_text, edit,
+                                                              message) -> None:
+    text = edit(example_request_text)
+    assert text != example_request_text
+    rc, _out, err = _run(capsys, "validate", "--request-json", str(_request(tmp_path, text)))
+    assert rc == 2 and message in err and "Traceback" not in err and "set_int_max_str_digits" not in err
+
+
+def test_a_kind_that_is_not_a_string(capsys, monkeypatch) -> None:
+    doc = {"launch": {"model": {"source": {"kind": [1]}}}}
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps(doc).encode())))
+    rc, _out, err = _run(capsys, "validate", "--request-json", "-")
+    assert rc == 2 and "[1] is not one of" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("weights", "path"), [
+    ({"mode": "native", "native": {"export": False}}, "$.policy.weights.mode"),
+    ({"native": {"export": False}, "recovery": {"enabled": False}}, "$.policy.weights.native.export"),
+    ({"mode": "recovery", "recovery": {"enabled": False}}, "$.policy.weights.mode"),
+])
+def test_weights_that_no_restore_could_serve_are_refused_up_front(tmp_path, capsys, example_request_text, weights,
+                                                                 path) -> None:
+    req = json.loads(example_request_text)
+    req.setdefault("policy", {})["weights"] = weights
+    rc, _out, err = _run(capsys, "validate", "--request-json", str(_request(tmp_path, json.dumps(req))))
+    assert rc == 2 and path in err
+
+
+def test_canonical_json_numbers_are_ecmascript_doubles() -> None:
+    """RFC 8785: beyond 2**53 an integer is the double it rounds to, printed the shortest way."""
+    assert canonical_json([2**53, 2**53 + 1, 295147905179352825856, 10**21, 123456789012345678901]) == \
+        b"[9007199254740992,9007199254740992,295147905179352830000,1e+21,123456789012345680000]"
+    assert canonical_json([2.9514790517935283e20, 1e21, 1e-7, 0.5, -0.0]) == b"[295147905179352830000,1e+21,1e-7,0.5,0]"
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("prepare_only", '"no"', "$.prepare_only: expected true or false"),
+    ("started_at", '"yesterday"', "$.started_at"),
+    ("started_at", '"2026-02-30T10:00:00Z"', "is not a valid date and time"),
+    ("replay_semantics", '"convergent"', "$.replay_semantics"),
+    ("duration_seconds", "1e999", "beyond the range"),
+])
+def test_a_receipt_with_a_field_its_readers_cannot_use_is_refused(tmp_path, capsys, field, value, message) -> None:
+    doc = json.loads(RECEIPT.read_text())
+    doc[field] = "@@"
+    path = tmp_path / "receipt.json"
+    path.write_text(json.dumps(doc).replace('"@@"', value))
+    rc, _out, err = _run(capsys, "validate", "--receipt-json", str(path))
+    assert rc == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("timing", [
+    {"spans": 5, "marks": []},
+    {"spans": [{"start_ns": 1, "end_ns": 2, "clock": ["a"], "attrs": {}}], "marks": "x"},
+    {"spans": [{"start_ns": 1, "end_ns": 2, "clock": "controller", "attrs": [1]}],
+     "marks": [{"t_ns": 1, "clock": ["a"]}]},
+])
+def test_the_timeline_draws_what_it_can_of_a_hand_edited_receipt(tmp_path, capsys, timing) -> None:
+    doc = json.loads(RECEIPT.read_text())
+    doc["timing"] = timing
+    doc["result"] = {"runner": [1]}
+    path = tmp_path / "receipt.json"
+    path.write_text(json.dumps(doc))
+    pytest.importorskip("matplotlib")
+    rc, _out, err = _run(capsys, "timeline", str(path), "-o", str(tmp_path / "t.png"))
+    assert rc == 0 and (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG", err
+    rc, _out, err = _run(capsys, "timeline", str(path), "-o", str(tmp_path))
+    assert rc == 2 and "cannot write the timeline" in err and "Traceback" not in err
