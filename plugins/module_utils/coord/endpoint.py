@@ -148,6 +148,9 @@ def read_endpoint(path: Path | str) -> EndpointDescriptor:
             f"coordinator endpoint file {path} does not exist",
             fix="start the coordinator first (coldsnap.fleet.coordinator state=started) or fix the path",
         ) from None
+    except OSError as exc:  # a directory, a file this user cannot read
+        raise ColdSnapError(f"coordinator endpoint file {path} cannot be read: {exc.strerror or exc}",
+                            fix="point at the endpoint file the coordinator wrote") from None
     doc = strict_loads(text, document=f"coordinator endpoint file {path}")
     return endpoint_from_json(doc, source=str(path))
 

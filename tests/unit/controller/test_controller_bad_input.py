@@ -36,6 +36,9 @@ def test_a_path_that_is_not_a_readable_document(tmp_path, capsys) -> None:
     assert rc == 2 and json.loads(out)["errors"][0]["message"].endswith("no such file")
     rc, _out, err = _run(capsys, "runs", "list", "--state-root", str(RECEIPT))
     assert rc == 2 and "cannot be listed" in err and "Traceback" not in err
+    (tmp_path / "d").chmod(0o700)
+    rc, _out, err = _run(capsys, "coordinator", "health", "--endpoint-file", str(tmp_path / "d"))
+    assert rc == 2 and "cannot be read" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("text", ["[]", "null", "7"])
