@@ -18,7 +18,10 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import marked_root
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import (
+    environment_value,
+    marked_root,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
@@ -75,12 +78,27 @@ class HostUnits(RunningUnits):
         wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
         return "crashed" if any(wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*"))) else "stopped"
 
+    def engine_pids(self, unit_id: str) -> list[int]:
+        """Every engine of this workload's unit that is alive, answering or not: the ones that answer
+        (:meth:`running_pids`) and the ones that are busy or hung but still carry their control file in
+        their environment (a recycled pid does not). Eviction ends them all before any control file goes."""
+        wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
+        pids = []
+        for f in sorted(wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*"))):
+            try:
+                info = ec.ControlInfo.load(f)
+            except (OSError, ValueError):
+                continue
+            if engine_answers(info) or _carries(info.pid, f):
+                pids.append(marked_root(info.pid, ec.ENV_CONTROL_FILE))
+        return pids
+
     def evict(self, *, check_mode: bool) -> list[dict]:
-        """SIGKILL this workload's engines (each whole process tree), wait until their pids are free, and
-        remove their control files (the workload is stopped, not crashed)."""
+        """SIGKILL this workload's engines (each whole process tree; one that stopped answering too), wait
+        until their pids are free, and remove their control files (the workload is stopped, not crashed)."""
         stopped = []
         for u in units_on_host(self.request, self.host):
-            pids = self.running_pids(u["id"])
+            pids = self.engine_pids(u["id"])
             if not pids:
                 continue
             # Every worker's engine of the unit, each with its whole process tree.
@@ -102,8 +120,22 @@ class HostUnits(RunningUnits):
             for u in units_on_host(self.request, self.host):
                 wdir = self.layout.workload(self.request["workload"]["recipe"], u["id"])
                 for f in wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*")):
-                    f.unlink(missing_ok=True)
+                    try:
+                        alive = _carries(ec.ControlInfo.load(f).pid, f)
+                    except (OSError, ValueError):
+                        alive = False
+                    if not alive:  # an engine still alive keeps its file: ColdSnap can still reach and stop it
+                        f.unlink(missing_ok=True)
         return stopped
+
+
+def _carries(pid: int, control_file: Path) -> bool:
+    """``pid`` is alive and was started for ``control_file`` (the marker the activation runtime puts in
+    every engine's environment): an engine of this workload even when its control API does not answer."""
+    if not pid_alive(pid):
+        return False
+    mark = environment_value(pid, ec.ENV_CONTROL_FILE)
+    return mark is not None and os.path.realpath(os.fsdecode(mark)) == os.path.realpath(control_file)
 
 
 def unit_status(spec: UnitSpec) -> dict:

@@ -1,0 +1,71 @@
+"""Eviction ends every engine of the workload, one whose control API stalls too, before any of its
+control files goes: an engine left running without its file could never be stopped or replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_runtime import HostRuntime
+
+# A stand-in engine: the control API the real ones serve (GET /status answers its pid), started as the
+# activation runtime starts engines (the control file's path in COLDSNAP_CONTROL_FILE); a flag file
+# makes its API stall, as a busy or hung engine's does.
+ENGINE = r"""
+import http.server, json, os, sys, time
+ctl, stall = sys.argv[1], sys.argv[2]
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if os.path.exists(stall):
+            time.sleep(60)
+        body = json.dumps({"ok": True, "pid": os.getpid(), "state": "ready"}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+tmp = ctl + ".tmp"
+json.dump({"port": srv.server_address[1], "token": "t" * 64, "pid": os.getpid()}, open(tmp, "w"))
+os.rename(tmp, ctl)
+srv.serve_forever()
+"""
+
+
+def test_an_engine_whose_control_api_stalls_is_evicted_with_the_others(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    wdir = state / "workloads" / "demo" / "u0"
+    wdir.mkdir(parents=True)
+    request = {"id": "op1", "workload": {"recipe": "demo"}, "launch": {"units": [{"id": "u0", "host": "h1"}]}}
+    procs = {}
+    for w in ("w0", "w1"):
+        control = wdir / ec.CONTROL_FILE_NAME.format(worker=w)
+        procs[w] = subprocess.Popen([sys.executable, "-c", ENGINE, str(control), str(tmp_path / f"stall-{w}")],
+                                    env={**os.environ, ec.ENV_CONTROL_FILE: str(control)},
+                                    stderr=subprocess.DEVNULL)
+    for p in procs.values():
+        threading.Thread(target=p.wait, daemon=True).start()  # reaped, as the unit keeper reaps engines
+    deadline = time.monotonic() + 30
+    while len(list(wdir.glob("control-*.json"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stranger = wdir / ec.CONTROL_FILE_NAME.format(worker="w9")  # a stale file whose pid is someone else's
+    stranger.write_text(json.dumps({"port": 1, "token": "t" * 64, "pid": os.getpid()}))
+    try:
+        rt = HostRuntime(request, host="h1", state_root=state)
+        assert sorted(rt.replaced_pids("u0")) == sorted(p.pid for p in procs.values())
+        (tmp_path / "stall-w1").touch()  # w1 stops answering between prepare and eviction
+        stopped = rt.evict(check_mode=False)
+        assert sorted(stopped[0]["pids"]) == sorted(p.pid for p in procs.values())
+        for p in procs.values():
+            p.wait(10)
+        assert list(wdir.glob("control-*.json")) == []
+        assert rt.presence("u0") == "stopped"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
