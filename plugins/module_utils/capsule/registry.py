@@ -135,7 +135,8 @@ class RegistryClient:
             req.add_header("User-Agent", USER_AGENT)
             for k, v in (headers or {}).items():
                 req.add_header(k, v)
-            if self._authorization:
+            if self._authorization and self._same_origin(req.full_url):
+                # Never to another host (an upload's Location may be object storage) nor over another scheme.
                 req.add_header("Authorization", self._authorization)
             try:
                 resp = self._opener.open(req, timeout=self.timeout)
@@ -159,6 +160,10 @@ class RegistryClient:
                             status=401, code="UNAUTHORIZED",
                             fix="check the registry credentials (they are never logged)")
 
+    def _same_origin(self, url: str) -> bool:
+        a, b = urllib.parse.urlsplit(url), urllib.parse.urlsplit(self.base)
+        return (a.scheme, a.netloc) == (b.scheme, b.netloc)
+
     def _answer_challenge(self, headers: Any, scope: str) -> bool:
         challenge = headers.get("WWW-Authenticate") if headers else None
         if not challenge:
@@ -176,6 +181,9 @@ class RegistryClient:
         if direct:
             self._authorization = f"Bearer {direct}"
             return True
+        realm = urllib.parse.urlsplit(params["realm"])
+        if realm.scheme not in ("http", "https") or (realm.scheme == "http" and self.base.startswith("https:")):
+            return False  # credentials never go to a realm over plain http from an https registry
         query = {"service": params.get("service", "")}
         wanted = params.get("scope") or f"repository:{self.repo.name}:{scope}"
         query["scope"] = wanted
@@ -188,8 +196,8 @@ class RegistryClient:
                 "grant_type": "refresh_token", "refresh_token": self._auth["identitytoken"],
                 "service": query["service"], "scope": wanted, "client_id": "coldsnap"}).encode())
         try:
-            # The default opener (redirects allowed for the token realm); stdlib only, no ansible.module_utils.urls.
-            with urllib.request.build_opener().open(req, timeout=self.timeout) as resp:
+            # No redirects: urllib would carry the credentials to wherever the realm points (stdlib only).
+            with self._opener.open(req, timeout=self.timeout) as resp:
                 doc = json.loads(resp.read(1 << 20))
         except (urllib.error.URLError, OSError, ValueError):
             return False

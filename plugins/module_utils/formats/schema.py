@@ -66,8 +66,10 @@ class Const(Schema):
     description: str = ""
 
     def validate(self, value, path, issues):
-        # exactly the constant: 4.0 is not the format 4, nor True the 1
-        if value != self.value or type(value) is not type(self.value):
+        # the constant in its own type (a str subclass such as Ansible's passes): 4.0 is not the format 4,
+        # nor True the 1
+        if (not isinstance(value, type(self.value)) or isinstance(value, bool) != isinstance(self.value, bool)
+                or value != self.value):
             issues.append(FormatIssue(path, f"must be {self.value!r}, got {value!r}",
                                       f"set it to {self.value!r} (this ColdSnap speaks only that version)"))
             return MISSING

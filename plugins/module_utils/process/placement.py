@@ -4,9 +4,10 @@ A unit's serving port and address are placement, not identity: the restore
 request may name others than the capture did. The move is one port shift for
 every listener of the unit (the serving port, the engine's control listener,
 anything else the tree listened on), ``restore port - captured port`` of the
-unit's service; listeners bound to the captured service address move to the
-restore's (wildcard listeners stay wildcard). Units without a service keep
-their ports. The CRIU images are never edited: the restore rebinds a linked
+unit's service; only the service's own listener (the captured service address
+and port) moves to the restore's address: the engine's control API and any other
+internal listener keep theirs (loopback stays loopback, never exposed by a restore
+onto ``0.0.0.0``). Units without a service keep their ports. The CRIU images are never edited: the restore rebinds a linked
 copy (:func:`.criu_images.rebind_listeners`).
 """
 
@@ -27,6 +28,7 @@ class Placement:
     port_shift: int = 0
     addresses: dict[str, str] = field(default_factory=dict)  # captured address -> restore address
     field_path: str = ""  # the request field that names the restore's port (for error messages)
+    service_port: int | None = None  # the captured serving port: only its listener changes address
 
     @property
     def moves_anything(self) -> bool:
@@ -40,7 +42,8 @@ class Placement:
                 f"unit {unit}: the captured listener {address}:{port} would move to port {new_port}, out of range: "
                 f"every listener of a unit moves by the serving port's shift ({self.port_shift:+d}){where}",
                 fix="choose a serving port that keeps every captured listener of the unit within 1..65535")
-        new_address = self.addresses.get(address, address)
+        serving = self.service_port is None or port == self.service_port
+        new_address = self.addresses.get(address, address) if serving else address
         if ipaddress.ip_address(new_address).version != ipaddress.ip_address(address).version:
             raise AdmissionError(
                 f"unit {unit}: the captured listener {address}:{port} cannot move to {new_address} (another address "
@@ -55,13 +58,15 @@ class Placement:
         return {(a, p): self.apply(a, p, unit=unit) for a, p in captured}
 
     def to_json(self) -> dict:
-        return {"port_shift": self.port_shift, "addresses": dict(self.addresses), "field": self.field_path}
+        return {"port_shift": self.port_shift, "addresses": dict(self.addresses), "field": self.field_path,
+                "service_port": self.service_port}
 
     @classmethod
     def from_json(cls, data: dict | None) -> Placement:
         data = data or {}
+        port = data.get("service_port")
         return cls(port_shift=int(data.get("port_shift", 0)), addresses=dict(data.get("addresses") or {}),
-                   field_path=str(data.get("field", "")))
+                   field_path=str(data.get("field", "")), service_port=int(port) if port is not None else None)
 
 
 def for_unit(captured_launch: dict, launch: dict, unit_id: str) -> Placement:
@@ -79,7 +84,7 @@ def for_unit(captured_launch: dict, launch: dict, unit_id: str) -> Placement:
     old_addr, new_addr = before[1].get("address", "127.0.0.1"), svc.get("address", "127.0.0.1")
     return Placement(port_shift=svc["port"] - before[1]["port"],
                      addresses={old_addr: new_addr} if old_addr != new_addr else {},
-                     field_path=f"$.launch.execution.services[{i}].port")
+                     field_path=f"$.launch.execution.services[{i}].port", service_port=before[1]["port"])
 
 
 def rebind(images_dir: Path, out_dir: Path, placement: Placement, *, unit: str) -> tuple[Path, list[dict]]:

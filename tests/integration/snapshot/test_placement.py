@@ -1,6 +1,7 @@
 """Placement is not identity (the seeds' restore contract), with real CRIU: a capture restores onto
 another serving port, also while a stranger holds the captured one; every listener of the unit
-moves by one shift (the engine's control listener too) and the receipt names where it serves. A
+moves by one shift (the engine's control listener too, which stays on loopback when the service
+moves to another address) and the receipt names where it serves. A
 requested port someone else holds fails in prepare, naming the holder, and the running workload
 stays. A request that changes identity (the command beyond its placement flags) is refused with
 the field named."""
@@ -67,6 +68,43 @@ def test_restore_onto_another_port_while_a_stranger_holds_the_captured_one(captu
     assert back.succeeded, back.receipt["error"]
     assert units_of(back.receipt)[0]["listeners_moved"] == []
     assert wl.complete() == art["acceptance"]["reply"]
+
+
+def _listening(port: int) -> set[str]:
+    """The IPv4 addresses a TCP socket listens on at ``port`` on this host (from /proc/net/tcp)."""
+    out = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        addr, hexport = local.split(":")
+        if state == "0A" and int(hexport, 16) == port:
+            out.add(".".join(str(b) for b in reversed(bytes.fromhex(addr))))
+    return out
+
+
+def test_a_restore_onto_all_interfaces_moves_the_service_and_keeps_the_control_api_on_loopback(captured,
+                                                                                               state_root):
+    """Only the service's own listener changes address: the engine's control API is never exposed by a
+    restore that serves on 0.0.0.0 (and the controller still reaches it on loopback)."""
+    wl, artifact, _art, _evidence = captured
+    new_port = free_port()
+
+    def everywhere(req: dict) -> None:
+        on_port(new_port)(req)
+        req["launch"]["execution"]["services"][0]["address"] = "0.0.0.0"
+        cmd = req["launch"]["units"][0]["command"]
+        if "--host" in cmd:
+            cmd[cmd.index("--host") + 1] = "0.0.0.0"
+
+    res = wl.run(wl.request("restore", artifact=artifact, mutate=everywhere))
+    assert res.succeeded, res.receipt["error"]
+    assert units_of(res.receipt)[0]["served"] == {"address": "0.0.0.0", "port": new_port}
+    assert _listening(new_port) == {"0.0.0.0"}
+    control = json.loads((state_root / "workloads" / wl.name / UNIT / f"control-{WORKER}.json").read_text())
+    assert _listening(control["port"]) == {"127.0.0.1"}, "the control API stays on loopback"
+    status = wl.run(wl.request("status", mutate=everywhere))
+    assert status.succeeded and units_of(status.receipt)[0]["state"] == "ready", status.receipt["error"]
+    back = wl.run(wl.request("restore", artifact=artifact))
+    assert back.succeeded, back.receipt["error"]
 
 
 def test_a_requested_port_a_stranger_holds_fails_in_prepare_and_the_workload_keeps_serving(captured):

@@ -114,3 +114,76 @@ def test_unreachable_registry_is_a_clear_error() -> None:
         port = s.getsockname()[1]
     with pytest.raises(RegistryError, match="unreachable"):
         RegistryClient(f"127.0.0.1:{port}/x", timeout=2).blob_exists(DIGEST)
+
+
+class _Elsewhere(BaseHTTPRequestHandler):
+    """Another host (object storage, a token service behind a redirect): records what reaches it."""
+
+    seen: list = []
+
+    def log_message(self, *_a) -> None:
+        pass
+
+    def _any(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        type(self).seen.append((self.command, self.path, self.headers.get("Authorization")))
+        self.send_response(201 if self.command == "PUT" else 200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_PUT = do_POST = _any
+
+
+def test_registry_credentials_never_reach_another_host() -> None:
+    """An upload's Location on another host gets the bytes, never the credentials; nor does a token realm
+    that redirects elsewhere."""
+    import hashlib
+
+    data = b"layer bytes"
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    other = ThreadingHTTPServer(("127.0.0.2", 0), _Elsewhere)
+    other_url = f"http://127.0.0.2:{other.server_address[1]}"
+
+    class Registry(BaseHTTPRequestHandler):
+        bearer = False
+
+        def log_message(self, *_a) -> None:
+            pass
+
+        def _any(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if not self.headers.get("Authorization"):
+                self.send_response(401)
+                realm = f'Bearer realm="http://127.0.0.1:{self.server.server_address[1]}/token"'
+                self.send_header("WWW-Authenticate", realm if Registry.bearer else 'Basic realm="r"')
+            elif self.path.startswith("/token"):
+                self.send_response(302)
+                self.send_header("Location", other_url + "/stolen")
+            elif self.command == "POST":
+                self.send_response(202)
+                self.send_header("Location", other_url + "/upload/1")
+            else:
+                self.send_response(404 if self.command == "HEAD" else 200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_GET = do_PUT = do_POST = do_HEAD = _any
+
+    registry = ThreadingHTTPServer(("127.0.0.1", 0), Registry)
+    for s in (other, registry):
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    try:
+        client = RegistryClient(f"127.0.0.1:{registry.server_address[1]}/coldsnap/capsules",
+                                auth={"username": "alice", "password": "S3cret"})
+        client.upload_blob(digest, len(data), lambda: data, what="a layer")
+        assert [(m, auth) for m, _p, auth in _Elsewhere.seen] == [("PUT", None)], _Elsewhere.seen
+        _Elsewhere.seen.clear()
+        Registry.bearer = True
+        fresh = RegistryClient(f"127.0.0.1:{registry.server_address[1]}/coldsnap/capsules",
+                               auth={"username": "alice", "password": "S3cret"})
+        with pytest.raises(ColdSnapError):
+            fresh.upload_blob(digest, len(data), lambda: data, what="a layer")
+        assert all(auth is None for _m, _p, auth in _Elsewhere.seen), _Elsewhere.seen
+    finally:
+        other.shutdown()
+        registry.shutdown()

@@ -121,8 +121,13 @@ def test_the_shift_comes_from_the_units_service():
         return {"execution": {"services": [{"id": "api", "unit": "unit-0", "port": port, "address": address}]}}
 
     assert for_unit(launch(8000), launch(8000), "unit-0") == Placement(
-        field_path="$.launch.execution.services[0].port")
+        field_path="$.launch.execution.services[0].port", service_port=8000)
     p = for_unit(launch(8000), launch(9100, "0.0.0.0"), "unit-0")
     assert p.port_shift == 1100 and p.addresses == {"127.0.0.1": "0.0.0.0"} and p.moves_anything
+    # Only the service's own listener changes address: the engine's control API (an ephemeral port on
+    # loopback) moves by the shift and stays on loopback, never exposed by a restore onto 0.0.0.0.
+    assert p.listeners([("127.0.0.1", 8000), ("127.0.0.1", 41234)]) == [("0.0.0.0", 9100), ("127.0.0.1", 42334)]
+    q = for_unit(launch(8000), launch(8000, "192.0.2.2"), "unit-0")
+    assert q.listeners([("127.0.0.1", 8000), ("127.0.0.1", 41234)]) == [("192.0.2.2", 8000), ("127.0.0.1", 41234)]
     assert for_unit(launch(8000), launch(9100), "unit-1") == Placement(), "a unit without a service stays"
     assert Placement.from_json(p.to_json()) == p
