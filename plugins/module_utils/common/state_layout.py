@@ -23,8 +23,11 @@ Modules, the controller, the activation runtime and (through the
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 
 DEFAULT_STATE_ROOT = "/var/lib/coldsnap"
 STATE_ROOT_ENV = "COLDSNAP_STATE_ROOT"
@@ -158,10 +161,27 @@ class StateLayout:
         """Create the state root 0700 (and make an existing one 0700): everything below is private
         to the user ColdSnap runs as (CRIU images, capsules and descriptors hold process memory)."""
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._refuse_planted()
         st = os.stat(self.root)
         if st.st_mode & 0o077 and st.st_uid == os.geteuid():
             os.chmod(self.root, 0o700)
         return self.root
+
+    def _refuse_planted(self) -> None:
+        """A state root (or a link to one) that another user made in a directory anyone may write to
+        (``/tmp``, ``/var/tmp``) is theirs to redirect: ColdSnap would write and chmod through their links
+        and trust their files. Refused; a root owned by another user elsewhere (a user's own state root
+        that root works in for them) is fine."""
+        me = os.geteuid()
+        link = self.root.absolute()
+        real = Path(os.path.realpath(link))
+        for st, where in ((os.lstat(link), link.parent), (os.stat(real), real.parent)):
+            if st.st_uid not in (me, 0) and os.stat(where).st_mode & stat.S_IWOTH:
+                raise ColdSnapError(
+                    f"state root {self.root} belongs to uid {st.st_uid}, not to this user (uid {me}), and lies in "
+                    f"{where}, which anyone may write to: another user could redirect ColdSnap's files through it",
+                    fix="use a state root this user owns outside world-writable directories (the default), or "
+                        "remove that one")
 
     def path(self, name: str, *parts: str) -> Path:
         """A named location (``payloads``, ``payload_objects``, ``captures``, ``workloads`` ...) with

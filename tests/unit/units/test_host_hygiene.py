@@ -171,3 +171,34 @@ def test_the_activation_bytecode_directory_is_private_and_never_written_through_
     made.write_text("not a directory")
     with pytest.raises(UnitError):
         bytecode_dir(layout)
+
+
+def test_a_state_root_another_user_planted_in_a_shared_directory_is_refused(tmp_path):
+    """/tmp and /var/tmp are anyone's: a state root (or a link to one) another user made there would let
+    them redirect root's writes; ColdSnap refuses it, and a user's own root elsewhere is fine."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+
+    if os.geteuid() != 0:
+        pytest.skip("making a directory owned by another user needs root")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o755)
+    planted = shared / "coldsnap"
+    planted.mkdir()
+    os.chown(planted, 65534, 65534)
+    with pytest.raises(ColdSnapError, match=r"belongs to uid 65534.*anyone may write to"):
+        StateLayout(planted).ensure_private_root()
+    link = shared / "coldsnap-link"
+    link.symlink_to(victim)
+    os.lchown(link, 65534, 65534)
+    with pytest.raises(ColdSnapError, match="belongs to uid 65534"):
+        StateLayout(link).ensure_private_root()
+    assert oct(victim.stat().st_mode & 0o777) == "0o755", "nothing was chmodded through the link"
+    mine = shared / "mine"
+    assert StateLayout(mine).ensure_private_root() == mine and oct(mine.stat().st_mode & 0o777) == "0o700"
+    users_own = tmp_path / "home-of-a-user" / "coldsnap"  # not in a shared directory: root may work in it
+    users_own.mkdir(parents=True)
+    os.chown(users_own, 65534, 65534)
+    assert StateLayout(users_own).ensure_private_root() == users_own
