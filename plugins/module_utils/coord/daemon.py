@@ -33,9 +33,6 @@ from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import file_lock
-
-# Imported so that Ansible's module packer ships the server's modules with any
-# module that manages the daemon (the packer follows imports).
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import serve as _server
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import (
     CoordinatorClient,
@@ -46,6 +43,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint impo
     check_address,
     read_endpoint,
 )
+
+# Imported so that Ansible's module packer ships the server's modules with any
+# module that manages the daemon (the packer follows imports).
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets import without_credentials
 
 SERVER_MODULE = _server.__name__
 _PACKAGE_PREFIX = "ansible_collections.coldsnap.fleet.plugins.module_utils"
@@ -236,7 +237,7 @@ def _spawn(endpoint_file: Path, *, scope: str, address: str, port: int, python: 
     if not (shutil.which(python) or os.access(python, os.X_OK)):
         raise ColdSnapError(f"python interpreter {python!r} not found or not executable",
                             fix="give the path of a Python >= 3.11 as 'python'")
-    env = dict(os.environ)
+    env = without_credentials(os.environ)  # the server needs none of the controller's credentials
     root = _collection_root()
     if root is None:
         root = _materialize_code(code_dir_for(endpoint_file))

@@ -8,6 +8,7 @@ nothing, missing a credential costs a leak.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 SECRET_NAME_RE = re.compile(
     r"TOKEN|PASSWORD|PASSWD|PASSPHRASE|SECRET|KEY|CREDENTIAL|PRIVATE|COOKIE|(?:^|_)PASS(?:$|_)|(?:^|_)AUTH(?:$|_)",
@@ -35,3 +36,9 @@ CREDENTIAL_WORDS = frozenset({"TOKEN", "TOKENS", "PASSWORD", "PASSWD", "PASSPHRA
 def is_credential_name(name: str) -> bool:
     """True when an environment variable called ``name`` names a credential."""
     return any(word in CREDENTIAL_WORDS for word in name.upper().split("_"))
+
+
+def without_credentials(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less every variable named like a credential: the environment of a helper ColdSnap starts
+    (the coordinator, the activation runtime and its keepers), which needs none of the controller's."""
+    return {k: v for k, v in env.items() if not is_credential_name(k)}

@@ -25,6 +25,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree imp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets import without_credentials
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UnitSpec, new_evidence
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_client import (
@@ -209,7 +210,7 @@ def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_diges
         log_path = run_dir / f"activation-{spec.operation}-{uid}.log"
         ev_path.unlink(missing_ok=True)
         atomic_write_json(spec_path, spec.to_json(), mode=0o600)
-        env = {**os.environ, "PYTHONPYCACHEPREFIX": str(bytecode), "PYTHONPATH": os.pathsep.join(
+        env = {**without_credentials(os.environ), "PYTHONPYCACHEPREFIX": str(bytecode), "PYTHONPATH": os.pathsep.join(
             [str(adir)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
         env.pop("PYTHONDONTWRITEBYTECODE", None)
         log = open(log_path, "ab")

@@ -65,6 +65,17 @@ def test_token_is_nowhere_but_the_endpoint_file(endpoint_file) -> None:
     assert token not in daemon.log_file_for(endpoint_file).read_text()
 
 
+def test_the_controllers_credentials_stay_out_of_the_servers_environment(endpoint_file, monkeypatch) -> None:
+    """The coordinator outlives the task that starts it and needs none of the controller's credentials."""
+    monkeypatch.setenv("HF_TOKEN", "hf_not_for_the_coordinator")
+    monkeypatch.setenv("COLDSNAP_REGISTRY_PASSWORD", "nor-this")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # a name that only looks like one stays
+    started = daemon.start_coordinator(endpoint_file, scope="op-env")
+    environ = Path(f"/proc/{started.pid}/environ").read_bytes()
+    assert b"hf_not_for_the_coordinator" not in environ and b"nor-this" not in environ
+    assert b"TOKENIZERS_PARALLELISM=false" in environ
+
+
 def test_start_is_idempotent_and_refuses_a_different_activation(endpoint_file) -> None:
     first = daemon.start_coordinator(endpoint_file, scope="op-1")
     second = daemon.start_coordinator(endpoint_file, scope="op-1")
