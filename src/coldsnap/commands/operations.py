@@ -50,7 +50,8 @@ def register(sub) -> None:
                        help="print the receipt JSON on stdout even on a terminal (the default when stdout is "
                             "piped); without it a terminal gets a short summary")
         p.add_argument("-e", "--extra-var", dest="extra_vars", action="append", default=[], metavar="KEY=VALUE",
-                       help="extra variable for the playbook (a string; secret-looking names travel as secrets)")
+                       help="extra variable for the playbook (a string; secret-looking names travel as secrets, "
+                            "but a credential belongs in --secret-env: a command line is visible to every user)")
         p.add_argument("--secret-env", action="append", default=[], metavar="KEY=ENVVAR",
                        help="pass the value of environment variable ENVVAR as secret extra var KEY")
         p.add_argument("--playbook", metavar="PATH|FQCN",
@@ -98,6 +99,13 @@ def cancel_on_signals() -> Iterator[threading.Event]:
 
 def run(args) -> int:
     extra = _key_values(args.extra_vars, "-e")
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets import is_credential_name
+
+    for key in extra:
+        if is_credential_name(key) and not args.quiet:
+            # It travels as a secret from here on, but a command line is readable by every user of this host.
+            print(f"coldsnap: warning: -e {key}=... puts a credential on the command line, which every user of "
+                  f"this host can read in the process list; use --secret-env {key}=ENVVAR", file=sys.stderr)
     secrets: dict[str, str] = {}
     for key, env_name in _key_values(args.secret_env, "--secret-env").items():
         if key in extra:

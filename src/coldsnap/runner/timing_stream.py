@@ -9,6 +9,7 @@ degrades live reporting only, never the result.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -50,8 +51,20 @@ class TimingStream:
             self._writers.append(("stdout", self._line_writer(sys.stdout)))
         else:
             path = Path(target)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fh = open(path, "w", encoding="utf-8")
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                # Never through a link (one planted in /tmp would aim the write at another file); a FIFO
+                # that a live reader holds is fine. Private: spans name hosts, units and paths.
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+                    ColdSnapError,
+                )
+
+                why = "it is a symbolic link" if exc.errno == errno.ELOOP else (exc.strerror or str(exc))
+                raise ColdSnapError(f"the timing stream {path} cannot be written: {why}",
+                                    fix="give --timing-ndjson a new file path (or '-' for stdout)") from None
+            fh = os.fdopen(fd, "w", encoding="utf-8")
             self._owned.append(fh)
             self._writers.append((str(path), self._line_writer(fh)))
 

@@ -132,3 +132,22 @@ def test_the_timeline_draws_what_it_can_of_a_hand_edited_receipt(tmp_path, capsy
     assert rc == 0 and (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG", err
     rc, _out, err = _run(capsys, "timeline", str(path), "-o", str(tmp_path))
     assert rc == 2 and "cannot write the timeline" in err and "Traceback" not in err
+
+
+def test_the_timing_stream_is_never_written_through_a_link(tmp_path) -> None:
+    """``--timing-ndjson`` on a planted link (a shared /tmp) fails naming it; the target is untouched."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+    from coldsnap.runner.timing_stream import TimingStream
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    link = tmp_path / "timing.ndjson"
+    link.symlink_to(victim)
+    with pytest.raises(ColdSnapError, match="symbolic link"):
+        TimingStream(str(link))
+    assert victim.read_text() == "keep"
+    stream = TimingStream(str(tmp_path / "t.ndjson"))
+    stream({"kind": "x"})
+    stream.close()
+    assert (tmp_path / "t.ndjson").stat().st_mode & 0o777 == 0o600
