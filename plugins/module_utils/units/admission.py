@@ -14,6 +14,18 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers imp
     admit_driver,
     nvidia_version,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
+
+
+def with_criu_check(facts: dict) -> dict:
+    """``facts`` with a ``criu check`` result: facts gathered without one (``coldsnap_host_check_criu:
+    false``, a quick inventory) get it run now, on this host, so that admission never admits a kernel
+    it has not checked."""
+    crit = facts.get("criu") or {}
+    if not crit.get("installed") or crit.get("check") is not None:
+        return facts
+    res = criu_mod.criu_check(criu_mod.find_criu(crit.get("binary")))
+    return {**facts, "criu": {**crit, "check": res.ok, "check_output": res.output[-2000:]}}
 
 
 def admit_unit(*, artifact: dict, unit_id: str, facts: dict, devices: list[int], host: str,
@@ -32,7 +44,7 @@ def admit_unit(*, artifact: dict, unit_id: str, facts: dict, devices: list[int],
     crit = facts.get("criu", {})
     if not crit.get("installed"):
         raise AdmissionError(f"{where}: CRIU is not installed", fix="run scripts/install-system.sh on the host")
-    if crit.get("check") is False:
+    if crit.get("check") is not True:
         raise AdmissionError(f"{where}: 'criu check' fails: {(crit.get('check_output') or '')[-300:]}",
                              fix="use a kernel with the features CRIU needs, or another host")
     if artifact["runtime"]["kind"] == "host" and crit.get("version") != platform["criu_version"]:

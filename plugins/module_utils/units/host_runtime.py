@@ -33,7 +33,11 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units import (
     capture_state,
     environment,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuMoves, admit_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import (
+    GpuMoves,
+    admit_unit,
+    with_criu_check,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import HostUnits
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
     UnitRuntime,
@@ -103,6 +107,7 @@ class HostRuntime(HostUnits, UnitRuntime):
         plans = []
         changed = False
         moves = GpuMoves(artifact, facts)
+        facts = with_criu_check(facts)
         for u in units:
             adm = admit_unit(artifact=artifact, unit_id=u["id"], facts=facts, devices=u["devices"], host=self.host,
                              policy=self.request["policy"].get("compatibility"))

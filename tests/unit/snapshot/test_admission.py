@@ -226,3 +226,22 @@ def test_a_unified_memory_gpu_without_a_memory_figure_is_a_valid_platform_and_ad
     assert admit(art, facts(arch="aarch64", gpus=gpus, nvidia_driver=driver))["row"]
     with pytest.raises(AdmissionError, match=r"GB10|GPU"):
         admit(art, facts(arch="aarch64"))  # an H200 is not the captured GPU
+
+
+def test_a_host_whose_facts_skipped_criu_check_is_checked_before_admission(gpu_artifact, tmp_path):
+    """Facts gathered without ``criu check`` (a quick inventory) never admit an unchecked kernel:
+    admission refuses them as they are, and the prepare step runs the check on the host first."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import with_criu_check
+
+    unchecked = facts(criu={"installed": True, "version": "4.1.1", "check": None, "check_output": None})
+    with pytest.raises(AdmissionError, match="'criu check'"):
+        admit(gpu_artifact, unchecked)
+    failing = tmp_path / "criu"  # a CRIU whose check fails, as on a kernel without a feature it needs
+    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && { echo 'Version: 4.1.1'; exit 0; }\n"
+                       "echo 'Error (criu/cr-check.c:1234): UFFD is not supported' >&2; exit 1\n")
+    failing.chmod(0o755)
+    checked = with_criu_check({**unchecked, "criu": {**unchecked["criu"], "binary": str(failing)}})
+    assert checked["criu"]["check"] is False
+    with pytest.raises(AdmissionError, match="UFFD is not supported"):
+        admit(gpu_artifact, checked)
+    assert with_criu_check(facts()) == facts(), "a check already made is not run again"
