@@ -43,6 +43,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 import tarfile
 import time
 from pathlib import Path
@@ -332,7 +333,7 @@ class DockerRuntime(DockerUnits, UnitRuntime):
         finally:
             for _spec, container, _ev in started:
                 docker_unit.remove_unit(container)
-            normalize_ownership(owned, state_root=self.state_root, owner=self.owner, client=client)
+            self._give_back(owned, client)
 
     def restore(self, artifact: dict, specs: list[UnitSpec], *, timeout: float = 3600) -> list[dict]:
         """Restore every spec's unit in a fresh container from its capsule image, under the canonical name.
@@ -391,7 +392,20 @@ class DockerRuntime(DockerUnits, UnitRuntime):
                 docker_unit.remove_unit(container)
             raise
         finally:
+            self._give_back(owned, client)
+
+    def _give_back(self, owned: list, client: Any) -> None:
+        """Give the state paths back to the invoking user. When the operation itself failed, a failure
+        here must not replace its error (the engine's last log lines are in it): it is added to it."""
+        failing = sys.exc_info()[1]
+        try:
             normalize_ownership(owned, state_root=self.state_root, owner=self.owner, client=client)
+        except Exception as exc:
+            if failing is None:
+                raise
+            if isinstance(failing, ColdSnapError):
+                failing.problem += f" (then giving the state back to the invoking user failed too: {exc})"
+                failing.args = (failing.problem if not failing.fix else f"{failing.problem}; {failing.fix}",)
 
     def capture_running(self, specs: list[UnitSpec]) -> list[dict]:
         raise ColdSnapError("target-local overlays are captured from runtime 'host' units only: a docker unit's "

@@ -1,5 +1,6 @@
-"""Eviction ends every engine of the workload, one whose control API stalls too, before any of its
-control files goes: an engine left running without its file could never be stopped or replaced."""
+"""When a step goes wrong nothing is lost: eviction ends every engine of the workload, one whose control
+API stalls too, before any of its control files goes (an engine left running without its file could
+never be stopped or replaced); a failed step keeps its own error when the clean-up after it fails too."""
 
 from __future__ import annotations
 
@@ -69,3 +70,26 @@ def test_an_engine_whose_control_api_stalls_is_evicted_with_the_others(tmp_path:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+
+
+def test_a_failed_docker_step_keeps_its_own_error_when_giving_the_state_back_fails_too(monkeypatch) -> None:
+    """The engine's error (its last log lines) is what the user must see; a failure to give the state
+    back to the invoking user afterwards is added to it, never put in its place."""
+    import pytest
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import docker_runtime
+
+    def broken(*_a, **_k):
+        raise RuntimeError("dockerd is not answering")
+
+    monkeypatch.setattr(docker_runtime, "normalize_ownership", broken)
+    rt = object.__new__(docker_runtime.DockerRuntime)
+    rt.state_root, rt.owner = Path("/nonexistent"), None
+    with pytest.raises(UnitError) as exc:
+        try:
+            raise UnitError("unit unit-0: the engine exited: CUDA out of memory", fix="read its log")
+        finally:
+            rt._give_back([], None)
+    assert "CUDA out of memory" in str(exc.value) and "dockerd is not answering" in str(exc.value)
+    with pytest.raises(RuntimeError, match="dockerd"):
+        rt._give_back([], None)  # on its own, the failure is reported as it is
