@@ -223,14 +223,23 @@ def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_diges
 
     def wait(i: int, proc: tuple) -> None:
         uid, p, ev_path, log, log_path = proc
+        timed_out = False
         try:
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            # SIGTERM first: the runtime fails like on any error (kills what it restored, writes evidence).
+            timed_out = True
+            p.terminate()
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
         log.close()
         results[i] = read_evidence(ev_path, uid, log_path.read_text(errors="replace"), p.returncode,
                                    who="activation runtime")
+        if timed_out and not results[i].get("ok"):
+            results[i]["error"] = (f"unit {uid}: timed out after {timeout:.0f} s; " + str(results[i].get("error")))
 
     run_concurrently(wait, list(enumerate(procs)))
     raise_failures(results)

@@ -160,7 +160,16 @@ class Prestarted:
                 return {"ok": False,
                         "error": f"the unit keeper exited with status {self.proc.returncode}; see {where}"}
             time.sleep(0.002)
-        return {"ok": False, "error": f"the unit keeper did not report within {timeout:.0f}s; see {log_path}"}
+        # Stopped with its CRIU (its own session): no late restore may appear after this error.
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        return {"ok": False, "timed_out": True,
+                "error": f"the unit keeper did not report within {timeout:.0f}s and was stopped; see {log_path}"}
 
     def cancel(self, timeout: float = 10) -> None:
         """Not needed after all: it reads end of input and exits (killed if it does not). A keeper

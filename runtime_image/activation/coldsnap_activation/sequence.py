@@ -653,6 +653,9 @@ class Activation:
                                             log_path=self.workload_dir / "keeper.log", options=options.to_json(),
                                             huge_pages=huge, ready=self.keepers.pop(0) if self.keepers else None)
                         if not kept["ok"]:
+                            # What the keeper's CRIU got as far as restoring (stopped, at the captured pid, with
+                            # this worker's control file in its environment) goes too.
+                            _end_leftover(int(cw["pid"]), h.control_file)
                             raise UnitError(f"unit {spec.unit_id}: {kept['error']}")
                         pid = kept["pid"]
                     h.adopt(pid, control)
@@ -732,10 +735,32 @@ class Activation:
         return 0
 
 
+def _end_leftover(pid: int, control_file: Path) -> None:
+    """Kill the process tree at ``pid`` when it is this worker's engine (its environment names
+    ``control_file``): a restore cut short must not leave it holding the captured pids and ports."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import environment_value
+
+    mark = environment_value(pid, ec.ENV_CONTROL_FILE)
+    if mark is None or os.path.realpath(os.fsdecode(mark)) != os.path.realpath(control_file):
+        return
+    for p in sorted(ports.process_tree(pid)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+
+
+def _stop_on_sigterm(signum: int, _frame) -> None:
+    """The controller's time limit ran out (or the operator stopped the play): end like a failure, so
+    the clean-up runs (no half-restored tree stays) and the evidence says why."""
+    raise UnitError(f"the activation runtime was stopped (signal {signum}): the operation ran past its time limit "
+                    "or was cancelled", fix="see the unit's log for the step it was in; raise the timeouts if it "
+                                            "was only slow")
+
+
 def main_run(spec: UnitSpec, evidence_out: Path | None, keepers: list[keeper.Prestarted] | None = None) -> int:
     """Run the spec's operation, write evidence (or the error) as JSON, return the exit status.
     ``keepers``: started ahead for a restore; those it did not use are told to exit (they also
     exit when this process does: their end of input)."""
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     act = Activation(spec, keepers)
     try:
         if spec.operation == "capture":

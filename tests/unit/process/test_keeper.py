@@ -141,3 +141,22 @@ def test_a_log_planted_as_a_link_is_refused_by_name(tmp_path):
     assert res["ok"] is False and str(log) in res["error"], res
     assert target.read_text() == "untouched\n"
     assert k.proc.wait(timeout=30) == 1
+
+
+def test_a_keeper_past_its_time_limit_is_stopped_with_its_criu(tmp_path):
+    """A restore that does not report in time leaves nothing behind that could still restore the tree
+    after the error: the keeper and the CRIU it runs are stopped together."""
+    pidfile = tmp_path / "criu.pid"
+    slow = tmp_path / "criu"
+    slow.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && {{ echo 'Version: 4.1.1'; exit 0; }}\n"
+                    f"echo $$ > {pidfile}\nexec sleep 300\n")
+    slow.chmod(0o755)
+    k = keeper.Prestarted(str(slow))
+    (tmp_path / "images").mkdir()
+    t0 = time.monotonic()
+    res = k.go(tmp_path / "images", work_dir=tmp_path / "work", leave_stopped=True, log_path=tmp_path / "keeper.log",
+               timeout=3)
+    assert res["ok"] is False and res.get("timed_out") and "was stopped" in res["error"], res
+    assert time.monotonic() - t0 < 30
+    assert k.proc.poll() is not None
+    assert pidfile.exists() and gone(int(pidfile.read_text())), "the keeper's CRIU was stopped too"
