@@ -53,7 +53,7 @@ class Verifier:
     def verify(self, method: str, path: str, range_header: str, nonce: str | None, mac: str | None) -> bool:
         if not nonce or not mac or len(nonce) != 32 or len(mac) != 64:
             return False
-        if not hmac.compare_digest(sign(self._token, method, path, range_header, nonce), mac):
+        if not mac.isascii() or not hmac.compare_digest(sign(self._token, method, path, range_header, nonce), mac):
             return False
         with self._lock:
             if nonce in self._seen:

@@ -15,6 +15,8 @@ import hashlib
 import http.client
 import json
 import os
+import shutil
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server imp
 
 PARTIAL_SUFFIX = ".peer-partial"
 CHUNK = 4 << 20
+MAX_LISTING = 16 << 20  # a capsule's layout lists a few dozen files
 Progress = Callable[[int, int], None]
 
 
@@ -81,9 +84,12 @@ class Peer:
     def listing(self) -> list[dict[str, Any]]:
         conn, resp = self._retrying(lambda: self.request(LIST_PATH))
         try:
-            body = resp.read()
+            body = resp.read(MAX_LISTING + 1)
         finally:
             conn.close()
+        if len(body) > MAX_LISTING:
+            raise ColdSnapError(f"{self.describe()} sent a file listing larger than {MAX_LISTING >> 20} MiB",
+                                fix="the source is not a ColdSnap transfer server")
         if resp.status != 200:
             raise ColdSnapError(f"{self.describe()} answered {resp.status} to the file listing",
                                 fix="read the transfer server's log on the source host")
@@ -134,7 +140,13 @@ def fetch_file(peer: Peer, name: str, partial: Path, *, size: int | None, sha256
             with open(partial, "rb") as f:
                 while chunk := f.read(CHUNK):
                     hasher.update(chunk)
-        received = _download(peer, name, partial, offset=resumed_from, size=size, hasher=hasher, progress=progress)
+        try:
+            received = _download(peer, name, partial, offset=resumed_from, size=size, hasher=hasher,
+                                 progress=progress)
+        except IntegrityError:
+            with contextlib.suppress(FileNotFoundError):
+                partial.unlink()  # what an answer that is not this file left is not kept for a resume
+            raise
         total = resumed_from + received
         if size is not None and total != size:
             with contextlib.suppress(FileNotFoundError):
@@ -207,10 +219,18 @@ def _one_response(peer: Peer, name: str, fd: int, *, position: int, hasher, prog
                                 f"{resp.read(200).decode(errors='replace').strip()}",
                                 fix="read the transfer server's log on the source host")
         expected = int(resp.getheader("Content-Length", "-1"))
+        if size is not None and expected != size - position:
+            # Never more than the listing said: an answer that does not match is refused unread (whoever
+            # answers at that address could otherwise fill the disk).
+            raise IntegrityError(f"{peer.describe()} offered {expected} bytes of {name} from byte {position}; "
+                                 f"the file has {size}", fix="the source is not serving this file; capture again")
         total = size if size is not None else position + max(expected, 0)
         while True:
+            want = CHUNK if expected < 0 else min(CHUNK, expected - got)
+            if want <= 0:
+                break
             try:
-                chunk = resp.read(CHUNK)
+                chunk = resp.read(want)
             except (OSError, http.client.HTTPException) as exc:
                 raise ConnectionError(f"{peer.describe()}: {exc}") from None
             if not chunk:
@@ -248,27 +268,43 @@ def _write_all(fd: int, data: bytes) -> None:
 def fetch_tree(peer: Peer, dest: Path | str, *, progress: Progress | None = None) -> dict[str, Any]:
     """Bring every file the server lists into ``dest`` (same relative names); resumable, verified.
 
-    A file already at its final name with the listed size and digest is kept.
+    The files gather in a private sibling (``.<dest>.peer-partial``, kept across runs: what arrived and
+    verified stays) that becomes ``dest`` only once every file is in: a pull cut short never leaves half a
+    tree under the final name. Files already verified at ``dest`` are linked in, not fetched again. No
+    path is created or written through a symbolic link.
     """
     dest = Path(dest)
     files = peer.listing()
-    total = sum(int(f.get("size") or 0) for f in files)
+    for entry in files:
+        name = str(entry.get("name"))
+        if Path(name).is_absolute() or any(p in ("", ".", "..") for p in name.split("/")):
+            raise ColdSnapError(f"{peer.describe()} listed {name!r}, which is not a plain relative path",
+                                fix="the source is not a ColdSnap transfer server")
+        if not (entry.get("sha256") or digest_in_name(name)) or not isinstance(entry.get("size"), int):
+            raise ColdSnapError(f"{peer.describe()} listed {name!r} without its size and digest; every file is "
+                                "verified on arrival", fix="the source is not a ColdSnap transfer server")
+    total = sum(int(f["size"]) for f in files)
+    if dest.is_dir() and not dest.is_symlink() and all(
+            _is_verified(dest / str(f["name"]), int(f["size"]), f.get("sha256") or digest_in_name(str(f["name"])))
+            for f in files):
+        return {"files": len(files), "fetched": [], "bytes_received": 0, "bytes": total}
+    stage = dest.with_name(f".{dest.name}{PARTIAL_SUFFIX}")
+    _real_dir(stage)
     done = 0
     fetched: list[str] = []
     received = 0
     for entry in files:
         name, size = str(entry["name"]), int(entry["size"])
-        if Path(name).is_absolute() or any(p in ("", ".", "..") for p in name.split("/")):
-            raise ColdSnapError(f"{peer.describe()} listed {name!r}, which is not a plain relative path",
-                                fix="the source is not a ColdSnap transfer server")
         digest = entry.get("sha256") or digest_in_name(name)
-        final = dest / name
+        final = stage / name
+        _real_dirs_below(stage, name)
+        if not _is_verified(final, size, digest) and _is_verified(dest / name, size, digest):
+            with contextlib.suppress(OSError):
+                final.unlink(missing_ok=True)
+                os.link(dest / name, final, follow_symlinks=False)
         if _is_verified(final, size, digest):
             done += size
             continue
-        dest.mkdir(parents=True, exist_ok=True, mode=0o700)  # private, like everything under the state root
-        for parent in reversed(final.relative_to(dest).parents[:-1]):
-            (dest / parent).mkdir(mode=0o700, exist_ok=True)
         base = done
 
         def step(d: int, _t: int, base: int = base) -> None:
@@ -282,7 +318,38 @@ def fetch_tree(peer: Peer, dest: Path | str, *, progress: Progress | None = None
         fetched.append(name)
         received += got.bytes_received
         done += size
+    old = None
+    if dest.exists() or dest.is_symlink():
+        old = dest.with_name(f".{dest.name}.replaced-{os.getpid()}")
+        os.rename(dest, old)
+    os.rename(stage, dest)
+    fsutil.fsync_dir(dest.parent)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
     return {"files": len(files), "fetched": fetched, "bytes_received": received, "bytes": total}
+
+
+def _real_dir(path: Path) -> None:
+    """``path`` as a private directory of this user's, never a link (created when absent)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path.mkdir(mode=0o700)
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        raise ColdSnapError(f"{path} is not a directory (a link or a file is in the way of a transfer)",
+                            fix=f"remove {path}; the next run fetches again")
+
+
+def _real_dirs_below(root: Path, name: str) -> None:
+    cur = root
+    for part in name.split("/")[:-1]:
+        cur = cur / part
+        _real_dir(cur)
 
 
 def _is_verified(path: Path, size: int, digest: str | None) -> bool:

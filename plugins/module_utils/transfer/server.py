@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import ipaddress
 import json
 import os
 import re
@@ -43,7 +44,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import aut
 LIST_PATH = "/v1/files"
 FILE_PREFIX = "/v1/files/"
 DIGEST_NAME = re.compile(r"(?:^|/)(?:sha256/)?([0-9a-f]{64})(?:\.pack)?$")
-_SMALL = 16 << 20  # files up to this size that are not named by their digest get one in the listing
+_HASH_CHUNK = 4 << 20
 _RANGE = re.compile(r"bytes=(\d+)-$")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
@@ -67,7 +68,8 @@ class ServedFile:
     name: str
     path: Path
     size: int
-    sha256: str | None
+    sha256: str
+    ident: tuple[int, int] = (0, 0)  # (st_dev, st_ino) when the table was made: the file served is that one
 
     def listing(self) -> dict[str, Any]:
         return {"name": self.name, "size": self.size, "sha256": self.sha256}
@@ -94,6 +96,12 @@ def file_table(root: Path | str, include: list[str] | None = None) -> dict[str, 
     table: dict[str, ServedFile] = {}
     for name in sorted(names):
         path = root / name
+        linked = _linked_component(root, name)
+        if linked is not None:
+            if include:
+                raise ColdSnapError(f"{path} lies below the symbolic link {linked}; files are served only from "
+                                    f"below {root} itself", fix="serve regular files only")
+            continue
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -103,13 +111,30 @@ def file_table(root: Path | str, include: list[str] | None = None) -> dict[str, 
             if include:
                 raise ColdSnapError(f"{path} is not a regular file", fix="serve regular files only")
             continue  # a symlink or special file inside a tree is never served
-        digest = digest_in_name(name)
-        if digest is None and st.st_size <= _SMALL:
-            digest = hashlib.sha256(path.read_bytes()).hexdigest()
-        table[name] = ServedFile(name, path, st.st_size, digest)
+        # Every file is listed with its digest (the client verifies each on arrival): named by it, or hashed now.
+        digest = digest_in_name(name) or _sha256_of(path)
+        table[name] = ServedFile(name, path, st.st_size, digest, (st.st_dev, st.st_ino))
     if not table:
         raise ColdSnapError(f"transfer root {root} has no regular file to serve", fix="check the transfer root")
     return table
+
+
+def _linked_component(root: Path, name: str) -> Path | None:
+    """The first directory between ``root`` and ``name`` that is a symbolic link, if any."""
+    cur = root
+    for part in name.split("/")[:-1]:
+        cur = cur / part
+        if cur.is_symlink():
+            return cur
+    return None
+
+
+def _sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class PeerServer(ThreadingHTTPServer):
@@ -184,8 +209,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.GONE, f"cannot open: {exc.strerror}\n".encode())
             return
         with os.fdopen(fd, "rb") as f:
-            size = os.fstat(fd).st_size
-            if size != served.size:
+            st = os.fstat(fd)
+            size = st.st_size
+            # Another file at that name now (a directory on its path swapped for a link, the file replaced):
+            # never served.
+            if size != served.size or served.ident not in ((0, 0), (st.st_dev, st.st_ino)):
                 self._reply(HTTPStatus.CONFLICT, b"the file changed since the server started\n")
                 return
             start = 0
@@ -232,6 +260,11 @@ def bind(address: str, port: int) -> socket.socket:
                             fix="set coldsnap_transfer_address for this host to one of its IP addresses") from None
     errors = []
     for family, kind, proto, _name, sockaddr in infos:
+        if ipaddress.ip_address(sockaddr[0].split("%", 1)[0]).is_unspecified:
+            raise ColdSnapError(f"transfer address {address!r} means every interface; the transfer server "
+                                "listens on one address only",
+                                fix="set coldsnap_transfer_address to the IP address of this host that the "
+                                    "destination reaches")
         sock = socket.socket(family, kind, proto)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import json
@@ -159,7 +160,7 @@ def test_a_file_that_is_not_what_the_receiver_expects_is_thrown_away(served, tmp
     with pytest.raises(IntegrityError, match="hashes to"):
         fetch_file(peer_of(server), "index.json", partial, size=None, sha256="0" * 64)
     assert not partial.exists()
-    with pytest.raises(IntegrityError, match="bytes, expected"):
+    with pytest.raises(IntegrityError, match=f"offered {len(blob)} bytes .* the file has {len(blob) + 1}"):
         fetch_file(peer_of(server), f"blobs/sha256/{sha(blob)}", partial, size=len(blob) + 1, sha256=sha(blob))
     assert not partial.exists()
 
@@ -306,3 +307,107 @@ def test_a_payload_is_staged_from_a_peer_into_the_node_cache(tmp_path):
 
 def test_partial_names_stay_beside_the_final_name():
     assert partial_path(Path("/x/blobs/sha256/ab")) == Path("/x/blobs/sha256/.ab.peer-partial")
+
+
+# ----------------------------------------------------------------------------- hostile ends
+
+def test_a_pull_never_writes_through_a_link_and_never_leaves_half_a_tree(tree, tmp_path):
+    """A link planted in the destination is not followed (the tree gathers in a private sibling that
+    replaces it); a pull cut short leaves nothing under the final name, and the next run completes."""
+    root, blob = tree
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dest = tmp_path / "dest"
+    (dest / "blobs").mkdir(parents=True)
+    (dest / "blobs" / "sha256").symlink_to(outside)
+    server = run_server(root)
+    try:
+        out = fetch_tree(peer_of(server), dest)
+        assert sorted(out["fetched"]) == ["blobs/sha256/" + sha(blob), "index.json", "oci-layout"]
+        assert os.listdir(outside) == [] and not (dest / "blobs" / "sha256").is_symlink()
+        assert (dest / "blobs" / "sha256" / sha(blob)).read_bytes() == blob
+    finally:
+        server.shutdown()
+    (root / "oci-layout").write_text('{"imageLayoutVersion": "9.9.9"}')  # changes under a new server's table
+    server = run_server(root)
+    (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}!')  # ... and again while it serves
+    other = tmp_path / "other"
+    try:
+        with pytest.raises(ColdSnapError, match=r"409|changed"):
+            fetch_tree(peer_of(server, attempts=1), other)
+        assert not other.exists(), "nothing under the final name until every file is in"
+    finally:
+        server.shutdown()
+    server = run_server(root)
+    try:
+        again = fetch_tree(peer_of(server), other)
+        assert "oci-layout" in again["fetched"] and (other / "index.json").exists()
+        assert "blobs/sha256/" + sha(blob) not in again["fetched"], "what arrived before is kept"
+    finally:
+        server.shutdown()
+
+
+def test_an_answer_larger_than_the_listing_is_refused_unread(tmp_path):
+    """Whoever answers at the server's address (the real one stopped on its idle timeout) cannot make
+    the receiver write more than the file's listed size."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Liar(BaseHTTPRequestHandler):
+        def log_message(self, *_a) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path == "/v1/files":
+                body = json.dumps({"files": [{"name": "small.txt", "size": 10, "sha256": "0" * 64}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(64 << 20))
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _ in range(64):
+                    self.wfile.write(b"A" * (1 << 20))
+
+    liar = ThreadingHTTPServer(("127.0.0.1", 0), Liar)
+    threading.Thread(target=liar.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(IntegrityError, match="offered 67108864 bytes"):
+            fetch_tree(Peer("127.0.0.1", liar.server_address[1], TOKEN, attempts=1), tmp_path / "dest")
+        assert sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file()) == 0
+    finally:
+        liar.shutdown()
+
+
+def test_the_server_serves_only_what_lies_below_its_root_and_lists_every_digest(tmp_path):
+    root = tmp_path / "root"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "key").write_text("served")
+    (root / "big.bin").write_bytes(b"\1" * ((16 << 20) + 1))  # not named by its digest, over 16 MiB
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "key").write_text("SECRET")
+    (root / "linked").symlink_to(secret)
+    with pytest.raises(ColdSnapError, match="below the symbolic link"):
+        file_table(root, ["linked/key"])
+    table = file_table(root)
+    assert sorted(table) == ["big.bin", "d/key"] and all(f.sha256 for f in table.values())
+    server = run_server(root)
+    try:
+        (root / "d").rename(tmp_path / "moved")
+        (root / "d").symlink_to(secret)  # the directory swapped for a link after the table was made
+        with pytest.raises(ColdSnapError, match=r"409|changed"):
+            fetch_file(peer_of(server, attempts=1), "d/key", tmp_path / "x.partial", size=6, sha256=None)
+    finally:
+        server.shutdown()
+    for wildcard in ("0.0.0.0", "::"):
+        with pytest.raises(ColdSnapError, match="every interface"):
+            bind(wildcard, 0)
+
+
+def test_a_mac_header_that_is_not_hex_is_refused_not_a_crash(served):
+    server, _tree = served
+    status = _raw_get(server, "/v1/files", {auth.NONCE_HEADER: "n" * 32, auth.MAC_HEADER: "é" * 64})
+    assert status == 403
