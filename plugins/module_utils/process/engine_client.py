@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,7 +36,7 @@ class ControlCallError(RuntimeError):
 
 @contextlib.contextmanager
 def engine_request(host: str, port: int, method: str, path: str, *, timeout: float, body: bytes | None = None,
-                   headers: dict | None = None) -> Iterator[http.client.HTTPResponse]:
+                   headers: dict | None = None, deadline: float | None = None) -> Iterator[http.client.HTTPResponse]:
     """One request to an engine, on a connection that ends with a reset, not a FIN exchange.
 
     Yields the response; on a normal exit whatever the caller left unread is read first (the
@@ -49,16 +50,31 @@ def engine_request(host: str, port: int, method: str, path: str, *, timeout: flo
     this side (SO_LINGER 0) ends the engine's side at once.
     """
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    timer = None
     try:
         conn.request(method, path, body=body, headers={"Connection": "close", **(headers or {})})
         with contextlib.suppress(OSError):
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
+        if deadline is not None:
+            # ``timeout`` bounds each socket operation; ``deadline`` (monotonic) the whole exchange: a server
+            # that trickles a byte at a time is cut off there (the caller's read then fails or ends).
+            timer = threading.Timer(max(0.0, deadline - time.monotonic()), _cut, args=(conn.sock,))
+            timer.daemon = True
+            timer.start()
         resp = conn.getresponse()
         yield resp
         resp.read()
         resp.close()
     finally:
+        if timer is not None:
+            timer.cancel()
         conn.close()
+
+
+def _cut(sock: socket.socket | None) -> None:
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 class EngineClient:

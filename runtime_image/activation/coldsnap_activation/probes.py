@@ -55,7 +55,8 @@ def wait_http_ready(address: str, port: int, path: str, *, timeout: float, alive
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            with engine_request(host, port, "GET", path, timeout=5) as resp:
+            attempt = min(deadline, time.monotonic() + 5)  # a server that trickles is cut off, not waited for
+            with engine_request(host, port, "GET", path, timeout=5, deadline=attempt) as resp:
                 status = resp.status
             if status == 200:
                 return time.monotonic_ns()
@@ -84,11 +85,22 @@ def stream_completion(address: str, port: int, *, model: str, prompt: str, max_t
     if logprobs is not None:
         req["logprobs"] = logprobs
     body = json.dumps(req).encode()
+    try:
+        return _read_stream(host, port, body, timeout=timeout, logprobs=logprobs)
+    except (http.client.HTTPException, KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise RuntimeError(f"the validation stream is not an OpenAI completions stream "
+                           f"({type(exc).__name__}: {exc})") from None
+
+
+def _read_stream(host: str, port: int, body: bytes, *, timeout: float, logprobs: int | None) -> Completion:
+    """The first choice's text of a streamed completion, which must end with its ``finish_reason`` and
+    ``[DONE]``: a stream cut short (the engine died) is never taken for the reply."""
     first_ns = None
     parts: list[str] = []
     tokens: list[dict] | None = [] if logprobs is not None else None
+    done = finished = False
     with engine_request(host, port, "POST", "/v1/completions", timeout=timeout, body=body,
-                        headers={"Content-Type": "application/json"}) as resp:
+                        headers={"Content-Type": "application/json"}, deadline=time.monotonic() + timeout) as resp:
         if resp.status != 200:
             raise RuntimeError(f"validation request answered HTTP {resp.status}: {resp.read()[:300]!r}")
         for raw in resp:
@@ -97,17 +109,28 @@ def stream_completion(address: str, port: int, *, model: str, prompt: str, max_t
                 continue
             data = line[5:].strip()
             if data == b"[DONE]":
+                done = True
                 break
             chunk = json.loads(data)
+            if not isinstance(chunk, dict):
+                raise RuntimeError(f"the validation stream sent {data[:80]!r}, not an object")
             if "error" in chunk:
                 raise RuntimeError(f"validation stream reported an error: {chunk['error']}")
-            choice = chunk["choices"][0]
-            text = choice.get("text", "")
-            if text and first_ns is None:
-                first_ns = time.monotonic_ns()
-            parts.append(text)
-            if tokens is not None and choice.get("logprobs"):
-                tokens.extend(_token_logprobs(choice["logprobs"]))
+            for choice in chunk.get("choices") or []:  # a usage-only chunk has none
+                if choice.get("index", 0) != 0:
+                    continue
+                text = choice.get("text") or ""
+                if not isinstance(text, str):
+                    raise RuntimeError(f"the validation stream sent text {text!r}")
+                if text and first_ns is None:
+                    first_ns = time.monotonic_ns()
+                parts.append(text)
+                if tokens is not None and choice.get("logprobs"):
+                    tokens.extend(_token_logprobs(choice["logprobs"]))
+                finished = finished or choice.get("finish_reason") is not None
+    if not done or not finished:
+        raise RuntimeError("the validation stream ended before " + ("its finish_reason" if done else "[DONE]")
+                           + " (the engine closed it early, or the time limit cut it)")
     if first_ns is None:
         raise RuntimeError("validation request streamed no token")
     if tokens is not None and not tokens:

@@ -405,3 +405,17 @@ def test_status_without_the_activation_runtime_reads_each_worker_as_the_activati
     path.write_text("{not json")
     with pytest.raises(UnitError, match="worker-0's control file cannot be read"):
         unit_status(_status_spec(rig, ["worker-0"]))
+
+
+def test_a_negative_or_bogus_content_length_is_refused_unread(rig):
+    """A Content-Length of -1 used to pass the size limit and read until the client hung up."""
+    import socket
+
+    for length in ("-1", "12x"):
+        with socket.create_connection(("127.0.0.1", rig["server"].port), timeout=10) as s:
+            s.sendall(f"POST /quiesce HTTP/1.0\r\nAuthorization: Bearer {rig['server'].token}\r\n"
+                      f"Content-Length: {length}\r\n\r\n".encode() + b"x" * 65536)
+            t0 = time.monotonic()
+            reply = s.recv(4096)
+            assert reply.startswith(b"HTTP/1.0 400") and time.monotonic() - t0 < 5, reply[:200]
+    assert rig["handle"].call("GET", "/status")["state"] == "ready"

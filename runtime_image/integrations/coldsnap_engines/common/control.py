@@ -49,12 +49,28 @@ def _reply(handler: BaseHTTPRequestHandler, code: int, obj: dict) -> None:
     handler.wfile.write(body)
 
 
-def _json_body(handler: BaseHTTPRequestHandler) -> dict:
-    length = int(handler.headers.get("Content-Length") or 0)
-    if length > ec.MAX_BODY:
+# A client that sends nothing (an idle or half-open connection) frees its handler thread after this;
+# a streaming client that stops reading frees it (and the generation it holds) too.
+HANDLER_TIMEOUT = 60
+
+
+def read_json_body(handler: BaseHTTPRequestHandler, limit: int = ec.MAX_BODY) -> dict:
+    """The request's JSON object body, at most ``limit`` bytes; ValueError for anything else (a
+    negative or non-numeric Content-Length never turns into a read until the client hangs up)."""
+    raw_length = handler.headers.get("Content-Length")
+    try:
+        length = int(raw_length) if raw_length is not None else 0
+    except ValueError:
+        raise ValueError(f"Content-Length {raw_length[:20]!r} is not a number") from None
+    if length < 0:
+        raise ValueError("Content-Length is negative")
+    if length > limit:
         raise ValueError("request body too large")
     raw = handler.rfile.read(length) if length else b"{}"
-    data = json.loads(raw or b"{}")
+    try:
+        data = json.loads(raw or b"{}")
+    except RecursionError:
+        raise ValueError("request body nests too deeply") from None
     if not isinstance(data, dict):
         raise ValueError("request body must be a JSON object")
     return data
@@ -103,6 +119,7 @@ def make_handler(lifecycle: Lifecycle, tokens: TokenSource, extra_status: dict):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"
         server_version = "coldsnap-control"
+        timeout = HANDLER_TIMEOUT
 
         def log_message(self, fmt, *args):  # the workload log is for the engine
             pass
@@ -134,7 +151,7 @@ def make_handler(lifecycle: Lifecycle, tokens: TokenSource, extra_status: dict):
                 _reply(self, 404, {"ok": False, "error": f"no route {self.path}"})
                 return
             try:
-                body = _json_body(self)
+                body = read_json_body(self)
             except ValueError as exc:
                 _reply(self, 400, {"ok": False, "error": str(exc), "state": lifecycle.state})
                 return

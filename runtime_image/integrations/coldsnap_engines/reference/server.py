@@ -51,17 +51,6 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 64
 
 
-def _json_body(handler: BaseHTTPRequestHandler) -> dict:
-    length = int(handler.headers.get("Content-Length") or 0)
-    if length > 1 << 20:
-        raise ValueError("request body too large")
-    raw = handler.rfile.read(length) if length else b"{}"
-    data = json.loads(raw or b"{}")
-    if not isinstance(data, dict):
-        raise ValueError("request body must be a JSON object")
-    return data
-
-
 def _reply(handler: BaseHTTPRequestHandler, code: int, obj: dict) -> None:
     body = json.dumps(obj).encode()
     handler.send_response(code)
@@ -90,6 +79,7 @@ def make_serving_handler(engine, lifecycle):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.0"
         server_version = "coldsnap-reference"
+        timeout = control.HANDLER_TIMEOUT  # an idle client, or a stream reader that stopped reading, lets go
 
         def log_message(self, fmt, *args):  # quiet access log
             pass
@@ -113,7 +103,7 @@ def make_serving_handler(engine, lifecycle):
                 if lifecycle.state != READY:
                     raise not_serving(f"engine is {lifecycle.state}")
                 try:
-                    body = _json_body(self)
+                    body = control.read_json_body(self, 1 << 20)
                 except (ValueError, json.JSONDecodeError) as exc:
                     raise api.APIError(400, f"invalid request body: {exc}") from exc
                 r = api.parse(kind, body, engine.served_model_name)
