@@ -22,6 +22,11 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 def _request(value, name: str) -> dict:
     if not isinstance(value, dict) or not isinstance(value.get("launch"), dict):
         raise AnsibleFilterError(f"{name}: expected the ColdSnap request (coldsnap_request), got {type(value).__name__}")
+    units = value["launch"].get("units")
+    if not isinstance(units, list) or not all(
+            isinstance(u, dict) and isinstance(u.get("id"), str) and isinstance(u.get("host"), str) for u in units):
+        raise AnsibleFilterError(f"{name}: the request's launch.units must be a list of units, each with its 'id' and "
+                                 "'host' (validate it with: coldsnap validate --request-json FILE)")
     return value
 
 

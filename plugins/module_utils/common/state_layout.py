@@ -189,4 +189,8 @@ class StateLayout:
         base = getattr(self, name, None)
         if not isinstance(base, Path) or name.startswith("_"):
             raise ValueError(f"unknown state location {name!r}")
+        for part in parts:
+            if not part or part.startswith("/") or ".." in part.split("/"):
+                raise ValueError(f"{part!r} is not a name below the state location {name!r} (no '..', no absolute "
+                                 "path)")
         return base.joinpath(*parts) if parts else base

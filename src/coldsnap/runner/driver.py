@@ -146,6 +146,9 @@ def _base_envvars() -> dict[str, str]:
         "ANSIBLE_FORCE_COLOR": "0",
         "ANSIBLE_LOCALHOST_WARNING": "False",
         "ANSIBLE_INVENTORY_UNPARSED_WARNING": "False",
+        # Task arguments never go into the job events (a token passed as a module option is masked in
+        # the module's result, not in the arguments Ansible would display).
+        "ANSIBLE_DISPLAY_ARGS_TO_STDOUT": "False",
         # ansible-playbook waits for every task's result in sleeps of this many seconds: each task,
         # even a skipped one, costs at least one. Its default (1 ms) is a busy loop that competes with
         # the units being restored on small hosts; 50 ms cost a restore's ~40 tasks about 2 s. 5 ms
