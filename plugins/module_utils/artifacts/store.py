@@ -230,13 +230,24 @@ class ArtifactStore:
     def locked(self, identity: str, *, timeout: float | None = LOCK_TIMEOUT):
         """Hold the identity's writer lock for the block."""
         idir = self.identity_dir(identity)
-        idir.mkdir(parents=True, exist_ok=True, mode=0o755)
-        try:
-            with file_lock(idir / LOCK, timeout=timeout):
-                yield idir
-        except TimeoutError as exc:
-            raise ColdSnapError(f"artifact identity {idir.name}: {exc}",
-                                fix="another promotion or delete of this identity is running; wait for it") from None
+        for _attempt in range(20):
+            idir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                with file_lock(idir / LOCK, timeout=timeout) as fd:
+                    # A delete that held the lock before us moved this directory away (its lock file with
+                    # it): the lock we hold is on that one, so take the new directory's instead.
+                    try:
+                        same = os.path.samestat(os.fstat(fd), os.stat(idir / LOCK))
+                    except FileNotFoundError:
+                        same = False
+                    if same:
+                        yield idir
+                        return
+            except TimeoutError as exc:
+                raise ColdSnapError(f"artifact identity {idir.name}: {exc}",
+                                    fix="another promotion or delete of this identity is running; wait for it") from None
+        raise ColdSnapError(f"artifact identity {idir.name}: its directory kept being replaced while waiting for it",
+                            fix="run the operation again once the deletes of this identity are done")
 
     # ----------------------------------------------------------------- reads
     def identities(self) -> list[IdentityInfo]:
@@ -256,7 +267,7 @@ class ArtifactStore:
         path = self.identity_dir(identity) / IDENTITY_FILE
         try:
             doc = json.loads(path.read_text())
-            if doc.get("kind") != IDENTITY_KIND or doc.get("identity") != f"sha256:{_hex(identity)}":
+            if not isinstance(doc, dict) or doc.get("kind") != IDENTITY_KIND or doc.get("identity") != f"sha256:{_hex(identity)}":
                 return None
             return IdentityInfo(identity=_hex(identity), recipe=doc["recipe"], snapshot_driver=doc["snapshot_driver"],
                                 engine=doc["engine"], model=doc["model"], runtime=doc["runtime"])
@@ -281,7 +292,7 @@ class ArtifactStore:
         gdir = idir / name
         try:
             doc = json.loads((gdir / GENERATION_FILE).read_text())
-            if doc.get("kind") != GENERATION_KIND or doc.get("number") != int(name):
+            if not isinstance(doc, dict) or doc.get("kind") != GENERATION_KIND or doc.get("number") != int(name):
                 return None
             if not (gdir / ARTIFACT_FILE).is_file():
                 return None
@@ -343,6 +354,18 @@ class ArtifactStore:
                 capsules.update(c.get("image_id") for c in ov.get("refs", {}).get("capsules", []) if c.get("image_id"))
         return payloads, capsules
 
+    def _retained_captures(self, exclude: Iterable[str]) -> set[str]:
+        """Capture ids the retained generations (of identities not in ``exclude``) still restore from: a
+        published descriptor keeps its source's capture id, so pruning the source must not remove it."""
+        skip = {_hex(i) for i in exclude}
+        held: set[str] = set()
+        if not self.root.is_dir():
+            return held
+        for entry in os.scandir(self.root):
+            if HEX_RE.match(entry.name) and entry.is_dir(follow_symlinks=False) and entry.name not in skip:
+                held.update(g.capture_id for g in self.generations(entry.name))
+        return held
+
     def holds(self, artifact_sha256: str) -> bool:
         """Whether a generation or overlay of any identity is exactly this descriptor."""
         if not self.root.is_dir():
@@ -400,7 +423,8 @@ class ArtifactStore:
             if existing is not None:
                 gen = existing
             else:
-                number = max((g.number for g in gens), default=0) + 1
+                # Above every generation directory, readable or not: a number is never used twice.
+                number = max((int(e.name) for e in os.scandir(idir) if GENERATION_RE.match(e.name)), default=0) + 1
                 gen = self._write_generation(idir, number, artifact, data, digest=digest, source=artifact_path)
             if hook:
                 hook("generation-written")
@@ -411,7 +435,9 @@ class ArtifactStore:
                 hook("pointer-written")
             pruned = self._prune(idir, keep)
             keep_payloads, keep_capsules = (sorted(x) for x in self._retained(())) if pruned else ([], [])
-        cleanup = [p["refs"] for p in pruned] + [o["refs"] for p in pruned for o in p["overlays"]]
+            held = self._retained_captures(()) if pruned else set()
+        cleanup = [_keeping_captures(p["refs"], held) for p in pruned] + [
+            _keeping_captures(o["refs"], held) for p in pruned for o in p["overlays"]]
         hosts = sorted({h for r in cleanup for h in r["hosts"]})
         return PromoteResult(changed=changed or bool(pruned), generation=gen.as_dict(),
                              current=str(self.current_artifact_path(info.identity)), created=created,
@@ -455,10 +481,11 @@ class ArtifactStore:
             "artifact_sha256": digest, "source": str(source.resolve()), "promoted_at": _now(),
         }, indent=2, sort_keys=True) + "\n").encode()
         tmp = temp_path_for(idir / name)
-        os.mkdir(tmp, 0o755)
+        os.mkdir(tmp, 0o700)
         try:
             for fname, content in ((ARTIFACT_FILE, data), (GENERATION_FILE, meta)):
-                with open(tmp / fname, "xb") as fh:
+                # Private, as capture's own artifact.json: a descriptor names hosts, paths and the launch.
+                with os.fdopen(os.open(tmp / fname, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
                     fh.write(content)
                     fh.flush()
                     os.fsync(fh.fileno())
@@ -489,9 +516,8 @@ class ArtifactStore:
                 else:
                     with contextlib.suppress(FileNotFoundError):
                         p.unlink()
-            elif GENERATION_RE.match(entry.name) and self._read_generation(idir, entry.name) is None:
-                # Never produced by a rename of a complete directory; treat as debris.
-                shutil.rmtree(entry.path, ignore_errors=True)
+            # A generation under its final name was complete when renamed there: one that does not read now
+            # (an I/O error, a damaged byte) is left alone, never taken for debris.
 
     def _prune(self, idir: Path, keep: int) -> list[dict]:
         """Drop generations beyond the newest ``keep`` (never the current one); return what went."""
@@ -557,14 +583,27 @@ class ArtifactStore:
                     for g in self.generations(ident):
                         _remove_source(g)
                     rmtree_atomically(idir / CURRENT)
+                    # Moved away while the lock is held: a promotion waiting for it finds the lock file gone
+                    # with the directory and starts afresh instead of writing into what is being removed.
+                    gone = temp_path_for(idir)
+                    os.rename(idir, gone)
+                    fsync_dir(idir.parent)
                 # The lock file lives inside: remove the directory after releasing it.
-                rmtree_atomically(self.identity_dir(ident))
+                shutil.rmtree(gone, ignore_errors=True)
         keep, keep_caps = (sorted(x) for x in self._retained(doomed))
-        cleanup = [r["refs"] for r in removed]
+        held = self._retained_captures(doomed)
+        cleanup = [_keeping_captures(r["refs"], held) for r in removed]
         hosts = sorted({h for r in cleanup for h in r.get("hosts", [])})
         return DeleteResult(changed=changed, identities=[i.as_dict() for i in infos], removed=removed,
                             sources=sources, cleanup=cleanup, keep_payloads=keep, cleanup_hosts=hosts,
                             keep_capsules=keep_caps)
+
+
+def _keeping_captures(refs: dict, held: set[str]) -> dict:
+    """``refs`` without its capture directory when a retained descriptor still restores from it."""
+    if refs.get("capture_id") in held:
+        return {**refs, "capture_id": None, "capture_kept": "a retained descriptor restores from it"}
+    return refs
 
 
 def _source_matches(gen: Generation) -> bool:

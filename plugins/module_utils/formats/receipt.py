@@ -104,10 +104,9 @@ def validate_receipt(value: Any) -> dict:
     receipt = validate_document(RECEIPT_SCHEMA, value, document="receipt")
     want = replay_semantics(receipt["operation"], prepare_only=receipt["prepare_only"])
     if receipt["replay_semantics"] != want:
-        raise FormatError([FormatIssue("$.replay_semantics",
-                                        f"{receipt['replay_semantics']!r} is not what repeating "
-                                        f"{receipt['operation']}{' --prepare-only' if receipt['prepare_only'] else ''}"
-                                        f" does", f"set it to {want!r}")], document="receipt")
+        verb = receipt["operation"] + (" --prepare-only" if receipt["prepare_only"] else "")
+        problem = f"{receipt['replay_semantics']!r} is not what repeating {verb} does"
+        raise FormatError([FormatIssue("$.replay_semantics", problem, f"set it to {want!r}")], document="receipt")
     return receipt
 
 

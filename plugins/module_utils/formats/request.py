@@ -317,6 +317,24 @@ def driver_candidates(value: Any, *, document: str = "request") -> tuple[list[st
     return valid, refused
 
 
+# Host trees a unit never gets as a mount (units run as root; the rank container is privileged).
+_HOST_TREES = {"/": "the host's whole file system", "/etc": "the host's configuration", "/proc": "the host's /proc",
+               "/sys": "the host's /sys", "/dev": "the host's devices", "/boot": "the host's boot files",
+               "/root": "root's home", "/var/run": "the host's runtime sockets", "/run": "the host's runtime sockets"}
+
+
+def _host_tree_exposed(source: str) -> str | None:
+    """What of the host a mount of ``source`` exposes, when it is a system tree, a parent of one, or a
+    container engine's socket; None for an ordinary directory."""
+    path = posixpath.normpath(source)
+    if path.endswith(("docker.sock", "containerd.sock", "podman.sock")):
+        return "control of the host's container engine"
+    for tree, what in _HOST_TREES.items():
+        if path == tree or (tree != "/" and path.startswith(tree + "/") and tree in ("/proc", "/sys", "/dev", "/etc")):
+            return what
+    return None
+
+
 def cross_check(req: dict) -> list[FormatIssue]:
     """Rules that span fields: inventories, references, operation needs."""
     issues: list[FormatIssue] = []
@@ -359,6 +377,10 @@ def cross_check(req: dict) -> list[FormatIssue]:
                 add(f"{p}.image", "runtime 'host' runs no image", "remove image or set launch.runtime to 'docker'")
         targets = set()
         for j, mount in enumerate(unit["mounts"]):
+            exposed = _host_tree_exposed(mount["source"])
+            if exposed:
+                add(f"{p}.mounts[{j}].source", f"mounting {mount['source']!r} would give the unit {exposed}",
+                    "mount the model's own directory (a unit's mounts hold model files, read-only)")
             if mount["target"] in targets:
                 add(f"{p}.mounts[{j}].target", f"mount target {mount['target']!r} appears twice", "mount each target once")
             targets.add(mount["target"])

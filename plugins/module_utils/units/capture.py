@@ -29,9 +29,16 @@ def _existing(layout: StateLayout, capture_id: str, units: list[dict]) -> list[d
     for u in units:
         udir = layout.capture_unit(capture_id, u["id"])
         if (udir / EVIDENCE_FILE).exists():
+            if not (udir / capture_state.DIGESTS_FILE).exists():
+                # Stopped between the unit's end and its seal: what is there was never sealed, so it cannot be
+                # told from what changed since; it is not a capture to build on.
+                raise ColdSnapError(f"capture {capture_id}: unit {u['id']} on this host finished but was never "
+                                    f"sealed ({udir} holds no {capture_state.DIGESTS_FILE}; the capture was "
+                                    "stopped between the two)",
+                                    fix=f"remove {layout.capture(capture_id)} and capture again (or use a new "
+                                        "operation id)")
             ev = load_evidence(udir / EVIDENCE_FILE)
-            if (udir / capture_state.DIGESTS_FILE).exists():
-                ev["state"] = capture_state.seal_of(udir)
+            ev["state"] = capture_state.seal_of(udir)
             out.append(ev)
     return out
 

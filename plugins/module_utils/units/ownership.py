@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pkgutil
 import stat
+import textwrap
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import dock
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import records
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import ownership_walk
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.containers import (
     LABEL_ROLE,
     OWNERSHIP_HELPER_CAPS,
@@ -60,56 +63,28 @@ def parse_owner(value: Any) -> Owner | None:
 def restore_ownership(paths: Iterable[str | Path], uid: int, gid: int) -> int:
     """Give every entry below ``paths`` to uid:gid without changing mode bits; return how many changed.
 
-    chown(2) clears set-user-ID/set-group-ID bits on files even for root, so
-    those bits are put back afterwards. Symlinks are changed themselves, never
-    followed. Entries that already belong to uid:gid are left alone (no ctime change).
+    Symlinks are changed themselves, never followed; entries that already belong to uid:gid are left
+    alone (no ctime change); see :mod:`.ownership_walk`.
     """
     changed = 0
-
-    def one(path: str) -> None:
-        nonlocal changed
-        st = os.lstat(path)
-        if st.st_uid == uid and st.st_gid == gid:
-            return
-        os.lchown(path, uid, gid)
-        changed += 1
-        if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
-            os.chmod(path, stat.S_IMODE(st.st_mode))
-
     for given in paths:
         root = os.fspath(given)
-        if not os.path.lexists(root):
-            continue
-        one(root)
-        if os.path.isdir(root) and not os.path.islink(root):
-            for dirpath, dirnames, filenames in os.walk(root):
-                for name in dirnames + filenames:
-                    one(os.path.join(dirpath, name))
+        if os.path.lexists(root):
+            changed += ownership_walk.give_tree(root, uid, gid)
     return changed
 
 
-# The ownership sidecar runs this with only the exact paths bound; it mirrors restore_ownership.
-_SIDECAR_SCRIPT = r"""
-import json, os, stat, sys
-spec = json.loads(sys.argv[1]); uid, gid = spec["uid"], spec["gid"]; n = 0
-def one(p):
-    global n
-    st = os.lstat(p)
-    if st.st_uid == uid and st.st_gid == gid:
-        return
-    os.lchown(p, uid, gid); n += 1
-    if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
-        os.chmod(p, stat.S_IMODE(st.st_mode))
-for root in spec["paths"]:
-    if not os.path.lexists(root):
-        continue
-    one(root)
-    if os.path.isdir(root) and not os.path.islink(root):
-        for d, dirs, files in os.walk(root):
-            for name in dirs + files:
-                one(os.path.join(d, name))
-print(json.dumps({"changed": n}))
-"""
+def _sidecar_script() -> str:
+    """The ownership sidecar's program: :mod:`.ownership_walk` itself (one implementation), then a call."""
+    walker = pkgutil.get_data(__name__.rsplit(".", 1)[0], "ownership_walk.py")
+    if walker is None:
+        raise ColdSnapError("the ownership walker is missing from this installation", fix="reinstall the collection")
+    return walker.decode() + textwrap.dedent("""
+        import json, sys
+        spec = json.loads(sys.argv[1])
+        n = sum(give_tree(p, spec["uid"], spec["gid"]) for p in spec["paths"] if os.path.lexists(p))
+        print(json.dumps({"changed": n}))
+        """)
 
 
 def _check_owned_paths(paths: Iterable[str | Path]) -> list[str]:
@@ -122,9 +97,33 @@ def _check_owned_paths(paths: Iterable[str | Path]) -> list[str]:
                                 fix="pass the exact state directories ColdSnap wrote, never a system directory")
         if os.path.islink(s):
             raise ColdSnapError(f"state path {s} is a symlink", fix="pass the real directory, not a link to it")
+        planted = _user_link_above(s)
+        if planted is not None:
+            raise ColdSnapError(f"state path {s} lies below {planted}, a symbolic link that is not root's: handing "
+                                "the path over would change what the link points at",
+                                fix=f"replace {planted} with the directory itself (the state root's tree holds no "
+                                    "links)")
         if s not in out:
             out.append(s)
     return out
+
+
+def _user_link_above(path: str) -> str | None:
+    """The first directory on ``path``'s way from ``/`` that is a symbolic link owned by someone other than
+    root: a link the invoking user planted in a tree they own (root's own links, such as a state root on
+    another disk, are the administrator's)."""
+    cur = "/"
+    for part in path.strip("/").split("/")[:-1]:
+        cur = os.path.join(cur, part)
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid != 0:
+                return cur
+            cur = os.path.realpath(cur)
+    return None
 
 
 def chown_state_paths(paths: list[Path], uid: int, gid: int, *, method: str = "auto", image: str | None = None,
@@ -164,7 +163,7 @@ def _chown_in_container(paths: list[str], uid: int, gid: int, *, image: str | No
     mounts = [docker.types.Mount(target=p, source=p, type="bind", read_only=False) for p in paths]
     spec = json.dumps({"uid": uid, "gid": gid, "paths": paths})
     container = create_container(
-        client, img.id, ["python3", "-c", _SIDECAR_SCRIPT, spec], entrypoint=[], user="0:0",
+        client, img.id, ["python3", "-c", _sidecar_script(), spec], entrypoint=[], user="0:0",
         labels={LABEL_ROLE: "ownership-helper"}, network_mode="none", cap_drop=["ALL"],
         cap_add=list(OWNERSHIP_HELPER_CAPS), security_opt=["no-new-privileges"], read_only=True, mounts=mounts)
     try:

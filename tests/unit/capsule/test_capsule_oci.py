@@ -305,6 +305,6 @@ def test_restore_caches_never_places_a_file_outside_its_cache_path(tmp_path: Pat
     inside = _cache_capsule(tmp_path / "c", [(p, d, "", b""), (p + "/k", d, "", b""), (p + "/k/a.so", reg, "", b"a"),
                                              (p + "/latest", sym, "k/a.so", b"")])
     (cache / "x").unlink()
-    assert restore_caches(inside, [str(cache)], tmp_path / "scratch") == [str(cache / "k" / "a.so"),
-                                                                           str(cache / "latest")]
+    added = restore_caches(inside, [str(cache)], tmp_path / "scratch")
+    assert added == [str(cache / "k" / "a.so"), str(cache / "latest")]
     assert (cache / "latest").read_bytes() == b"a"

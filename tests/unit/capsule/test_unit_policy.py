@@ -104,3 +104,34 @@ def test_ownership_refuses_system_paths_and_symlinks(tmp_path: Path) -> None:
     with pytest.raises(ColdSnapError, match="numeric"):
         ownership.chown_state_paths([tmp_path], -1, 0)
     assert ownership.chown_state_paths([tmp_path / "missing"], 1000, 1000) == {"method": "none", "changed": 0, "paths": []}
+
+
+def test_handing_over_never_follows_a_link_the_user_planted_above_or_inside_the_state(tmp_path):
+    """A state path below a link the invoking user made (``workloads -> /``) is refused; inside the tree
+    links are changed themselves, never what they point at, and the walk does not descend into them."""
+    import os
+    import stat
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import ownership
+
+    if os.geteuid() != 0:
+        pytest.skip("changing owners needs root")
+    victim = tmp_path / "etc"
+    victim.mkdir()
+    (victim / "shadow").write_text("root only")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "workloads").symlink_to(tmp_path)
+    os.lchown(state / "workloads", 4242, 4242)  # the user's link
+    with pytest.raises(ColdSnapError, match="not root's"):
+        ownership.chown_state_paths([state / "workloads" / "etc"], 4242, 4343, method="in-process")
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "to-etc").symlink_to(victim)
+    (tree / "setgid").write_text("x")
+    os.chmod(tree / "setgid", 0o2750)
+    res = ownership.chown_state_paths([tree], 4242, 4343, method="in-process")
+    assert res["changed"] == 4  # tree, sub, the link itself, setgid
+    assert os.stat(victim / "shadow").st_uid == 0 and os.stat(victim).st_uid == 0
+    assert os.lstat(tree / "sub" / "to-etc").st_uid == 4242
+    assert stat.S_IMODE(os.stat(tree / "setgid").st_mode) == 0o2750 and os.stat(tree / "setgid").st_gid == 4343

@@ -64,8 +64,8 @@ def test_duplicate_keys_are_refused_by_validate_as_by_the_run(tmp_path, capsys, 
     (lambda t: t.replace('"format": 4', '"format": 1e400', 1), "beyond the range of a JSON number"),
     (lambda t: t.replace('"format": 4', '"format": 1' + "0" * 5000, 1), "an integer of 5001 digits"),
 ])
-def test_numbers_and_strings_a_hash_could_not_take_are_refused(tmp_path, capsys, example_request_text, edit,
-                                                              message) -> None:
+def test_numbers_and_strings_a_hash_could_not_take_are_refused(
+        tmp_path, capsys, example_request_text, edit, message) -> None:
     text = edit(example_request_text)
     assert text != example_request_text
     rc, _out, err = _run(capsys, "validate", "--request-json", str(_request(tmp_path, text)))
@@ -84,8 +84,8 @@ def test_a_kind_that_is_not_a_string(capsys, monkeypatch) -> None:
     ({"native": {"export": False}, "recovery": {"enabled": False}}, "$.policy.weights.native.export"),
     ({"mode": "recovery", "recovery": {"enabled": False}}, "$.policy.weights.mode"),
 ])
-def test_weights_that_no_restore_could_serve_are_refused_up_front(tmp_path, capsys, example_request_text, weights,
-                                                                 path) -> None:
+def test_weights_that_no_restore_could_serve_are_refused_up_front(
+        tmp_path, capsys, example_request_text, weights, path) -> None:
     req = json.loads(example_request_text)
     req.setdefault("policy", {})["weights"] = weights
     rc, _out, err = _run(capsys, "validate", "--request-json", str(_request(tmp_path, json.dumps(req))))

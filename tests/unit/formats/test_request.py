@@ -329,3 +329,16 @@ def test_only_several_units_or_workers_need_the_coordinator(example_request_text
 
     with pytest.raises(AnsibleFilterError, match="needs_coordinator: expected the ColdSnap request"):
         needs("not a request")
+
+
+@pytest.mark.parametrize("source", ["/", "/etc", "/proc/1", "/var/run/docker.sock", "/run/containerd/containerd.sock",
+                                    "/sys", "/dev/sda", "/root"])
+def test_a_mount_of_a_host_tree_or_the_container_engine_is_refused(base, source):
+    base["launch"]["units"][0]["mounts"] = [{"source": source, "target": "/mnt/x", "read_only": False}]
+    with pytest.raises(FormatError, match=r"mounts\[0\]\.source.*would give the unit"):
+        validate_request(base)
+
+
+def test_a_mount_of_a_model_directory_is_fine(base):
+    base["launch"]["units"][0]["mounts"] = [{"source": "/root/models/tiny", "target": "/mnt/x", "read_only": True}]
+    validate_request(base)

@@ -145,17 +145,19 @@ def test_debris_of_killed_writers_is_never_a_generation(state_root, tmp_path):
     store = ArtifactStore(state_root)
     store.promote(capture(tmp_path, req, 1), request=req)
     idir = state_root / "artifacts" / identity(req).split(":")[1]
-    # What a kill in the middle of a write leaves: a temp generation dir, a temp link, an incomplete dir.
+    # What a kill in the middle of a write leaves: a temp generation dir, a temp link.
     (idir / ".000002.tmp-abc").mkdir()
     (idir / ".000002.tmp-abc" / "artifact.json").write_text("{")
     os.symlink("000009", idir / ".current.tmp-def")
+    # A generation under its final name that does not read (a damaged disk, not a kill: a complete directory is
+    # renamed there): never a generation, never removed as debris, and its number is not used again.
     (idir / "000007").mkdir()
     assert [g.number for g in store.generations(identity(req))] == [1]
     res = store.promote(capture(tmp_path, req, 2), request=req)
     # The next writer (holding the identity lock) removes the debris before it numbers the new generation.
-    assert res.generation["generation"] == "000002"
+    assert res.generation["generation"] == "000008"
     assert sorted(p.name for p in idir.iterdir() if p.name != ".lock") == [
-        "000001", "000002", "current", "identity.json"]
+        "000001", "000007", "000008", "current", "identity.json"]
 
 
 def test_delete_scopes_to_recipe_and_driver_and_reports_shared_payloads(state_root, tmp_path):
@@ -195,3 +197,64 @@ def test_source_descriptor_that_changed_is_left_alone(state_root, tmp_path):
     store.promote(capture(tmp_path, req, 2), request=req)
     assert first.exists(), "an output descriptor that differs from the stored one is not ours to remove"
     assert file_sha256(first) != store.generations(identity(req))[0].artifact_sha256
+
+
+def test_a_promotion_waiting_behind_a_delete_is_never_erased_by_it(state_root, tmp_path, monkeypatch):
+    """The delete moves the identity away while it holds the lock; a promotion that waited for that lock
+    starts on a fresh directory, and what it reported stays."""
+    import threading
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts import store as store_mod
+
+    req = make_request()
+    store = ArtifactStore(state_root)
+    store.promote(capture(tmp_path, req, 1), request=req)
+    slow_rmtree, entered = store_mod.shutil.rmtree, threading.Event()
+
+    def rmtree(path, *a, **kw):  # the deleter preempted right after it released the lock
+        entered.set()
+        time.sleep(1.0)
+        return slow_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(store_mod.shutil, "rmtree", rmtree)
+    deleter = threading.Thread(target=lambda: store.delete(recipe=req["workload"]["recipe"],
+                                                           snapshot_driver=req["snapshot_driver"]["id"]))
+    deleter.start()
+    assert entered.wait(10)
+    res = store.promote(capture(tmp_path, req, 2), request=req)
+    deleter.join(30)
+    assert res.changed and store.current(identity(req)).capture_id == res.generation["capture_id"]
+    assert [g.number for g in store.generations(identity(req))] == [int(res.generation["generation"])]
+
+
+def test_pruning_keeps_the_capture_a_retained_published_descriptor_restores_from(state_root, tmp_path):
+    import hashlib
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.publication import (
+        publish_descriptor,
+    )
+
+    req = make_request(retention=1)
+    store = ArtifactStore(state_root)
+    accepted = write_artifact(tmp_path / "out-accepted", make_artifact(req, capture_id="cap-1"))
+    store.promote(accepted, request=req)
+    published = publish_descriptor(source=accepted, artifact_dir=tmp_path / "out-native",
+                                   source_sha256="sha256:" + hashlib.sha256(accepted.read_bytes()).hexdigest(),
+                                   native={"repository": "org/p", "revision": "b" * 40})
+    res = store.promote(published["path"], request=req)
+    assert res.pruned and store.current(identity(req)).capture_id == "cap-1"
+    assert all(r["capture_id"] is None for r in res.cleanup), "cap-1 is what the current generation restores"
+
+
+def test_a_store_file_that_is_not_an_object_is_no_generation_and_stored_files_are_private(state_root, tmp_path):
+    req = make_request()
+    store = ArtifactStore(state_root)
+    res = store.promote(capture(tmp_path, req, 1), request=req)
+    gdir = Path(res.generation["path"])
+    gdir = gdir if gdir.is_dir() else gdir.parent
+    assert oct(gdir.stat().st_mode & 0o777) == "0o700"
+    assert {oct(p.stat().st_mode & 0o777) for p in gdir.iterdir()} == {"0o600"}
+    (gdir.parent / "identity.json").write_text("[]")
+    assert store.info(identity(req)) is None
+    (gdir / "generation.json").write_text('"text"')
+    assert store.generations(identity(req)) == []

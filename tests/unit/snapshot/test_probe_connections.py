@@ -96,7 +96,7 @@ def _raw_server(handler):
     def loop():
         while True:
             try:
-                conn, _ = srv.accept()
+                conn, _addr = srv.accept()
             except OSError:
                 return
             threading.Thread(target=handler, args=(conn,), daemon=True).start()

@@ -368,7 +368,7 @@ def test_an_answer_larger_than_the_listing_is_refused_unread(tmp_path):
             self.send_header("Content-Length", str(64 << 20))
             self.end_headers()
             with contextlib.suppress(OSError):
-                for _ in range(64):
+                for _chunk in range(64):
                     self.wfile.write(b"A" * (1 << 20))
 
     liar = ThreadingHTTPServer(("127.0.0.1", 0), Liar)

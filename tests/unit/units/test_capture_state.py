@@ -97,3 +97,19 @@ def test_a_record_written_by_another_user_is_not_trusted(unit_dir: Path):
     assert capture_state.verify(unit_dir, seal, unit="unit-0")["rehashed_files"] == 0
     os.chmod(unit_dir / capture_state.RECORD_FILE, 0o666)
     assert capture_state.verify(unit_dir, seal, unit="unit-0")["rehashed_files"] == 5
+
+
+def test_a_capture_stopped_between_a_units_end_and_its_seal_is_not_complete(tmp_path):
+    """Evidence without a seal is a capture cut short: a rerun refuses it (naming what to remove) instead
+    of reporting an artifact that no restore could ever verify."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture
+
+    layout = StateLayout(tmp_path / "state")
+    udir = layout.capture_unit("cap-9", "unit-0")
+    udir.mkdir(parents=True)
+    (udir / EVIDENCE_FILE).write_text("{}")
+    with pytest.raises(ColdSnapError, match=r"never sealed.*remove"):
+        capture._existing(layout, "cap-9", [{"id": "unit-0"}])
