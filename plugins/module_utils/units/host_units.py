@@ -62,16 +62,7 @@ class HostUnits(RunningUnits):
         answers (proven through its control API); empty when none runs. An engine whose control API
         lives in a child (an engine-core process) is counted from the process the activation started,
         its ancestor with the same control file in its environment."""
-        wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
-        pids = []
-        for f in sorted(wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*"))):
-            try:
-                info = ec.ControlInfo.load(f)
-            except (OSError, ValueError):
-                continue
-            if engine_answers(info):
-                pids.append(marked_root(info.pid, ec.ENV_CONTROL_FILE))
-        return pids
+        return self._engines(unit_id, answering_only=True)
 
     def presence(self, unit_id: str) -> str:
         if self.running_pids(unit_id):
@@ -83,6 +74,9 @@ class HostUnits(RunningUnits):
         """Every engine of this workload's unit that is alive, answering or not: the ones that answer
         (:meth:`running_pids`) and the ones that are busy or hung but still carry their control file in
         their environment (a recycled pid does not). Eviction ends them all before any control file goes."""
+        return self._engines(unit_id, answering_only=False)
+
+    def _engines(self, unit_id: str, *, answering_only: bool) -> list[int]:
         wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
         pids = []
         for f in sorted(wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*"))):
@@ -90,7 +84,7 @@ class HostUnits(RunningUnits):
                 info = ec.ControlInfo.load(f)
             except (OSError, ValueError):
                 continue
-            if engine_answers(info) or _carries(info.pid, f):
+            if engine_answers(info) or (not answering_only and _carries(info.pid, f)):
                 pids.append(marked_root(info.pid, ec.ENV_CONTROL_FILE))
         return pids
 
