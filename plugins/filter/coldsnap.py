@@ -19,14 +19,16 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 )
 
 
-def _request(value, name: str) -> dict:
+def _request(value, name: str, *, hosts: bool = True) -> dict:
     if not isinstance(value, dict) or not isinstance(value.get("launch"), dict):
         raise AnsibleFilterError(f"{name}: expected the ColdSnap request (coldsnap_request), got {type(value).__name__}")
     units = value["launch"].get("units")
+    needed = ("id", "host") if hosts else ("id",)
     if not isinstance(units, list) or not all(
-            isinstance(u, dict) and isinstance(u.get("id"), str) and isinstance(u.get("host"), str) for u in units):
-        raise AnsibleFilterError(f"{name}: the request's launch.units must be a list of units, each with its 'id' and "
-                                 "'host' (validate it with: coldsnap validate --request-json FILE)")
+            isinstance(u, dict) and all(isinstance(u.get(k), str) for k in needed) for u in units):
+        raise AnsibleFilterError(f"{name}: the request's launch.units must be a list of units, each with its "
+                                 f"{' and '.join(repr(k) for k in needed)} (validate it with: coldsnap validate "
+                                 "--request-json FILE)")
     return value
 
 
@@ -47,7 +49,12 @@ def host_unit_ids_filter(request, host: str) -> list[str]:
 
 def needs_coordinator_filter(request) -> bool:
     """Whether the request's activation needs the coordinator (more than one launch unit or worker)."""
-    return needs_coordinator(_request(request, "needs_coordinator"))
+    req = _request(request, "needs_coordinator", hosts=False)
+    execution = req["launch"].get("execution")
+    if not isinstance(execution, dict) or not isinstance(execution.get("workers"), list):
+        raise AnsibleFilterError("needs_coordinator: the request's launch.execution.workers must be a list (validate "
+                                 "it with: coldsnap validate --request-json FILE)")
+    return needs_coordinator(req)
 
 
 def state_root_filter(value=None) -> str:

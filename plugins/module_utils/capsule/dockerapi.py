@@ -198,8 +198,8 @@ def stream_build(client: Any, write_context: Callable[[tarfile.TarFile], None], 
 
     def watch(line: str) -> None:
         nonlocal image_id
-        m = re.search(r"Successfully built ([0-9a-f]{12,64})", line)
-        if m and image_id is None:
+        m = re.fullmatch(r"Successfully built ([0-9a-f]{12,64})\s*", line)
+        if m:  # the builder's own last line (a RUN step's output may say the same earlier)
             image_id = m.group(1)
         if on_line:
             on_line(line)
@@ -217,7 +217,8 @@ def stream_build(client: Any, write_context: Callable[[tarfile.TarFile], None], 
         last = "\n".join(tail[-10:])
         raise ColdSnapError(f"docker build of {what} failed: {error or 'no image id reported'}\n{last}".rstrip(),
                             fix="read the builder output above; check disk space and the base image")
-    return client.images.get(image_id if image_id.startswith("sha256:") else tag).id
+    # The image the build made, by its id: the tag may have moved meanwhile (a concurrent build).
+    return client.images.get(image_id).id
 
 
 def add_bytes(tar: tarfile.TarFile, name: str, data: bytes, *, mode: int = 0o644) -> None:
