@@ -53,6 +53,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
     atomic_write_json,
     file_lock,
+    file_sha256,
     fsync_dir,
     is_temp_name,
     rmtree_atomically,
@@ -91,15 +92,6 @@ def _hex(identity: str) -> str:
     if HEX_RE.match(identity or ""):
         return identity
     return parse_digest(identity, what="artifact identity")
-
-
-def file_sha256(path: Path) -> str:
-    """``sha256:<hex>`` of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return "sha256:" + h.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     IntegrityError,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
+    first_link_below,
     fsync_dir,
     is_temp_name,
     temp_path_for,
@@ -685,18 +686,12 @@ def _check_cache_placement(source: str, target: str, cache_root: str, unit: str)
             raise IntegrityError(f"capsule of unit {unit!r}: the cache link {target} points outside "
                                  f"its cache path {cache_root} (to {dest})",
                                  fix="rebuild the capsule from a cache whose links stay inside it")
-    cur = cache_root
-    for part in posixpath.relpath(posixpath.dirname(target), cache_root).split("/"):
-        if part in ("", "."):
-            continue
-        cur = posixpath.join(cur, part)
-        if os.path.islink(cur):
-            raise ColdSnapError(f"capsule of unit {unit!r}: {cur} on this host is a symbolic link inside the "
-                                f"cache path {cache_root}; a cache file is not placed through it ({target})",
-                                fix=f"remove the link {cur} (the capsule adds the directory), or drop "
-                                    f"{cache_root} from policy.cache.paths")
-        if not os.path.exists(cur):
-            return
+    linked = first_link_below(cache_root, posixpath.relpath(target, cache_root))
+    if linked is not None:
+        raise ColdSnapError(f"capsule of unit {unit!r}: {linked} on this host is a symbolic link inside the "
+                            f"cache path {cache_root}; a cache file is not placed through it ({target})",
+                            fix=f"remove the link {linked} (the capsule adds the directory), or drop "
+                                f"{cache_root} from policy.cache.paths")
 
 
 def _extract_docker_state(ref: CapsuleRef, dest: Path, *, replace: bool, client: Any) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import secrets
@@ -201,3 +202,26 @@ def readahead(path: Path | str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def file_sha256(path: Path | str) -> str:
+    """``sha256:<hex>`` of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return "sha256:" + h.hexdigest()
+
+
+def first_link_below(root: Path | str, rel: str) -> Path | None:
+    """The first existing directory between ``root`` and ``root/rel`` (``rel``'s parents) that is a
+    symbolic link; None when there is none (an absent component ends the walk: nothing beyond it exists)."""
+    cur = Path(root)
+    for part in [p for p in str(rel).split("/")[:-1] if p not in ("", ".")]:
+        cur = cur / part
+        try:
+            if stat.S_ISLNK(os.lstat(cur).st_mode):
+                return cur
+        except FileNotFoundError:
+            return None
+    return None

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import environment_value
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 
 _LINGER_RESET = struct.pack("ii", 1, 0)
@@ -142,3 +143,13 @@ def engine_answers(info: ec.ControlInfo | dict, timeout: float = 5.0) -> bool:
     except (OSError, ControlCallError, http.client.HTTPException):
         return False
     return int(body.get("pid", -1)) == info.pid
+
+
+def started_for(pid: int, control_file: Path | str) -> bool:
+    """``pid`` is alive and was started for ``control_file`` (the marker the activation runtime puts in every
+    engine's environment): this worker's engine, whether its control API answers or not (a recycled pid
+    does not carry it)."""
+    if not pid_alive(pid):
+        return False
+    mark = environment_value(pid, ec.ENV_CONTROL_FILE)
+    return mark is not None and os.path.realpath(os.fsdecode(mark)) == os.path.realpath(control_file)

@@ -18,7 +18,6 @@ file; the code it runs is already imported, so it outlives the module that start
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import ipaddress
 import json
 import os
@@ -37,14 +36,17 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_bytes
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
+    atomic_write_bytes,
+    file_sha256,
+    first_link_below,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import auth
 
 LIST_PATH = "/v1/files"
 FILE_PREFIX = "/v1/files/"
 DIGEST_NAME = re.compile(r"(?:^|/)(?:sha256/)?([0-9a-f]{64})(?:\.pack)?$")
-_HASH_CHUNK = 4 << 20
 _RANGE = re.compile(r"bytes=(\d+)-$")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
@@ -96,7 +98,7 @@ def file_table(root: Path | str, include: list[str] | None = None) -> dict[str, 
     table: dict[str, ServedFile] = {}
     for name in sorted(names):
         path = root / name
-        linked = _linked_component(root, name)
+        linked = first_link_below(root, name)
         if linked is not None:
             if include:
                 raise ColdSnapError(f"{path} lies below the symbolic link {linked}; files are served only from "
@@ -112,29 +114,11 @@ def file_table(root: Path | str, include: list[str] | None = None) -> dict[str, 
                 raise ColdSnapError(f"{path} is not a regular file", fix="serve regular files only")
             continue  # a symlink or special file inside a tree is never served
         # Every file is listed with its digest (the client verifies each on arrival): named by it, or hashed now.
-        digest = digest_in_name(name) or _sha256_of(path)
+        digest = digest_in_name(name) or file_sha256(path).split(":", 1)[1]
         table[name] = ServedFile(name, path, st.st_size, digest, (st.st_dev, st.st_ino))
     if not table:
         raise ColdSnapError(f"transfer root {root} has no regular file to serve", fix="check the transfer root")
     return table
-
-
-def _linked_component(root: Path, name: str) -> Path | None:
-    """The first directory between ``root`` and ``name`` that is a symbolic link, if any."""
-    cur = root
-    for part in name.split("/")[:-1]:
-        cur = cur / part
-        if cur.is_symlink():
-            return cur
-    return None
-
-
-def _sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class PeerServer(ThreadingHTTPServer):

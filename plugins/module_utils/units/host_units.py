@@ -19,7 +19,6 @@ from pathlib import Path
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import (
-    environment_value,
     marked_root,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
@@ -33,6 +32,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_clie
     EngineClient,
     engine_answers,
     pid_alive,
+    started_for,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
@@ -84,7 +84,7 @@ class HostUnits(RunningUnits):
                 info = ec.ControlInfo.load(f)
             except (OSError, ValueError):
                 continue
-            if engine_answers(info) or (not answering_only and _carries(info.pid, f)):
+            if engine_answers(info) or (not answering_only and started_for(info.pid, f)):
                 pids.append(marked_root(info.pid, ec.ENV_CONTROL_FILE))
         return pids
 
@@ -116,21 +116,12 @@ class HostUnits(RunningUnits):
                 wdir = self.layout.workload(self.request["workload"]["recipe"], u["id"])
                 for f in wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*")):
                     try:
-                        alive = _carries(ec.ControlInfo.load(f).pid, f)
+                        alive = started_for(ec.ControlInfo.load(f).pid, f)
                     except (OSError, ValueError):
                         alive = False
                     if not alive:  # an engine still alive keeps its file: ColdSnap can still reach and stop it
                         f.unlink(missing_ok=True)
         return stopped
-
-
-def _carries(pid: int, control_file: Path) -> bool:
-    """``pid`` is alive and was started for ``control_file`` (the marker the activation runtime puts in
-    every engine's environment): an engine of this workload even when its control API does not answer."""
-    if not pid_alive(pid):
-        return False
-    mark = environment_value(pid, ec.ENV_CONTROL_FILE)
-    return mark is not None and os.path.realpath(os.fsdecode(mark)) == os.path.realpath(control_file)
 
 
 def unit_status(spec: UnitSpec) -> dict:

@@ -738,10 +738,9 @@ class Activation:
 def _end_leftover(pid: int, control_file: Path) -> None:
     """Kill the process tree at ``pid`` when it is this worker's engine (its environment names
     ``control_file``): a restore cut short must not leave it holding the captured pids and ports."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import environment_value
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_client import started_for
 
-    mark = environment_value(pid, ec.ENV_CONTROL_FILE)
-    if mark is None or os.path.realpath(os.fsdecode(mark)) != os.path.realpath(control_file):
+    if not started_for(pid, control_file):
         return
     for p in sorted(ports.process_tree(pid)):
         with contextlib.suppress(ProcessLookupError):
