@@ -93,6 +93,15 @@ def test_installed_module_runs_on_a_bare_python(installed: tuple[Path, Path]) ->
     assert "SUCCESS" in p.stdout and '"coldsnap_host"' in p.stdout, p.stdout
 
 
+@pytest.mark.parametrize("playbook", sorted(p.name for p in (REPO / "playbooks").glob("*.yml")))
+def test_every_playbook_passes_syntax_check_as_installed(installed: tuple[Path, Path], playbook: str) -> None:
+    """``ansible-playbook --syntax-check coldsnap.fleet.<name>`` works without a request (AWX runs it on sync)."""
+    _tarball, collections = installed
+    p = _ansible("ansible-playbook", "--syntax-check", "-i", "localhost,", f"coldsnap.fleet.{playbook[:-4]}",
+                 collections=collections, cwd=collections)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
 def test_sanity_ignore_files_stay_empty() -> None:
     """ansible-test findings are fixed, never ignored (scripts/ansible-sanity.sh runs the tests)."""
     ignores = sorted((REPO / "tests" / "sanity").glob("ignore-*.txt")) if (REPO / "tests" / "sanity").is_dir() else []
