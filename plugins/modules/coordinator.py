@@ -58,7 +58,8 @@ options:
     type: path
   timeout:
     description:
-      - Seconds to wait for the server to become ready (start) or to exit after SIGTERM (stop).
+      - Seconds to wait for the server to become ready (start) or to exit after SIGTERM (stop); more than 0.
+      - A server not ready in time is stopped and its files removed; the task fails.
     type: float
     default: 15
 attributes:

@@ -98,6 +98,34 @@ def _docker_remove(image_id: str, *, check_mode: bool, client=None) -> str:
     return "removed"
 
 
+_REFS_FIX = "pass the cleanup entries the artifact store returned (artifact_store's cleanup), unchanged"
+_CAPSULE_LAYOUTS = ("oci-layout", "docker")
+
+
+def check_refs(refs: object) -> None:
+    """Refuse malformed references before anything is removed, naming the entry and the field."""
+    def need(cond: bool, where: str, what: str) -> None:
+        if not cond:
+            raise ColdSnapError(f"refs{where}: {what}", fix=_REFS_FIX)
+
+    need(isinstance(refs, list), "", "must be a list of objects")
+    for i, r in enumerate(refs):  # type: ignore[arg-type]
+        need(isinstance(r, dict), f"[{i}]", "must be an object")
+        cid = r.get("capture_id")
+        need(cid is None or isinstance(cid, str), f"[{i}].capture_id", f"{cid!r} is not a string or null")
+        for key, fields in (("capsules", (("image_id", str), ("layout", str))), ("payloads", (("sha256", str),))):
+            items = r.get(key, [])
+            need(isinstance(items, list), f"[{i}].{key}", "must be a list of objects")
+            for j, item in enumerate(items):
+                need(isinstance(item, dict), f"[{i}].{key}[{j}]", "must be an object")
+                for name, kind in fields:
+                    need(name in item, f"[{i}].{key}[{j}]", f"'{name}' is missing")
+                    need(isinstance(item[name], kind), f"[{i}].{key}[{j}].{name}", f"{item[name]!r} is not a string")
+                if key == "capsules":
+                    need(item["layout"] in _CAPSULE_LAYOUTS, f"[{i}].{key}[{j}].layout",
+                         f"{item['layout']!r} is not one of {', '.join(_CAPSULE_LAYOUTS)}")
+
+
 def remove_local(state_root: Path | str, refs: list[dict], *, keep_payloads: list[str] | set[str], host: str,
                  check_mode: bool = False, docker_client=None,
                  keep_capsules: list[str] | set[str] = ()) -> dict:
@@ -106,6 +134,7 @@ def remove_local(state_root: Path | str, refs: list[dict], *, keep_payloads: lis
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.records import record_path_for
 
     state_root = Path(state_root)
+    check_refs(refs)
     removed: dict[str, list] = {"captures": [], "capsules": [], "extracted": [], "payloads": []}
     kept: dict[str, list] = {"payloads": [], "capsules": []}
     capture_ids = set()

@@ -301,10 +301,15 @@ def record_overlay(store, *, portable_path: Path | str, overlay_artifact: dict, 
            "payloads": sorted({w["payload"]["sha256"] for w in art["weights"]["workers"] if w["payload"]}),
            "created_at": _now()}
     validate_document(OVERLAY_SCHEMA, doc, document="overlay metadata")
+    kept = {"changed": False, "stored": True, "discarded": False, "path": str(odir), "refs": refs,
+            "reason": "this overlay is already stored for this target"}
     if check_mode:
-        return {"changed": True, "stored": False, "discarded": False, "path": str(odir), "refs": refs,
-                "reason": "would store the overlay"}
+        return kept if _stored_already(odir, data, doc) else {
+            "changed": True, "stored": False, "discarded": False, "path": str(odir), "refs": refs,
+            "reason": "would store the overlay"}
     with store.locked(art["identity"]):
+        if _stored_already(odir, data, doc):
+            return kept
         odir.parent.mkdir(parents=True, exist_ok=True)
         tmp = temp_path_for(odir)
         os.mkdir(tmp, 0o755)
@@ -328,6 +333,17 @@ def record_overlay(store, *, portable_path: Path | str, overlay_artifact: dict, 
             raise
     return {"changed": True, "stored": True, "discarded": False, "path": str(odir), "refs": refs,
             "reason": "stored as the target-local overlay of the portable descriptor"}
+
+
+def _stored_already(odir: Path, data: bytes, doc: dict) -> bool:
+    """``odir`` holds exactly this overlay (its creation time aside): storing it again changes nothing."""
+    try:
+        same_artifact = (odir / ARTIFACT_FILE).read_bytes() == data
+        stored = json.loads((odir / OVERLAY_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return same_artifact and isinstance(stored, dict) and \
+        {k: v for k, v in stored.items() if k != "created_at"} == {k: v for k, v in doc.items() if k != "created_at"}
 
 
 def list_overlays(store, identity: str) -> list[dict]:

@@ -325,16 +325,26 @@ class ArtifactStore:
         """Capsule image ids referenced by every retained generation and overlay (minus ``exclude``)."""
         return self._retained(exclude)[1]
 
-    def _retained(self, exclude: Iterable[str]) -> tuple[set[str], set[str]]:
+    def _retained(self, exclude: Iterable[str], *, dropping: Iterable[tuple[str, str]] = (),
+                  adding: dict | None = None) -> tuple[set[str], set[str]]:
+        """(payloads, capsules) the retained descriptors reference; ``dropping`` ((identity hex, descriptor
+        digest) pairs) are left out with their overlays, ``adding`` (a descriptor) counted in: what a
+        promotion's check mode sees before anything is written or pruned."""
         skip = {_hex(i) for i in exclude}
+        gone = set(dropping)
         payloads: set[str] = set()
         capsules: set[str] = set()
+        if adding is not None:
+            payloads.update(w["payload"]["sha256"] for w in adding["weights"]["workers"] if w.get("payload"))
+            capsules.update(c["image_id"] for c in adding["capsule"]["units"])
         if not self.root.is_dir():
             return payloads, capsules
         for entry in os.scandir(self.root):
             if not (HEX_RE.match(entry.name) and entry.is_dir(follow_symlinks=False)) or entry.name in skip:
                 continue
             for gen in self.generations(entry.name):
+                if (entry.name, gen.artifact_sha256) in gone:
+                    continue
                 try:
                     art = json.loads(gen.artifact_path.read_text())
                     payloads.update(w["payload"]["sha256"] for w in art["weights"]["workers"] if w.get("payload"))
@@ -342,20 +352,26 @@ class ArtifactStore:
                 except (OSError, ValueError, KeyError, TypeError):
                     continue
             for ov in overlay_mod.list_overlays(self, entry.name):
+                if (entry.name, ov["portable_sha256"]) in gone:
+                    continue
                 payloads.update(ov.get("payloads", []))
                 capsules.update(c.get("image_id") for c in ov.get("refs", {}).get("capsules", []) if c.get("image_id"))
         return payloads, capsules
 
-    def _retained_captures(self, exclude: Iterable[str]) -> set[str]:
+    def _retained_captures(self, exclude: Iterable[str], *, dropping: Iterable[tuple[str, str]] = (),
+                           adding: dict | None = None) -> set[str]:
         """Capture ids the retained generations (of identities not in ``exclude``) still restore from: a
-        published descriptor keeps its source's capture id, so pruning the source must not remove it."""
+        published descriptor keeps its source's capture id, so pruning the source must not remove it.
+        ``dropping`` and ``adding`` as for :meth:`_retained`."""
         skip = {_hex(i) for i in exclude}
-        held: set[str] = set()
+        gone = set(dropping)
+        held: set[str] = {adding["capture_id"]} if adding is not None else set()
         if not self.root.is_dir():
             return held
         for entry in os.scandir(self.root):
             if HEX_RE.match(entry.name) and entry.is_dir(follow_symlinks=False) and entry.name not in skip:
-                held.update(g.capture_id for g in self.generations(entry.name))
+                held.update(g.capture_id for g in self.generations(entry.name)
+                            if (entry.name, g.artifact_sha256) not in gone)
         return held
 
     def holds(self, artifact_sha256: str) -> bool:
@@ -407,7 +423,7 @@ class ArtifactStore:
             return self._plan_promote(info, artifact, digest, artifact_path, keep)
         with self.locked(info.identity) as idir:
             self._clean_temps(idir)
-            self._write_identity(idir, info)
+            rewrote = self._write_identity(idir, info)
             gens = self.generations(info.identity)
             existing = next((g for g in gens if g.artifact_sha256 == digest), None)
             current = self.current(info.identity)
@@ -426,43 +442,76 @@ class ArtifactStore:
             if hook:
                 hook("pointer-written")
             pruned = self._prune(idir, keep)
-            keep_payloads, keep_capsules = (sorted(x) for x in self._retained(())) if pruned else ([], [])
+            keep_payloads, keep_capsules = self._retained(()) if pruned else (set(), set())
             held = self._retained_captures(()) if pruned else set()
+        return self._promote_result(info, changed=changed or rewrote or bool(pruned), generation=gen.as_dict(),
+                                    created=created, pruned=pruned, held=held, keep=(keep_payloads, keep_capsules))
+
+    def _promote_result(self, info: IdentityInfo, *, changed: bool, generation: dict, created: bool,
+                        pruned: list[dict], held: set[str], keep: tuple[set[str], set[str]]) -> PromoteResult:
         cleanup = [_keeping_captures(p["refs"], held) for p in pruned] + [
             _keeping_captures(o["refs"], held) for p in pruned for o in p["overlays"]]
         hosts = sorted({h for r in cleanup for h in r["hosts"]})
-        return PromoteResult(changed=changed or bool(pruned), generation=gen.as_dict(),
+        return PromoteResult(changed=changed, generation=generation,
                              current=str(self.current_artifact_path(info.identity)), created=created,
-                             pruned=pruned, cleanup=cleanup, keep_payloads=keep_payloads, cleanup_hosts=hosts,
-                             keep_capsules=keep_capsules)
+                             pruned=pruned, cleanup=cleanup, keep_payloads=sorted(keep[0]), cleanup_hosts=hosts,
+                             keep_capsules=sorted(keep[1]))
 
     def _plan_promote(self, info: IdentityInfo, artifact: dict, digest: str, source: Path, keep: int) -> PromoteResult:
+        """What :meth:`promote` would do, reported the same way, with nothing written or removed."""
         gens = self.generations(info.identity)
         existing = next((g for g in gens if g.artifact_sha256 == digest), None)
         current = self.current(info.identity)
         if existing is not None:
             number, created = existing.number, False
         else:
-            number, created = max((g.number for g in gens), default=0) + 1, True
-        changed = created or current is None or current.number != number
+            # As promote numbers it: above every generation directory, readable or not.
+            idir = self.identity_dir(info.identity)
+            on_disk = [int(e.name) for e in os.scandir(idir) if GENERATION_RE.match(e.name)] if idir.is_dir() else []
+            number, created = max(on_disk, default=0) + 1, True
+        changed = (created or current is None or current.number != number
+                   or not self._identity_written(self.identity_dir(info.identity), info))
         numbers = sorted({g.number for g in gens} | {number})
         kept = set(numbers[-keep:]) | {number}
-        pruned = [{"generation": g.as_dict(), "refs": {"capture_id": g.capture_id, "hosts": []}, "overlays": []}
-                  for g in gens if g.number not in kept]
-        gen = {"identity": f"sha256:{info.identity}", "generation": f"{number:06d}", "number": number,
-               "capture_id": artifact["capture_id"], "artifact_sha256": digest, "source": str(source)}
-        return PromoteResult(changed=changed or bool(pruned), generation=gen,
-                             current=str(self.current_artifact_path(info.identity)), created=created, pruned=pruned)
+        doomed = [g for g in gens if g.number not in kept]
+        pruned = [{**self._describe_pruned(info.identity, g), "source_removed": _source_matches(g)} for g in doomed]
+        if existing is not None:
+            generation = existing.as_dict()
+        else:
+            generation = {"identity": f"sha256:{info.identity}", "generation": f"{number:06d}", "number": number,
+                          "capture_id": artifact["capture_id"], "artifact_sha256": digest, "source": str(source)}
+        dropping = [(info.identity, g.artifact_sha256) for g in doomed]
+        adding = artifact if created else None
+        keep_sets = self._retained((), dropping=dropping, adding=adding) if pruned else (set(), set())
+        held = self._retained_captures((), dropping=dropping, adding=adding) if pruned else set()
+        return self._promote_result(info, changed=changed or bool(pruned), generation=generation, created=created,
+                                    pruned=pruned, held=held, keep=keep_sets)
 
-    def _write_identity(self, idir: Path, info: IdentityInfo) -> None:
-        path = idir / IDENTITY_FILE
-        doc = {"format": STORE_FORMAT, "kind": IDENTITY_KIND, **info.as_dict()}
+    def _describe_pruned(self, identity: str, g: Generation) -> dict:
+        """A generation about to be pruned: its host-local references and those of its overlays."""
         try:
-            if json.loads(path.read_text()) == doc:
-                return
+            refs = local_refs(g.load(), artifact_sha256=g.artifact_sha256)
+        except ColdSnapError:
+            refs = {"capture_id": g.capture_id, "capsules": [], "payloads": [], "hosts": []}
+        overlays = [o for o in overlay_mod.list_overlays(self, identity) if o["portable_sha256"] == g.artifact_sha256]
+        return {"generation": g.as_dict(), "refs": refs, "overlays": overlays}
+
+    @staticmethod
+    def _identity_doc(info: IdentityInfo) -> dict:
+        return {"format": STORE_FORMAT, "kind": IDENTITY_KIND, **info.as_dict()}
+
+    def _identity_written(self, idir: Path, info: IdentityInfo) -> bool:
+        try:
+            return json.loads((idir / IDENTITY_FILE).read_text()) == self._identity_doc(info)
         except (OSError, ValueError):
-            pass
-        atomic_write_json(path, doc)
+            return False
+
+    def _write_identity(self, idir: Path, info: IdentityInfo) -> bool:
+        """Write the identity's ``identity.json`` unless it already says this; True when written."""
+        if self._identity_written(idir, info):
+            return False
+        atomic_write_json(idir / IDENTITY_FILE, self._identity_doc(info))
+        return True
 
     def _write_generation(self, idir: Path, number: int, artifact: dict, data: bytes, *, digest: str,
                           source: Path) -> Generation:
@@ -520,16 +569,10 @@ class ArtifactStore:
         for g in gens:
             if g.number in kept:
                 continue
-            try:
-                art = g.load()
-                refs = local_refs(art, artifact_sha256=g.artifact_sha256)
-            except ColdSnapError:
-                art, refs = None, {"capture_id": g.capture_id, "capsules": [], "payloads": [], "hosts": []}
-            overlays = overlay_mod.remove_overlays_of(self, idir.name, g.artifact_sha256)
+            described = self._describe_pruned(idir.name, g)
+            overlay_mod.remove_overlays_of(self, idir.name, g.artifact_sha256)
             rmtree_atomically(g.path)
-            source = _remove_source(g)
-            pruned.append({"generation": g.as_dict(), "refs": refs, "overlays": overlays,
-                           "source_removed": source})
+            pruned.append({**described, "source_removed": _remove_source(g)})
         return pruned
 
     # ----------------------------------------------------------------- delete

@@ -109,9 +109,29 @@ class CapsuleRef:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CapsuleRef:
-        """From an artifact ``capsule.units[]`` entry (extra keys such as ``host`` are ignored)."""
+        """From an artifact ``capsule.units[]`` entry (extra keys such as ``host`` are ignored).
+
+        A malformed entry is a ColdSnapError naming the field (``what`` below), never a KeyError."""
+        what = f"capsule entry {d.get('unit')!r}" if isinstance(d, dict) else "capsule entry"
+        if not isinstance(d, dict):
+            raise ColdSnapError(f"{what} is {type(d).__name__}, not an object", fix=_ENTRY_FIX)
+        for key in ("unit", "layout", "image_id", "location"):
+            if not isinstance(d.get(key), str) or not d[key]:
+                raise ColdSnapError(f"{what}: '{key}' is {'missing' if key not in d else repr(d[key])}, "
+                                    f"it must be a non-empty string", fix=_ENTRY_FIX)
+        if d["layout"] not in ("oci-layout", "docker"):
+            raise ColdSnapError(f"{what}: layout {d['layout']!r} is not oci-layout or docker", fix=_ENTRY_FIX)
+        size = d.get("bytes", 0)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise ColdSnapError(f"{what}: bytes {size!r} is not a byte count", fix=_ENTRY_FIX)
+        digest = d.get("repository_digest")
+        if digest is not None and not isinstance(digest, str):
+            raise ColdSnapError(f"{what}: repository_digest {digest!r} is not a string", fix=_ENTRY_FIX)
         return cls(unit=d["unit"], layout=d["layout"], image_id=d["image_id"], location=d["location"],
-                   bytes=int(d.get("bytes", 0)), repository_digest=d.get("repository_digest"))
+                   bytes=size, repository_digest=digest)
+
+
+_ENTRY_FIX = "pass the artifact's capsule.units entries (unit, layout, image_id, location, bytes) unchanged"
 
 
 @dataclass(frozen=True)
@@ -295,7 +315,8 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
         mdigest = oci.digest_bytes(mbytes)
         final = oci.layout_dir(root, mdigest)
         ref = CapsuleRef(unit, "oci-layout", mdigest, str(final), len(mbytes) + len(cbytes) + size)
-        return CapsuleBuild(ref, not final.exists(), tuple(excluded), tuple(absent), key, True, labels)
+        return CapsuleBuild(ref, not _layout_intact(final, mdigest), tuple(excluded), tuple(absent), key, True,
+                            labels)
 
     root.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(root / "capsule")
@@ -309,14 +330,9 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
                                {oci.REF_NAME: f"{labels[LABEL_CAPTURE]}.{unit}"})
         oci.write_layout_files(tmp, mdesc)
         final = oci.layout_dir(root, mdesc.digest)
-        changed = True
-        if final.exists():
-            try:
-                oci.open_layout(final, expected_manifest=mdesc.digest)
-                changed = False
-            except ColdSnapError:
-                # A damaged copy under the final name: replace it with the fresh build.
-                archive._rmtree(final)
+        changed = not _layout_intact(final, mdesc.digest)
+        if changed and os.path.lexists(final):
+            archive._rmtree(final)  # a damaged copy under the final name: replaced by the fresh build
         if changed:
             final.parent.mkdir(parents=True, exist_ok=True)
             os.rename(tmp, final)
@@ -325,6 +341,17 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
         archive._rmtree(tmp)
     ref = CapsuleRef(unit, "oci-layout", mdesc.digest, str(final), len(mbytes) + len(cbytes) + layer.size)
     return CapsuleBuild(ref, changed, tuple(excluded), tuple(absent), key, False, labels)
+
+
+def _layout_intact(final: Path, manifest_digest: str) -> bool:
+    """An OCI layout of this manifest is already there and reads back whole (a build has nothing to do)."""
+    if not final.exists():
+        return False
+    try:
+        oci.open_layout(final, expected_manifest=manifest_digest)
+    except ColdSnapError:
+        return False
+    return True
 
 
 def _build_docker(*, unit: str, capture_id: str, trees: list[tuple[str, list[LayerEntry]]], labels: dict[str, str],

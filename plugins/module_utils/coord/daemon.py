@@ -181,6 +181,7 @@ def start_coordinator(
         raise ColdSnapError(f"coordinator port {port!r} is not 0..65535", fix="give 0 for an ephemeral port")
     if not scope:
         raise ColdSnapError("coordinator scope is empty", fix="pass the operation id as scope")
+    _check_timeout(startup_timeout)
     if check_mode and not endpoint_file.parent.is_dir():
         return CoordinatorState(str(endpoint_file), running=False, changed=True,
                                 message=f"would start a coordinator for scope {scope}")
@@ -209,6 +210,12 @@ def start_coordinator(
                 fix=f"read {log_file_for(endpoint_file)}",
             )
         return dataclasses.replace(state, changed=True, removed=stale, message=f"started, {state.message}")
+
+
+def _check_timeout(timeout: float) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ColdSnapError(f"coordinator timeout {timeout!r} must be a number of seconds > 0",
+                            fix="give timeout in seconds, e.g. 15")
 
 
 def _lock_unless_check(endpoint_file: Path, check_mode: bool, timeout: float) -> contextlib.AbstractContextManager:
@@ -272,11 +279,33 @@ def _spawn(endpoint_file: Path, *, scope: str, address: str, port: int, python: 
     finally:
         os.close(read_fd)
     if message is None or not message.get("ok"):
-        reason = (message or {}).get("error") or "the server exited before it was ready"
+        # A server that is still starting (a slow host, a short timeout) must not outlive this failure:
+        # it is in the session the launcher led, whose id is the launcher's pid.
+        late = message is None and _end_session(proc.pid)
+        _remove(_leftovers(endpoint_file))
+        reason = (message or {}).get("error") or (
+            f"it was not ready within {timeout:g}s and was stopped" if late
+            else "the server exited before it was ready")
         raise ColdSnapError(
             f"coordinator for {endpoint_file} did not start: {reason}\n{_log_tail(log_path)}",
             fix=f"fix the cause above (see {log_path}) and start it again",
         )
+
+
+def _end_session(sid: int) -> bool:
+    """Kill what is left of the server's session (True when something was there)."""
+    try:
+        os.killpg(sid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return False
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(sid, 0)
+        except (ProcessLookupError, PermissionError):
+            break
+        time.sleep(0.02)
+    return True
 
 
 def _read_ready(fd: int, deadline: float) -> dict | None:
@@ -316,6 +345,7 @@ def stop_coordinator(endpoint_file: Path | str, *, check_mode: bool = False, tim
     Idempotent: nothing running and nothing left -> ``changed`` False.
     """
     endpoint_file = Path(endpoint_file).absolute()
+    _check_timeout(timeout)
     if not endpoint_file.parent.is_dir():  # nothing was ever started there, and nothing is made now
         return CoordinatorState(str(endpoint_file), running=False, changed=False, message="not running")
     with _lock_unless_check(endpoint_file, check_mode, timeout + 30):

@@ -89,6 +89,20 @@ def test_build_is_content_addressed_idempotent_and_leaves_the_pack_out(state: Pa
     assert changed.changed and changed.ref.image_id != ref.image_id
 
 
+def test_check_mode_sees_a_damaged_layout_that_the_build_replaces(state: Path, tmp_path: Path) -> None:
+    root = tmp_path / "capsules"
+    ref = _build(state, root).ref
+    layer = oci.open_layout(Path(ref.location)).layers[0]
+    oci.blob_path(Path(ref.location), layer.digest).unlink()
+    before = sorted(str(p) for p in root.rglob("*"))
+    dry = _build(state, root, dry_run=True)
+    assert dry.changed, "check mode reports the rebuild a real run does"
+    assert sorted(str(p) for p in root.rglob("*")) == before, "and changes nothing"
+    assert _build(state, root).changed
+    assert oci.open_layout(Path(ref.location), expected_manifest=ref.image_id)
+    assert not _build(state, root, dry_run=True).changed
+
+
 def test_labels_and_inspect(state: Path, tmp_path: Path) -> None:
     ref = _build(state, tmp_path / "c").ref
     info = inspect_capsule(ref)

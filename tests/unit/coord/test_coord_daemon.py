@@ -154,6 +154,32 @@ def test_port_in_use_fails_with_the_server_log(endpoint_file) -> None:
     assert not endpoint_file.exists() and not daemon.pid_file_for(endpoint_file).exists()
 
 
+def test_a_server_not_ready_in_time_does_not_outlive_the_failed_start(endpoint_file) -> None:
+    with pytest.raises(ColdSnapError, match=r"not ready within 0\.01s and was stopped"):
+        daemon.start_coordinator(endpoint_file, scope="op-1", startup_timeout=0.01)
+    status = daemon.coordinator_status(endpoint_file)
+    assert not status.running, status
+    assert not endpoint_file.exists() and not daemon.pid_file_for(endpoint_file).exists()
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(endpoint_file).encode() in cmdline.read_bytes().split(b"\0"):
+                left.append(cmdline.parent.name)
+        except OSError:
+            continue
+    assert not left, f"server processes left behind: {left}"
+    assert daemon.start_coordinator(endpoint_file, scope="op-1").healthy  # and a real start works after it
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf")])
+def test_a_timeout_that_is_not_positive_seconds_is_refused(endpoint_file, timeout) -> None:
+    with pytest.raises(ColdSnapError, match="timeout .* must be a number of seconds > 0"):
+        daemon.start_coordinator(endpoint_file, scope="op-1", startup_timeout=timeout)
+    with pytest.raises(ColdSnapError, match="timeout .* must be a number of seconds > 0"):
+        daemon.stop_coordinator(endpoint_file, timeout=timeout)
+    assert not endpoint_file.parent.exists(), "refused before anything is created"
+
+
 def test_bad_python_is_reported(endpoint_file) -> None:
     with pytest.raises(ColdSnapError, match="python interpreter"):
         daemon.start_coordinator(endpoint_file, scope="op-1", python="/nonexistent/python3")

@@ -65,6 +65,24 @@ def test_artifact_store_refusals_name_the_fix(state_root, tmp_path):
     assert path.exists()
 
 
+@pytest.mark.parametrize("module, args, needle", [
+    ("artifact_leftovers", {"refs": [{"capture_id": "c", "capsules": [{"unit": "u", "image_id": "sha256:" + "a" * 64}]}],
+                            "host": "localhost"}, "refs[0].capsules[0]: 'layout' is missing"),
+    ("artifact_leftovers", {"refs": [{"payloads": [{"size": 3}]}], "host": "localhost"},
+     "refs[0].payloads[0]: 'sha256' is missing"),
+    ("artifact_leftovers", {"refs": [{"capture_id": 5}], "host": "localhost"}, "refs[0].capture_id: 5 is not a string"),
+    ("artifact_leftovers", {"refs": [{"capsules": [{"unit": "u", "image_id": "x", "layout": "zip"}]}],
+                            "host": "localhost"}, "refs[0].capsules[0].layout: 'zip' is not one of"),
+    ("capsule_publish", {"state": "verified", "capsules": [{"unit": "u"}]}, "capsule entry 'u': 'layout' is missing"),
+])
+def test_malformed_entries_of_list_options_are_refused_by_name(state_root, module, args, needle):
+    before = sorted(str(p) for p in state_root.rglob("*"))
+    res = run_module(module, {**args, "state_root": str(state_root)})
+    assert res.get("failed") and needle in res["msg"], res
+    assert "Traceback" not in json.dumps(res) and "KeyError" not in res["msg"]
+    assert sorted(str(p) for p in state_root.rglob("*")) == before
+
+
 def test_delete_then_local_artifacts_converge(state_root, tmp_path):
     sha, size = put_pack(state_root, b"capture-local bytes")
     req = make_request()

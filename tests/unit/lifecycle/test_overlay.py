@@ -31,6 +31,32 @@ def recorded(state_root, tmp_path):
     return store, portable, restore, facts, Path(res["path"])
 
 
+def test_recording_the_same_overlay_again_changes_nothing(state_root, tmp_path):
+    req = make_request(hosts=("gpu-a",), gpus=True)
+    store = ArtifactStore(state_root)
+    portable = write_artifact(tmp_path / "out" / "cap-1", make_artifact(req, capture_id="cap-1"))
+    store.promote(portable, request=req)
+    sha = file_sha256(portable)
+    ov = make_artifact(req, capture_id="cap-1.overlay", capsule="target-local")
+    ov["parent"] = sha
+    binding = overlay.target_binding(req, {"gpu-a": host_facts(uuid="GPU-a")}, portable_sha256=sha)
+
+    def record(art, **kw):
+        return overlay.record_overlay(store, portable_path=portable, overlay_artifact=art, binding=binding, **kw)
+
+    first = record(ov)
+    odir = Path(first["path"])
+    inode = odir.stat().st_ino
+    for check_mode in (True, False):
+        again = record(ov, check_mode=check_mode)
+        assert not again["changed"] and again["stored"] and again["path"] == str(odir)
+    assert odir.stat().st_ino == inode, "the stored overlay was not replaced"
+    other = copy.deepcopy(ov)
+    other["capture_id"] = "cap-1.overlay-2"
+    assert record(other, check_mode=True)["changed"] and odir.stat().st_ino == inode
+    assert record(other)["changed"] and odir.stat().st_ino != inode
+
+
 def select(store, portable, req, facts):
     return overlay.select_overlay(store, portable_path=portable, request=req, facts_by_host=facts)
 

@@ -96,6 +96,40 @@ def test_check_mode_changes_nothing(state_root, tmp_path):
     assert sorted(str(p) for p in (state_root / "artifacts").rglob("*")) == before
 
 
+@pytest.mark.parametrize("rollback", [False, True])
+def test_check_mode_reports_what_the_real_promotion_returns(state_root, tmp_path, rollback):
+    """Check mode names the same cleanup (capsules, payloads, hosts) and kept digests as the real run."""
+    req = make_request(retention=2)
+    store = ArtifactStore(state_root)
+    paths = [capture(tmp_path, req, n, capsule=f"img-{n}") for n in (1, 2, 3)]
+    for path in paths[:2]:
+        store.promote(path, request=req)
+    if rollback:  # cap-1 made current again, then cap-3 promoted: cap-1 stays (current), cap-2 goes
+        store.promote(store.generations(identity(req))[0].artifact_path, request=req)
+    before = sorted(str(p) for p in (state_root / "artifacts").rglob("*"))
+    planned = store.promote(paths[2], request=req, check_mode=True).as_dict()
+    assert sorted(str(p) for p in (state_root / "artifacts").rglob("*")) == before
+    done = store.promote(paths[2], request=req).as_dict()
+    assert done["cleanup"] and done["cleanup_hosts"] == ["localhost"] and done["keep_payloads"]
+    for key in ("changed", "created", "cleanup", "cleanup_hosts", "keep_payloads", "keep_capsules"):
+        assert planned[key] == done[key], key
+    assert [p["generation"] for p in planned["pruned"]] == [p["generation"] for p in done["pruned"]]
+    assert [p["refs"] for p in planned["pruned"]] == [p["refs"] for p in done["pruned"]]
+    assert planned["generation"]["number"] == done["generation"]["number"]
+
+
+def test_a_lost_identity_file_is_written_again_and_reported(state_root, tmp_path):
+    req = make_request()
+    store = ArtifactStore(state_root)
+    path = capture(tmp_path, req, 1)
+    store.promote(path, request=req)
+    ident_file = state_root / "artifacts" / identity(req).split(":")[1] / "identity.json"
+    ident_file.unlink()
+    assert store.promote(path, request=req, check_mode=True).changed and not ident_file.exists()
+    assert store.promote(path, request=req).changed and ident_file.is_file()
+    assert not store.promote(path, request=req).changed
+
+
 CHILD = textwrap.dedent("""
     import json, os, sys, time
     import coldsnap  # noqa: F401  # pylint: disable=unused-import
