@@ -308,7 +308,7 @@ def run_unit_container(*, image: str, name: str, command: list[str], mounts: lis
                        ("working_dir", working_dir), ("entrypoint", entrypoint)):
         if value is not None:
             kwargs[key] = value
-    _clear_name(client, name, replace)
+    _clear_name(client, name, replace, all_labels)
     try:
         container = create_container(client, img.id, command, **kwargs)
         container.start()
@@ -327,7 +327,7 @@ def run_unit_container(*, image: str, name: str, command: list[str], mounts: lis
     return container
 
 
-def _clear_name(client: Any, name: str, replace: bool) -> None:
+def _clear_name(client: Any, name: str, replace: bool, labels: dict[str, str]) -> None:
     docker = dockerapi.docker_module()
     try:
         old = client.containers.get(name)
@@ -336,10 +336,32 @@ def _clear_name(client: Any, name: str, replace: bool) -> None:
     if not replace:
         raise UnitError(f"a container named {name!r} already exists ({old.status})",
                         fix="stop and remove it first, or pass replace=True")
-    if LABEL_UNIT not in (old.labels or {}):
-        raise UnitError(f"container {name!r} exists and is not a ColdSnap unit container",
-                        fix="rename or remove it by hand; ColdSnap only replaces its own containers")
+    foreign = foreign_container(old, recipe=labels.get(LABEL_RECIPE), unit=labels.get(LABEL_UNIT))
+    if foreign:
+        raise UnitError(foreign, fix=FOREIGN_FIX)
     old.remove(force=True)
+
+
+FOREIGN_FIX = ("rename or remove it by hand; ColdSnap only replaces its own containers (two workloads whose "
+               "coldsnap-<recipe>-<unit> names collide need a different recipe or unit id)")
+
+
+def foreign_container(container: Any, *, recipe: str | None, unit: str | None) -> str | None:
+    """Why ``container`` is not the ColdSnap container of ``recipe``/``unit`` (None when it is).
+
+    Its labels must say so: an image's labels alone (a capsule's) do not make a
+    container ColdSnap's, and canonical names are not injective ("a-b"/"c" and
+    "a"/"b-c" share one), so the recipe and unit labels must both match.
+    """
+    labels = container.labels or {}
+    name = getattr(container, "name", "?")
+    if LABEL_UNIT not in labels or LABEL_RECIPE not in labels:
+        return f"a container named {name!r} exists and is not a ColdSnap unit container"
+    for key, want, what in ((LABEL_RECIPE, recipe, "recipe"), (LABEL_UNIT, unit, "unit")):
+        if want is not None and labels.get(key) != want:
+            return (f"container {name!r} belongs to recipe {labels.get(LABEL_RECIPE)!r} unit "
+                    f"{labels.get(LABEL_UNIT)!r}, not to this workload's {what} {want!r}")
+    return None
 
 
 def wait_unit(container: Any, timeout: float | None = None) -> int:

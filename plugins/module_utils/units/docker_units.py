@@ -20,7 +20,6 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import (
     LABEL_STATE_TARGET,
-    LABEL_UNIT,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UnitSpec
@@ -79,9 +78,9 @@ def canonical_container(request: dict, unit_id: str, *, client: Any) -> Any | No
         c = client.containers.get(name)
     except docker.errors.NotFound:
         return None
-    if LABEL_UNIT not in (c.labels or {}):
-        raise AdmissionError(f"a container named {name!r} exists and is not a ColdSnap unit container",
-                             fix="rename or remove it; ColdSnap only replaces its own containers")
+    foreign = docker_unit.foreign_container(c, recipe=request["workload"]["recipe"], unit=unit_id)
+    if foreign:
+        raise AdmissionError(foreign, fix=docker_unit.FOREIGN_FIX)
     return c
 
 
@@ -118,18 +117,15 @@ class DockerUnits(RunningUnits):
     def lifecycle(self, specs: list[UnitSpec]) -> list[dict]:
         """Run a lifecycle operation (status, sleep, wake, finish-warm) inside each unit's running container."""
         client, request = self.client, self.request
-        docker = dockerapi.docker_module()
         results: list[dict] = [{} for _spec in specs]
         owned: list[Path] = []
+        # Looked up (and a foreign container of the same name refused) before any unit is acted on.
+        containers = [canonical_container(request, spec.unit_id, client=client) for spec in specs]
 
         def one(i: int, spec: UnitSpec) -> None:
             uid = spec.unit_id
-            try:
-                container = client.containers.get(canonical_name(request, uid))
-            except docker.errors.NotFound:
-                results[i] = {"ok": True, "unit": uid, "workers": [], "state": "absent", "changed": False}
-                return
-            if container.status != "running":
+            container = containers[i]
+            if container is None or container.status != "running":
                 results[i] = {"ok": True, "unit": uid, "workers": [], "state": "absent", "changed": False}
                 return
             target = container.labels.get(LABEL_STATE_TARGET) or \

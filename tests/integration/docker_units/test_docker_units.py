@@ -250,6 +250,32 @@ def test_prepare_refuses_a_foreign_container_under_the_canonical_name(captured, 
         foreign.remove(force=True)
 
 
+def test_another_workloads_unit_container_under_a_colliding_name_is_never_touched(captured, runtime_image):
+    """Recipe "dockerunits-unit" with unit "0" has this workload's canonical container name: its
+    container is refused at prepare (nothing evicted) and by the lifecycle (nothing exec'd in it)."""
+    import docker
+
+    client = docker.from_env()
+    name = docker_unit.canonical_container_name(RECIPE, "unit-0")
+    assert name == docker_unit.canonical_container_name(f"{RECIPE}-unit", "0")
+    try:
+        client.containers.get(name).remove(force=True)
+    except docker.errors.NotFound:
+        pass
+    labels = docker_unit.unit_labels(capture_id="other", unit="0", operation_id="other", recipe=f"{RECIPE}-unit")
+    other = client.containers.run(runtime_image["image_id"], ["sleep", "600"], name=name, labels=labels, detach=True)
+    try:
+        _req, res = restore(captured)
+        assert not res.succeeded
+        assert f"belongs to recipe '{RECIPE}-unit' unit '0'" in res.receipt["error"]["message"], res.receipt["error"]
+        status = captured.wl.run(captured.wl.request("status", artifact=captured.path))
+        assert not status.succeeded and "belongs to recipe" in status.receipt["error"]["message"]
+        other.reload()
+        assert other.status == "running" and client.containers.get(name).id == other.id
+    finally:
+        other.remove(force=True)
+
+
 def test_a_unit_container_holds_both_ranks_of_a_tensor_parallel_unit(tmp_path, runtime_image, tiny_model, recipes):
     """Two gloo ranks in one unit: one container, both engines dumped and restored in it, both ended with it."""
     recipe = "dockerunits-tp2"
