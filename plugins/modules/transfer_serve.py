@@ -73,8 +73,10 @@ attributes:
   diff_mode:
     support: none
   idempotent:
-    support: partial
-    details: Starting again replaces the server of the same O(name) (a fresh port unless O(port) is set).
+    support: full
+    details:
+      - Starting again with the same files, O(token), O(address), O(port) and limits keeps the running server
+        (no change); anything else replaces the server of the same O(name) (a fresh port unless O(port) is set).
 """
 
 EXAMPLES = r"""
@@ -158,7 +160,7 @@ def main() -> None:
         served = start_server(p["root"], token=p["token"], address=p["address"], port=p["port"],
                               run_file=run_file, include=p["include"], idle_timeout=p["idle_timeout"],
                               lifetime=p["lifetime"], check_mode=module.check_mode)
-        return {"changed": True, **served}
+        return served
 
     run_guarded(module, run, what="transfer_serve")
 

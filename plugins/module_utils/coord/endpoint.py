@@ -128,6 +128,7 @@ class EndpointDescriptor:
 def write_endpoint(path: Path | str, descriptor: EndpointDescriptor) -> Path:
     """Write the descriptor atomically (temp -> fsync -> rename -> dir fsync), mode 0600."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # a directory it creates is private too
     atomic_write_json(path, descriptor.to_json(), mode=0o600)
     return path
 

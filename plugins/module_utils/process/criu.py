@@ -196,12 +196,14 @@ def unpack_shm(images_dir: Path, shm_dir: str = SHM_DIR) -> int:
     root = Path(shm_dir)
     written = 0
     with tarfile.open(archive, "r:gz") as tar:
-        for info in tar:
+        members = tar.getmembers()  # every member checked before the first is written
+        for info in members:
             parts = PurePosixPath(info.name).parts
             if not parts or info.name.startswith("/") or ".." in parts or not (info.isreg() or info.isdir()):
                 raise ColdSnapError(f"{archive}: member {info.name!r} is not a plain relative file or directory",
                                     fix="the capsule was altered; restore from the published capsule")
-            dest = root.joinpath(*parts)
+        for info in members:
+            dest = root.joinpath(*PurePosixPath(info.name).parts)
             if info.isdir():
                 dest.mkdir(mode=info.mode & 0o7777, parents=True, exist_ok=True)
                 continue

@@ -18,6 +18,8 @@ file; the code it runs is already imported, so it outlives the module that start
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import ipaddress
 import json
 import os
@@ -305,7 +307,11 @@ def _start_time(pid: int) -> str | None:
 def start_server(root: Path | str, *, token: str, address: str, run_file: Path | str, port: int = 0,
                  include: list[str] | None = None, idle_timeout: float = 300.0,
                  lifetime: float = 14400.0, check_mode: bool = False) -> dict[str, Any]:
-    """Serve ``root``'s files in a detached process; returns ``{address, port, pid, files, bytes}``."""
+    """Serve ``root``'s files in a detached process; returns ``{changed, address, port, pid, files, bytes}``.
+
+    A server of this transfer that already serves the same files (same names, sizes, digests and
+    inodes) with the same token, address, port and limits is kept (``changed`` False); any other
+    one is stopped first."""
     try:
         auth.check_token(token)
     except ValueError as exc:
@@ -316,8 +322,13 @@ def start_server(root: Path | str, *, token: str, address: str, run_file: Path |
     run_file = Path(run_file)
     table = file_table(root, include)
     info: dict[str, Any] = {"files": len(table), "bytes": sum(f.size for f in table.values())}
+    fingerprint = _fingerprint(token, table, root=root, address=address, port=port, idle_timeout=idle_timeout,
+                               lifetime=lifetime)
+    same = _same_server(run_file, fingerprint)
+    if same is not None:
+        return {**info, "changed": False, "address": same["address"], "port": same["port"], "pid": same["pid"]}
     if check_mode:
-        return {**info, "address": address, "port": port, "pid": None}
+        return {**info, "changed": True, "address": address, "port": port, "pid": None}
     stop_server(run_file)  # an earlier server of the same transfer (a retried play) never lingers
     sock = bind(address, port)
     bound = sock.getsockname()[:2]
@@ -338,9 +349,32 @@ def start_server(root: Path | str, *, token: str, address: str, run_file: Path |
         server_pid = int(line)
     except ValueError:
         raise ColdSnapError(f"the transfer server did not start (see {log_path})", fix="read its log") from None
-    record = {"pid": server_pid, "start_time": _start_time(server_pid), "address": bound[0], "port": bound[1]}
+    record = {"pid": server_pid, "start_time": _start_time(server_pid), "address": bound[0], "port": bound[1],
+              "fingerprint": fingerprint}
     atomic_write_bytes(run_file, json.dumps(record).encode(), mode=0o600)
-    return {**info, "address": bound[0], "port": bound[1], "pid": server_pid}
+    return {**info, "changed": True, "address": bound[0], "port": bound[1], "pid": server_pid}
+
+
+def _fingerprint(token: str, table: dict[str, ServedFile], *, root: Path | str, address: str, port: int,
+                 idle_timeout: float, lifetime: float) -> str:
+    """What a server serves and how, keyed with its token (the run file holds no token, and this
+    digest tells nothing about it)."""
+    doc = {"root": os.path.realpath(root), "address": address, "port": port, "idle_timeout": idle_timeout,
+           "lifetime": lifetime, "files": [[f.name, f.size, f.sha256, *f.ident] for f in table.values()]}
+    return hmac.new(token.encode(), json.dumps(doc, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+
+
+def _same_server(run_file: Path, fingerprint: str) -> dict[str, Any] | None:
+    """The run file's record when its server still runs and serves exactly ``fingerprint``."""
+    if _running_server(run_file) is None:
+        return None
+    try:
+        record = json.loads(run_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not hmac.compare_digest(str(record.get("fingerprint", "")), fingerprint):
+        return None
+    return record
 
 
 def _detach(sock: socket.socket, table: dict[str, ServedFile], token: str, *, write_fd: int, read_fd: int,

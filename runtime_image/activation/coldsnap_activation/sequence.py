@@ -585,6 +585,9 @@ class Activation:
                     workers.append(self._dump(h, criu, cuda=cuda[wid], memory=memory[wid], payload=payloads[wid],
                                               leave_running=True))
             finally:
+                # The dump wrote each engine's live control token into the images (and so the capsule):
+                # the engines are told a new one, so the captured one opens nothing.
+                self._rotate_tokens(handles)
                 every = [pid for h in handles for pid in cuda[h.worker["id"]]]
                 if every:  # the engines keep running: their GPU state comes back in place
                     cuda_mod.restore_tree(every)
@@ -601,7 +604,40 @@ class Activation:
             return ev
         except BaseException as exc:
             self._fail(exc)
+            outcome = self._give_back(handles, generation=f"{spec.operation_id}.overlay")
+            if outcome and isinstance(exc, ColdSnapError):
+                raise UnitError(f"{exc.problem} ({outcome})", fix=exc.fix, details=exc.details) from exc
+            if outcome and isinstance(exc, Exception):
+                raise UnitError(f"{type(exc).__name__}: {exc} ({outcome})") from exc
             raise
+
+    @staticmethod
+    def _rotate_tokens(handles: list[EngineHandle]) -> None:
+        """A fresh bearer token in every running engine's control file (the engine re-reads the file on
+        its next request); the handles use it from now on."""
+        for h in handles:
+            info = h.control_info()
+            fresh = ec.ControlInfo(port=info.port, token=secrets.token_hex(32), pid=info.pid)
+            atomic_write_json(h.control_file, fresh.to_json(), mode=0o600)
+            h.adopt(info.pid, fresh)
+
+    def _give_back(self, handles: list[EngineHandle], *, generation: str) -> str:
+        """After an in-place capture failed: bring every engine it had quiesced or released back to
+        serving (the workload must not be lost to a failed overlay). Returns what happened, for the error."""
+        try:
+            states = [h.call("GET", ec.STATUS, timeout=30)["state"] for h in handles]
+        except Exception as exc:  # the engine itself is gone or unreachable: nothing to give back
+            return f"its engine could not be asked for its state: {exc}"
+        stopped = [h for h, st in zip(handles, states, strict=True) if st in (ec.QUIESCED, ec.RELEASED)]
+        if not stopped:
+            return ""
+        try:
+            self._engine_step(stopped, "unit.give-back", ec.RESUME,
+                              lambda h: self._hydration(h, generation=generation, provider="native",
+                                                        materialize="off"))
+        except Exception as exc:
+            return f"giving the engine back failed too ({exc}): restore the workload"
+        return "the engine was given back and serves again"
 
     # ------------------------------------------------------------- restore
     def restore(self) -> dict:

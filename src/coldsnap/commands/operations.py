@@ -114,6 +114,10 @@ def run(args) -> int:
             raise ColdSnapError(f"--secret-env {key}={env_name}: environment variable {env_name} is not set",
                                 fix=f"export {env_name} first")
         secrets[key] = os.environ[env_name]
+    for env_name in set(_key_values(args.secret_env, "--secret-env").values()):
+        # Read, then out of this process's environment: ansible-runner hands its environment to
+        # ansible-playbook, and on a local connection to every module and what they start.
+        os.environ.pop(env_name, None)
     progress = False if args.quiet else (True if args.progress else None)
 
     with cancel_on_signals() as cancel:

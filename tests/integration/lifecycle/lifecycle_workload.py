@@ -22,14 +22,15 @@ Workload = snapshot.Workload
 units_of = snapshot.units_of
 
 
-def run(wl: Workload, req: dict, *, extravars: dict | None = None, hosts: tuple[str, ...] | None = None):
+def run(wl: Workload, req: dict, *, extravars: dict | None = None, hosts: tuple[str, ...] | None = None,
+        envvars: dict | None = None):
     """Run ``req``'s playbook; ``hosts`` are inventory names that all reach this machine locally."""
     inventory = None
     if hosts:
         inventory = {"all": {"children": {"coldsnap_units": {"hosts": {h: local_host_vars() for h in hosts}}}}}
     return run_playbook(operation=req["operation"], request=req, playbook=playbook_for(req["operation"]),
                         extravars={**(extravars or {}), **operation_extravars(req, state_root=wl.state_root)},
-                        inventory=inventory, state_root=wl.state_root)
+                        inventory=inventory, state_root=wl.state_root, envvars=envvars)
 
 
 def ok(result) -> dict:

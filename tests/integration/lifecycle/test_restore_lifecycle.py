@@ -189,6 +189,11 @@ def test_overlay_captured_once_selected_on_its_target_and_not_elsewhere(captured
     assert pack_of(ov) == pack_of(art) and ov["capture_id"] != art["capture_id"]
     assert ov["capsule"]["units"][0]["image_id"] != art["capsule"]["units"][0]["image_id"]
     assert (state_root / "captures" / ov["capture_id"] / "units" / "unit-0" / "logs" / "capture.log").exists()
+    # The engine's control token in the dumped memory (and the capsule) was retired right after the dump.
+    (control,) = (state_root / "workloads" / wl.name / "unit-0").glob("control-*.json")
+    live = json.loads(control.read_text())["token"]
+    pages = b"".join(p.read_bytes() for p in (state_root / "captures" / ov["capture_id"]).rglob("pages-*.img"))
+    assert pages and live.encode() not in pages
     # One-time: asking again on the same target captures nothing new.
     again = ok(run(wl, restore_req(wl, artifact), extravars={"coldsnap_capture_overlay": True}))
     assert result_of(again)["overlay"]["selected"] is True
@@ -220,3 +225,29 @@ def test_overlay_captured_once_selected_on_its_target_and_not_elsewhere(captured
     assert result_of(stale)["overlay"]["selected"] is False
     assert result_of(stale)["capture_id"] == art["capture_id"]
     assert log_lines(wl)[0].startswith("{")
+
+
+def test_a_failed_overlay_capture_gives_the_running_engine_back(captured, state_root, tmp_path):
+    """CRIU's dump fails after the in-place capture released the engine's weights: the engine is
+    resumed (hydrated again from the pack) and serves, and no overlay is stored for that target."""
+    wl, artifact, art, _unused = captured
+    accepted = art["acceptance"]["reply"]
+    real = shutil.which("criu") or "/usr/local/sbin/criu"
+    wrapper = tmp_path / "criu-that-cannot-dump"
+    wrapper.write_text(f'#!/bin/sh\nif [ "$1" = dump ]; then echo "dump refused for this test" >&2; exit 1; fi\n'
+                       f'exec {real} "$@"\n')
+    wrapper.chmod(0o755)
+
+    def on_node_c(req):  # a target with no overlay yet (node-c is this machine under another name)
+        req["launch"]["units"][0]["host"] = "node-c"
+        req["policy"]["weights"]["native"]["materialize"] = "required"
+
+    res = run(wl, wl.request("restore", artifact=artifact, mutate=on_node_c), hosts=("node-c",),
+              extravars={"coldsnap_capture_overlay": True}, envvars={"COLDSNAP_CRIU": str(wrapper)})
+    assert not res.succeeded
+    message = json.dumps(res.receipt["error"])
+    assert "the engine was given back and serves again" in message, message
+    assert wl.complete() == accepted and len(wl.engines()) == 1
+    overlays = ArtifactStore(state_root).identity_dir(art["identity"]) / "overlays"
+    stored = [p for p in overlays.rglob("overlay.json")] if overlays.exists() else []
+    assert all(json.loads(p.read_text())["binding"]["hosts"] != ["node-c"] for p in stored), stored

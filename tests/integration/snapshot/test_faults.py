@@ -72,6 +72,7 @@ def test_fault18_port_taken_fails_in_prepare(captured, state_root):
         err = failed(wl.run(wl.request("restore", artifact=artifact)), phase_word="prepare")
         assert f"127.0.0.1:{port}" in err["message"] and "taken" in err["message"]
         assert "python" in err["message"] or "pid" in err["message"]
+        assert "restore onto another port" in err["message"], "the error says what to do"
     finally:
         squatter.close()
     assert tree_digest(capsule_dir(art)) == before, "the capsule must stay intact"
@@ -92,6 +93,7 @@ def _spawn_with_pid(pid: int) -> subprocess.Popen:
 
 def test_fault18_pid_taken_fails_in_prepare(captured, state_root):
     wl, artifact, art = captured
+    before = tree_digest(capsule_dir(art))
     pid = captured_worker(state_root, art)["pid"]
     assert not Path(f"/proc/{pid}").exists()
     squatter = _spawn_with_pid(pid)
@@ -99,10 +101,12 @@ def test_fault18_pid_taken_fails_in_prepare(captured, state_root):
         err = failed(wl.run(wl.request("restore", artifact=artifact)), phase_word="prepare")
         assert f"captured pid {pid} is in use" in err["message"]
         assert "sleep" in err["message"]
+        assert "stop that process, or use the docker runtime" in err["message"], "the error says what to do"
     finally:
         squatter.kill()
         squatter.wait()
     assert not wl.engines()
+    assert tree_digest(capsule_dir(art)) == before, "the capsule must stay intact"
 
 
 def test_fault19_other_architecture_refused_before_eviction(captured, state_root, tmp_path):

@@ -86,6 +86,33 @@ def test_secret_env_must_exist(tmp_path, capsys, example_request_text, monkeypat
     assert rc == 2 and "COLDSNAP_TEST_UNSET_VAR is not set" in err
 
 
+def test_a_secret_env_variable_leaves_the_controllers_environment_before_ansible_starts(
+        tmp_path, capsys, example_request_text, monkeypatch) -> None:
+    """ansible-runner copies the controller's environment into ansible-playbook (and, on a local
+    connection, every module): a variable named by --secret-env travels only as the secret."""
+    from coldsnap import api
+
+    monkeypatch.setenv("COLDSNAP_TEST_SECRET", "s3cr3t-value")
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(operation, request, **kwargs):
+        seen.update(secrets=kwargs["secrets"], env=dict(os.environ))
+        raise Stop
+
+    monkeypatch.setattr(api, "run", fake_run)
+    req = _write_request(tmp_path, example_request_text)
+    with pytest.raises(Stop):
+        main(["capture", "--request-json", str(req), "--state-root", str(tmp_path / "state"),
+              "--secret-env", "registry_password=COLDSNAP_TEST_SECRET",
+              "--secret-env", "hf_token=COLDSNAP_TEST_SECRET"])
+    assert seen["secrets"] == {"registry_password": "s3cr3t-value", "hf_token": "s3cr3t-value"}
+    assert "COLDSNAP_TEST_SECRET" not in seen["env"]
+    assert "s3cr3t-value" not in json.dumps(seen["env"])
+
+
 def test_state_root_precedence(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(tmp_path / "from-env"))
     assert resolve_state_root(None) == tmp_path / "from-env"

@@ -173,9 +173,9 @@ def test_a_server_not_ready_in_time_does_not_outlive_the_failed_start(endpoint_f
 
 @pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf")])
 def test_a_timeout_that_is_not_positive_seconds_is_refused(endpoint_file, timeout) -> None:
-    with pytest.raises(ColdSnapError, match="timeout .* must be a number of seconds > 0"):
+    with pytest.raises(ColdSnapError, match=r"timeout .* must be a number of seconds > 0"):
         daemon.start_coordinator(endpoint_file, scope="op-1", startup_timeout=timeout)
-    with pytest.raises(ColdSnapError, match="timeout .* must be a number of seconds > 0"):
+    with pytest.raises(ColdSnapError, match=r"timeout .* must be a number of seconds > 0"):
         daemon.stop_coordinator(endpoint_file, timeout=timeout)
     assert not endpoint_file.parent.exists(), "refused before anything is created"
 

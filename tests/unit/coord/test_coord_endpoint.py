@@ -45,6 +45,15 @@ def test_mode_0600_regardless_of_umask(tmp_path, descriptor) -> None:
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
 
 
+def test_a_directory_the_write_creates_is_private_whatever_the_umask(tmp_path, descriptor) -> None:
+    old = os.umask(0o022)
+    try:
+        path = write_endpoint(tmp_path / "run" / "endpoint.json", descriptor)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+
+
 def test_rewrite_is_atomic_and_leaves_no_temp_files(tmp_path, descriptor, monkeypatch) -> None:
     path = write_endpoint(tmp_path / "endpoint.json", descriptor)
     inode = os.stat(path).st_ino

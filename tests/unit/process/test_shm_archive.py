@@ -42,15 +42,20 @@ def test_options_record_the_archive_only_when_used():
 
 
 @pytest.mark.parametrize("name,kind", [("../outside", tarfile.REGTYPE), ("/abs", tarfile.REGTYPE),
-                                       ("link", tarfile.SYMTYPE)])
-def test_an_altered_archive_is_refused(tmp_path, name, kind):
+                                       ("link", tarfile.SYMTYPE), ("hard", tarfile.LNKTYPE)])
+@pytest.mark.parametrize("after_a_good_file", [False, True])
+def test_an_altered_archive_is_refused_before_anything_is_written(tmp_path, name, kind, after_a_good_file):
     images = tmp_path / "images"
     images.mkdir()
     with tarfile.open(images / criu.SHM_ARCHIVE, "w:gz") as tar:
+        if after_a_good_file:
+            good = tarfile.TarInfo("psm_good")
+            good.size = 1
+            tar.addfile(good, io.BytesIO(b"g"))
         info = tarfile.TarInfo(name)
         info.type = kind
-        if kind == tarfile.SYMTYPE:
-            info.linkname = "/etc/passwd"
+        if kind in (tarfile.SYMTYPE, tarfile.LNKTYPE):
+            info.linkname = "/etc/passwd" if kind == tarfile.SYMTYPE else "psm_good"
             tar.addfile(info)
         else:
             info.size = 1

@@ -243,6 +243,30 @@ def test_the_detached_server_binds_one_address_records_itself_privately_and_stop
     assert stop_server(run_file) is False  # idempotent
 
 
+def test_starting_the_same_transfer_again_keeps_its_server(tree, tmp_path):
+    root, _blob = tree
+    run_file = tmp_path / "runs" / "same.json"
+    first = start_server(root, token=TOKEN, address="127.0.0.1", run_file=run_file, idle_timeout=60)
+    try:
+        assert first["changed"]
+        for check_mode in (True, False):
+            again = start_server(root, token=TOKEN, address="127.0.0.1", run_file=run_file, idle_timeout=60,
+                                 check_mode=check_mode)
+            assert not again["changed"] and (again["pid"], again["port"]) == (first["pid"], first["port"])
+        assert TOKEN not in run_file.read_text()
+        # Another token, or a served file that changed, is another server.
+        other = start_server(root, token=TOKEN + "x", address="127.0.0.1", run_file=run_file, idle_timeout=60,
+                             check_mode=True)
+        assert other["changed"] and other["pid"] is None
+        (root / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}  ')
+        replaced = start_server(root, token=TOKEN, address="127.0.0.1", run_file=run_file, idle_timeout=60)
+        assert replaced["changed"] and replaced["pid"] != first["pid"]
+        assert not Path(f"/proc/{first['pid']}").exists() or \
+            "Z" in Path(f"/proc/{first['pid']}/stat").read_text().split()[2]
+    finally:
+        stop_server(run_file)
+
+
 def test_an_idle_server_stops_by_itself(tree, tmp_path):
     out = start_server(tree[0], token=TOKEN, address="127.0.0.1", run_file=tmp_path / "i.json", idle_timeout=1)
     deadline = time.monotonic() + 20

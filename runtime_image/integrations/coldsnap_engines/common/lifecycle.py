@@ -220,11 +220,18 @@ class Lifecycle:
     def resume(self, body: dict) -> dict:
         spec = ec.HydrationBody.from_json(body).to_json()
         with self.lock:
-            self._expect(ec.RELEASED, ec.TEMPLATE)
+            self._expect(ec.RELEASED, ec.TEMPLATE, ec.QUIESCED)
             if self.state == ec.TEMPLATE and spec.get("warm"):
                 raise EngineStateError("a template has no warm boundary (snapshot driver n580): restore it fully")
             self._check_materialize(spec)
             self.timing = Timing()
+            if self.state == ec.QUIESCED:
+                # A capture that stopped before the release gives the engine back: its weights are
+                # still resident, only the transport and the KV cache are rebuilt.
+                with self.timing.span("engine.transport.rebuild"):
+                    self.control.rebuild_transport(spec)
+                self._zero_kv_and_serve()
+                return {"spans": self.timing.spans}
             self.restores += 1
             # The workload log was reset before CRIU ran: this marker is its first line.
             print(json.dumps({"coldsnap": "restore-boundary", "operation_id": spec.get("operation_id"),
