@@ -1,6 +1,7 @@
-"""The template state of the engine lifecycle (snapshot driver n580): an engine stops before CUDA,
-weights and transport; ``/start`` runs its own cold start, ``/resume`` builds it from a hydration;
-nothing else is accepted there, and it never becomes a template again."""
+"""The engine lifecycle's less travelled paths. The template state (snapshot driver n580): an engine
+stops before CUDA, weights and transport; ``/start`` runs its own cold start, ``/resume`` builds it
+from a hydration; nothing else is accepted there, and it never becomes a template again. And the
+give-back after a failed in-place capture (below)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from coldsnap_engines.common.lifecycle import EngineStateError, Lifecycle
 
+STEPS = ("pause_serving", "release_transport", "discard_kv", "release_weights", "recreate_memory",
+         "rebuild_transport", "zero_kv", "resume_serving")
 BODY = {"provider": "native", "manifest": "/m.json", "residual": "/w.blob", "replay": "/r.json"}
 
 
@@ -26,6 +29,12 @@ class Control:
     def hydrate(self, spec: dict) -> dict:
         self.calls.append(f"hydrate:{spec['provider']}")
         return {"bytes": 4096}
+
+    def __getattr__(self, name: str):
+        """The integration's other steps: recorded by name."""
+        if name not in STEPS:
+            raise AttributeError(name)
+        return lambda *_args: self.calls.append(name)
 
 
 def template(calls: list[str]) -> Lifecycle:
@@ -90,3 +99,34 @@ def test_a_failed_start_leaves_the_engine_loading_not_a_template():
     assert life.state == ec.LOADING and not life.started.is_set()
     with pytest.raises(EngineStateError):
         life.resume(BODY)
+
+
+# An engine a failed in-place capture left quiesced is given back without a hydration; one it left
+# released is hydrated again (the activation's give-back sends /resume either way).
+
+def _ready() -> tuple[Lifecycle, Control]:
+    control = Control()
+    life = Lifecycle(control)
+    life.mark_ready()
+    return life, control
+
+
+def test_a_quiesced_engine_serves_again_without_a_hydration():
+    life, control = _ready()
+    life.quiesce({})
+    control.calls.clear()
+    out = life.resume(BODY)
+    assert life.state == ec.READY
+    assert control.calls == ["rebuild_transport", "zero_kv", "resume_serving"]
+    assert [s["name"] for s in out["spans"]] == ["engine.transport.rebuild", "engine.kv.zero",
+                                                 "engine.serving.resume"]
+
+
+def test_a_released_engine_is_hydrated_again():
+    life, control = _ready()
+    life.quiesce({})
+    life.release({})
+    control.calls.clear()
+    life.resume(BODY)
+    assert life.state == ec.READY
+    assert control.calls == ["recreate_memory", "rebuild_transport", "hydrate:native", "zero_kv", "resume_serving"]
