@@ -4,16 +4,18 @@
 """Action plugin of coldsnap.fleet.job_wait: hand a foreground step's result on without a host round trip.
 
 A step that ran in the foreground (``async: 0``) or was skipped has no job to look at: its
-result is handed on here, on the control node, exactly as the module would return it (warnings
-and deprecations were shown by the step itself). Only a real async job runs the module on the
+result is handed on here, on the control node, as the module would return it (warnings,
+deprecations and the step's spans were reported by the step's own task). Only a real async job runs the module on the
 host, where the job file and the progress records are.
 """
 
 from __future__ import annotations
 
 from ansible.plugins.action import ActionBase
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.async_job import TIMING_KEY
 
-_SHOWN_BY_THE_STEP = ("warnings", "deprecations", "invocation")
+# Reported by the step's own task already: warnings shown once, its spans in the receipt once.
+_SHOWN_BY_THE_STEP = ("warnings", "deprecations", "invocation", TIMING_KEY)
 
 
 class ActionModule(ActionBase):

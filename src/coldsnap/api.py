@@ -135,8 +135,15 @@ def decoded_request(request: RequestSource) -> tuple[Any, str]:
 
 
 def resolve_state_root(value: str | os.PathLike[str] | None) -> Path:
-    """``value``, else ``$COLDSNAP_STATE_ROOT``, else the per-user default (/var/lib/coldsnap for root)."""
-    return Path(value).expanduser() if value else default_state_root()
+    """``value``, else ``$COLDSNAP_STATE_ROOT``, else the per-user default (/var/lib/coldsnap for root).
+
+    A path that exists and is not a directory is refused here, before anything is written below it."""
+    root = Path(value).expanduser() if value else Path(default_state_root())
+    if root.exists() and not root.is_dir():
+        raise ColdSnapError(f"state root {root} is not a directory",
+                            fix="pass --state-root the state directory (or leave it out: "
+                                f"{default_state_root()} for this user)")
+    return root
 
 
 def run(operation: str, request: RequestSource, *, prepare_only: bool = False, inventory: Inventory = None,

@@ -7,6 +7,7 @@ collection's playbooks through ansible-runner, receipts. Nothing is special-case
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -171,7 +172,11 @@ def run_demo(*, preset: str, state_root: Path, port: int, tp: int, keep_running:
     print(f"\ncapture receipt: {capture.path}\nrestore receipt: {restore.path}\n"
           f"timeline:        coldsnap timeline {restore.path} -o restore-timeline.png", file=out)
     if not keep_running:
-        _kill_workload(state_root, res["workload"]["recipe"])
+        # Stopped the way a user stops it (coldsnap stop): `coldsnap status` then says "stopped", not "crashed".
+        stop = api.stop({**res, "operation": "stop", "id": f"demo-stop-{stamp}"}, state_root=state_root,
+                        progress=None)
+        if not stop.succeeded:
+            _kill_workload(state_root, res["workload"]["recipe"])
     else:
         say(f"the restored engine keeps serving on http://127.0.0.1:{port}/v1/completions")
     return 0
@@ -197,19 +202,31 @@ def comparison_table(artifact: dict, restore_receipt: dict, *, capture_receipt: 
     return "\n".join(lines)
 
 
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} ranks: give 1 or more")
+    return value
+
+
 def register_cli(sub) -> None:
+    from coldsnap_engines.reference.config import PRESETS
+
     p = sub.add_parser("demo", help="the main job: capture and restore the reference engine on localhost")
-    p.add_argument("--preset", default=os.environ.get("COLDSNAP_DEMO_PRESET", "1g"),
-                   help="reference model size (tiny, small, 1g, ...; default 1g)")
+    p.add_argument("--preset", default=os.environ.get("COLDSNAP_DEMO_PRESET", "1g"), choices=sorted(PRESETS),
+                   help="reference model size (default 1g, about 1 GB of float32 weights; tiny is 3 MB)")
     p.add_argument("--state-root", type=Path, default=None)
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one unit each)")
+    p.add_argument("--tp", type=_at_least_one, default=1, help="tensor-parallel ranks (one unit each; 1 or more)")
     p.add_argument("--keep-running", action="store_true", help="leave the restored engine serving")
-    p.set_defaults(func=lambda a: run_demo(preset=a.preset, state_root=(a.state_root or _default_root()).absolute(),
+    p.set_defaults(func=lambda a: run_demo(preset=a.preset, state_root=_state_root(a.state_root).absolute(),
                                            port=a.port, tp=a.tp, keep_running=a.keep_running))
 
 
-def _default_root() -> Path:
-    from coldsnap.runner import default_state_root
+def _state_root(value: Path | None) -> Path:
+    from coldsnap.api import resolve_state_root
 
-    return Path(default_state_root())
+    return resolve_state_root(value)

@@ -12,7 +12,8 @@ Ansible's launch result (``ansible_job_id``, ``results_file``). The follow-up
   and every return value), plus ``finished: true``; the job file and the
   progress directory are removed;
 * a launch result without a job id (the step ran in the foreground, or was
-  skipped) is returned as it is.
+  skipped) is returned as it is, less its ``coldsnap_timing``: the step's own
+  task reported those spans already, and a receipt would count them twice.
 
 So a register, a failure message or a receipt reads the same as when the step
 ran in the foreground.
@@ -33,6 +34,9 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress imp
     read_progress,
     refresh_lease,
 )
+
+#: A step's unit-clock spans in its result (the controller's receipt takes them from the step's task).
+TIMING_KEY = "coldsnap_timing"
 
 #: Keys of Ansible's launch result that are about the launch, not about the step.
 LAUNCH_KEYS = ("ansible_job_id", "results_file", "started", "finished", "_ansible_suppress_tmpdir_delete")
@@ -103,7 +107,8 @@ def look(job: dict, *, progress_dir: Path | str | None = None, remove: bool = Tr
         raise ColdSnapError("job must be the registered result of the async task (a dict)",
                             fix="pass the async task's register as job")
     if "ansible_job_id" not in job:
-        return dict(job)  # ran in the foreground (async 0) or was skipped: nothing to wait for
+        # Ran in the foreground (async 0) or was skipped: nothing to wait for, and its spans are the step's.
+        return {k: v for k, v in job.items() if k != TIMING_KEY}
     path = _job_file(job)
     if progress_dir:
         refresh_lease(progress_dir, create=False)

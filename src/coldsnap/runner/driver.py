@@ -245,6 +245,8 @@ class RunConfig:
         playbook_path = playbook_for(operation) if playbook is None else resolve_playbook(playbook)
         if inventory is not None and request is not None:
             check_unit_hosts(request, inventory)
+        if playbook is None and request is not None:
+            require_artifact_file(operation, request)
         extravars = with_contract_extravars(extravars, operation_extravars(
             request, prepare_only=prepare_only, state_root=state_root))
         public_vars = {k: v for k, v in extravars.items() if not is_secret_name(str(k))}
@@ -274,6 +276,21 @@ class RunConfig:
         """Write env/, inventory/ and project; return (inventory path, secret env for the runner kwarg)."""
         return _prepare_run_dir(self.run_dir, public_vars=self.public_vars, caller_env=self.caller_env,
                                 inventory=self.inventory, request=self.request)
+
+
+# The operations whose playbooks read the request's artifact.json on the controller (delete takes a
+# missing one as "nothing stored under it").
+READS_ARTIFACT = ("restore", "warm", "sleep", "wake", "status", "stop", "native-status", "publish", "publish-native")
+
+
+def require_artifact_file(operation: str, request: Mapping[str, Any]) -> None:
+    """The artifact a request names is on this controller, or a clear error before the playbook runs."""
+    path = (request.get("artifact") or {}).get("path")
+    if operation in READS_ARTIFACT and path and not os.path.isfile(path):
+        what = "is not a file" if os.path.exists(path) else "does not exist on this controller"
+        raise ColdSnapError(f"$.artifact.path: {path} {what}",
+                            fix="capture first (coldsnap capture commits it under output.artifact_dir), or point "
+                                "artifact.path at a committed artifact.json")
 
 
 def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook: str | Path | None,

@@ -249,5 +249,5 @@ def test_a_failed_overlay_capture_gives_the_running_engine_back(captured, state_
     assert "the engine was given back and serves again" in message, message
     assert wl.complete() == accepted and len(wl.engines()) == 1
     overlays = ArtifactStore(state_root).identity_dir(art["identity"]) / "overlays"
-    stored = [p for p in overlays.rglob("overlay.json")] if overlays.exists() else []
+    stored = list(overlays.rglob("overlay.json")) if overlays.exists() else []
     assert all(json.loads(p.read_text())["binding"]["hosts"] != ["node-c"] for p in stored), stored

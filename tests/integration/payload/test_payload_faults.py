@@ -177,6 +177,10 @@ def test_enospc_while_writing_capture_outputs(tmp_path):
             write_worker_payload(out, w.allocations, w.extents, MemoryReader(w.buffers), export_pack=True,
                                  cache=cache, model=MODEL)
         assert _temps(cache) == [] and [p for p in cache.objects.iterdir() if p.suffix == ".pack"] == []
+        (fs / "filler").unlink()  # space freed: the same capture writes its pack
+        write_worker_payload(out, w.allocations, w.extents, MemoryReader(w.buffers), export_pack=True,
+                             cache=cache, model=MODEL)
+        assert _temps(cache) == [] and len([p for p in cache.objects.iterdir() if p.suffix == ".pack"]) == 1
 
 
 def test_two_workers_staging_one_digest_converge_without_torn_bytes(tmp_path):

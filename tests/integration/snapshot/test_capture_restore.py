@@ -112,6 +112,9 @@ def test_prepare_only_touches_nothing(state_root, tiny_model, env_digest):
         first = restore(wl, artifact, mode="auto")
         running = wl.engines()
         assert len(running) == 1
+        # The unit's spans are in the receipt once (the step's own task, not also the wait that hands it on).
+        unit_spans = [sp["name"] for sp in first["timing"]["spans"] if sp["name"].startswith("unit.")]
+        assert unit_spans.count("unit.criu.restore") == 1 and len(unit_spans) == len(set(unit_spans)), unit_spans
         res = wl.run(wl.request("restore", artifact=artifact), prepare_only=True)
         assert res.succeeded, res.receipt["error"]
         assert res.receipt["replay_semantics"] == "safe-repeat"

@@ -35,7 +35,7 @@ def test_a_path_that_is_not_a_readable_document(tmp_path, capsys) -> None:
     rc, out, _err = _run(capsys, "validate", "--json-errors", "--request-json", str(tmp_path / "none.json"))
     assert rc == 2 and json.loads(out)["errors"][0]["message"].endswith("no such file")
     rc, _out, err = _run(capsys, "runs", "list", "--state-root", str(RECEIPT))
-    assert rc == 2 and "cannot be listed" in err and "Traceback" not in err
+    assert rc == 2 and "is not a directory" in err and "Traceback" not in err
     (tmp_path / "d").chmod(0o700)
     rc, _out, err = _run(capsys, "coordinator", "health", "--endpoint-file", str(tmp_path / "d"))
     assert rc == 2 and "cannot be read" in err and "Traceback" not in err
@@ -151,3 +151,38 @@ def test_the_timing_stream_is_never_written_through_a_link(tmp_path) -> None:
     stream({"kind": "x"})
     stream.close()
     assert (tmp_path / "t.ndjson").stat().st_mode & 0o777 == 0o600
+
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "reference"
+
+
+def test_a_request_given_to_timeline_is_named_as_a_request(tmp_path, capsys) -> None:
+    rc, _out, err = _run(capsys, "timeline", str(EXAMPLES / "status.json"), "-o", str(tmp_path / "t.png"))
+    assert rc == 2 and "'coldsnap-operation-request' document, not an operation receipt" in err
+    assert "must be 2" not in err and not (tmp_path / "t.png").exists()
+
+
+def test_a_state_root_that_is_a_file_is_refused_before_anything_runs(tmp_path, capsys) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for argv in (["status", "--request-json", str(EXAMPLES / "status.json")], ["demo", "--preset", "tiny"]):
+        rc, _out, err = _run(capsys, *argv, "--state-root", str(afile))
+        assert rc == 2 and f"state root {afile} is not a directory" in err and "Traceback" not in err, err
+    assert afile.read_text() == ""
+
+
+def test_an_artifact_that_is_not_there_is_named_before_any_playbook(tmp_path, capsys) -> None:
+    req = json.loads((EXAMPLES / "status.json").read_text())
+    req["artifact"]["path"] = str(tmp_path / "never-captured" / "artifact.json")
+    path = _request(tmp_path, json.dumps(req))
+    rc, _out, err = _run(capsys, "status", "--request-json", str(path), "--state-root", str(tmp_path / "state"))
+    assert rc == 2 and "$.artifact.path" in err and "does not exist" in err and "capture first" in err
+    assert not (tmp_path / "state" / "runs").exists(), "refused before a run directory was made"
+
+
+@pytest.mark.parametrize("argv, message", [(["--preset", "huge"], "invalid choice: 'huge'"),
+                                           (["--tp", "0"], "0 ranks: give 1 or more")])
+def test_demo_arguments_are_checked_by_name(capsys, argv, message) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *argv])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

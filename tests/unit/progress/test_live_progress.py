@@ -155,6 +155,9 @@ def test_wait_passes_a_foreground_or_skipped_result_through(tmp_path: Path) -> N
     assert async_job.look(skipped) == skipped
     foreground = {"changed": True, "units": [1]}
     assert async_job.look(foreground, progress_dir=tmp_path / "p") == foreground
+    # The step's own task reported its spans: handed on, they would be in the receipt twice.
+    timed = {**foreground, "coldsnap_timing": {"spans": [{"name": "unit.criu.restore"}]}}
+    assert async_job.look(timed) == foreground
 
 
 def test_wait_refuses_what_is_not_an_async_launch(tmp_path: Path) -> None:
