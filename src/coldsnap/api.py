@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import stat
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -139,7 +140,14 @@ def resolve_state_root(value: str | os.PathLike[str] | None) -> Path:
 
     A path that exists and is not a directory is refused here, before anything is written below it."""
     root = Path(value).expanduser() if value else Path(default_state_root())
-    if root.exists() and not root.is_dir():
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        return root  # made by the first operation
+    except OSError as exc:
+        raise ColdSnapError(f"state root {root} cannot be read ({exc.strerror or exc})",
+                            fix="run as a user who may use it, or pass --state-root a directory of your own") from None
+    if not stat.S_ISDIR(st.st_mode):
         raise ColdSnapError(f"state root {root} is not a directory",
                             fix="pass --state-root the state directory (or leave it out: "
                                 f"{default_state_root()} for this user)")

@@ -222,8 +222,15 @@ def register_cli(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--tp", type=_at_least_one, default=1, help="tensor-parallel ranks (one unit each; 1 or more)")
     p.add_argument("--keep-running", action="store_true", help="leave the restored engine serving")
-    p.set_defaults(func=lambda a: run_demo(preset=a.preset, state_root=_state_root(a.state_root).absolute(),
-                                           port=a.port, tp=a.tp, keep_running=a.keep_running))
+
+    def start(a) -> int:
+        if a.preset not in PRESETS:  # a default from COLDSNAP_DEMO_PRESET is not checked by argparse
+            p.error(f"argument --preset (or COLDSNAP_DEMO_PRESET): invalid choice: {a.preset!r} "
+                    f"(choose from {', '.join(sorted(PRESETS))})")
+        return run_demo(preset=a.preset, state_root=_state_root(a.state_root).absolute(), port=a.port, tp=a.tp,
+                        keep_running=a.keep_running)
+
+    p.set_defaults(func=start)
 
 
 def _state_root(value: Path | None) -> Path:

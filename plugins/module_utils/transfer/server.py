@@ -286,8 +286,12 @@ def serve(server: PeerServer, *, idle_timeout: float, lifetime: float) -> str:
         why[0] = "SIGTERM"
         threading.Thread(target=server.shutdown, daemon=True).start()
 
+    def on_kept(_signum: int, _frame: object) -> None:
+        server.touch()  # a start of the same transfer keeps this server: its idle clock starts again
+
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_term)
+        signal.signal(signal.SIGUSR1, on_kept)
     threading.Thread(target=watchdog, daemon=True, name="transfer-watchdog").start()
     server.serve_forever(poll_interval=0.2)
     server.server_close()
@@ -324,7 +328,7 @@ def start_server(root: Path | str, *, token: str, address: str, run_file: Path |
     info: dict[str, Any] = {"files": len(table), "bytes": sum(f.size for f in table.values())}
     fingerprint = _fingerprint(token, table, root=root, address=address, port=port, idle_timeout=idle_timeout,
                                lifetime=lifetime)
-    same = _same_server(run_file, fingerprint)
+    same = _same_server(run_file, fingerprint, lifetime=lifetime, check_mode=check_mode)
     if same is not None:
         return {**info, "changed": False, "address": same["address"], "port": same["port"], "pid": same["pid"]}
     if check_mode:
@@ -350,7 +354,7 @@ def start_server(root: Path | str, *, token: str, address: str, run_file: Path |
     except ValueError:
         raise ColdSnapError(f"the transfer server did not start (see {log_path})", fix="read its log") from None
     record = {"pid": server_pid, "start_time": _start_time(server_pid), "address": bound[0], "port": bound[1],
-              "fingerprint": fingerprint}
+              "fingerprint": fingerprint, "started_unix": time.time()}
     atomic_write_bytes(run_file, json.dumps(record).encode(), mode=0o600)
     return {**info, "changed": True, "address": bound[0], "port": bound[1], "pid": server_pid}
 
@@ -364,9 +368,12 @@ def _fingerprint(token: str, table: dict[str, ServedFile], *, root: Path | str, 
     return hmac.new(token.encode(), json.dumps(doc, sort_keys=True).encode(), hashlib.sha256).hexdigest()
 
 
-def _same_server(run_file: Path, fingerprint: str) -> dict[str, Any] | None:
-    """The run file's record when its server still runs and serves exactly ``fingerprint``."""
-    if _running_server(run_file) is None:
+def _same_server(run_file: Path, fingerprint: str, *, lifetime: float, check_mode: bool) -> dict[str, Any] | None:
+    """The run file's record when its server still runs, serves exactly ``fingerprint`` and has at
+    least half its lifetime left; it is told to start its idle clock again (SIGUSR1), so it does not
+    stop by itself right after being handed out (check mode only looks)."""
+    live = _running_server(run_file)
+    if live is None:
         return None
     try:
         record = json.loads(run_file.read_text())
@@ -374,7 +381,17 @@ def _same_server(run_file: Path, fingerprint: str) -> dict[str, Any] | None:
         return None
     if not isinstance(record, dict) or not hmac.compare_digest(str(record.get("fingerprint", "")), fingerprint):
         return None
-    return record
+    started = record.get("started_unix")
+    if not isinstance(started, (int, float)) or time.time() - started > lifetime / 2:
+        return None
+    if check_mode:
+        return record
+    try:
+        os.kill(live[0], signal.SIGUSR1)
+    except ProcessLookupError:
+        return None
+    time.sleep(0.3)  # a server that was already stopping (its watchdog decided first) is gone by now
+    return record if _running_server(run_file) == live else None
 
 
 def _detach(sock: socket.socket, table: dict[str, ServedFile], token: str, *, write_fd: int, read_fd: int,

@@ -579,18 +579,25 @@ class Activation:
             memory = {h.worker["id"]: process_memory(h.pid) for h in handles}
             cuda = self._checkpoint_cuda(handles)
             workers = []
+            unretired: list[str] = []
             try:
                 for h in handles:
                     wid = h.worker["id"]
                     workers.append(self._dump(h, criu, cuda=cuda[wid], memory=memory[wid], payload=payloads[wid],
                                               leave_running=True))
             finally:
-                # The dump wrote each engine's live control token into the images (and so the capsule):
-                # the engines are told a new one, so the captured one opens nothing.
-                self._rotate_tokens(handles)
                 every = [pid for h in handles for pid in cuda[h.worker["id"]]]
-                if every:  # the engines keep running: their GPU state comes back in place
-                    cuda_mod.restore_tree(every)
+                try:
+                    if every:  # the engines keep running: their GPU state comes back in place, first
+                        cuda_mod.restore_tree(every)
+                finally:
+                    # The dump wrote each engine's live control token into the images (and so the capsule):
+                    # the engines are told a new one, so the captured one opens nothing.
+                    unretired = self._rotate_tokens(handles)
+            if unretired:
+                raise UnitError(f"unit {spec.unit_id}: the control token the dump captured could not be retired "
+                                f"({'; '.join(unretired)}); the overlay is not kept",
+                                fix="free space in the state root, then capture the overlay again")
             self.phases.wait("overlay/dumped", spec.timeout("phase", 600))
             generation = f"{spec.operation_id}.overlay"
             self._engine_step(handles, "unit.resume", ec.RESUME,
@@ -612,14 +619,21 @@ class Activation:
             raise
 
     @staticmethod
-    def _rotate_tokens(handles: list[EngineHandle]) -> None:
+    def _rotate_tokens(handles: list[EngineHandle]) -> list[str]:
         """A fresh bearer token in every running engine's control file (the engine re-reads the file on
-        its next request); the handles use it from now on."""
+        its next request); the handles use it from now on. Never raises: returns what failed, per worker
+        (that worker keeps its token)."""
+        failed = []
         for h in handles:
-            info = h.control_info()
-            fresh = ec.ControlInfo(port=info.port, token=secrets.token_hex(32), pid=info.pid)
-            atomic_write_json(h.control_file, fresh.to_json(), mode=0o600)
+            try:
+                info = h.control_info()
+                fresh = ec.ControlInfo(port=info.port, token=secrets.token_hex(32), pid=info.pid)
+                atomic_write_json(h.control_file, fresh.to_json(), mode=0o600)
+            except (OSError, ValueError) as exc:
+                failed.append(f"worker {h.worker['id']}: {exc}")
+                continue
             h.adopt(info.pid, fresh)
+        return failed
 
     def _give_back(self, handles: list[EngineHandle], *, generation: str) -> str:
         """After an in-place capture failed: bring every engine it had quiesced or released back to

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -186,3 +187,24 @@ def test_demo_arguments_are_checked_by_name(capsys, argv, message) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["demo", *argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_state_root_this_user_cannot_read_is_named(tmp_path, capsys, monkeypatch) -> None:
+    real_stat = os.stat
+    locked = tmp_path / "locked"
+
+    def stat(path, *args, **kwargs):
+        if str(path) == str(locked):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    rc, _out, err = _run(capsys, "runs", "list", "--state-root", str(locked))
+    assert rc == 2 and f"state root {locked} cannot be read (Permission denied)" in err and "Traceback" not in err
+
+
+def test_the_demo_preset_from_the_environment_is_checked_too(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLDSNAP_DEMO_PRESET", "huge")
+    with pytest.raises(SystemExit) as exc:
+        main(["demo"])
+    assert exc.value.code == 2 and "invalid choice: 'huge'" in capsys.readouterr().err

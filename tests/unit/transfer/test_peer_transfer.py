@@ -267,6 +267,19 @@ def test_starting_the_same_transfer_again_keeps_its_server(tree, tmp_path):
         stop_server(run_file)
 
 
+def test_a_kept_server_starts_its_idle_clock_again(tree, tmp_path):
+    run_file = tmp_path / "kept.json"
+    first = start_server(tree[0], token=TOKEN, address="127.0.0.1", run_file=run_file, idle_timeout=3)
+    try:
+        time.sleep(2)
+        again = start_server(tree[0], token=TOKEN, address="127.0.0.1", run_file=run_file, idle_timeout=3)
+        assert not again["changed"] and again["pid"] == first["pid"]
+        time.sleep(2)  # 4 s after its start, 2 s after it was kept: still serving
+        assert Peer("127.0.0.1", first["port"], TOKEN).listing()
+    finally:
+        stop_server(run_file)
+
+
 def test_an_idle_server_stops_by_itself(tree, tmp_path):
     out = start_server(tree[0], token=TOKEN, address="127.0.0.1", run_file=tmp_path / "i.json", idle_timeout=1)
     deadline = time.monotonic() + 20
