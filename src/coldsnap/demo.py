@@ -213,27 +213,24 @@ def _at_least_one(text: str) -> int:
 
 
 def register_cli(sub) -> None:
-    from coldsnap_engines.reference.config import PRESETS
-
     p = sub.add_parser("demo", help="the main job: capture and restore the reference engine on localhost")
-    p.add_argument("--preset", default=os.environ.get("COLDSNAP_DEMO_PRESET", "1g"), choices=sorted(PRESETS),
-                   help="reference model size (default 1g, about 1 GB of float32 weights; tiny is 3 MB)")
+    p.add_argument("--preset", default=os.environ.get("COLDSNAP_DEMO_PRESET", "1g"),
+                   help="reference model size: tiny (3 MB), small, 1g (default, about 1 GB of float32 "
+                        "weights), 1g-bf16 ... 8g-bf16")
     p.add_argument("--state-root", type=Path, default=None)
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--tp", type=_at_least_one, default=1, help="tensor-parallel ranks (one unit each; 1 or more)")
     p.add_argument("--keep-running", action="store_true", help="leave the restored engine serving")
 
     def start(a) -> int:
-        if a.preset not in PRESETS:  # a default from COLDSNAP_DEMO_PRESET is not checked by argparse
+        from coldsnap_engines.reference.config import PRESETS
+
+        from coldsnap.api import resolve_state_root
+
+        if a.preset not in PRESETS:  # checked here, not by argparse: the default may come from the environment
             p.error(f"argument --preset (or COLDSNAP_DEMO_PRESET): invalid choice: {a.preset!r} "
                     f"(choose from {', '.join(sorted(PRESETS))})")
-        return run_demo(preset=a.preset, state_root=_state_root(a.state_root).absolute(), port=a.port, tp=a.tp,
-                        keep_running=a.keep_running)
+        return run_demo(preset=a.preset, state_root=resolve_state_root(a.state_root).absolute(), port=a.port,
+                        tp=a.tp, keep_running=a.keep_running)
 
     p.set_defaults(func=start)
-
-
-def _state_root(value: Path | None) -> Path:
-    from coldsnap.api import resolve_state_root
-
-    return resolve_state_root(value)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir, rmtree_atomically
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import CAPSULE_LAYOUTS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
 
 CAPTURE_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
@@ -99,7 +100,6 @@ def _docker_remove(image_id: str, *, check_mode: bool, client=None) -> str:
 
 
 _REFS_FIX = "pass the cleanup entries the artifact store returned (artifact_store's cleanup), unchanged"
-_CAPSULE_LAYOUTS = ("oci-layout", "docker")
 
 
 def check_refs(refs: object) -> None:
@@ -122,8 +122,8 @@ def check_refs(refs: object) -> None:
                     need(name in item, f"[{i}].{key}[{j}]", f"'{name}' is missing")
                     need(isinstance(item[name], kind), f"[{i}].{key}[{j}].{name}", f"{item[name]!r} is not a string")
                 if key == "capsules":
-                    need(item["layout"] in _CAPSULE_LAYOUTS, f"[{i}].{key}[{j}].layout",
-                         f"{item['layout']!r} is not one of {', '.join(_CAPSULE_LAYOUTS)}")
+                    need(item["layout"] in CAPSULE_LAYOUTS, f"[{i}].{key}[{j}].layout",
+                         f"{item['layout']!r} is not one of {', '.join(CAPSULE_LAYOUTS)}")
 
 
 def remove_local(state_root: Path | str, refs: list[dict], *, keep_payloads: list[str] | set[str], host: str,

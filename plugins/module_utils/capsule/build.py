@@ -53,6 +53,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import (
+    CAPSULE_LAYOUTS,
     LABEL_BASE,
     LABEL_CACHE_PATHS,
     LABEL_CAPTURE,
@@ -70,7 +71,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_pat
 )
 
 CAPSULE_FORMAT = "1"
-LAYOUTS = ("docker", "oci-layout")
+LAYOUTS = CAPSULE_LAYOUTS
 
 # Never inside a capsule: model packs and their validation records (model bytes travel as payloads).
 EXCLUDED_PATTERNS = ("*.pack", "*.pack.coldsnap-validation.json", "*.pack.part", ".coldsnap-state-validation.json")
@@ -119,8 +120,6 @@ class CapsuleRef:
             if not isinstance(d.get(key), str) or not d[key]:
                 raise ColdSnapError(f"{what}: '{key}' is {'missing' if key not in d else repr(d[key])}, "
                                     f"it must be a non-empty string", fix=_ENTRY_FIX)
-        if d["layout"] not in ("oci-layout", "docker"):
-            raise ColdSnapError(f"{what}: layout {d['layout']!r} is not oci-layout or docker", fix=_ENTRY_FIX)
         size = d.get("bytes", 0)
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             raise ColdSnapError(f"{what}: bytes {size!r} is not a byte count", fix=_ENTRY_FIX)

@@ -12,6 +12,7 @@ from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import CAPSULE_LAYOUTS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
     REQUEST_SCHEMA,
     AbsPath,
@@ -71,7 +72,7 @@ PLATFORM = Obj({
 CAPSULE = Obj({
     "unit": Field(Ident()),
     "host": Field(Str(pattern=ids.HOSTNAME, pattern_fix="inventory hostname"), description="capture host"),
-    "layout": Field(Str(enum=("docker", "oci-layout"))),
+    "layout": Field(Str(enum=CAPSULE_LAYOUTS)),
     "image_id": Field(Digest("local image id (docker) or manifest digest (OCI layout)")),
     "location": Field(Str(min_len=1, description="local image name or OCI layout directory")),
     "bytes": Field(Int(minimum=0)),

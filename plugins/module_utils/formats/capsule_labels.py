@@ -1,4 +1,5 @@
-"""The OCI labels of ColdSnap's images: a capsule's own, and those marking its unit containers.
+"""The OCI labels of ColdSnap's images: a capsule's own, and those marking its unit containers;
+and the ways a capsule is stored (its ``layout``).
 
 Read by anything that recognises ColdSnap's images and containers (capsule build, inspect and
 publish, the docker runtime), so they live here rather than with any one of them.
@@ -15,3 +16,6 @@ LABEL_CACHE_PATHS = "org.coldsnap.capsule.cache-paths"
 LABEL_BASE = "org.coldsnap.capsule.base"
 RESERVED_LABELS = (LABEL_KIND, LABEL_FORMAT, LABEL_UNIT, LABEL_CAPTURE, LABEL_STATE_TARGET, LABEL_CACHE_PATHS,
                    LABEL_BASE)
+
+#: How a capsule is stored: a local Docker image, or an OCI image layout directory.
+CAPSULE_LAYOUTS = ("docker", "oci-layout")
