@@ -45,8 +45,9 @@ options:
     required: true
 attributes:
   check_mode:
-    support: none
-    details: Pulling is the whole point; the roles do not run it in check mode.
+    support: full
+    details: Asks the server for its listing and reports in RV(fetched) the files a real run would bring
+      (C(changed) when any, or when O(dest) is not yet a directory); nothing is written or downloaded.
   diff_mode:
     support: none
   idempotent:
@@ -69,7 +70,7 @@ files:
   type: int
   sample: 4
 fetched:
-  description: Relative names of the files this run brought.
+  description: Relative names of the files this run brought (in check mode, would bring).
   returned: success
   type: list
   elements: str
@@ -91,7 +92,24 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress imp
     ProgressSession,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
-from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.client import Peer, fetch_tree
+from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.client import (
+    Peer,
+    PeerUnreachable,
+    fetch_tree,
+    plan_tree,
+)
+
+
+def _plan(p: dict) -> dict:
+    """Check mode: the files a real run would bring, when the server runs (transfer_serve starts none in
+    check mode; it returns port 0 then)."""
+    if p["port"]:
+        try:
+            return plan_tree(Peer(p["address"], p["port"], p["token"], timeout=10.0, attempts=1), p["dest"])
+        except PeerUnreachable:
+            pass
+    return {"changed": True, "msg": f"no transfer server answers at {p['address']}:{p['port']} (check mode starts "
+                                    f"none): a real run pulls every file that {p['dest']} lacks"}
 
 
 def main() -> None:
@@ -105,11 +123,13 @@ def main() -> None:
             progress_dir=dict(PROGRESS_DIR_ARG),
             progress_lease=dict(LEASE_ARG),
         ),
-        supports_check_mode=False,
+        supports_check_mode=True,
     )
     p = module.params
 
     def run() -> dict:
+        if module.check_mode:
+            return _plan(p)
         peer = Peer(p["address"], p["port"], p["token"])
         with ProgressSession(p["progress_dir"], lease_s=p["progress_lease"]) as session:
             writer = session.writer("transfer", phase="transfer", message=peer.describe())

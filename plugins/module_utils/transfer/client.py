@@ -41,6 +41,10 @@ MAX_LISTING = 16 << 20  # a capsule's layout lists a few dozen files
 Progress = Callable[[int, int], None]
 
 
+class PeerUnreachable(ColdSnapError):
+    """No transfer server answered at the peer's address and port."""
+
+
 @dataclass(frozen=True)
 class Peer:
     """Where a transfer server listens, and the token of this transfer (never shown)."""
@@ -103,8 +107,8 @@ class Peer:
                 return call()
             except ConnectionError as exc:
                 if attempt == self.attempts:
-                    raise ColdSnapError(
-                        f"cannot reach {exc} (after {attempt} attempts)",
+                    raise PeerUnreachable(
+                        f"cannot reach {exc} (after {attempt} attempt{'s' if attempt > 1 else ''})",
                         fix="let the destination reach the source host's transfer address and port (set "
                             "coldsnap_transfer_address / coldsnap_transfer_port), or restore with weights mode "
                             "'auto' to fall back to the pinned safetensors") from None
@@ -274,19 +278,9 @@ def fetch_tree(peer: Peer, dest: Path | str, *, progress: Progress | None = None
     path is created or written through a symbolic link.
     """
     dest = Path(dest)
-    files = peer.listing()
-    for entry in files:
-        name = str(entry.get("name"))
-        if Path(name).is_absolute() or any(p in ("", ".", "..") for p in name.split("/")):
-            raise ColdSnapError(f"{peer.describe()} listed {name!r}, which is not a plain relative path",
-                                fix="the source is not a ColdSnap transfer server")
-        if not (entry.get("sha256") or digest_in_name(name)) or not isinstance(entry.get("size"), int):
-            raise ColdSnapError(f"{peer.describe()} listed {name!r} without its size and digest; every file is "
-                                "verified on arrival", fix="the source is not a ColdSnap transfer server")
+    files = _checked_listing(peer)
     total = sum(int(f["size"]) for f in files)
-    if dest.is_dir() and not dest.is_symlink() and all(
-            _is_verified(dest / str(f["name"]), int(f["size"]), f.get("sha256") or digest_in_name(str(f["name"])))
-            for f in files):
+    if dest.is_dir() and not dest.is_symlink() and not missing_files(dest, files):
         return {"files": len(files), "fetched": [], "bytes_received": 0, "bytes": total}
     stage = dest.with_name(f".{dest.name}{PARTIAL_SUFFIX}")
     _real_dir(stage)
@@ -330,6 +324,39 @@ def fetch_tree(peer: Peer, dest: Path | str, *, progress: Progress | None = None
         else:
             old.unlink(missing_ok=True)
     return {"files": len(files), "fetched": fetched, "bytes_received": received, "bytes": total}
+
+
+def _checked_listing(peer: Peer) -> list[dict[str, Any]]:
+    """The server's listing, each entry checked: a plain relative name with its size and digest."""
+    files = peer.listing()
+    for entry in files:
+        name = str(entry.get("name"))
+        if Path(name).is_absolute() or any(p in ("", ".", "..") for p in name.split("/")):
+            raise ColdSnapError(f"{peer.describe()} listed {name!r}, which is not a plain relative path",
+                                fix="the source is not a ColdSnap transfer server")
+        if not (entry.get("sha256") or digest_in_name(name)) or not isinstance(entry.get("size"), int):
+            raise ColdSnapError(f"{peer.describe()} listed {name!r} without its size and digest; every file is "
+                                "verified on arrival", fix="the source is not a ColdSnap transfer server")
+    return files
+
+
+def missing_files(dest: Path | str, files: list[dict[str, Any]]) -> list[str]:
+    """Names of the listed ``files`` not yet verified under ``dest`` (all of them when ``dest`` is a link)."""
+    dest = Path(dest)
+    if not dest.is_dir() or dest.is_symlink():
+        return [str(f["name"]) for f in files]
+    return [str(f["name"]) for f in files
+            if not _is_verified(dest / str(f["name"]), int(f["size"]),
+                                f.get("sha256") or digest_in_name(str(f["name"])))]
+
+
+def plan_tree(peer: Peer, dest: Path | str) -> dict[str, Any]:
+    """What ``fetch_tree`` would bring, writing nothing (check mode): ``fetched`` lists those names."""
+    files = _checked_listing(peer)
+    dest = Path(dest)
+    whole = not dest.is_dir() or dest.is_symlink()  # fetch_tree (re)creates the directory then
+    return {"files": len(files), "fetched": missing_files(dest, files), "bytes_received": 0,
+            "bytes": sum(int(f["size"]) for f in files), "changed": whole or bool(missing_files(dest, files))}
 
 
 def _real_dir(path: Path) -> None:

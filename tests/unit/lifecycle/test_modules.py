@@ -3,35 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from lifecycle_helpers import make_artifact, make_request, put_pack, write_artifact
+from module_runner import HAVE_ANSIBLE, run_module
 
 from coldsnap._collection import collection_root
 
-ANSIBLE = Path(sys.executable).parent / "ansible"
-
-pytestmark = pytest.mark.skipif(not ANSIBLE.exists() and not shutil.which("ansible"),
-                                reason="ansible-core is not installed in this environment")
-
-
-def run_module(module: str, args: dict, *extra: str) -> dict:
-    """``ansible localhost -m coldsnap.fleet.<module>``: the task result."""
-    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(collection_root()),
-           "ANSIBLE_PYTHON_INTERPRETER": sys.executable, "ANSIBLE_LOCALHOST_WARNING": "false",
-           "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false", "ANSIBLE_LOAD_CALLBACK_PLUGINS": "true",
-           "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.json", "ANSIBLE_NOCOLOR": "1"}
-    proc = subprocess.run([str(ANSIBLE if ANSIBLE.exists() else shutil.which("ansible")), "localhost",
-                           "-m", f"coldsnap.fleet.{module}", "-a", json.dumps(args), *extra],
-                          capture_output=True, text=True, env=env, timeout=300, check=False)
-    text = proc.stdout
-    start = 0 if text.startswith("{") else text.index("\n{") + 1
-    return json.loads(text[start:])["plays"][0]["tasks"][0]["hosts"]["localhost"]
+pytestmark = pytest.mark.skipif(not HAVE_ANSIBLE, reason="ansible-core is not installed in this environment")
 
 
 def test_artifact_store_promoted_check_mode_then_idempotent(state_root, tmp_path):

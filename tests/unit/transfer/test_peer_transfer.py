@@ -30,6 +30,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.client imp
     fetch_file,
     fetch_tree,
     partial_path,
+    plan_tree,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server import (
     PeerServer,
@@ -40,6 +41,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server imp
     start_server,
     stop_server,
 )
+from module_runner import run_module
 
 TOKEN = "t" * 40
 
@@ -448,3 +450,31 @@ def test_a_mac_header_that_is_not_hex_is_refused_not_a_crash(served):
     server, _tree = served
     status = _raw_get(server, "/v1/files", {auth.NONCE_HEADER: "n" * 32, auth.MAC_HEADER: "é" * 64})
     assert status == 403
+
+
+def test_plan_tree_names_what_a_pull_would_bring_and_writes_nothing(served, tmp_path):
+    server, (_root, blob) = served
+    dest = tmp_path / "dest"
+    everything = sorted(["index.json", "oci-layout", f"blobs/sha256/{sha(blob)}"])
+    first = plan_tree(peer_of(server), dest)
+    assert first["changed"] and sorted(first["fetched"]) == everything and first["bytes_received"] == 0
+    assert not dest.exists() and not list(tmp_path.glob(".dest*"))
+    fetch_tree(peer_of(server), dest)
+    assert plan_tree(peer_of(server), dest) == {**first, "changed": False, "fetched": []}
+    (dest / "oci-layout").write_text('{"imageLayoutVersion": "9.9.9"}')  # same size, other bytes
+    assert plan_tree(peer_of(server), dest)["fetched"] == ["oci-layout"]
+
+
+def test_transfer_fetch_check_mode_asks_the_server_and_moves_nothing(served, tmp_path):
+    server, (_root, blob) = served
+    dest = tmp_path / "dest"
+    args = {"dest": str(dest), "address": "127.0.0.1", "port": server.server_address[1], "token": TOKEN}
+    out = run_module("transfer_fetch", args, "--check")
+    assert out["changed"] and f"blobs/sha256/{sha(blob)}" in out["fetched"], out
+    assert not dest.exists() and TOKEN not in json.dumps(out)
+    fetched = run_module("transfer_fetch", args)
+    assert fetched["changed"] and dest.is_dir()
+    assert run_module("transfer_fetch", args, "--check")["changed"] is False
+    # as in a check-mode play, where transfer_serve started no server (it reports port 0)
+    idle = run_module("transfer_fetch", {**args, "port": 0}, "--check")
+    assert idle["changed"] and "check mode starts none" in idle["msg"]
