@@ -151,8 +151,9 @@ def _check_args(name: str, rank: int, world: int, timeout: float, *, shown: str 
             f"barrier {name!r}: rank {rank!r} is outside 0..{world - 1}",
             fix="pass this process's rank (0-based) and the world size",
         )
-    if timeout <= 0:
-        raise BarrierError(f"barrier {name!r}: timeout {timeout!r} must be > 0 seconds", fix="give seconds")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise BarrierError(f"barrier {name!r}: timeout {timeout!r} must be a finite number of seconds > 0",
+                           fix="give seconds")
 
 
 def _list(ranks: Sequence[int]) -> str:

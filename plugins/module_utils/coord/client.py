@@ -240,8 +240,9 @@ class CoordinatorClient:
 
 
 def _timeout_ms(timeout: float) -> int:
-    if timeout < 0:
-        raise CoordinatorError(f"get timeout {timeout} is negative", fix="give seconds >= 0")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < float("inf"):
+        raise CoordinatorError(f"get timeout {timeout!r} is not a number of seconds >= 0",
+                               fix="give a finite number of seconds >= 0 (0: answer at once)")
     if timeout == 0:
         return 0
     return min(p.U32_MAX, max(1, round(timeout * 1000)))

@@ -95,15 +95,17 @@ class ServerLimits:
     max_unauthenticated_per_source: int = 64
     auth_grace: float = 0.2
     # The coordinator of an activation whose controller died exits after this long with no
-    # client at all (0: never). Phases hold their waiting clients' connections open.
+    # authenticated client (0: never; connections that never authenticate do not count). Phases
+    # hold their waiting clients' connections open.
     idle_timeout: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ColdSnapError("coordinator max_connections must be >= 1", fix="give a positive slot count")
-        if min(self.read_timeout, self.write_timeout, self.drain_timeout, self.auth_timeout) <= 0:
-            raise ColdSnapError("coordinator timeouts must be > 0", fix="give positive seconds")
-        if self.idle_timeout < 0 or self.max_unauthenticated_per_source < 1:
+        if not all(0 < t < float("inf") for t in (self.read_timeout, self.write_timeout, self.drain_timeout,
+                                                   self.auth_timeout)):
+            raise ColdSnapError("coordinator timeouts must be finite and > 0", fix="give positive seconds")
+        if not self.idle_timeout >= 0 or self.max_unauthenticated_per_source < 1:  # NaN fails the comparison
             raise ColdSnapError("coordinator idle_timeout must be >= 0 and the per-source limit >= 1",
                                 fix="give 0 (never) or positive seconds, and a positive count")
         if self.max_inflight_bytes < p.MAX_KEY + p.MAX_VALUE:
@@ -296,7 +298,9 @@ class CoordinatorServer:
     def _loop_once(self) -> bool:
         """One select round; True when the loop is finished."""
         now = time.monotonic()
-        if (self.limits.idle_timeout and not self._conns and self._stopping_since is None
+        # Idle: no authenticated client for idle_timeout (connections that never authenticate do not count,
+        # so whoever can reach the port cannot keep an abandoned coordinator alive).
+        if (self.limits.idle_timeout and len(self._conns) == len(self._preauth) and self._stopping_since is None
                 and now - self._last_activity >= self.limits.idle_timeout):
             self._log(f"coordinator idle for {self.limits.idle_timeout:.0f}s (its operation is gone): exiting")
             self._stop_requested = True
@@ -337,7 +341,7 @@ class CoordinatorServer:
             candidates.append(max(0.0, self._timers[0][0] - now))
         if self._stopping_since is not None:
             candidates.append(max(0.0, self._stopping_since + self.limits.shutdown_grace - now))
-        elif self.limits.idle_timeout and not self._conns:
+        elif self.limits.idle_timeout and len(self._conns) == len(self._preauth):
             candidates.append(max(0.0, self._last_activity + self.limits.idle_timeout - now))
         if not self._accepting and self._preauth:
             oldest = next(iter(self._preauth))
@@ -373,7 +377,6 @@ class CoordinatorServer:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             now = time.monotonic()
-            self._last_activity = now
             source = str(addr[0]) if isinstance(addr, tuple) and addr else ""
             if self._preauth_by_source.get(source, 0) >= self.limits.max_unauthenticated_per_source:
                 self._evict_preauth(source)
@@ -679,8 +682,9 @@ class CoordinatorServer:
     def _close(self, conn: _Conn) -> None:
         if conn not in self._conns:
             return
+        if conn not in self._preauth:
+            self._last_activity = time.monotonic()  # an authenticated client's request ended
         self._authenticated(conn)  # no longer counted as waiting to authenticate
-        self._last_activity = time.monotonic()
         self._conns.discard(conn)
         self._release(conn)
         self._unwait(conn)

@@ -19,7 +19,7 @@ import shutil
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ class Peer:
 
     address: str
     port: int
-    token: str
+    token: str = field(repr=False)
     timeout: float = 60.0
     attempts: int = 5
 
@@ -289,7 +289,7 @@ def fetch_tree(peer: Peer, dest: Path | str, *, progress: Progress | None = None
     received = 0
     for entry in files:
         name, size = str(entry["name"]), int(entry["size"])
-        digest = entry.get("sha256") or digest_in_name(name)
+        digest = _digest_of(entry)
         final = stage / name
         _real_dirs_below(stage, name)
         if not _is_verified(final, size, digest) and _is_verified(dest / name, size, digest):
@@ -337,7 +337,17 @@ def _checked_listing(peer: Peer) -> list[dict[str, Any]]:
         if not (entry.get("sha256") or digest_in_name(name)) or not isinstance(entry.get("size"), int):
             raise ColdSnapError(f"{peer.describe()} listed {name!r} without its size and digest; every file is "
                                 "verified on arrival", fix="the source is not a ColdSnap transfer server")
+        named, listed = digest_in_name(name), entry.get("sha256")
+        if named is not None and listed is not None and listed != named:
+            # The name is the contract (blobs/sha256/<hex>): a listing cannot make other bytes pass for it.
+            raise IntegrityError(f"{peer.describe()} listed {name!r} with sha256:{listed}, not the digest its name "
+                                 "states", fix="the source is not serving this capsule's files; capture again")
     return files
+
+
+def _digest_of(entry: dict[str, Any]) -> str | None:
+    """What a listed file must hash to: the digest its name states, else the listed one."""
+    return digest_in_name(str(entry["name"])) or entry.get("sha256")
 
 
 def missing_files(dest: Path | str, files: list[dict[str, Any]]) -> list[str]:
@@ -346,8 +356,7 @@ def missing_files(dest: Path | str, files: list[dict[str, Any]]) -> list[str]:
     if not dest.is_dir() or dest.is_symlink():
         return [str(f["name"]) for f in files]
     return [str(f["name"]) for f in files
-            if not _is_verified(dest / str(f["name"]), int(f["size"]),
-                                f.get("sha256") or digest_in_name(str(f["name"])))]
+            if not _is_verified(dest / str(f["name"]), int(f["size"]), _digest_of(f))]
 
 
 def plan_tree(peer: Peer, dest: Path | str) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import aut
 LIST_PATH = "/v1/files"
 FILE_PREFIX = "/v1/files/"
 DIGEST_NAME = re.compile(r"(?:^|/)(?:sha256/)?([0-9a-f]{64})(?:\.pack)?$")
-_RANGE = re.compile(r"bytes=(\d+)-$")
+_RANGE = re.compile(r"bytes=(\d{1,20})-$")  # a resume point: never more digits than a size has
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
 
@@ -144,6 +144,8 @@ class PeerServer(ThreadingHTTPServer):
         self.server_address = sock.getsockname()[:2]
 
     def touch(self, delta_active: int = 0, sent: int = 0) -> None:
+        """An authenticated request began (+1) or ended (-1), or sent bytes: the idle clock starts again.
+        Requests that fail authentication never call it, so they cannot keep the server alive."""
         with self._state_lock:
             self.active += delta_active
             self.bytes_sent += sent
@@ -165,18 +167,18 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.log(f"{self.client_address[0]} {format % args}")
 
     def do_GET(self) -> None:  # pylint: disable=invalid-name
-        self.server.touch(+1)
-        try:
-            self._get()
-        finally:
-            self.server.touch(-1)
-
-    def _get(self) -> None:
         range_header = self.headers.get("Range", "")
         if not self.server.verifier.verify("GET", self.path, range_header, self.headers.get(auth.NONCE_HEADER),
                                            self.headers.get(auth.MAC_HEADER)):
             self._reply(HTTPStatus.FORBIDDEN, b"authentication failed\n")
             return
+        self.server.touch(+1)
+        try:
+            self._get(range_header)
+        finally:
+            self.server.touch(-1)
+
+    def _get(self, range_header: str) -> None:
         if self.path == LIST_PATH:
             body = json.dumps({"files": [f.listing() for f in self.server.table.values()]}).encode()
             self._reply(HTTPStatus.OK, body, "application/json")
@@ -205,7 +207,7 @@ class _Handler(BaseHTTPRequestHandler):
             start = 0
             if range_header:
                 m = _RANGE.fullmatch(range_header)
-                if not m or int(m.group(1)) > size:
+                if not m or int(m.group(1)) >= size:  # nothing at or past the end to send
                     self.send_response(HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE)
                     self.send_header("Content-Range", f"bytes */{size}")
                     self.send_header("Content-Length", "0")
@@ -246,7 +248,8 @@ def bind(address: str, port: int) -> socket.socket:
                             fix="set coldsnap_transfer_address for this host to one of its IP addresses") from None
     errors = []
     for family, kind, proto, _name, sockaddr in infos:
-        if ipaddress.ip_address(sockaddr[0].split("%", 1)[0]).is_unspecified:
+        ip = ipaddress.ip_address(sockaddr[0].split("%", 1)[0])
+        if ip.is_unspecified or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_unspecified):
             raise ColdSnapError(f"transfer address {address!r} means every interface; the transfer server "
                                 "listens on one address only",
                                 fix="set coldsnap_transfer_address to the IP address of this host that the "
@@ -321,8 +324,9 @@ def start_server(root: Path | str, *, token: str, address: str, run_file: Path |
     except ValueError as exc:
         raise ColdSnapError(str(exc), fix="pass a random token (the roles generate one per transfer)") from None
     for key, value in (("idle_timeout", idle_timeout), ("lifetime", lifetime)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ColdSnapError(f"{key} {value!r} is not a positive number of seconds", fix=f"give {key} in seconds")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ColdSnapError(f"{key} {value!r} is not a finite number of seconds > 0",
+                                fix=f"give {key} in seconds")
     run_file = Path(run_file)
     table = file_table(root, include)
     info: dict[str, Any] = {"files": len(table), "bytes": sum(f.size for f in table.values())}

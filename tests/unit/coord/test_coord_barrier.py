@@ -114,10 +114,13 @@ def test_duplicate_rank_and_reused_name_are_errors(client) -> None:
     assert exc.value.missing == []
 
 
-@pytest.mark.parametrize(("rank", "world", "timeout"), [(-1, 2, 1), (2, 2, 1), (0, 0, 1), (0, 2, 0), (True, 2, 1)])
+@pytest.mark.parametrize(("rank", "world", "timeout"), [(-1, 2, 1), (2, 2, 1), (0, 0, 1), (0, 2, 0), (True, 2, 1),
+                                                     (0, 2, float("nan")), (0, 2, float("inf")), (0, 2, "1")])
 def test_bad_arguments(client, rank, world, timeout) -> None:
     with pytest.raises(BarrierError):
         barrier(client, "args", rank, world, timeout)
+    # refused before this rank registered: the same rank with a good timeout is not a "duplicate"
+    assert client.try_get(barrier_key("args", f"rank/{rank}")) is None
 
 
 def test_rendezvous_exchanges_values_in_rank_order(client) -> None:

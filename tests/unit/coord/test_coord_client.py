@@ -67,6 +67,9 @@ def test_errors_carry_status_and_fix(server, client) -> None:
     with pytest.raises(CoordinatorUnauthorized) as unauth:
         client_for(server, token=new_token()).health()
     assert unauth.value.status == p.Status.UNAUTHORIZED
+    for bad in (-1, float("nan"), float("inf")):  # NaN/inf used to escape as ValueError/OverflowError
+        with pytest.raises(CoordinatorError, match="not a number of seconds >= 0"):
+            client.get("missing", timeout=bad)
 
 
 def test_no_connection_or_thread_outlives_a_call(server, client) -> None:

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.server import ServerLimits
 from cskv_testlib import client_for
 
 
@@ -52,3 +56,32 @@ def test_an_idle_coordinator_exits_on_its_own(make_server):
     done = threading.Event()
     threading.Thread(target=lambda: (server._stopped.wait(10), done.set()), daemon=True).start()
     assert done.wait(10), "a coordinator nobody talks to exits after its idle timeout"
+
+
+def test_connections_that_never_authenticate_do_not_keep_an_idle_coordinator_alive(make_server):
+    server = make_server(idle_timeout=1.0, read_timeout=30.0, auth_timeout=30.0)
+    held = []
+    try:
+        deadline = time.monotonic() + 15
+        while not server._stopped.is_set() and time.monotonic() < deadline:
+            try:  # one junk connection left open every 0.2 s, and one that connects and goes away
+                s = socket.create_connection((server.address, server.port), timeout=2)
+                s.sendall(b"CSKV")
+                held.append(s)
+                socket.create_connection((server.address, server.port), timeout=2).close()
+            except OSError:
+                break  # it stopped listening
+            time.sleep(0.2)
+        assert server._stopped.wait(5), "unauthenticated connections kept the coordinator alive"
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.mark.parametrize("field", ["idle_timeout", "read_timeout", "auth_timeout"])
+def test_limits_that_are_not_numbers_of_seconds_are_refused(field):
+    with pytest.raises(ColdSnapError, match="timeout"):
+        ServerLimits(**{field: float("nan")})
+    if field != "idle_timeout":  # an infinite idle timeout means never, like 0
+        with pytest.raises(ColdSnapError, match="finite"):
+            ServerLimits(**{field: float("inf")})

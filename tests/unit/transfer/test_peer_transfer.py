@@ -12,6 +12,7 @@ import stat
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
@@ -300,6 +301,10 @@ def test_bad_server_options_are_named(tree, tmp_path):
         file_table(tree[0], ["missing.pack"])
     with pytest.raises(ColdSnapError, match=r"cannot listen on 192\.0\.2\.1"):
         bind("192.0.2.1", 0)  # TEST-NET: never an address of this host
+    for wildcard in ("0.0.0.0", "::", "::ffff:0.0.0.0"):  # the last one: every IPv4 interface, spelled in IPv6
+        with pytest.raises(ColdSnapError, match="means every interface"):
+            bind(wildcard, 0)
+    assert TOKEN not in repr(Peer("127.0.0.1", 1, TOKEN))
 
 
 def test_bad_transfer_names_timeouts_and_endpoints_are_named(tree, tmp_path):
@@ -309,8 +314,9 @@ def test_bad_transfer_names_timeouts_and_endpoints_are_named(tree, tmp_path):
         with pytest.raises(ColdSnapError, match="transfer name"):
             run_file_for(tmp_path, bad)
     for key in ("idle_timeout", "lifetime"):
-        with pytest.raises(ColdSnapError, match=f"{key} 0 is not a positive number"):
-            start_server(tree[0], token=TOKEN, address="127.0.0.1", run_file=tmp_path / "r.json", **{key: 0})
+        for bad in (0, -1, float("nan"), float("inf")):  # NaN would never time out: a server for ever
+            with pytest.raises(ColdSnapError, match=f"{key} {bad!r} is not a finite number of seconds > 0"):
+                start_server(tree[0], token=TOKEN, address="127.0.0.1", run_file=tmp_path / "r.json", **{key: bad})
     assert not (tmp_path / "r.json").exists()
     for address, port in (("127.0.0.1", 0), ("127.0.0.1", 70000), ("", 80), ("127.0.0.1", True)):
         with pytest.raises(ColdSnapError, match="is not an address and a port"):
@@ -478,3 +484,59 @@ def test_transfer_fetch_check_mode_asks_the_server_and_moves_nothing(served, tmp
     # as in a check-mode play, where transfer_serve started no server (it reports port 0)
     idle = run_module("transfer_fetch", {**args, "port": 0}, "--check")
     assert idle["changed"] and "check mode starts none" in idle["msg"]
+
+
+def test_a_listing_cannot_pass_other_bytes_off_under_a_digest_name(tmp_path):
+    """Whoever answers at the server's address lists blobs/sha256/<H> with the digest of its own bytes:
+    the name is what the file must hash to, so nothing is written."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    real, evil = hashlib.sha256(b"the real layer").hexdigest(), b"other bytes"
+
+    class Impostor(BaseHTTPRequestHandler):
+        def log_message(self, *_a) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            body = json.dumps({"files": [{"name": f"blobs/sha256/{real}", "size": len(evil),
+                                          "sha256": sha(evil)}]}).encode() if self.path == "/v1/files" else evil
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    impostor = ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    threading.Thread(target=impostor.serve_forever, daemon=True).start()
+    try:
+        peer = Peer("127.0.0.1", impostor.server_address[1], TOKEN, attempts=1)
+        for call in (lambda: fetch_tree(peer, tmp_path / "dest"), lambda: plan_tree(peer, tmp_path / "dest")):
+            with pytest.raises(IntegrityError, match="not the digest its name states"):
+                call()
+        assert not [f for f in tmp_path.rglob("*") if f.is_file()]
+    finally:
+        impostor.shutdown()
+
+
+def test_only_authenticated_requests_keep_a_server_alive_and_ranges_stay_in_the_file(tree, tmp_path):
+    out = start_server(tree[0], token=TOKEN, address="127.0.0.1", run_file=tmp_path / "a.json", idle_timeout=2)
+    server = SimpleNamespace(server_address=("127.0.0.1", out["port"]))
+    try:
+        name = "index.json"
+        path = f"/v1/files/{name}"
+        size = (tree[0] / name).stat().st_size
+        # a resume point at the end, or one with more digits than any size has: 416, not a crash
+        for rng in (f"bytes={size}-", "bytes=" + "9" * 5000 + "-"):
+            assert _raw_get(server, path, auth.request_headers(TOKEN, "GET", path, rng)) == 416
+        assert _raw_get(server, path, auth.request_headers(TOKEN, "GET", path, "bytes=1-")) \
+            == 206
+        # unsigned requests (anyone who reaches the port) do not restart the idle clock
+        deadline = time.monotonic() + 20
+        while Path(f"/proc/{out['pid']}").exists() and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                assert _raw_get(server, "/v1/files", {}) == 403
+            time.sleep(0.3)
+        assert not Path(f"/proc/{out['pid']}").exists(), "unauthenticated requests kept the server alive"
+        assert "idle for 2 s" in (tmp_path / "a.log").read_text()
+        assert "Traceback" not in (tmp_path / "a.log").read_text()
+    finally:
+        stop_server(tmp_path / "a.json")
