@@ -97,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         # stdout closed early (e.g. piped into head): not an error of ours.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:
+        # A file the user named that cannot be used (exists, missing directory, permission): said in one
+        # line with the path, not a traceback. Errors ColdSnap anticipates carry their own fix above.
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"coldsnap: error: {where}{exc.strerror or exc}; check that path and run again", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

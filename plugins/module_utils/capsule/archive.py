@@ -36,6 +36,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir, temp_path_for
 
 CHUNK = 1 << 20
+NAME_MAX, PATH_MAX = 255, 4096  # Linux's limits for one name and a whole path
+MTIME_MAX = 1 << 34  # seconds (year 2514): an archive's mtime beyond it, or negative or not finite, is refused
 
 
 class ArchiveError(ColdSnapError):
@@ -69,6 +71,9 @@ def normalize_member_name(name: str, *, what: str = "archive member") -> str:
     if any(p == ".." for p in parts):
         raise ArchiveError(f"{what} {name!r} contains '..' and would write outside the extraction root",
                            fix="this archive is unsafe; rebuild the capsule from its source state")
+    if any(len(p.encode("utf-8", "surrogateescape")) > NAME_MAX for p in parts) or len(name) > PATH_MAX:
+        raise ArchiveError(f"{what} {name[:60]!r}... has a name longer than a file system allows",
+                           fix="this archive is malformed; rebuild the capsule")
     return "/".join(parts)
 
 
@@ -316,6 +321,10 @@ def check_member(info: tarfile.TarInfo, seen_files: set[str], *, what: str) -> s
                            fix="capsules hold regular files, directories and internal links only")
     if not name and not info.isdir():
         raise ArchiveError(f"{what} member {info.name!r} names the root itself", fix="rebuild the archive")
+    mtime = info.mtime
+    if isinstance(mtime, bool) or not isinstance(mtime, (int, float)) or not 0 <= mtime < MTIME_MAX:
+        raise ArchiveError(f"{what} member {info.name!r} has modification time {mtime!r}, outside 0..{MTIME_MAX}",
+                           fix="this archive is malformed; rebuild the capsule")
     return name
 
 

@@ -629,7 +629,7 @@ def extract_capsule(ref: CapsuleRef | dict, dest: Path, *, part: str = "state", 
                 return name[len(prefix) + 1:]
             return None
 
-    with open(oci.blob_path(img.layout, layer.digest), "rb") as fh:
+    with oci.open_blob(img.layout, layer, what=f"capsule of unit {ref.unit!r}") as fh:
         return archive.safe_extract(fh, Path(dest), expected_digest=layer.digest, select=select,
                                     what=f"capsule layer {layer.digest} of unit {ref.unit!r}", replace=replace)
 
@@ -670,7 +670,7 @@ def restore_caches(ref: CapsuleRef | dict, cache_paths: list[str], scratch: Path
     added: list[str] = []
     try:
         for layer in img.layers:
-            with open(oci.blob_path(img.layout, layer.digest), "rb") as fh:
+            with oci.open_blob(img.layout, layer, what=f"capsule of unit {ref.unit!r}") as fh:
                 archive.safe_extract(fh, scratch, expected_digest=layer.digest, select=select,
                                      what=f"capsule layer {layer.digest} of unit {ref.unit!r}", replace=True)
             moves: list[tuple[str, str]] = []  # every placement is checked before the first one is made

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,13 +158,38 @@ def hash_file(path: Path) -> tuple[str, int]:
     return "sha256:" + sha.hexdigest(), size
 
 
+def open_blob(layout: Path, desc: Descriptor, *, what: str) -> IO[bytes]:
+    """The blob of ``desc`` opened for reading: a regular file of the descriptor's size, never read through
+    a symbolic link (a link to ``/dev/zero`` or to a file elsewhere would be read without end, or be
+    someone else's bytes). IntegrityError otherwise; the caller still checks the digest."""
+    path = blob_path(layout, desc.digest)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise IntegrityError(f"{what}: blob {desc.digest} is missing from {layout}",
+                             fix="the OCI layout is incomplete; rebuild or re-pull the capsule") from None
+    except OSError as exc:
+        raise IntegrityError(f"{what}: blob {path} cannot be opened ({exc.strerror}; a symbolic link is refused)",
+                             fix="the local copy is damaged; remove the layout directory and rebuild or re-pull "
+                                 "it") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != desc.size:
+        os.close(fd)
+        raise IntegrityError(f"{what}: blob {path} is not a regular file of {desc.size} bytes",
+                             fix="the local copy is damaged; remove the layout directory and rebuild or re-pull it")
+    return os.fdopen(fd, "rb")
+
+
 def verify_blob(layout: Path, desc: Descriptor, *, what: str) -> None:
     """Re-hash a blob; raise IntegrityError when it is missing or its bytes differ from the descriptor."""
     path = blob_path(layout, desc.digest)
-    if not path.is_file():
-        raise IntegrityError(f"{what}: blob {desc.digest} is missing from {layout}",
-                             fix="the OCI layout is incomplete; rebuild or re-pull the capsule")
-    digest, size = hash_file(path)
+    sha = hashlib.sha256()
+    size = 0
+    with open_blob(layout, desc, what=what) as fh:
+        while chunk := fh.read(min(CHUNK, desc.size + 1 - size)):
+            sha.update(chunk)
+            size += len(chunk)
+    digest = "sha256:" + sha.hexdigest()
     if digest != desc.digest or size != desc.size:
         raise IntegrityError(f"{what}: blob {path} holds {digest} ({size} bytes), expected {desc.digest} "
                              f"({desc.size} bytes)",
@@ -179,11 +205,8 @@ def write_layout_files(layout: Path, manifest_desc: Descriptor) -> None:
 
 def _load_json_blob(layout: Path, desc: Descriptor, *, what: str) -> dict[str, Any]:
     path = blob_path(layout, desc.digest)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise IntegrityError(f"{what}: blob {desc.digest} is missing from {layout}",
-                             fix="the OCI layout is incomplete; rebuild or re-pull the capsule") from None
+    with open_blob(layout, desc, what=what) as fh:
+        data = fh.read(desc.size + 1)
     if digest_bytes(data) != desc.digest or len(data) != desc.size:
         raise IntegrityError(f"{what}: blob {path} does not match its digest {desc.digest}",
                              fix="the local copy is corrupt; remove the layout directory and rebuild or re-pull it")

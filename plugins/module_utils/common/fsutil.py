@@ -95,12 +95,25 @@ def exclusive_commit(tmp: Path, final: Path) -> None:
 
 @contextlib.contextmanager
 def file_lock(path: Path, *, shared: bool = False, timeout: float | None = None) -> Iterator[int]:
-    """Hold an flock on ``path`` (created 0600 if absent) for the block."""
+    """Hold an flock on ``path`` (created 0600 if absent; a symbolic link or any other non-regular
+    file there is refused, never followed or written through) for the block."""
     import time
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        fd = -1
+    if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd >= 0:
+            os.close(fd)
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+        raise ColdSnapError(f"lock file {path} is a symbolic link or not a regular file (not one ColdSnap made)",
+                            fix=f"remove {path} and check who can write to {path.parent}")
     try:
         op = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
         if timeout is None:
@@ -168,7 +181,7 @@ def lock_held(path: Path | str, *, exclusive: bool = False) -> bool:
     """True when another open file description holds a flock on ``path`` that conflicts with a
     shared (or, with ``exclusive``, an exclusive) lock; never creates ``path`` nor follows a symlink."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:
@@ -191,11 +204,14 @@ def readahead(path: Path | str) -> bool:
     disk, 15 ms per GB already cached (2-vCPU VM). False when the file cannot be opened or the
     kernel refuses the hint; never follows a symbolic link; a hint, never an error."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:
-        for offset in range(0, os.fstat(fd).st_size, READAHEAD_STEP):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        for offset in range(0, st.st_size, READAHEAD_STEP):
             os.posix_fadvise(fd, offset, READAHEAD_STEP, os.POSIX_FADV_WILLNEED)
         return True
     except OSError:

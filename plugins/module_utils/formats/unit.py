@@ -28,6 +28,9 @@ REPLAY_PLAN_NAME = "replay-plan.json"
 PACK_DIR = "model-payloads/sha256"
 PACK_SUFFIX = ".pack"
 EVIDENCE_FILE = "evidence.json"
+# Per worker, where its engine listened for control and which control file it reads (never its token):
+# ``<unit dir>/control/<worker>.json``.
+CONTROL_DIR = "control"
 UNIT_OPERATIONS = ("capture", "capture-running", "restore", "warm", "status", "sleep", "wake", "finish-warm", "stop")
 
 

@@ -32,6 +32,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsuti
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import records
 
@@ -71,6 +72,9 @@ class NodeCache:
         return self.path_for(sha256).is_file()
 
     def ensure_dirs(self) -> None:
+        """The cache's directories, below a state root that is private (0700, created so when absent) and
+        not another user's planted in a world-writable directory (refused: they could redirect every write)."""
+        StateLayout(self.state_root).ensure_private_root()
         for d in (self.objects, self.locks):
             d.mkdir(parents=True, exist_ok=True, mode=0o755)
 
@@ -78,7 +82,7 @@ class NodeCache:
     def lock(self, sha256: str, *, timeout: float | None = DEFAULT_LOCK_TIMEOUT) -> Iterator[None]:
         """Hold the per-digest lock (exclusive flock on ``locks/<hex>.lock``) for the block."""
         hexd = parse_digest(sha256, what="model payload digest")
-        self.locks.mkdir(parents=True, exist_ok=True, mode=0o755)
+        self.ensure_dirs()
         try:
             with fsutil.file_lock(self.locks / f"{hexd}.lock", timeout=timeout):
                 yield
@@ -166,7 +170,7 @@ class NodeCache:
 
 def _remove_if_abandoned(path: Path) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except (FileNotFoundError, OSError):
         return False
     try:

@@ -329,7 +329,7 @@ class _OpenFile:
     def __init__(self, path: Path, ref: FileRef, *, what: str, verify: bool = True) -> None:
         self.path, self.what = Path(path), what
         try:
-            self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never blocks
         except FileNotFoundError:
             raise ColdSnapError(f"{what} {self.path} does not exist", fix="check the unit's capsule state") from None
         try:

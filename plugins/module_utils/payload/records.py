@@ -122,7 +122,7 @@ class RecordCheck:
 def check_record(record: Path, hexdigest: str, size: int, current: FileIdentity) -> RecordCheck:
     """Accept a record only when it is private, well-formed, for this digest/size and not stale or racy."""
     try:
-        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(record, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never blocks
     except FileNotFoundError:
         return RecordCheck("absent", "no validation record")
     except OSError as exc:

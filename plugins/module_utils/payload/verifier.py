@@ -174,11 +174,13 @@ class PayloadVerifier:
             # Check mode / read-only verification: no lock file, no record, no quarantine.
             return self._verify(path, hexd, size, cache, write_record=False, progress=progress, read_only=True,
                                 rehash=rehash, pipelined=pipelined)
+        if not os.path.lexists(path):  # said before a lock file (or a mistyped state root) is created for it
+            raise ColdSnapError(f"model payload sha256:{hexd} is not present at {path}", fix=STAGE_FIX)
         with contextlib.ExitStack() as stack:
             try:
                 stack.enter_context(cache.lock(sha256, timeout=self.lock_timeout))
             except OSError as exc:
-                if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
                     raise
                 # A read-only view of the cache (e.g. a unit's bind mount): verify without lock or record.
                 return self._verify(path, hexd, size, cache, write_record=False, progress=progress, read_only=True,
@@ -285,9 +287,9 @@ class PayloadVerifier:
         fd = _open_pack(path, hexd)
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise IntegrityError(f"model payload {path} is not a regular file", fix=STAGE_FIX)
             ident = records.FileIdentity.of(st)
+            if not stat.S_ISREG(st.st_mode):
+                self._refuse(cache, path, ident, read_only, f"model payload {path} is not a regular file")
             record_path = records.record_path_for(path)
             if ident.st_size != size:
                 if _matches_its_name(fd, record_path, hexd, ident, progress=progress, pipelined=pipelined):
@@ -399,7 +401,8 @@ def _check_size_arg(size: int) -> None:
 
 def _open_pack(path: Path, hexd: str) -> int:
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO planted at the name must not hang the verifier (and the digest lock it holds)
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ColdSnapError(f"model payload sha256:{hexd} is not present at {path}", fix=STAGE_FIX) from None
     except OSError as exc:

@@ -14,6 +14,7 @@ import stat
 import subprocess
 import tarfile
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -186,6 +187,25 @@ def archive_shm(images_dir: Path, shm_dir: str = SHM_DIR) -> int:
     return total
 
 
+def _check_shm_members(archive: Path, members: list[tarfile.TarInfo]) -> None:
+    """Refuse the whole archive unless every member is a plain relative file or directory and no name is
+    used twice or below a file (so nothing is written before an error)."""
+    kinds: dict[tuple[str, ...], bool] = {}  # parts -> is a directory
+    for info in members:
+        parts = PurePosixPath(info.name).parts
+        if not parts or info.name.startswith("/") or ".." in parts or not (info.isreg() or info.isdir()):
+            raise ColdSnapError(f"{archive}: member {info.name!r} is not a plain relative file or directory",
+                                fix="the capsule was altered; restore from the published capsule")
+        clash = parts in kinds and not (kinds[parts] and info.isdir())
+        below_file = any(kinds.get(parts[:i]) is False for i in range(1, len(parts)))
+        if clash or below_file:
+            raise ColdSnapError(f"{archive}: member {info.name!r} is named twice or lies below a file of the "
+                                "archive", fix="the capsule was altered; restore from the published capsule")
+        for i in range(1, len(parts)):
+            kinds.setdefault(parts[:i], True)  # its parents are directories: no later file may take their names
+        kinds[parts] = info.isdir()
+
+
 def unpack_shm(images_dir: Path, shm_dir: str = SHM_DIR) -> int:
     """Put the archived /dev/shm files back (regular files and directories only, relative names
     only: the images may come from a capsule someone else built). Returns the files written."""
@@ -195,25 +215,27 @@ def unpack_shm(images_dir: Path, shm_dir: str = SHM_DIR) -> int:
                             fix="restore from the complete capsule")
     root = Path(shm_dir)
     written = 0
-    with tarfile.open(archive, "r:gz") as tar:
-        members = tar.getmembers()  # every member checked before the first is written
-        for info in members:
-            parts = PurePosixPath(info.name).parts
-            if not parts or info.name.startswith("/") or ".." in parts or not (info.isreg() or info.isdir()):
-                raise ColdSnapError(f"{archive}: member {info.name!r} is not a plain relative file or directory",
-                                    fix="the capsule was altered; restore from the published capsule")
-        for info in members:
-            dest = root.joinpath(*PurePosixPath(info.name).parts)
-            if info.isdir():
-                dest.mkdir(mode=info.mode & 0o7777, parents=True, exist_ok=True)
-                continue
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            src = tar.extractfile(info)
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, info.mode & 0o7777)
-            with os.fdopen(fd, "wb") as out:
-                shutil.copyfileobj(src, out)
-            os.chmod(dest, info.mode & 0o7777)
-            written += 1
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            members = tar.getmembers()  # every member checked before the first is written
+            _check_shm_members(archive, members)
+            for info in members:
+                dest = root.joinpath(*PurePosixPath(info.name).parts)
+                mode = info.mode & 0o777  # never set-id or sticky bits from an archive
+                if info.isdir():
+                    dest.mkdir(mode=mode, parents=True, exist_ok=True)
+                    continue
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                src = tar.extractfile(info)
+                fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+                with os.fdopen(fd, "wb") as out:
+                    shutil.copyfileobj(src, out)
+                os.chmod(dest, mode)
+                written += 1
+    except (tarfile.TarError, EOFError, zlib.error) as exc:
+        raise ColdSnapError(f"{archive} is not a readable gzip'd tar archive ({type(exc).__name__}: {exc})",
+                            fix="the capsule was altered or cut short; pull it again or restore from the published "
+                                "capsule") from None
     return written
 
 

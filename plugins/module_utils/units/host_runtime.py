@@ -8,6 +8,7 @@ pinned by ``environment_digest`` (the installed Python environment).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -22,8 +23,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     ColdSnapError,
     IntegrityError,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (
+    CONTROL_DIR,
     EVIDENCE_FILE,
     UnitSpec,
     load_evidence,
@@ -125,11 +128,31 @@ class HostRuntime(HostUnits, UnitRuntime):
                 for w in captured["workers"]:
                     ports.require_pids_free([p for p in [w["pid"], *w["tids"]] if p not in replaced], unit=u["id"])
                     ports.require_ports_free(served(w), unit=u["id"], replaced=replaced, what=what)
+                self.require_same_control_files(path, captured, u["id"])
                 plan["listeners"] = [list(x) for w in captured["workers"] for x in served(w)]
                 plan["caches_added"] = self.require_files(artifact, u["id"], captured, path)
             plans.append(plan)
         moves.admit(self.host)
         return plans, changed
+
+    def require_same_control_files(self, unit_dir: Path, captured: dict, unit_id: str) -> None:
+        """A restored engine reads its control token from the control file named in its (restored)
+        environment: under another state root than at capture it would never see this restore's token
+        (and the restore would fail after the eviction). Refused here, naming the capture's state root."""
+        wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
+        for w in captured["workers"]:
+            try:
+                recorded = json.loads((unit_dir / CONTROL_DIR / f"{w['worker']}.json").read_text()).get("control_file")
+            except (OSError, ValueError, AttributeError):
+                continue  # a capture before the path was recorded: the activation's own checks apply
+            mine = str(ec.control_file_path(wdir, w["worker"]))
+            if isinstance(recorded, str) and recorded != mine:
+                root = Path(recorded).parents[3]  # <root>/workloads/<recipe>/<unit>/control-<worker>.json
+                raise AdmissionError(
+                    f"unit {unit_id} worker {w['worker']} was captured under state root {root}; this restore uses "
+                    f"{self.layout.root} (the restored engine reads its control file at {recorded})",
+                    fix=f"restore with the capture's state root (--state-root {root}, coldsnap_state_root); the "
+                        "state root is the same path on every host of a workload")
 
     def require_files(self, artifact: dict, unit_id: str, captured: dict, unit_dir: Path) -> int:
         """Every file the captured tree maps or holds open must be here at its captured size (CRIU

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_units import DockerUnits
@@ -64,6 +65,13 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
         if not units:
             return {"changed": False, "units": idle}
     else:
+        # Sleep, wake and finish-warm act on a running engine: a stopped (or crashed) unit is an error, in
+        # check mode too, never a success that changed nothing.
+        for u in units:
+            presence = runtime.presence(u["id"])
+            if presence != "running":
+                raise UnitError(f"unit {u['id']} on {host} is {presence}: there is no running engine to {action}",
+                                fix="restore the workload first (coldsnap restore), then sleep or wake it")
         idle = []
     capture_id = artifact["capture_id"] if artifact else request["id"]
     unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units} if artifact else None

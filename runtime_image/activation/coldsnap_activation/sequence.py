@@ -34,6 +34,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress imp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (
+    CONTROL_DIR,
     EVIDENCE_FILE,
     UnitSpec,
     huge_pages_wanted,
@@ -58,8 +59,6 @@ from coldsnap_activation.probes import (
     wait_http_ready,
 )
 from coldsnap_activation.sync import Phases
-
-CONTROL_DIR = "control"
 
 
 def is_template(spec: UnitSpec) -> bool:
@@ -422,7 +421,9 @@ class Activation:
         info = h.control_info()
         ctl_dir = self.unit_dir / CONTROL_DIR
         ctl_dir.mkdir(mode=0o700, exist_ok=True)
-        atomic_write_json(ctl_dir / f"{wid}.json", {"port": info.port, "pid": info.pid}, mode=0o600)
+        # The control file's path is in the engine's environment: a restore must write the same one.
+        atomic_write_json(ctl_dir / f"{wid}.json", {"port": info.port, "pid": info.pid,
+                                                    "control_file": str(h.control_file)}, mode=0o600)
         gpu_uuids, host_gpus = gpu_placement(self.spec, h.worker) if cuda else ([], [])
         return {"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
                 "gpu_uuids": gpu_uuids, "host_gpu_uuids": host_gpus,
@@ -511,6 +512,7 @@ class Activation:
                 for h in self.handles:
                     h.wait_state((ec.TEMPLATE,) if template else (ec.READY,), spec.timeout("ready", 900))
             workers = self._capture_template(criu, probe) if template else self._capture_started(criu, probe)
+            _forget_controls(h.control_file for h in self.handles)  # the engines ended with the dump: stopped
             acceptance = self.reply
             if acceptance is None and spec.coordinator:
                 acceptance = (self.phases.fetch("capture/reply", 60) or b"").decode()
@@ -522,6 +524,7 @@ class Activation:
             for h in self.handles:
                 h.kill()
             keeper.reap_orphans(5)
+            _forget_controls(h.control_file for h in self.handles)  # status says stopped, not crashed
             raise
         finally:
             if probe is not None:
@@ -665,13 +668,16 @@ class Activation:
         moved = placement.Placement.from_json(spec.placement)
         restored: list[EngineHandle] = []
         served: list[dict] = []
+        written: list[Path] = []  # control files this restore wrote (never another workload's)
         probe = None
         try:
+            listeners: dict[str, list] = {}
             with self.rec.span("unit.admission"):
                 for h in self.handles:
                     cw = by_worker[h.worker["id"]]
-                    listeners = moved.listeners([(str(a), int(p)) for a, p in cw["listeners"]], unit=spec.unit_id)
-                    ports.require_ports_free(listeners, unit=spec.unit_id)
+                    listeners[h.worker["id"]] = moved.listeners([(str(a), int(p)) for a, p in cw["listeners"]],
+                                                                unit=spec.unit_id)
+                    ports.require_ports_free(listeners[h.worker["id"]], unit=spec.unit_id)
                     ports.require_pids_free([cw["pid"], *cw["tids"]], unit=spec.unit_id)
             self.workload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             (self.workload_dir / ec.LOG_FILE_NAME).write_bytes(b"")
@@ -688,6 +694,7 @@ class Activation:
                     control = ec.ControlInfo(port=control_port, token=secrets.token_hex(32),
                                              pid=int(captured_ctl["pid"]))
                     atomic_write_json(h.control_file, control.to_json(), mode=0o600)
+                    written.append(h.control_file)
                     work = self.workload_dir / f"criu-{wid}"
                     # Another serving port or address than at capture: CRIU restores a rebound copy of
                     # the images (the captured ones are never edited).
@@ -696,8 +703,12 @@ class Activation:
                     served += [{"worker": wid, **m} for m in rebound]
                     options = criu_mod.CriuOptions.from_json((cw.get("criu") or {}).get("options"))
                     if spec.supervise:  # we are the container's PID 1: the tree becomes our child
-                        pid = criu_mod.restore(criu, images, work_dir=work, leave_stopped=True, sibling=True,
-                                               options=options, huge_pages=huge).pid
+                        try:
+                            pid = criu_mod.restore(criu, images, work_dir=work, leave_stopped=True, sibling=True,
+                                                   options=options, huge_pages=huge).pid
+                        except ColdSnapError as exc:
+                            _port_taken_since_admission(exc.problem, listeners[wid], spec.unit_id)
+                            raise
                     else:
                         kept = keeper.start(images, work_dir=work, leave_stopped=True, criu_binary=criu.binary,
                                             log_path=self.workload_dir / "keeper.log", options=options.to_json(),
@@ -706,6 +717,7 @@ class Activation:
                             # What the keeper's CRIU got as far as restoring (stopped, at the captured pid, with
                             # this worker's control file in its environment) goes too.
                             _end_leftover(int(cw["pid"]), h.control_file)
+                            _port_taken_since_admission(kept["error"], listeners[wid], spec.unit_id)
                             raise UnitError(f"unit {spec.unit_id}: {kept['error']}")
                         pid = kept["pid"]
                     h.adopt(pid, control)
@@ -716,7 +728,12 @@ class Activation:
             with self.rec.span("unit.cuda.restore"):
                 for h in self.handles:
                     for pid in sorted(ports.process_tree(h.pid)):  # CRIU left the whole tree stopped
-                        os.kill(pid, signal.SIGCONT)
+                        try:
+                            os.kill(pid, signal.SIGCONT)
+                        except ProcessLookupError:
+                            if pid == h.pid or not h.alive():  # a thread or child that ended meanwhile is no news
+                                raise h.failure(f"the engine (pid {h.pid}) died right after CRIU restored it") \
+                                    from None
                 self._restore_cuda([(h, by_worker[h.worker["id"]]) for h in self.handles])
             self.phases.wait("restore/released", spec.timeout("phase", 600))
             self._engine_step(self.handles, "unit.resume", ec.RESUME, lambda h: self._hydration(
@@ -735,6 +752,7 @@ class Activation:
             self._fail(exc)
             for h in restored:  # never leave a half-restored process tree behind
                 h.kill()
+            _forget_controls(written)  # nor a control file of an engine that is not there (status: crashed)
             raise
         finally:
             if probe is not None:
@@ -756,6 +774,10 @@ class Activation:
         try:
             handles = self._running_handles()
         except FileNotFoundError:
+            if action != "status":  # nothing to sleep or wake: stopped, or never restored on this host
+                raise UnitError(f"unit {spec.unit_id}: no worker is running (the workload was stopped, or never "
+                                f"restored here), so it cannot {action}",
+                                fix="restore the workload first (coldsnap restore), then sleep or wake it") from None
             return self._evidence([], {"state": "absent"})
         states = [h.call("GET", ec.STATUS, timeout=30)["state"] for h in handles]
         changed = False
@@ -783,6 +805,28 @@ class Activation:
                 os.waitpid(-1, os.WNOHANG)
             time.sleep(0.5)
         return 0
+
+
+def _port_taken_since_admission(error: str, listeners: list, unit: str) -> None:
+    """CRIU could not bind a listener that was free at admission: someone took the port in between (a
+    supervisor restarting the evicted server, say). Raise an error that names the port and its holder
+    instead of CRIU's socket id; return when the error is something else."""
+    if "Address already in use" not in error:
+        return
+    ports.require_ports_free(listeners, unit=unit, time_wait_grace=0.0, what="listening port",
+                             fix="stop what took the port since the restore began (a supervisor restarting the "
+                                 "replaced server?) and restore again; the replaced workload is no longer running, "
+                                 "or restore onto another port")
+    raise UnitError(f"unit {unit}: a listening port was taken after admission, before CRIU could restore it ({error})",
+                    fix="find what binds the unit's ports and restore again")
+
+
+def _forget_controls(paths) -> None:
+    """Remove the control files of engines that ended (a control file without its engine reads as a
+    crash to ``status``)."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            Path(path).unlink(missing_ok=True)
 
 
 def _end_leftover(pid: int, control_file: Path) -> None:

@@ -9,6 +9,7 @@ description of allocations and extents plus raw allocation byte files.
 
 from __future__ import annotations
 
+import stat
 import sys
 import time
 from pathlib import Path
@@ -166,7 +167,15 @@ def _inspect_pack(path: Path, do_hash: bool) -> dict:
     hexd = name[: -len(".pack")] if name.endswith(".pack") else ""
     digest = f"sha256:{hexd}"
     ids.parse_digest(digest, what=f"digest in the file name {name!r}")
-    size = path.stat().st_size
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise ColdSnapError(f"{path} does not exist",
+                            fix="give the path of a pack (<state root>/model-payloads/sha256/<hex>.pack)") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ColdSnapError(f"{path} is not a regular file; a pack is one",
+                            fix="give the path of a pack (<state root>/model-payloads/sha256/<hex>.pack)")
+    size = st.st_size
     verifier = PayloadVerifier()
     check = verifier.inspect(path, digest, size)
     out = {"kind": "model-payload", "path": str(path), "sha256": digest, "size": size,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import socket
 import subprocess
 import time
@@ -222,3 +223,54 @@ def test_capture_never_replaces_an_artifact(captured):
     assert "never replaces" in err["message"]
     assert artifact.read_bytes() == before
     wl.stop()
+
+
+def unit_state(res) -> str:
+    assert res.succeeded, res.receipt.get("error")
+    return res.receipt["result"]["operation"]["units"][0]["state"]
+
+
+def test_a_stopped_workload_reads_stopped_and_cannot_sleep_or_wake(captured):
+    """After a capture (whose engine ended with the dump) and after a restore that failed, status says
+    stopped, not crashed: no control file of an engine that is gone is left; sleep and wake of a
+    workload that does not run fail by name instead of reporting success."""
+    wl, artifact, _art = captured
+    assert not wl.engines()
+    assert unit_state(wl.run(wl.request("status", artifact=artifact))) == "stopped"
+    for verb in ("sleep", "wake"):
+        res = wl.run(wl.request(verb, artifact=artifact))
+        assert not res.succeeded, f"{verb} of a stopped workload reported success"
+        message = res.receipt["error"]["message"]
+        assert "is stopped" in message and "restore the workload first" in message, message
+
+
+def test_an_engine_that_dies_as_criu_restores_it_is_named_and_status_says_stopped(captured, state_root, tmp_path):
+    wl, artifact, art = captured
+    pid = captured_worker(state_root, art)["pid"]
+    real = shutil.which("criu") or "/usr/local/sbin/criu"
+    wrapper = tmp_path / "criu-whose-restore-dies"
+    wrapper.write_text(f'#!/bin/sh\n{real} "$@"; rc=$?\n'
+                       f'if [ "$1" = restore ] && [ $rc = 0 ]; then kill -9 {pid}; fi\nexit $rc\n')
+    wrapper.chmod(0o755)
+    res = wl.run(wl.request("restore", artifact=artifact), envvars={"COLDSNAP_CRIU": str(wrapper)})
+    assert not res.succeeded
+    message = json.dumps(res.receipt["error"])
+    assert "ProcessLookupError" not in message and "died" in message and "engine" in message, message
+    assert not engines_after(wl, 10)
+    assert unit_state(wl.run(wl.request("status", artifact=artifact))) == "stopped", \
+        "a failed restore leaves no control file behind"
+    res = wl.run(wl.request("restore", artifact=artifact))  # and the capsule restores as before
+    assert res.succeeded, res.receipt["error"]
+    assert wl.complete() == art["acceptance"]["reply"]
+    wl.stop()
+
+
+def test_a_restore_under_another_state_root_is_refused_in_prepare(captured, tiny_model, env_digest, tmp_path):
+    """The restored engine reads its control file at its captured path: another state root is refused
+    before anything is evicted, naming the capture's root."""
+    wl, artifact, _art = captured
+    other = Workload(tmp_path / "other-root", tiny_model, env_digest, tp=1, name=wl.name)
+    other.port = wl.port
+    err = failed(other.run(other.request("restore", artifact=artifact)), phase_word="prepare")
+    assert f"captured under state root {wl.state_root}" in err["message"], err
+    assert f"--state-root {wl.state_root}" in err["message"]

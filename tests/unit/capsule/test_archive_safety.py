@@ -224,3 +224,19 @@ def test_the_destination_stays_private_whatever_the_archive_says_of_its_root(san
     safe_extract(io.BytesIO(data), dest, select=select)
     assert stat.S_IMODE(os.stat(dest).st_mode) == 0o700
     assert (dest / "f").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("mtime", [1e30, -1e20, float("nan"), -1])
+def test_a_modification_time_no_file_system_takes_is_refused_by_name(sandbox: Path, mtime: float) -> None:
+    info, data = _file("ok.txt")
+    info.pax_headers = {"mtime": repr(mtime)}  # read back as the member's mtime
+    with pytest.raises(ArchiveError, match="modification time"):
+        safe_extract(io.BytesIO(_tar([(info, data)])), sandbox / "dest", what="layer")
+    _assert_nothing_written(sandbox)
+
+
+@pytest.mark.parametrize("name", ["d/" + "n" * 256, "x/" * 2100 + "f"])
+def test_a_name_longer_than_a_file_system_takes_is_refused_by_name(sandbox: Path, name: str) -> None:
+    with pytest.raises(ArchiveError, match="longer than a file system allows"):
+        safe_extract(io.BytesIO(_tar([_file(name)])), sandbox / "dest", what="layer")
+    _assert_nothing_written(sandbox)

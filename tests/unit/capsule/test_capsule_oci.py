@@ -238,6 +238,24 @@ def test_a_corrupted_blob_is_detected_and_extraction_writes_nothing(state: Path,
     assert [p for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
 
 
+@pytest.mark.parametrize("blob_kind", ["layer", "config"])
+def test_a_blob_that_is_a_link_is_never_read_through(state: Path, tmp_path: Path, blob_kind: str) -> None:
+    """A link to /dev/zero at a blob's name would be read without end (a JSON blob into memory)."""
+    ref = build_capsule(unit="unit-0", capture_id="cap-1", files=state, state_target=TARGET, cache_paths=[],
+                        forbidden_paths=[], layout="oci-layout", base_image=None, oci_root=tmp_path / "c",
+                        labels={})
+    img = oci.open_layout(Path(ref.location))
+    desc = img.layers[0] if blob_kind == "layer" else img.config_desc
+    blob = oci.blob_path(img.layout, desc.digest)
+    blob.unlink()
+    blob.symlink_to("/dev/zero")
+    with pytest.raises(IntegrityError, match="symbolic link"):
+        extract_capsule(ref, tmp_path / "out") if blob_kind == "layer" else oci.open_layout(Path(ref.location))
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(IntegrityError, match="symbolic link"):
+        inspect_capsule(ref)
+
+
 def test_a_malicious_layer_is_refused_on_extraction(tmp_path: Path) -> None:
     """A hand-made layout whose layer writes ../ : extraction refuses it and writes nothing outside."""
     layout = tmp_path / "evil"

@@ -71,6 +71,19 @@ def test_build_without_pack_and_bad_description(described):
     assert r.returncode == 2 and "past the end" in r.stderr and not (tmp / "o3").exists()
 
 
+def test_paths_that_cannot_be_used_are_one_line_errors_not_tracebacks(described):
+    _w, tmp = described
+    pack = tmp / "state" / pack_relpath("ab" * 32)
+    r = coldsnap("payload", "inspect", str(pack))
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+    pack.mkdir(parents=True)  # a directory named like a pack is not reported as a 4096-byte pack
+    r = coldsnap("payload", "inspect", str(pack))
+    assert r.returncode == 2 and "is not a regular file" in r.stderr and not r.stdout
+    (tmp / "afile").write_text("x")
+    r = coldsnap("payload", "build", "--description", str(tmp / "desc.json"), "--out", str(tmp / "afile"), "--no-pack")
+    assert r.returncode == 1 and str(tmp / "afile") in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_verify_failure_quarantines_and_exits_2(described):
     _w, tmp = described
     r = coldsnap("payload", "build", "--description", str(tmp / "desc.json"), "--out", str(tmp / "out"),

@@ -212,9 +212,49 @@ def test_symlinked_pack_is_refused(staged, tmp_path):
         PayloadVerifier().verify(cache, digest, size)
 
 
-def test_missing_pack_names_the_fix(tmp_path):
+def test_missing_pack_names_the_fix_and_creates_nothing(tmp_path):
+    typo = tmp_path / "typo" / "state"  # a mistyped state root is not created by a verify that fails
     with pytest.raises(ColdSnapError, match="not present"):
-        PayloadVerifier().verify(NodeCache(tmp_path), "sha256:" + "a" * 64, 10)
+        PayloadVerifier().verify(NodeCache(typo), "sha256:" + "a" * 64, 10)
+    assert not (tmp_path / "typo").exists()
+
+
+def test_a_fifo_at_the_pack_or_record_name_never_hangs_the_verifier(staged):
+    """The verifier holds the digest's lock: a planted FIFO must not block it (and every stager) for ever."""
+    cache, digest, size, path = staged
+    record = records.record_path_for(path)
+    os.mkfifo(record, 0o600)
+    PayloadVerifier().verify(cache, digest, size).close()  # an unusable record: the pack is hashed instead
+    assert records.record_path_for(path).is_file()  # and a real record replaces the FIFO
+    path.unlink()
+    os.mkfifo(path, 0o400)
+    with pytest.raises(IntegrityError, match="not a regular file; it was moved to quarantine"):
+        PayloadVerifier().verify(cache, digest, size)
+    assert not os.path.lexists(path) and cache.quarantined(digest)
+
+
+def test_a_lock_file_planted_as_a_link_is_never_followed(staged, tmp_path):
+    cache, digest, size, _path = staged
+    cache.locks.mkdir(parents=True, exist_ok=True)
+    victim = tmp_path / "victim"
+    (cache.locks / f"{digest.split(':')[1]}.lock").symlink_to(victim)
+    with pytest.raises(ColdSnapError, match="is a symbolic link or not a regular file"):
+        PayloadVerifier().verify(cache, digest, size)
+    assert not os.path.lexists(victim)
+
+
+def test_a_state_root_another_user_planted_in_a_world_writable_directory_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    planted = shared / "state"
+    planted.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give the planted root to another user")
+    os.chown(planted, 65534, 65534)
+    with pytest.raises(ColdSnapError, match="anyone may write to"):
+        NodeCache(planted).ensure_dirs()
+    assert not (planted / "model-payloads").exists()
 
 
 @pytest.mark.parametrize("bad", BAD_DIGESTS)

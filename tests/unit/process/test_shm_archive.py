@@ -70,3 +70,51 @@ def test_an_altered_archive_is_refused_before_anything_is_written(tmp_path, name
 def test_a_missing_archive_names_the_capsule(tmp_path):
     with pytest.raises(ColdSnapError, match="archived /dev/shm"):
         criu.unpack_shm(tmp_path, str(tmp_path / "shm"))
+
+
+def _archive(images, members):
+    """members: (name, type, mode) in order; files hold one byte."""
+    images.mkdir(exist_ok=True)
+    with tarfile.open(images / criu.SHM_ARCHIVE, "w:gz") as tar:
+        for name, kind, mode in members:
+            info = tarfile.TarInfo(name)
+            info.type, info.mode = kind, mode
+            if kind == tarfile.REGTYPE:
+                info.size = 1
+                tar.addfile(info, io.BytesIO(b"x"))
+            else:
+                tar.addfile(info)
+
+
+@pytest.mark.parametrize("members", [
+    [("x", tarfile.REGTYPE, 0o600), ("x/y", tarfile.REGTYPE, 0o600)],   # below a file
+    [("x/y", tarfile.REGTYPE, 0o600), ("x", tarfile.REGTYPE, 0o600)],   # a file where a directory is
+    [("x", tarfile.REGTYPE, 0o600), ("x", tarfile.REGTYPE, 0o600)],     # twice
+    [("d", tarfile.DIRTYPE, 0o700), ("d", tarfile.REGTYPE, 0o600)],
+])
+def test_names_that_collide_are_refused_before_anything_is_written(tmp_path, members):
+    _archive(tmp_path / "images", members)
+    dest = tmp_path / "shm"
+    dest.mkdir()
+    with pytest.raises(ColdSnapError, match="named twice or lies below a file"):
+        criu.unpack_shm(tmp_path / "images", str(dest))
+    assert not list(dest.iterdir())
+
+
+def test_set_id_and_sticky_bits_never_come_back(tmp_path):
+    _archive(tmp_path / "images", [("d", tarfile.DIRTYPE, 0o7777), ("d/f", tarfile.REGTYPE, 0o6755)])
+    dest = tmp_path / "shm"
+    dest.mkdir()
+    assert criu.unpack_shm(tmp_path / "images", str(dest)) == 1
+    assert (dest / "d" / "f").stat().st_mode & 0o7777 == 0o755
+    assert not (dest / "d").stat().st_mode & 0o7000
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not gzip"])
+def test_a_damaged_archive_is_named_not_a_traceback(tmp_path, damage):
+    images = tmp_path / "images"
+    _archive(images, [("psm_a", tarfile.REGTYPE, 0o600)])
+    data = (images / criu.SHM_ARCHIVE).read_bytes()
+    (images / criu.SHM_ARCHIVE).write_bytes(data[: len(data) // 2] if damage == "truncated" else b"junk" * 100)
+    with pytest.raises(ColdSnapError, match="not a readable gzip'd tar archive"):
+        criu.unpack_shm(images, str(tmp_path))

@@ -126,3 +126,23 @@ def test_gpu_placement_reads_the_workers_gpu_and_the_hosts_from_one_enumeration(
     assert gpu_placement(spec, {"device_slot": 0}) == ([D], [A, B, C, D])
     assert gpu_placement(SimpleNamespace(unit={"devices": []}), {"device_slot": None}) == ([], [A, B, C, D])
     assert len(calls) == 3
+
+
+def test_a_port_taken_between_admission_and_criu_is_named_with_its_holder():
+    """CRIU only says 'Can't bind inet socket (id 72)': the restore names the port, who holds it and
+    that the replaced workload is gone."""
+    from coldsnap_activation.sequence import _port_taken_since_admission
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        criu_said = "CRIU restore failed: 1234: Error (criu/sk-inet.c:1049): inet: Can't bind inet socket (id 72): " \
+                    "Address already in use"
+        with pytest.raises(AdmissionError, match=rf"127\.0\.0\.1:{port} is taken on this host by pid") as err:
+            _port_taken_since_admission(criu_said, [("127.0.0.1", port)], "unit-0")
+        assert "no longer running" in str(err.value)
+        _port_taken_since_admission("CRIU restore failed: something else", [("127.0.0.1", port)], "unit-0")
+    finally:
+        holder.close()
