@@ -102,8 +102,8 @@ class ServerLimits:
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ColdSnapError("coordinator max_connections must be >= 1", fix="give a positive slot count")
-        if not all(0 < t < float("inf") for t in (self.read_timeout, self.write_timeout, self.drain_timeout,
-                                                   self.auth_timeout)):
+        timeouts = (self.read_timeout, self.write_timeout, self.drain_timeout, self.auth_timeout)
+        if not all(0 < t < float("inf") for t in timeouts):
             raise ColdSnapError("coordinator timeouts must be finite and > 0", fix="give positive seconds")
         if not self.idle_timeout >= 0 or self.max_unauthenticated_per_source < 1:  # NaN fails the comparison
             raise ColdSnapError("coordinator idle_timeout must be >= 0 and the per-source limit >= 1",

@@ -114,8 +114,11 @@ def test_duplicate_rank_and_reused_name_are_errors(client) -> None:
     assert exc.value.missing == []
 
 
-@pytest.mark.parametrize(("rank", "world", "timeout"), [(-1, 2, 1), (2, 2, 1), (0, 0, 1), (0, 2, 0), (True, 2, 1),
-                                                     (0, 2, float("nan")), (0, 2, float("inf")), (0, 2, "1")])
+BAD_ARGUMENTS = [(-1, 2, 1), (2, 2, 1), (0, 0, 1), (0, 2, 0), (True, 2, 1),
+                 (0, 2, float("nan")), (0, 2, float("inf")), (0, 2, "1")]
+
+
+@pytest.mark.parametrize(("rank", "world", "timeout"), BAD_ARGUMENTS)
 def test_bad_arguments(client, rank, world, timeout) -> None:
     with pytest.raises(BarrierError):
         barrier(client, "args", rank, world, timeout)
