@@ -526,7 +526,7 @@ class PlaybookRun:
         os.chmod(artifact_dir / "stdout", 0o600)
         collector = self.collector = EventCollector(
             recorder, parent_span_id=op_span["span_id"], redactor=redactor, progress=reporter,
-            stdout_log=stdout_log, on_first_event=secrets_file.delete)
+            stdout_log=stdout_log, on_playbook_start=secrets_file.delete)
         controller_error: str | None = None
         rc: int | None = None
         interrupted = False

@@ -148,13 +148,13 @@ class EventCollector:
 
     def __init__(self, recorder: SpanRecorder, *, parent_span_id: str | None, redactor: Redactor,
                  progress: ProgressReporter, stdout_log: IO[str] | None = None,
-                 on_first_event: Callable[[], None] | None = None) -> None:
+                 on_playbook_start: Callable[[], None] | None = None) -> None:
         self.recorder = recorder
         self.parent_span_id = parent_span_id
         self.redactor = redactor
         self.progress = progress
         self.stdout_log = stdout_log
-        self.on_first_event = on_first_event
+        self.on_playbook_start = on_playbook_start
         self.tasks: list[dict] = []
         self.stats: dict[str, dict[str, int]] = {}
         self.custom_stats: dict[str, Any] = {}
@@ -185,9 +185,12 @@ class EventCollector:
 
     def _handle(self, event: dict) -> None:
         self.events_seen += 1
-        if self.events_seen == 1 and self.on_first_event is not None:
-            self.on_first_event()
         name = event.get("event")
+        # ansible-playbook has read its ``-e @file`` once the playbook starts; with -v its banner and
+        # configuration lines come as events before that, so "the first event" is too early.
+        if self.on_playbook_start is not None and isinstance(name, str) and name.startswith("playbook_on_"):
+            self.on_playbook_start()
+            self.on_playbook_start = None
         ed = event.get("event_data") or {}
         stdout = event.get("stdout")
         if isinstance(stdout, str) and stdout:

@@ -125,6 +125,25 @@ def test_nothing_stored_holds_a_secret(success) -> None:
     assert "ANSIBLE_COLLECTIONS_PATH" in command["env"]
 
 
+@pytest.mark.parametrize("verbosity", [1, 3])
+def test_secret_extra_vars_reach_a_verbose_run_and_are_stored_nowhere(tmp_path: Path, verbosity: int) -> None:
+    """With -v ansible-playbook reports its configuration as events before it reads ``-e @file``: the
+    secrets file must still be there then (it was deleted at the first event), and gone afterwards."""
+    req = request_for("capture")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COLDSNAP_FIXTURE_API_TOKEN", ENV_TOKEN)
+        result = run_playbook(operation="capture", request=req, playbook=PLAYBOOKS / "succeed.yml",
+                              extravars=operation_extravars(req, state_root=tmp_path / "state"), inventory=None,
+                              state_root=tmp_path / "state", progress=False, verbosity=verbosity,
+                              secret_extravars={"coldsnap_test_token": SECRET_VAR})
+    receipt = load_receipt(result.receipt_path.read_bytes())
+    assert result.succeeded, receipt["error"]
+    assert receipt["result"]["operation"]["token_length"] == len(SECRET_VAR)
+    assert list((result.run_dir / "secrets").iterdir()) == []
+    for path in all_files(result.run_dir):
+        assert SECRET_VAR.encode() not in path.read_bytes() and ENV_TOKEN.encode() not in path.read_bytes(), path
+
+
 def test_failing_task(tmp_path: Path) -> None:
     req = request_for("restore")
     result = run_playbook(operation="restore", request=req, playbook=PLAYBOOKS / "fail.yml",
