@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_writer
 
 STATUS_COLORS = {
     "failed": "#d62728",
@@ -272,6 +273,11 @@ def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) ->
         ax.text(0.5, 0.5, "no timing spans in this receipt", transform=ax.transAxes, ha="center", va="center")
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, format="png")
+    if not out.parent.is_dir():
+        raise ColdSnapError(f"cannot write the timeline to {out}: {out.parent} is not a directory",
+                            fix="give -o a path in an existing directory")
+    # Drawn into a temporary file and renamed: an existing picture is replaced whole or not at all, and a
+    # link at ``out`` is replaced, never written through.
+    with atomic_writer(out, mode=0o644) as fh:
+        fig.savefig(fh, format="png")
     return out

@@ -160,6 +160,7 @@ class StateLayout:
     def ensure_private_root(self) -> Path:
         """Create the state root 0700 (and make an existing one 0700): everything below is private
         to the user ColdSnap runs as (CRIU images, capsules and descriptors hold process memory)."""
+        self._refuse_planted()  # before anything is created in another user's directory
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._refuse_planted()
         st = os.stat(self.root)
@@ -168,20 +169,30 @@ class StateLayout:
         return self.root
 
     def _refuse_planted(self) -> None:
-        """A state root (or a link to one) that another user made in a directory anyone may write to
-        (``/tmp``, ``/var/tmp``) is theirs to redirect: ColdSnap would write and chmod through their links
-        and trust their files. Refused; a root owned by another user elsewhere (a user's own state root
-        that root works in for them) is fine."""
+        """A component of the state root's path (a link or a directory, of the path as given or as resolved,
+        the root itself or any directory above it) that another user made in a directory anyone may write
+        to (``/tmp``, ``/var/tmp``) is theirs to redirect: ColdSnap would write and chmod through their
+        links and trust their files. Refused; a root owned by another user elsewhere (a user's own state
+        root that root works in for them) is fine."""
         me = os.geteuid()
-        link = self.root.absolute()
-        real = Path(os.path.realpath(link))
-        for st, where in ((os.lstat(link), link.parent), (os.stat(real), real.parent)):
-            if st.st_uid not in (me, 0) and os.stat(where).st_mode & stat.S_IWOTH:
-                raise ColdSnapError(
-                    f"state root {self.root} belongs to uid {st.st_uid}, not to this user (uid {me}), and lies in "
-                    f"{where}, which anyone may write to: another user could redirect ColdSnap's files through it",
-                    fix="use a state root this user owns outside world-writable directories (the default), or "
-                        "remove that one")
+        given = self.root.absolute()
+        for path in (given, Path(os.path.realpath(given))):
+            cur = Path(path.anchor)
+            for part in path.parts[1:]:
+                parent, cur = cur, cur / part
+                try:
+                    st = os.lstat(cur)
+                except FileNotFoundError:
+                    break
+                if st.st_uid not in (me, 0) and os.stat(parent).st_mode & stat.S_IWOTH:
+                    raise ColdSnapError(
+                        f"state root {self.root}: {cur} belongs to uid {st.st_uid}, not to this user (uid {me}), "
+                        f"and lies in {parent}, which anyone may write to: another user could redirect ColdSnap's "
+                        "files through it",
+                        fix="use a state root this user owns outside world-writable directories (the default), or "
+                            "remove that one")
+                if stat.S_ISLNK(st.st_mode):
+                    break  # where it leads is checked on the resolved path
 
     def path(self, name: str, *parts: str) -> Path:
         """A named location (``payloads``, ``payload_objects``, ``captures``, ``workloads`` ...) with

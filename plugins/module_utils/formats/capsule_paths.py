@@ -17,13 +17,19 @@ SYSTEM_ROOTS = ("/", "/bin", "/boot", "/dev", "/etc", "/lib", "/lib64", "/proc",
                 "/var", "/tmp", "/root", "/home", "/opt", "/opt/coldsnap")
 
 
+def normalize_abs(path: str) -> str:
+    """``posixpath.normpath`` of an absolute path, with POSIX's two leading slashes (``//etc``, which Linux
+    reads as ``/etc``) collapsed to one."""
+    norm = posixpath.normpath(path)
+    return "/" + norm.lstrip("/") if norm.startswith("/") else norm
+
+
 def _norm_abs(path: str, *, what: str) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise ColdSnapError(f"{what} {path!r} is not an absolute path", fix="give an absolute path inside the unit")
     if "\x00" in path or any(p == ".." for p in path.split("/")):
         raise ColdSnapError(f"{what} {path!r} contains '..' or NUL", fix="give a normalized absolute path")
-    norm = posixpath.normpath(path)
-    return "/" if norm in ("/", "//") else norm
+    return normalize_abs(path)
 
 
 def paths_overlap(a: str, b: str) -> bool:

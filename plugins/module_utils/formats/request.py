@@ -14,13 +14,15 @@ fields it reads. Engine rules stay in :mod:`.engines`, capsule path policy in
 from __future__ import annotations
 
 import copy
-import posixpath
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_paths import cache_path_problems
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_paths import (
+    cache_path_problems,
+    normalize_abs,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import (
     ENGINES,
@@ -68,11 +70,17 @@ NEEDS_ARTIFACT = ("restore", "warm", "publish", "publish-native", "native-status
 NEEDS_VALIDATION = ("capture", "restore", "warm", "wake")
 
 
+# Free text travels in every task's arguments (ansible-runner drops an event's result above 700 kB, and
+# with it the error a user needs): a request stays far below that.
+MAX_PROMPT = 16384  # characters of the validation prompt and of an expected reply
+MAX_ARG, MAX_ARGS = 4096, 256  # characters of one command argument or environment value; command arguments
+
+
 def _abs_path_check(value: str) -> tuple[str, str] | None:
     if "\x00" in value:
         return "contains a NUL byte", "remove it"
-    if posixpath.normpath(value) != value.rstrip("/") and value != "/":
-        return f"{value!r} is not a normalized path ('.', '..' or '//' inside)", f"write it as {posixpath.normpath(value)!r}"
+    if normalize_abs(value) != value.rstrip("/") and value != "/":
+        return f"{value!r} is not a normalized path ('.', '..' or '//' inside)", f"write it as {normalize_abs(value)!r}"
     return None
 
 
@@ -106,8 +114,9 @@ UNIT = Obj({
     "image": Field(Str(pattern=ids.IMAGE_REF, pattern_fix=ids.IMAGE_REF_FIX,
                        description="runtime image pinned by digest (runtime docker)"), required=False),
     "environment_digest": Field(Digest("sha256 of the installed runtime tree (runtime host)"), required=False),
-    "command": Field(Arr(Str(min_len=1), min_items=1, description="the engine's serve command (argv)")),
-    "environment": Field(Map(Str(), key_pattern=r"[A-Za-z_][A-Za-z0-9_]*",
+    "command": Field(Arr(Str(min_len=1, max_len=MAX_ARG), min_items=1, max_items=MAX_ARGS,
+                         description="the engine's serve command (argv)")),
+    "environment": Field(Map(Str(max_len=MAX_ARG), key_pattern=r"[A-Za-z_][A-Za-z0-9_]*",
                              key_fix="environment names use letters, digits and '_'"), required=False, default={}),
     "mounts": Field(Arr(MOUNT), required=False, default=[]),
 })
@@ -139,9 +148,10 @@ EXECUTION = Obj({
         "id": Field(Ident("service id")),
         "unit": Field(Ident("unit that serves it")),
         "port": Field(Int(minimum=1, maximum=65535)),
-        "address": Field(Str(min_len=1, description="interface the server binds"), required=False,
+        "address": Field(Str(min_len=1, max_len=255, description="interface the server binds"), required=False,
                          default="127.0.0.1"),
-        "health_path": Field(Str(pattern=r"/[^\s]*", pattern_fix="start the path with '/'"), required=False,
+        "health_path": Field(Str(pattern=r"/[^\s]*", pattern_fix="start the path with '/'", max_len=1024),
+                             required=False,
                              default="/health"),
     })), required=False, default=[]),
     "adapter": Field(Obj({
@@ -229,11 +239,12 @@ REQUEST_SCHEMA = Obj({
     })),
     "policy": Field(POLICY, required=False, default={}),
     "validation": Field(Obj({
-        "health_path": Field(Str(pattern=r"/[^\s]*", pattern_fix="start the path with '/'"), required=False,
+        "health_path": Field(Str(pattern=r"/[^\s]*", pattern_fix="start the path with '/'", max_len=1024),
+                             required=False,
                              default="/health"),
-        "prompt": Field(Str(min_len=1)),
+        "prompt": Field(Str(min_len=1, max_len=MAX_PROMPT)),
         "max_tokens": Field(Int(minimum=1, maximum=4096), required=False, default=16),
-        "expected": Field(Nullable(Str()), required=False, default=None,
+        "expected": Field(Nullable(Str(max_len=MAX_PROMPT)), required=False, default=None,
                           description="exact reply; null at capture records the cold engine's reply"),
         "logprobs": Field(Nullable(Int(minimum=0, maximum=20)), required=False, default=None,
                           description="top log-probabilities per generated token that capture records and "
@@ -321,17 +332,23 @@ def driver_candidates(value: Any, *, document: str = "request") -> tuple[list[st
 _HOST_TREES = {"/": "the host's whole file system", "/etc": "the host's configuration", "/proc": "the host's /proc",
                "/sys": "the host's /sys", "/dev": "the host's devices", "/boot": "the host's boot files",
                "/root": "root's home", "/var/run": "the host's runtime sockets", "/run": "the host's runtime sockets"}
+# Directories that hold a user's keys and tokens, wherever their home is.
+_CREDENTIAL_DIRS = frozenset({".ssh", ".gnupg", ".docker", ".kube", ".aws", ".azure", ".config"})
 
 
 def _host_tree_exposed(source: str) -> str | None:
-    """What of the host a mount of ``source`` exposes, when it is a system tree, a parent of one, or a
-    container engine's socket; None for an ordinary directory."""
-    path = posixpath.normpath(source)
+    """What of the host a mount of ``source`` exposes, when it is a system tree, lies below one or holds one
+    (``/var`` holds ``/var/run``), or is a container engine's socket; None for an ordinary directory."""
+    path = normalize_abs(source)
     if path.endswith(("docker.sock", "containerd.sock", "podman.sock")):
         return "control of the host's container engine"
     for tree, what in _HOST_TREES.items():
-        if path == tree or (tree != "/" and path.startswith(tree + "/") and tree in ("/proc", "/sys", "/dev", "/etc")):
-            return what
+        if path == tree or (tree not in ("/", "/root") and path.startswith(tree + "/")):
+            return what  # /root/models/... is a model directory like any other; /root itself is not
+        if tree.startswith(path.rstrip("/") + "/"):
+            return f"{what} (it holds {tree})"
+    if any(part in _CREDENTIAL_DIRS for part in path.split("/")):
+        return "a user's credentials"
     return None
 
 

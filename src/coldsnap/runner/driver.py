@@ -336,8 +336,14 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
                              inventory=inventory, state_root=state_root, prepare_only=prepare_only, envvars=envvars,
                              secret_extravars=secret_extravars, verbosity=verbosity, keep_artifacts=keep_artifacts,
                              notes=notes)
-    StateLayout(config.state_root).ensure_private_root()
-    run_dir = _private_dir(_private_dir(config.state_root / "runs") / config.operation_id)
+    try:
+        StateLayout(config.state_root).ensure_private_root()
+        run_dir = _private_dir(_private_dir(config.state_root / "runs") / config.operation_id)
+    except OSError as exc:  # read-only, full, not ours: nothing ran yet
+        raise ColdSnapError(f"state root {config.state_root} cannot be written ({exc.strerror or exc}"
+                            f"{': ' + str(exc.filename) if exc.filename else ''})",
+                            fix="pass --state-root a writable directory of this user's (or set COLDSNAP_STATE_ROOT)") \
+            from None
     try:
         lock = file_lock(run_dir / ".lock", timeout=0)
         lock.__enter__()

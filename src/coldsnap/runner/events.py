@@ -59,6 +59,18 @@ def _truncate(text: str, limit: int = MAX_MSG) -> str:
     return text if len(text) <= limit else text[: limit - 15] + " ...[truncated]"
 
 
+def _message_in_display(stdout: Any) -> str | None:
+    """The ``msg`` of a result as ansible-playbook displayed it (``fatal: [h]: FAILED! => {...}``)."""
+    if not isinstance(stdout, str) or "=> " not in stdout:
+        return None
+    text = stdout.split("=> ", 1)[1].strip()
+    try:
+        shown = json.loads(text)
+    except ValueError:
+        return text[:2000] or None
+    return result_message(shown, failed=True) if isinstance(shown, Mapping) else None
+
+
 def result_message(res: Mapping[str, Any], *, failed: bool) -> str | None:
     """The human message of a module result: ``msg`` (plus stderr's tail on failure)."""
     msg = res.get("msg")
@@ -248,6 +260,10 @@ class EventCollector:
         ignored = status == "failed" and bool(ed.get("ignore_errors"))
         changed = bool(res.get("changed")) and status in ("ok", "failed")
         msg = None if censored else result_message(res, failed=status in ("failed", "unreachable"))
+        if not msg and not res and status in ("failed", "unreachable"):
+            # ansible-runner leaves out a result larger than its event limit (a huge module argument): the
+            # message is still in the line ansible-playbook printed for the task.
+            msg = _message_in_display(event.get("stdout"))
         opened = self.open.pop((host, str(ed.get("task_uuid") or task)), None)
         if opened is None:  # a result without a start event: record a zero-length span
             span = self.recorder.start_span(task, parent_id=self.parent_span_id, host=host,

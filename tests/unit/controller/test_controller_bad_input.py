@@ -208,3 +208,21 @@ def test_the_demo_preset_from_the_environment_is_checked_too(capsys, monkeypatch
     with pytest.raises(SystemExit) as exc:
         main(["demo"])
     assert exc.value.code == 2 and "invalid choice: 'huge'" in capsys.readouterr().err
+
+
+def test_a_state_root_on_a_read_only_file_system_is_named_with_the_fix(tmp_path, capsys, monkeypatch) -> None:
+    real_mkdir = os.mkdir
+    ro = tmp_path / "ro"
+
+    def mkdir(path, *args, **kwargs):
+        if str(path).startswith(str(ro)):
+            raise OSError(30, "Read-only file system", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    req = json.loads((EXAMPLES / "stop.json").read_text())
+    req.pop("artifact")  # a stop needs none: nothing is checked before the state root
+    path = _request(tmp_path, json.dumps(req))
+    rc, _out, err = _run(capsys, "stop", "--request-json", str(path), "--state-root", str(ro))
+    assert rc == 2 and f"state root {ro} cannot be written (Read-only file system" in err, err
+    assert "--state-root a writable directory" in err and "Traceback" not in err

@@ -105,3 +105,23 @@ def test_progress_reporter_writes_only_when_enabled() -> None:
     rep.progress("gpu-a", "Stage payload", {"done": 1, "total": 4})
     text = out.getvalue()
     assert "gpu-a" in text and "FAILED" in text and "(1.2s): checksum mismatch" in text and "1/4 (25%)" in text
+
+
+def test_a_failure_whose_result_runner_left_out_keeps_its_message() -> None:
+    """ansible-runner drops an event's result above its size limit (a task with a huge argument): the
+    receipt's error still carries the module's message, read from the line ansible-playbook printed."""
+    import io
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
+
+    from coldsnap.runner.events import EventCollector
+    from coldsnap.runner.progress import ProgressReporter
+    from coldsnap.runner.redaction import Redactor
+
+    collector = EventCollector(SpanRecorder("controller"), parent_span_id=None, redactor=Redactor(),
+                               progress=ProgressReporter(False, stream=io.StringIO()))
+    shown = 'fatal: [localhost]: FAILED! => {"changed": false, "msg": "unit unit-0: the engine refused /resume"}'
+    for task, stdout in (("Capture", shown), ("Restore", "fatal: [h]: FAILED! => not json at all")):
+        collector({"event": "runner_on_failed", "stdout": stdout,
+                   "event_data": {"host": "localhost", "task": task, "res": {}}})
+    assert [f["msg"] for f in collector.failures] == ["unit unit-0: the engine refused /resume", "not json at all"]

@@ -65,11 +65,26 @@ def _png_size(data: bytes) -> tuple[int, int]:
 
 
 def test_render_png(tmp_path: Path) -> None:
-    out = render_timeline(_receipt(), tmp_path / "sub" / "timeline.png")
+    out = render_timeline(_receipt(), tmp_path / "timeline.png")
     data = out.read_bytes()
     width, height = _png_size(data)
     assert width >= 1000 and height >= 250
     assert len(data) > 20_000  # bars, labels and a legend, not an empty canvas
+
+
+def test_the_png_replaces_a_link_never_writes_through_it_and_needs_its_directory(tmp_path: Path) -> None:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    link = tmp_path / "link.png"
+    link.symlink_to(victim)
+    render_timeline(_receipt(), link)
+    assert victim.read_text() == "keep me" and not link.is_symlink() and _png_size(link.read_bytes())[0] >= 1000
+    with pytest.raises(ColdSnapError, match="is not a directory"):
+        render_timeline(_receipt(), tmp_path / "missing" / "t.png")
+    assert not (tmp_path / "missing").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.png", "victim.txt"]  # no temporary file left
 
 
 def test_render_png_without_spans(tmp_path: Path) -> None:

@@ -332,10 +332,19 @@ def test_only_several_units_or_workers_need_the_coordinator(example_request_text
 
 
 @pytest.mark.parametrize("source", ["/", "/etc", "/proc/1", "/var/run/docker.sock", "/run/containerd/containerd.sock",
-                                    "/sys", "/dev/sda", "/root"])
+                                    "/sys", "/dev/sda", "/root",
+                                    # a parent of a listed tree, below /run or /boot, a credential directory
+                                    "/var", "/run/user/0", "/boot/grub", "/root/.ssh", "/home/ops/.docker"])
 def test_a_mount_of_a_host_tree_or_the_container_engine_is_refused(base, source):
     base["launch"]["units"][0]["mounts"] = [{"source": source, "target": "/mnt/x", "read_only": False}]
     with pytest.raises(FormatError, match=r"mounts\[0\]\.source.*would give the unit"):
+        validate_request(base)
+
+
+@pytest.mark.parametrize("source", ["//etc", "//proc", "/models//../etc"])
+def test_a_mount_spelled_with_extra_slashes_is_refused_as_not_normalized(base, source):
+    base["launch"]["units"][0]["mounts"] = [{"source": source, "target": "/mnt/x", "read_only": True}]
+    with pytest.raises(FormatError, match=r"mounts\[0\]\.source.*not a normalized path"):
         validate_request(base)
 
 

@@ -196,8 +196,18 @@ def test_a_state_root_another_user_planted_in_a_shared_directory_is_refused(tmp_
     with pytest.raises(ColdSnapError, match="belongs to uid 65534"):
         StateLayout(link).ensure_private_root()
     assert oct(victim.stat().st_mode & 0o777) == "0o755", "nothing was chmodded through the link"
+    # one level down: a directory of theirs in the shared one, holding a link to the victim or a new root
+    theirs = shared / "theirs"
+    theirs.mkdir()
+    (theirs / "sr").symlink_to(victim)
+    os.chown(theirs, 65534, 65534)
+    for root in (theirs / "sr", theirs / "new" / "root"):
+        with pytest.raises(ColdSnapError, match=r"theirs belongs to uid 65534.*anyone may write to"):
+            StateLayout(root).ensure_private_root()
+    assert not (theirs / "new").exists() and oct(victim.stat().st_mode & 0o777) == "0o755"
     mine = shared / "mine"
     assert StateLayout(mine).ensure_private_root() == mine and oct(mine.stat().st_mode & 0o777) == "0o700"
+    assert StateLayout(mine / "below").ensure_private_root() == mine / "below"
     users_own = tmp_path / "home-of-a-user" / "coldsnap"  # not in a shared directory: root may work in it
     users_own.mkdir(parents=True)
     os.chown(users_own, 65534, 65534)
