@@ -189,7 +189,8 @@ def run(module: AnsibleModule, session: ProgressSession | None = None) -> dict:
             if ref.layout == "oci-layout":
                 known = f"{repo}@{ref.image_id}"
             elif not (known and known.startswith(repo + "@")):
-                known = _docker_repo_digest(ref, repo)
+                known = _docker_repo_digest(ref, repo) or publish.published_docker_capsule(
+                    ref, repo, auth=auth, insecure=p["insecure_registry"])
             inspect_capsule(ref, verify=True)
             if known and publish.remote_has(known, auth=auth, insecure=p["insecure_registry"]):
                 entry["repository_digest"] = known

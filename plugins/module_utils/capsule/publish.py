@@ -357,6 +357,24 @@ def remote_has(repository_digest: str, *, auth: dict[str, Any] | None = None, in
         return False
 
 
+def published_docker_capsule(ref: CapsuleRef, repository: str, *, auth: dict[str, Any] | None = None,
+                             insecure: bool | None = None, client: Any = None) -> str | None:
+    """``repository@<manifest digest>`` when the registry already serves this docker capsule under its
+    publish tag (its manifest names the capsule's image id as config and every blob is there), else None.
+    The local store keeps no repo digest for it (the publish tag is removed after a push), so this is how
+    a second publish finds the first one instead of pushing again."""
+    tag = publish_tag(ref, capture_id_of(ref, client=client))
+    try:
+        data = RegistryClient(repository, auth=auth, insecure=insecure).get_manifest(
+            tag, MANIFEST_ACCEPT, what=f"capsule of unit {ref.unit!r}")
+        digest = oci.digest_bytes(data)
+        _verify_remote_manifest(repository, digest, auth=auth, what=f"capsule of unit {ref.unit!r}",
+                                expected_config=ref.image_id, insecure=insecure)
+    except (RegistryError, PublishError, IntegrityError, ValueError):
+        return None  # not there, or not this capsule: push it
+    return f"{repository}@{digest}"
+
+
 def capture_id_of(ref: CapsuleRef, client: Any = None) -> str | None:
     """The capture id a local capsule is labelled with."""
     return inspect_capsule(ref, verify=False, client=client)["labels"].get(LABEL_CAPTURE)

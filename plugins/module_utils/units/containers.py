@@ -357,11 +357,25 @@ def foreign_container(container: Any, *, recipe: str | None, unit: str | None) -
     name = getattr(container, "name", "?")
     if LABEL_UNIT not in labels or LABEL_RECIPE not in labels:
         return f"a container named {name!r} exists and is not a ColdSnap unit container"
+    # A container's labels include its image's: one run by hand from a capsule image carries the capsule's
+    # recipe and unit. ColdSnap sets its role and its operation's own id on every container it starts.
+    inherited = _image_labels(container)
+    if LABEL_ROLE not in labels or LABEL_OPERATION not in labels or \
+            inherited.get(LABEL_OPERATION) == labels[LABEL_OPERATION]:
+        return (f"a container named {name!r} exists and was not started by ColdSnap (its recipe and unit labels "
+                "come from its image)")
     for key, want, what in ((LABEL_RECIPE, recipe, "recipe"), (LABEL_UNIT, unit, "unit")):
         if want is not None and labels.get(key) != want:
             return (f"container {name!r} belongs to recipe {labels.get(LABEL_RECIPE)!r} unit "
                     f"{labels.get(LABEL_UNIT)!r}, not to this workload's {what} {want!r}")
     return None
+
+
+def _image_labels(container: Any) -> dict[str, str]:
+    try:
+        return dict(container.image.labels or {})
+    except Exception:  # the image is gone (removed under a running container): nothing is inherited
+        return {}
 
 
 def wait_unit(container: Any, timeout: float | None = None) -> int:

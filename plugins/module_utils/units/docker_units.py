@@ -18,6 +18,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     ColdSnapError,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import (
     LABEL_STATE_TARGET,
 )
@@ -164,17 +165,22 @@ class DockerUnits(RunningUnits):
         stopped = []
         for u in units_on_host(self.request, self.host):
             c = canonical_container(self.request, u["id"], client=client)
-            if c is None:
-                continue
-            stopped.append({"unit": u["id"], "container": c.name, "status": c.status})
+            if c is not None:
+                stopped.append({"unit": u["id"], "container": c.name, "status": c.status})
             if check_mode:
                 continue
-            c.remove(force=True)
-            # Wait until it is gone: its listening ports must be free for the restore.
-            deadline = time.monotonic() + 60
-            while container_exists(client, c.id):
-                if time.monotonic() > deadline:
-                    raise ColdSnapError(f"container {c.name} was removed but is still listed after 60 s",
-                                        fix="check dockerd's health")
-                time.sleep(0.05)
+            if c is not None:
+                c.remove(force=True)
+                # Wait until it is gone: its listening ports must be free for the restore.
+                deadline = time.monotonic() + 60
+                while container_exists(client, c.id):
+                    if time.monotonic() > deadline:
+                        raise ColdSnapError(f"container {c.name} was removed but is still listed after 60 s",
+                                            fix="check dockerd's health")
+                    time.sleep(0.05)
+            # The engines went with their container (or before, by hand): so do their control files, which
+            # hold a pid of the container's namespace, a port and a token of an engine that is gone.
+            wdir = self.layout.workload(self.request["workload"]["recipe"], u["id"])
+            for f in wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*")):
+                f.unlink(missing_ok=True)
         return stopped

@@ -191,6 +191,12 @@ def test_warm_restore_and_lifecycle_run_inside_the_unit_container(captured):
     assert run("wake")["units"][0]["state"] == "ready"
     assert captured.wl.complete() == captured.accepted
     assert captured.wl.container().id == container.id, "lifecycle operations never replace the container"
+    controls = list(captured.state("workloads", RECIPE, "unit-0").glob("control-*.json"))
+    assert controls, "the running engine's control file"
+    stopped = run("stop")
+    assert stopped["units"][0]["state"] == "stopped" and captured.wl.container() is None
+    assert not any(f.exists() for f in controls), "no control file of an engine that is gone is left"
+    assert run("status")["units"][0]["state"] == "stopped"
 
 
 def test_a_failed_restore_leaves_no_container_and_still_hands_state_back(captured):
@@ -248,6 +254,28 @@ def test_prepare_refuses_a_foreign_container_under_the_canonical_name(captured, 
         assert client.containers.get(name).id == foreign.id, "a container ColdSnap does not own is left alone"
     finally:
         foreign.remove(force=True)
+
+
+def test_a_container_run_by_hand_from_the_capsule_image_is_not_coldsnaps(captured):
+    """Its labels include the capsule image's recipe and unit: it is still refused, and left alone."""
+    import docker
+
+    client = docker.from_env()
+    name = docker_unit.canonical_container_name(RECIPE, "unit-0")
+    try:
+        client.containers.get(name).remove(force=True)
+    except docker.errors.NotFound:
+        pass
+    capsule = captured.artifact["capsule"]["units"][0]["image_id"]
+    by_hand = client.containers.create(capsule, ["sleep", "600"], name=name, entrypoint=[], network_mode="none")
+    try:
+        assert by_hand.labels.get("org.coldsnap.recipe") == RECIPE, "the premise: the image's labels show through"
+        _req, res = restore(captured)
+        assert not res.succeeded
+        assert "was not started by ColdSnap" in res.receipt["error"]["message"], res.receipt["error"]
+        assert client.containers.get(name).id == by_hand.id, "a container ColdSnap did not start is left alone"
+    finally:
+        by_hand.remove(force=True)
 
 
 def test_another_workloads_unit_container_under_a_colliding_name_is_never_touched(captured, runtime_image):

@@ -31,12 +31,31 @@ WORKER = "worker-0"
 def running(state_root, tiny_model, env_digest):
     """Capture once, restore once: the workload runs from that capture while the tests tamper."""
     wl = Workload(state_root, tiny_model, env_digest, tp=1, name="boundary")
-    cap = wl.run(wl.request("capture"))
+    control = state_root / "workloads" / wl.name / UNIT / f"control-{WORKER}.json"
+    seen: list[str] = []  # the capture's engine token, read while it runs (the capture removes the file)
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                token = json.loads(control.read_text())["token"]
+                if token not in seen:
+                    seen.append(token)
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        cap = wl.run(wl.request("capture"))
+    finally:
+        done.set()
+        watcher.join()
     assert cap.succeeded, cap.receipt["error"]
+    assert not control.exists(), "the capture's engine is gone: its control file goes with it"
+    assert len(seen) == 1, seen
+    capture_token = seen[0]
     artifact = Path(cap.receipt["result"]["operation"]["artifact"])
     art = json.loads(artifact.read_text())
-    control = state_root / "workloads" / wl.name / UNIT / f"control-{WORKER}.json"
-    capture_token = json.loads(control.read_text())["token"]
     res = wl.run(wl.request("restore", artifact=artifact))
     assert res.succeeded, res.receipt["error"]
     yield wl, artifact, art, capture_token
