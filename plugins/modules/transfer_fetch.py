@@ -66,7 +66,7 @@ EXAMPLES = r"""
 RETURN = r"""
 files:
   description: Number of files the server serves.
-  returned: success
+  returned: success, except in check mode when no server answers
   type: int
   sample: 4
 fetched:
@@ -80,7 +80,7 @@ bytes_received:
   type: int
 bytes:
   description: Total size of the files.
-  returned: success
+  returned: success, except in check mode when no server answers
   type: int
 """
 
@@ -103,13 +103,14 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.client imp
 def _plan(p: dict) -> dict:
     """Check mode: the files a real run would bring, when the server runs (transfer_serve starts none in
     check mode; it returns port 0 then)."""
+    why = "transfer_serve starts no server in check mode (port 0)"
     if p["port"]:
         try:
             return plan_tree(Peer(p["address"], p["port"], p["token"], timeout=10.0, attempts=1), p["dest"])
         except PeerUnreachable:
-            pass
-    return {"changed": True, "msg": f"no transfer server answers at {p['address']}:{p['port']} (check mode starts "
-                                    f"none): a real run pulls every file that {p['dest']} lacks"}
+            why = f"no transfer server answers at {p['address']}:{p['port']}"
+    return {"changed": True, "fetched": [], "bytes_received": 0,
+            "msg": f"{why}: the files cannot be listed; a real run pulls every file that {p['dest']} lacks"}
 
 
 def main() -> None:

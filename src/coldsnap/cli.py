@@ -99,9 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except OSError as exc:
         # A file the user named that cannot be used (exists, missing directory, permission): said in one
-        # line with the path, not a traceback. Errors ColdSnap anticipates carry their own fix above.
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"coldsnap: error: {where}{exc.strerror or exc}; check that path and run again", file=sys.stderr)
+        # line with the path, not a traceback. Errors ColdSnap anticipates carry their own fix above; any
+        # other OSError (no path to name) keeps its traceback.
+        if not exc.filename:
+            raise
+        print(f"coldsnap: error: {exc.filename}: {exc.strerror or exc}; check that path and run again",
+              file=sys.stderr)
         return 1
 
 

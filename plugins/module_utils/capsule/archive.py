@@ -234,7 +234,7 @@ def _tarinfo(entry: LayerEntry, seen_inodes: dict[tuple[int, int], str]) -> tarf
         return info
     st = os.lstat(entry.source)
     info.mode = stat.S_IMODE(st.st_mode)
-    info.mtime = int(st.st_mtime)
+    info.mtime = min(max(int(st.st_mtime), 0), MTIME_MAX - 1)  # what extraction accepts (a file dated 1969 too)
     if stat.S_ISDIR(st.st_mode):
         info.type = tarfile.DIRTYPE
     elif stat.S_ISLNK(st.st_mode):

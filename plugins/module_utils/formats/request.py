@@ -72,8 +72,9 @@ NEEDS_VALIDATION = ("capture", "restore", "warm", "wake")
 
 # Free text travels in every task's arguments (ansible-runner drops an event's result above 700 kB, and
 # with it the error a user needs): a request stays far below that.
-MAX_PROMPT = 16384  # characters of the validation prompt and of an expected reply
-MAX_ARG, MAX_ARGS = 4096, 256  # characters of one command argument or environment value; command arguments
+MAX_PROMPT = 65536  # characters of the validation prompt
+MAX_REPLY = 262144  # characters of an expected reply (up to 4096 tokens)
+MAX_ARG, MAX_ARGS = 131072, 4096  # one command argument or environment value (Linux's own limit); arguments
 
 
 def _abs_path_check(value: str) -> tuple[str, str] | None:
@@ -244,7 +245,7 @@ REQUEST_SCHEMA = Obj({
                              default="/health"),
         "prompt": Field(Str(min_len=1, max_len=MAX_PROMPT)),
         "max_tokens": Field(Int(minimum=1, maximum=4096), required=False, default=16),
-        "expected": Field(Nullable(Str(max_len=MAX_PROMPT)), required=False, default=None,
+        "expected": Field(Nullable(Str(max_len=MAX_REPLY)), required=False, default=None,
                           description="exact reply; null at capture records the cold engine's reply"),
         "logprobs": Field(Nullable(Int(minimum=0, maximum=20)), required=False, default=None,
                           description="top log-probabilities per generated token that capture records and "

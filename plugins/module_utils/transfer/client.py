@@ -280,7 +280,8 @@ def fetch_tree(peer: Peer, dest: Path | str, *, progress: Progress | None = None
     dest = Path(dest)
     files = _checked_listing(peer)
     total = sum(int(f["size"]) for f in files)
-    if dest.is_dir() and not dest.is_symlink() and not missing_files(dest, files):
+    if dest.is_dir() and not dest.is_symlink() and all(
+            _is_verified(dest / str(f["name"]), int(f["size"]), _digest_of(f)) for f in files):  # stops at the first
         return {"files": len(files), "fetched": [], "bytes_received": 0, "bytes": total}
     stage = dest.with_name(f".{dest.name}{PARTIAL_SUFFIX}")
     _real_dir(stage)
@@ -364,8 +365,9 @@ def plan_tree(peer: Peer, dest: Path | str) -> dict[str, Any]:
     files = _checked_listing(peer)
     dest = Path(dest)
     whole = not dest.is_dir() or dest.is_symlink()  # fetch_tree (re)creates the directory then
-    return {"files": len(files), "fetched": missing_files(dest, files), "bytes_received": 0,
-            "bytes": sum(int(f["size"]) for f in files), "changed": whole or bool(missing_files(dest, files))}
+    missing = missing_files(dest, files)
+    return {"files": len(files), "fetched": missing, "bytes_received": 0,
+            "bytes": sum(int(f["size"]) for f in files), "changed": whole or bool(missing)}
 
 
 def _real_dir(path: Path) -> None:

@@ -358,10 +358,9 @@ def foreign_container(container: Any, *, recipe: str | None, unit: str | None) -
     if LABEL_UNIT not in labels or LABEL_RECIPE not in labels:
         return f"a container named {name!r} exists and is not a ColdSnap unit container"
     # A container's labels include its image's: one run by hand from a capsule image carries the capsule's
-    # recipe and unit. ColdSnap sets its role and its operation's own id on every container it starts.
+    # recipe, unit and capture operation. ColdSnap sets a role on every container it starts; no image has one.
     inherited = _image_labels(container)
-    if LABEL_ROLE not in labels or LABEL_OPERATION not in labels or \
-            inherited.get(LABEL_OPERATION) == labels[LABEL_OPERATION]:
+    if LABEL_ROLE not in labels or inherited.get(LABEL_ROLE) == labels[LABEL_ROLE]:
         return (f"a container named {name!r} exists and was not started by ColdSnap (its recipe and unit labels "
                 "come from its image)")
     for key, want, what in ((LABEL_RECIPE, recipe, "recipe"), (LABEL_UNIT, unit, "unit")):

@@ -146,7 +146,7 @@ class HostRuntime(HostUnits, UnitRuntime):
             except (OSError, ValueError, AttributeError):
                 continue  # a capture before the path was recorded: the activation's own checks apply
             mine = str(ec.control_file_path(wdir, w["worker"]))
-            if isinstance(recorded, str) and recorded != mine:
+            if isinstance(recorded, str) and os.path.realpath(recorded) != os.path.realpath(mine):
                 root = Path(recorded).parents[3]  # <root>/workloads/<recipe>/<unit>/control-<worker>.json
                 raise AdmissionError(
                     f"unit {unit_id} worker {w['worker']} was captured under state root {root}; this restore uses "

@@ -67,7 +67,7 @@ def _message_in_display(stdout: Any) -> str | None:
     try:
         shown = json.loads(text)
     except ValueError:
-        return text[:2000] or None
+        return _truncate(text) or None
     return result_message(shown, failed=True) if isinstance(shown, Mapping) else None
 
 

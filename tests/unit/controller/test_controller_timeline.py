@@ -194,3 +194,20 @@ def test_alignment_through_the_controller_import(tmp_path: Path, monkeypatch) ->
     assert ran.start_s + 0.02 <= criu.start_s + 0.005 and criu.end_s <= ran.end_s
     assert criu.end_s - criu.start_s == pytest.approx(0.03, abs=0.02)
     assert not model.unaligned_lanes
+
+
+def test_a_picture_cut_short_leaves_the_old_one_whole(tmp_path: Path, monkeypatch) -> None:
+    """A write that fails half-way (a file-size limit, a full disk) never leaves a truncated PNG in place."""
+    from matplotlib.figure import Figure
+
+    out = render_timeline(_receipt(), tmp_path / "t.png")
+    before = out.read_bytes()
+
+    def half_then_full(self, fh, **_kw) -> None:
+        fh.write(before[:100])
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(Figure, "savefig", half_then_full)
+    with pytest.raises(OSError, match="File too large"):
+        render_timeline(_receipt(), out)
+    assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["t.png"]

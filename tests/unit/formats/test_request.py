@@ -351,3 +351,13 @@ def test_a_mount_spelled_with_extra_slashes_is_refused_as_not_normalized(base, s
 def test_a_mount_of_a_model_directory_is_fine(base):
     base["launch"]["units"][0]["mounts"] = [{"source": "/root/models/tiny", "target": "/mnt/x", "read_only": True}]
     validate_request(base)
+
+
+def test_free_text_that_would_swamp_every_task_result_is_refused_by_name(base):
+    base["validation"]["prompt"] = "x" * 65537
+    with pytest.raises(FormatError, match=r"\$\.validation\.prompt.*longer than 65536 characters"):
+        validate_request(base)
+    base["validation"]["prompt"] = "x" * 65536
+    base["launch"]["units"][0]["command"] = [*base["launch"]["units"][0]["command"], "y" * 131073]
+    with pytest.raises(FormatError, match=r"command\[\d+\].*longer than 131072 characters"):
+        validate_request(base)

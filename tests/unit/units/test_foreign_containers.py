@@ -30,10 +30,11 @@ def test_a_container_without_both_labels_is_not_coldsnaps(labels) -> None:
 
 
 def test_labels_a_container_only_inherits_from_its_image_do_not_make_it_coldsnaps() -> None:
-    capsule = {"org.coldsnap.recipe": "a-b", "org.coldsnap.unit": "c", "org.coldsnap.capture-id": "cap"}
+    capsule = {"org.coldsnap.recipe": "a-b", "org.coldsnap.unit": "c", "org.coldsnap.capture-id": "cap",
+               "org.coldsnap.operation-id": "op"}
     why = docker_unit.foreign_container(_container(dict(capsule), capsule), recipe="a-b", unit="c")
     assert why and "was not started by ColdSnap" in why
     mine = docker_unit.unit_labels(capture_id="cap", unit="c", operation_id="op", recipe="a-b")
     assert docker_unit.foreign_container(_container(mine, capsule), recipe="a-b", unit="c") is None
     assert docker_unit.foreign_container(_container(mine, mine), recipe="a-b", unit="c"), \
-        "an image that carries ColdSnap's own container labels proves nothing"
+        "an image that carries ColdSnap's container role proves nothing"
