@@ -26,6 +26,7 @@ them together keeps what a build writes and what an extraction trusts side by si
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
 import json
 import os
@@ -45,6 +46,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     IntegrityError,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
+    TEMP_MARKER,
     first_link_below,
     fsync_dir,
     is_temp_name,
@@ -69,6 +71,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_pat
     looks_like_hf_cache,
     paths_overlap,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import space_error
 
 CAPSULE_FORMAT = "1"
 LAYOUTS = CAPSULE_LAYOUTS
@@ -318,10 +321,17 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
                             labels)
 
     root.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_builds(root)
     tmp = temp_path_for(root / "capsule")
     os.mkdir(tmp, 0o755)
+    # Held for the whole build: a later build removes this directory only once its builder is gone.
+    held = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(held, fcntl.LOCK_EX)
     try:
-        layer = oci.write_blob_stream(tmp, oci.MEDIA_LAYER_TAR, lambda out: archive.write_layer(entries, out))
+        try:
+            layer = oci.write_blob_stream(tmp, oci.MEDIA_LAYER_TAR, lambda out: archive.write_layer(entries, out))
+        except OSError as exc:
+            raise space_error(exc, what=f"the capsule of unit {unit!r}", path=root) from None
         cbytes, mbytes = finish(layer)
         oci.write_blob_bytes(tmp, cbytes, oci.MEDIA_CONFIG)
         mdesc = oci.write_blob_bytes(tmp, mbytes, oci.MEDIA_MANIFEST)
@@ -338,8 +348,28 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
             fsync_dir(final.parent)
     finally:
         archive._rmtree(tmp)
+        os.close(held)
     ref = CapsuleRef(unit, "oci-layout", mdesc.digest, str(final), len(mbytes) + len(cbytes) + layer.size)
     return CapsuleBuild(ref, changed, tuple(excluded), tuple(absent), key, False, labels)
+
+
+def _remove_abandoned_builds(root: Path) -> None:
+    """Remove the temporary layouts of builds that were killed (their builder no longer holds the lock)."""
+    prefix = temp_path_for(root / "capsule").name.rsplit(TEMP_MARKER, 1)[0] + TEMP_MARKER
+    for entry in os.scandir(root):
+        if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live build
+        finally:
+            os.close(fd)
+        archive._rmtree(Path(entry.path))
 
 
 def _layout_intact(final: Path, manifest_digest: str) -> bool:

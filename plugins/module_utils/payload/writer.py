@@ -70,6 +70,7 @@ class PackWriter:
 
     def __enter__(self) -> PackWriter:
         self.cache.ensure_dirs()
+        self.cache.clean_stale_temps()  # a killed writer's temp must not keep the space this one needs
         final = self.cache.objects / (f"{self.expected_hex}.pack" if self.expected_hex else INCOMING)
         for _i in range(5):
             tmp = fsutil.temp_path_for(final)

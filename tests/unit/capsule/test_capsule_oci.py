@@ -340,3 +340,33 @@ def test_restore_caches_never_places_a_file_outside_its_cache_path(tmp_path: Pat
     added = restore_caches(inside, [str(cache)], tmp_path / "scratch")
     assert added == [str(cache / "k" / "a.so"), str(cache / "latest")]
     assert (cache / "latest").read_bytes() == b"a"
+
+
+def test_a_killed_build_leaves_nothing_the_next_build_keeps(state: Path, tmp_path: Path) -> None:
+    """The temporary layout of a build that was killed is removed by the next build; a live one's stays."""
+    import fcntl
+
+    root = tmp_path / "capsules"
+    root.mkdir()
+    dead, live = root / ".capsule.tmp-0123456789ab", root / ".capsule.tmp-ba9876543210"
+    for d in (dead, live):
+        (d / "blobs" / "sha256").mkdir(parents=True)
+        (d / "blobs" / "sha256" / "partial").write_bytes(b"x" * 4096)
+    held = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        assert _build(state, root).changed
+        assert not dead.exists() and live.exists()
+    finally:
+        os.close(held)
+
+
+def test_no_space_for_a_capsule_is_named_with_the_fix(state: Path, tmp_path: Path, monkeypatch) -> None:
+    def full(*_a, **_kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(oci, "write_blob_stream", full)
+    root = tmp_path / "capsules"
+    with pytest.raises(ColdSnapError, match=r"no space left on the file system of .*capsules.*free space there"):
+        _build(state, root)
+    assert [p.name for p in root.iterdir()] == [], "the temporary layout is removed"

@@ -348,3 +348,27 @@ def test_first_look_reports_each_payload_and_never_raises(staged, tmp_path):
     bad = first_look(cache.state_root, [{"sha256": digest, "size": size}], check_mode=False)[digest]
     assert bad["verified"] is False and bad["changed"] is True and bad["quarantined"]
     assert not path.exists() and Path(bad["quarantined"]).is_file()
+
+
+def test_a_killed_writers_temp_is_removed_before_a_new_writer_reserves_space(tmp_path):
+    """FAULTS 1 and 3: the space a kill -9'd writer left in its temp is given back to the next writer
+    (before its fallocate), never kept until some writer commits; a live writer's temp stays."""
+    import fcntl
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.writer import PackWriter
+
+    cache = NodeCache(tmp_path / "state")
+    cache.ensure_dirs()
+    dead = cache.objects / ".incoming.pack.tmp-0123456789ab"
+    dead.write_bytes(b"\0" * 8192)
+    live = cache.objects / ".incoming.pack.tmp-ba9876543210"
+    live.write_bytes(b"\0" * 8192)
+    held = os.open(live, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    try:
+        with PackWriter(cache, size=4096) as w:
+            assert not dead.exists() and live.exists(), "the dead writer's temp goes first"
+            w.write(b"\1" * 4096)
+            w.commit()
+    finally:
+        os.close(held)
