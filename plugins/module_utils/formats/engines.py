@@ -76,6 +76,14 @@ class EngineSpec:
     # Flags the serve command needs on GPU units only (sleep mode exists on CUDA, not on CPU).
     gpu_required_args: tuple[str, ...] = ()
     gpu_required_options: tuple[tuple[str, str], ...] = ()
+    # Flags that only GPU builds know (a CPU unit's server would refuse to start with them).
+    cpu_forbidden_args: tuple[str, ...] = ()
+    # The options (long and short spellings) that set how many tensor-parallel ranks one server runs: the
+    # value must be the number of workers the unit holds.
+    tp_flags: tuple[str, ...] = ()
+    # Whether a unit without devices can run this engine at all, and why not.
+    cpu_units: bool = True
+    cpu_units_reason: str = ""
     # How the unit is launched so its process tree can be snapshot: a private /dev/shm (multi-process
     # engines share ring buffers and IPC sockets there), environment the integration needs, and CRIU's
     # --link-remap for files held open but unlinked (POSIX semaphores).
@@ -129,6 +137,9 @@ ENGINES: dict[str, EngineSpec] = {
         required_options=(("--worker-extension-cls", VLLM_WORKER_EXTENSION),),
         gpu_required_args=("--enable-sleep-mode",),
         gpu_required_options=(("--sleep-mode-backend", "coldsnap"),),
+        # vLLM's CPU build refuses sleep mode (it is built on its CUDA allocator).
+        cpu_forbidden_args=("--enable-sleep-mode", "--sleep-mode-backend"),
+        tp_flags=("--tensor-parallel-size", "-tp"),
         plugin_env=(EnvList("VLLM_PLUGINS", "coldsnap", required=True),),
         # API server, engine core and workers share ring buffers, a semaphore and ZMQ IPC sockets:
         # all of them go into a private /dev/shm that the snapshot takes with the tree.
@@ -156,6 +167,9 @@ ENGINES: dict[str, EngineSpec] = {
         required_args=("--enable-memory-saver",),
         # A CPU backup of the weights would put them into the process snapshot.
         forbidden_args=("--enable-weights-cpu-backup",),
+        tp_flags=("--tp-size", "--tensor-parallel-size", "--tp"),
+        cpu_units=False,
+        cpu_units_reason="its weight release is torch_memory_saver, which is CUDA-only",
         plugin_env=(EnvList("SGLANG_PLUGINS", "coldsnap", required=False),),
         load_format_flag="--load-format",
         capture_load_formats=("auto", "safetensors", "fastsafetensors", "instanttensor"),
@@ -184,7 +198,7 @@ def _flag_name(token: str) -> str:
 
 
 def _positions(command: Sequence[str], flag: str) -> list[int]:
-    return [i for i, tok in enumerate(command) if tok.startswith("--") and _flag_name(tok) == flag]
+    return [i for i, tok in enumerate(command) if tok.startswith("-") and _flag_name(tok) == flag]
 
 
 def has_flag(command: Sequence[str], flag: str) -> bool:
@@ -294,6 +308,10 @@ def command_issues(engine: str, command: Sequence[str], environment: Mapping[str
         if has_flag(command, arg):
             out.append(("command", f"engine {spec.name!r} capture cannot use {arg}",
                         f"remove {arg} from the command"))
+    for arg in () if gpu else spec.cpu_forbidden_args:
+        if has_flag(command, arg):
+            out.append(("command", f"engine {spec.name!r} on a CPU unit (no devices) does not accept {arg}",
+                        f"remove {arg} from the command (it belongs to GPU units)"))
     if spec.load_format_flag and spec.capture_load_formats:
         fmt = command_option(command, spec.load_format_flag)
         if fmt is not None and fmt not in spec.capture_load_formats:
@@ -365,6 +383,21 @@ def engine_issues(request: dict) -> list[FormatIssue]:
         ))
     for i, unit in enumerate(launch["units"]):
         held = [w["id"] for w in workers if w["unit"] == unit["id"]]
+        if not spec.cpu_units and not unit["devices"]:
+            issues.append(FormatIssue(
+                f"$.launch.units[{i}].devices",
+                f"engine {spec.name!r} runs on GPU units only: {spec.cpu_units_reason}",
+                "give the unit its GPU devices, or use an engine qualified on CPU (reference, vllm)",
+            ))
+        for flag in spec.tp_flags:
+            tp = command_option(unit["command"], flag)
+            if tp is not None and tp != str(len(held)):
+                issues.append(FormatIssue(
+                    f"$.launch.units[{i}].command",
+                    f"{flag} {tp!r} in the command of unit {unit['id']!r}, which holds {len(held)} worker(s): the "
+                    "server would run another number of tensor-parallel ranks than ColdSnap captures and restores",
+                    f"set {flag} {len(held)} (one rank per worker of the unit), or assign the unit that many workers",
+                ))
         if spec.max_cpu_unit_workers and not unit["devices"] and len(held) > spec.max_cpu_unit_workers:
             issues.append(FormatIssue(
                 f"$.launch.units[{i}]",

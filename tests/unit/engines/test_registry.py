@@ -24,6 +24,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 VLLM_OK = ["vllm", "serve", "/models/m", "--port", "8000", "--enable-sleep-mode", "--sleep-mode-backend", "coldsnap",
            "--worker-extension-cls", VLLM_WORKER_EXTENSION, "--load-format", "instanttensor"]
 VLLM_ENV = {"VLLM_PLUGINS": "coldsnap"}
+VLLM_CPU = ["vllm", "serve", "/models/m", "--port", "8000", "--worker-extension-cls", VLLM_WORKER_EXTENSION,
+            "--load-format", "instanttensor"]  # no sleep-mode flags: vLLM's CPU build refuses them
 
 
 def test_option_parsing_accepts_both_spellings_and_the_last_wins():
@@ -68,8 +70,16 @@ def test_capture_prefers_installed_fast_loaders(configured, installed, want):
 
 
 def test_a_complete_vllm_capture_command_has_no_issues():
-    assert command_issues("vllm", VLLM_OK, VLLM_ENV) == []
-    assert command_issues("vllm", VLLM_OK, {"VLLM_PLUGINS": "lora_filesystem_resolver,coldsnap"}) == []
+    assert command_issues("vllm", VLLM_OK, VLLM_ENV, gpu=True) == []
+    assert command_issues("vllm", VLLM_OK, {"VLLM_PLUGINS": "lora_filesystem_resolver,coldsnap"}, gpu=True) == []
+    assert command_issues("vllm", VLLM_CPU, VLLM_ENV) == []
+
+
+def test_vllm_sleep_mode_flags_on_a_cpu_unit_are_refused_by_name():
+    """vLLM's CPU build refuses sleep mode at start: said at validation, not after a failed start."""
+    issues = command_issues("vllm", VLLM_OK, VLLM_ENV, gpu=False)
+    assert [i[1] for i in issues] == [f"engine 'vllm' on a CPU unit (no devices) does not accept {f}"
+                                      for f in ("--enable-sleep-mode", "--sleep-mode-backend")]
 
 
 @pytest.mark.parametrize(("drop", "needle"), [
@@ -84,18 +94,18 @@ def test_vllm_capture_requirements(drop, needle):
     # Sleep mode (and its backend flag) exists on GPU builds only: required on GPU units.
     issues = command_issues("vllm", cmd, VLLM_ENV, gpu=True)
     assert len(issues) == 1 and needle in issues[0][1]
-    if drop != "--worker-extension-cls":
-        assert command_issues("vllm", cmd, VLLM_ENV, gpu=False) == [], "vLLM's CPU build has no sleep mode"
+    if drop != "--worker-extension-cls":  # vLLM's CPU build has no sleep mode: the other flag is refused there
+        assert all("does not accept" in i[1] for i in command_issues("vllm", cmd, VLLM_ENV, gpu=False))
 
 
 def test_vllm_capture_needs_a_safetensors_format_and_the_plugin_allow_list():
     cmd = set_command_option(VLLM_OK, "--load-format", "pt")
-    assert "safetensors-backed load format" in command_issues("vllm", cmd, VLLM_ENV)[0][1]
+    assert "safetensors-backed load format" in command_issues("vllm", cmd, VLLM_ENV, gpu=True)[0][1]
     cmd = set_command_option(VLLM_OK, "--load-format", "coldsnap")
-    assert command_issues("vllm", cmd, VLLM_ENV), "capture cannot start from the hydrating loader"
-    (field, problem, fix), = command_issues("vllm", VLLM_OK, {})
+    assert command_issues("vllm", cmd, VLLM_ENV, gpu=True), "capture cannot start from the hydrating loader"
+    (field, problem, fix), = command_issues("vllm", VLLM_OK, {}, gpu=True)
     assert field == "environment" and "VLLM_PLUGINS" in problem and fix.startswith("set VLLM_PLUGINS=coldsnap")
-    (issue,) = command_issues("vllm", VLLM_OK, {"VLLM_PLUGINS": "other"})
+    (issue,) = command_issues("vllm", VLLM_OK, {"VLLM_PLUGINS": "other"}, gpu=True)
     problem = issue[1]
     assert "does not name the ColdSnap plugin" in problem
 
@@ -126,7 +136,7 @@ def _as_engine(req: dict, engine: str, command: list[str], env: dict) -> dict:
 
 
 def test_engine_issues_point_at_the_unit(reference_request):
-    req = _as_engine(reference_request, "vllm", VLLM_OK, VLLM_ENV)
+    req = _as_engine(reference_request, "vllm", VLLM_CPU, VLLM_ENV)
     assert engine_issues(req) == []
     req["launch"]["units"][0]["environment"] = {}
     paths = [i.path for i in engine_issues(req)]
@@ -138,6 +148,10 @@ def test_engine_issues_point_at_the_unit(reference_request):
 def test_sglang_refuses_materialization_and_more_workers(reference_request):
     cmd = ["python", "-m", "sglang.launch_server", "--enable-memory-saver"]
     req = _as_engine(reference_request, "sglang", cmd, {})
+    assert {i.path: i.message for i in engine_issues(req)}["$.launch.units[0].devices"].startswith(
+        "engine 'sglang' runs on GPU units only"), "torch_memory_saver is CUDA-only"
+    req["launch"]["units"][0]["devices"] = [0]
+    req["policy"]["process"]["graph_policy"] = "preserve"
     assert engine_issues(req) == []
     for mode in ("async", "required"):
         req["policy"]["weights"]["native"]["materialize"] = mode
@@ -169,3 +183,13 @@ def test_vllm_units_hold_one_worker(reference_request):
     # The reference engine runs a process per rank: a unit may hold both.
     req["launch"]["engine"] = "reference"
     assert "$.launch.units[0]" not in {i.path for i in engine_issues(req)}
+
+
+@pytest.mark.parametrize("spelling", [["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"], ["-tp", "2"]])
+def test_a_tensor_parallel_size_that_is_not_the_units_worker_count_is_refused(reference_request, spelling):
+    req = _as_engine(reference_request, "vllm", [*VLLM_CPU, *spelling], VLLM_ENV)
+    (issue,) = engine_issues(req)
+    assert issue.path == "$.launch.units[0].command" and "which holds 1 worker(s)" in issue.message
+    assert "set " in issue.fix and " 1 " in issue.fix
+    req["launch"]["units"][0]["command"] = [*VLLM_CPU, spelling[0].split("=")[0], "1"]
+    assert engine_issues(req) == []
