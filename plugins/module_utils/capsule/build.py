@@ -44,6 +44,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.archive imp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     IntegrityError,
+    space_error,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
     TEMP_MARKER,
@@ -71,7 +72,6 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_pat
     looks_like_hf_cache,
     paths_overlap,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import space_error
 
 CAPSULE_FORMAT = "1"
 LAYOUTS = CAPSULE_LAYOUTS

@@ -6,6 +6,9 @@ Every error names the object, what is wrong and what to do: modules turn it into
 
 from __future__ import annotations
 
+import errno
+from pathlib import Path
+
 
 class ColdSnapError(Exception):
     """A failure with a message fit for the user: object, problem, fix."""
@@ -58,3 +61,14 @@ class AdmissionError(ColdSnapError):
 
 class UnitError(ColdSnapError):
     """A launch unit (engine process or container) failed; carries its last log lines."""
+
+
+def space_error(exc: OSError, *, what: str, path: Path | str, needed: int | None = None) -> Exception:
+    """Turn a no-space error into a ColdSnapError that names the file system and the fix."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        need = f" ({needed} bytes needed)" if needed is not None else ""
+        return ColdSnapError(
+            f"no space left on the file system of {path} while writing {what}{need}",
+            fix="free space there (or point coldsnap_state_root at a larger file system) and run again; "
+                "the partial file was removed")
+    return exc

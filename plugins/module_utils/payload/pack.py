@@ -28,6 +28,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsuti
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     IntegrityError,
+    space_error,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import validate_document
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
@@ -56,7 +57,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.manifest im
     check_rel_file,
     load_manifest,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import Progress, space_error
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import Progress
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.writer import PackWriter
 
 READ_CHUNK = 16 << 20

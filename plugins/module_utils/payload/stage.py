@@ -23,6 +23,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsuti
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     IntegrityError,
+    space_error,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
@@ -36,7 +37,6 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams imp
     Progress,
     _pipelined,
     hash_fd,
-    space_error,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.writer import (

@@ -14,7 +14,6 @@ reused buffer small enough to stay in the core's cache (``pipelined=False``).
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import queue
@@ -22,7 +21,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import space_error
 
 # progress(done_bytes, total_bytes); called from the thread doing the work.
 Progress = Callable[[int, int], None]
@@ -66,17 +65,6 @@ def write_all(fd: int, data: bytes | bytearray | memoryview, *, what: str, path:
             view = view[n:]
     except OSError as exc:
         raise space_error(exc, what=what, path=path) from None
-
-
-def space_error(exc: OSError, *, what: str, path: Path | str, needed: int | None = None) -> Exception:
-    """Turn a no-space error into a ColdSnapError that names the file system and the fix."""
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        need = f" ({needed} bytes needed)" if needed is not None else ""
-        return ColdSnapError(
-            f"no space left on the file system of {path} while writing {what}{need}",
-            fix="free space there (or point coldsnap_state_root at a larger file system) and run again; "
-                "the partial file was removed")
-    return exc
 
 
 def _pipelined(fd: int, size: int, offset: int, consume: Callable[[memoryview], None],

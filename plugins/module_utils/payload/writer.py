@@ -20,6 +20,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsuti
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     IntegrityError,
+    space_error,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import records
@@ -29,7 +30,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache impor
     NodeCache,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import PackRef
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import space_error, write_all
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import write_all
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
 
 
