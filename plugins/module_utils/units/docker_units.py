@@ -18,7 +18,6 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     ColdSnapError,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import (
     LABEL_STATE_TARGET,
 )
@@ -178,9 +177,7 @@ class DockerUnits(RunningUnits):
                         raise ColdSnapError(f"container {c.name} was removed but is still listed after 60 s",
                                             fix="check dockerd's health")
                     time.sleep(0.05)
-            # The engines went with their container (or before, by hand): so do their control files, which
-            # hold a pid of the container's namespace, a port and a token of an engine that is gone.
-            wdir = self.layout.workload(self.request["workload"]["recipe"], u["id"])
-            for f in wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*")):
-                f.unlink(missing_ok=True)
+            # The engines went with their container (or before, by hand): so do their control files (a pid
+            # of the container's namespace, a port and a token of an engine that is gone).
+            self.forget_control_files(u["id"])
         return stopped

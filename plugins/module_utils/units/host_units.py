@@ -113,14 +113,8 @@ class HostUnits(RunningUnits):
                 time.sleep(0.02)
         if not check_mode:
             for u in units_on_host(self.request, self.host):
-                wdir = self.layout.workload(self.request["workload"]["recipe"], u["id"])
-                for f in wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*")):
-                    try:
-                        alive = started_for(ec.ControlInfo.load(f).pid, f)
-                    except (OSError, ValueError):
-                        alive = False
-                    if not alive:  # an engine still alive keeps its file: ColdSnap can still reach and stop it
-                        f.unlink(missing_ok=True)
+                # an engine still alive keeps its file: ColdSnap can still reach and stop it
+                self.forget_control_files(u["id"], keep=_engine_alive)
         return stopped
 
 
@@ -229,3 +223,10 @@ def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_diges
     run_concurrently(wait, list(enumerate(procs)))
     raise_failures(results)
     return results
+
+
+def _engine_alive(control_file: Path) -> bool:
+    try:
+        return started_for(ec.ControlInfo.load(control_file).pid, control_file)
+    except (OSError, ValueError):
+        return False

@@ -23,11 +23,13 @@ from __future__ import annotations
 import json
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, UnitSpec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import placement
 
@@ -116,6 +118,14 @@ class RunningUnits(ABC):
     @abstractmethod
     def evict(self, *, check_mode: bool) -> list[dict]:
         """Stop this workload's running units on this host; what was stopped."""
+
+    def forget_control_files(self, unit_id: str, *, keep: Callable[[Path], bool] = lambda _f: False) -> None:
+        """Remove the unit's control files (pid, port and token of engines that are gone: one left behind
+        reads as a crash to ``status``), but those ``keep`` says still belong to a live engine."""
+        wdir = self.layout.workload(self.request["workload"]["recipe"], unit_id)
+        for f in wdir.glob(ec.CONTROL_FILE_NAME.format(worker="*")):
+            if not keep(f):
+                f.unlink(missing_ok=True)
 
 
 class UnitRuntime(RunningUnits):

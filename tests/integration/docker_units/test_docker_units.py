@@ -236,15 +236,23 @@ def test_restore_onto_another_port_moves_the_listeners_inside_the_unit_container
     assert captured.wl.complete(port=new_port) == captured.accepted
 
 
-def test_prepare_refuses_a_foreign_container_under_the_canonical_name(captured, runtime_image):
+def free_canonical_name(client) -> str:
+    """This workload's canonical unit container name, with whatever container held it removed."""
     import docker
 
-    client = docker.from_env()
     name = docker_unit.canonical_container_name(RECIPE, "unit-0")
     try:
         client.containers.get(name).remove(force=True)
     except docker.errors.NotFound:
         pass
+    return name
+
+
+def test_prepare_refuses_a_foreign_container_under_the_canonical_name(captured, runtime_image):
+    import docker
+
+    client = docker.from_env()
+    name = free_canonical_name(client)
     foreign = client.containers.create(runtime_image["image_id"], ["sleep", "600"], name=name,
                                        labels={"org.coldsnap.recipe": RECIPE})
     try:
@@ -261,11 +269,7 @@ def test_a_container_run_by_hand_from_the_capsule_image_is_not_coldsnaps(capture
     import docker
 
     client = docker.from_env()
-    name = docker_unit.canonical_container_name(RECIPE, "unit-0")
-    try:
-        client.containers.get(name).remove(force=True)
-    except docker.errors.NotFound:
-        pass
+    name = free_canonical_name(client)
     capsule = captured.artifact["capsule"]["units"][0]["image_id"]
     by_hand = client.containers.create(capsule, ["sleep", "600"], name=name, entrypoint=[], network_mode="none")
     try:
