@@ -68,6 +68,16 @@ CONTROL_FILE_NAME = "control-{worker}.json"
 LOG_FILE_NAME = "target.log"
 
 
+# An engine's search path when the unit's environment sets none: the runtime interpreter's directory
+# first, then the system's. The command's first word is looked up there (as ``execvp`` does).
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def engine_search_path(python: str, unit_environment: dict | None = None) -> str:
+    """The ``PATH`` a unit's engine starts with (the unit's own ``PATH`` wins)."""
+    return (unit_environment or {}).get("PATH") or f"{os.path.dirname(python)}:{SYSTEM_PATH}"
+
+
 def control_file_path(workload_dir: Path | str, worker: str) -> Path:
     """The control file of ``worker`` in its workload directory."""
     return Path(workload_dir) / CONTROL_FILE_NAME.format(worker=worker)

@@ -94,6 +94,10 @@ class EngineSpec:
     # may name others; the captured listeners are moved there).
     port_flag: str = "--port"
     address_flag: str = "--host"
+    # Where the server listens when the command says nothing ("" = every interface): what a capture
+    # (which starts the command) must probe.
+    default_port: int | None = 8000
+    default_address: str | None = "127.0.0.1"
     # Top log-probabilities per generated token the acceptance check compares exactly (on the same
     # numerics) when the request's validation.logprobs is null; 0: the reply alone. An engine gets a
     # default only once its log-probabilities are shown reproducible across its own restore (reference:
@@ -133,7 +137,7 @@ ENGINES: dict[str, EngineSpec] = {
     "vllm": EngineSpec(
         name="vllm", adapter_schema="vllm-v1", canonical_writer=True, default_materialize="async",
         sleep_wake=True, warm_restore=True, integration="coldsnap_engines.vllm",
-        validation_logprobs=5,
+        validation_logprobs=5, default_address="",  # vLLM binds every interface unless --host says otherwise
         required_options=(("--worker-extension-cls", VLLM_WORKER_EXTENSION),),
         gpu_required_args=("--enable-sleep-mode",),
         gpu_required_options=(("--sleep-mode-backend", "coldsnap"),),
@@ -168,6 +172,7 @@ ENGINES: dict[str, EngineSpec] = {
         # A CPU backup of the weights would put them into the process snapshot.
         forbidden_args=("--enable-weights-cpu-backup",),
         tp_flags=("--tp-size", "--tensor-parallel-size", "--tp"),
+        default_port=30000,
         cpu_units=False,
         cpu_units_reason="its weight release is torch_memory_saver, which is CUDA-only",
         plugin_env=(EnvList("SGLANG_PLUGINS", "coldsnap", required=False),),
@@ -201,9 +206,21 @@ def _positions(command: Sequence[str], flag: str) -> list[int]:
     return [i for i, tok in enumerate(command) if tok.startswith("-") and _flag_name(tok) == flag]
 
 
-def has_flag(command: Sequence[str], flag: str) -> bool:
-    """Whether ``flag`` appears (alone or as ``flag=value``)."""
-    return bool(_positions(command, flag))
+def _negation(flag: str) -> str:
+    return "--no-" + flag[2:] if flag.startswith("--") else flag
+
+
+def flag_enabled(command: Sequence[str], flag: str) -> bool:
+    """Whether ``flag`` is on: it appears (alone or as ``flag=value``) and no later ``--no-<flag>``
+    turns it off again (vLLM's boolean options take both, the last one wins as in argparse)."""
+    on, off = _positions(command, flag), _positions(command, _negation(flag))
+    return bool(on) and (not off or on[-1] > off[-1])
+
+
+def negated_flag(command: Sequence[str], flag: str) -> bool:
+    """Whether ``--no-<flag>`` is the last word on ``flag``."""
+    on, off = _positions(command, flag), _positions(command, _negation(flag))
+    return bool(off) and (not on or off[-1] > on[-1])
 
 
 def command_option(command: Sequence[str], flag: str) -> str | None:
@@ -295,9 +312,14 @@ def command_issues(engine: str, command: Sequence[str], environment: Mapping[str
     spec = engine_spec(engine)
     out: list[tuple[str, str, str]] = []
     for arg in spec.required_args + (spec.gpu_required_args if gpu else ()):
-        if not has_flag(command, arg):
-            out.append(("command", f"engine {spec.name!r} capture needs {arg} in the serve command",
-                        f"add {arg} to the command"))
+        if not flag_enabled(command, arg):
+            if negated_flag(command, arg):
+                out.append(("command", f"engine {spec.name!r} capture needs {arg}; the command turns it off "
+                                       f"with {_negation(arg)}",
+                            f"remove {_negation(arg)} from the command"))
+            else:
+                out.append(("command", f"engine {spec.name!r} capture needs {arg} in the serve command",
+                            f"add {arg} to the command"))
     for flag, value in spec.required_options + (spec.gpu_required_options if gpu else ()):
         got = command_option(command, flag)
         if got != value:
@@ -305,11 +327,11 @@ def command_issues(engine: str, command: Sequence[str], environment: Mapping[str
             out.append(("command", f"engine {spec.name!r} capture needs {flag} {value} ({now})",
                         f"add {flag} {value} to the command"))
     for arg in spec.forbidden_args:
-        if has_flag(command, arg):
+        if flag_enabled(command, arg):
             out.append(("command", f"engine {spec.name!r} capture cannot use {arg}",
                         f"remove {arg} from the command"))
     for arg in () if gpu else spec.cpu_forbidden_args:
-        if has_flag(command, arg):
+        if flag_enabled(command, arg):
             out.append(("command", f"engine {spec.name!r} on a CPU unit (no devices) does not accept {arg}",
                         f"remove {arg} from the command (it belongs to GPU units)"))
     if spec.load_format_flag and spec.capture_load_formats:

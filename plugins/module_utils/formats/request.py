@@ -471,10 +471,20 @@ def cross_check(req: dict) -> list[FormatIssue]:
             if got is not None and got != str(s["port"]):
                 add(f"{p}.port", f"service {s['id']!r} is on port {s['port']} but unit {unit['id']!r}'s command sets "
                     f"{engine.port_flag} {got}", "make them agree (on restore both name the port to serve on)")
+            elif got is None and op == "capture" and engine.default_port not in (None, s["port"]):
+                # A capture starts the command: without the flag the engine listens on its default.
+                add(f"{p}.port", f"service {s['id']!r} is on port {s['port']} but unit {unit['id']!r}'s command has "
+                    f"no {engine.port_flag}, so engine {launch['engine']!r} listens on its default "
+                    f"{engine.default_port}", f"add {engine.port_flag} {s['port']} to the command")
             got = command_option(unit["command"], engine.address_flag) if engine.address_flag else None
+            binds = f"'s command binds {engine.address_flag} {got}"
+            if got is None and op == "capture":
+                got = engine.default_address
+                binds = (f"'s command has no {engine.address_flag}, so engine {launch['engine']!r} binds its "
+                         f"default {got}")
             if got not in (None, "", "0.0.0.0", "::", s.get("address", "127.0.0.1")):
                 add(f"{p}.address", f"service {s['id']!r} is probed at {s.get('address', '127.0.0.1')} but unit "
-                    f"{unit['id']!r}'s command binds {engine.address_flag} {got}",
+                    f"{unit['id']!r}{binds}",
                     f"set address to {got!r} (or bind the command to it, or to 0.0.0.0)")
 
     # The capsule builder's own path policy, so a path it would refuse fails here, before the capture runs.

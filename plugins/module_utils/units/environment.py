@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     AdmissionError,
     ColdSnapError,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 
 
 def _tree(root: Path) -> str:
@@ -89,19 +91,48 @@ def of_python(python: str, *, describe_it: bool = False) -> str:
     return r.stdout.strip()
 
 
-def unit_python(command: list[str], default: str) -> str:
-    """The interpreter a unit's engine runs: the command's own Python (``/venv/bin/python -m ...``),
-    the ``python`` beside a console script (``/venv/bin/vllm``), else ``default``."""
+def _shebang_python(script: Path) -> str | None:
+    """The interpreter a console script's ``#!`` line names, when it is an absolute Python."""
+    try:
+        with open(script, "rb") as f:
+            line = f.readline(512)
+    except OSError:
+        return None
+    if not line.startswith(b"#!"):
+        return None
+    words = line[2:].decode(errors="replace").split()
+    return words[0] if words and words[0].startswith("/") and Path(words[0]).name.startswith("python") else None
+
+
+def unit_python(command: list[str], default: str, unit_environment: dict | None = None) -> str:
+    """The interpreter a unit's engine runs.
+
+    The command's first word is found as the engine will find it: a bare name on the engine's search
+    path (the unit's ``PATH``, else the runtime interpreter's directory and the system's), a relative
+    path from ``/``. A Python is itself the answer; a console script (``/venv/bin/vllm``) runs the
+    ``python`` beside it, else the one its ``#!`` line names; anything else, ``default``. A command
+    that is not there is refused here, before anything of the running workload is touched."""
     if not command:
         return default
-    first = Path(command[0])
+    word = command[0]
+    if "/" in word:
+        first = Path("/", word)
+    else:
+        search = ec.engine_search_path(default, unit_environment)
+        found = shutil.which(word, path=search)
+        if found is None:
+            raise AdmissionError(
+                f"the unit's command {word!r} is not installed on this host (searched {search})",
+                fix="install the unit's engine environment here (scripts/engine-env.sh for vLLM, "
+                    "scripts/setup-venv.sh for the reference engine), or start launch.units[].command with the "
+                    "absolute path of the engine environment's program")
+        first = Path(found)
     if first.name.startswith("python"):
         return str(first)
-    if first.is_absolute():
-        sibling = first.with_name("python")
-        if sibling.exists():
-            return str(sibling)
-    return default
+    sibling = first.with_name("python")
+    if sibling.exists():
+        return str(sibling)
+    return _shebang_python(first) or default
 
 
 def require(expected: str, python: str, *, unit: str, host: str) -> None:
@@ -112,7 +143,7 @@ def require(expected: str, python: str, *, unit: str, host: str) -> None:
         summary = (f"python {here['python']['version']}, {len(here['distributions'])} distributions, "
                    f"code module_utils {str(here['code']['module_utils'])[:12]} engines {str(here['code']['engines'])[:12]}")
         raise AdmissionError(
-            f"unit {unit} on {host}: runtime environment {got} differs from the pinned {expected} "
+            f"unit {unit} on {host}: runtime environment {got} (of {python}) differs from the pinned {expected} "
             f"(this host has {summary})",
             fix="install the exact captured environment on the host (same Python, packages and ColdSnap code; "
                 "`coldsnap environment-digest --describe` lists what is covered), or recapture")

@@ -83,7 +83,7 @@ class HostRuntime(HostUnits, UnitRuntime):
     def check_environment(self, units: list[dict]) -> None:
         """Every unit's Python environment must be the pinned one."""
         for u in units:
-            python = environment.unit_python(u["command"], self.python or sys.executable)
+            python = environment.unit_python(u["command"], self.python or sys.executable, u.get("environment"))
             environment.require(u["environment_digest"], python, unit=u["id"], host=self.host)
 
     def ensure_unit_state(self, artifact: dict, unit_id: str, *, check_mode: bool) -> tuple[Path, bool]:

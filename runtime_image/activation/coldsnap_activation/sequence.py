@@ -68,9 +68,8 @@ def is_template(spec: UnitSpec) -> bool:
 
 
 def _engine_env(spec: UnitSpec, worker: dict) -> dict[str, str]:
-    bindir = os.path.dirname(spec.python)
     env = {
-        "PATH": f"{bindir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "PATH": ec.engine_search_path(spec.python),
         "HOME": os.environ.get("HOME", "/root"),
         "LANG": "C.UTF-8",
         "PYTHONUNBUFFERED": "1",

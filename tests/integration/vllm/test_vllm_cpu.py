@@ -132,13 +132,14 @@ def test_warm_restore_then_wake(captured, cold_answers):
     assert openai_answers(wl.port) == cold_answers
 
 
-def test_a_host_without_the_engine_environment_fails_in_prepare(captured, tmp_path):
+@pytest.mark.parametrize("program", ["/opt/no-vllm-here/bin/python", "vllm-console-script-not-installed"])
+def test_a_host_without_the_engine_environment_fails_in_prepare(captured, tmp_path, program):
     wl, artifact, art = captured
     if not wl.engines():
         _restored(wl, artifact)
     running = wl.engines()
     other = json.loads(json.dumps(art))
-    other["launch"]["units"][0]["command"][0] = "/opt/no-vllm-here/bin/python"
+    other["launch"]["units"][0]["command"][0] = program
     path = tmp_path / "artifact.json"
     path.write_text(json.dumps(other))
     res = wl.run(wl.request("restore", artifact=path), prepare_only=False)

@@ -82,6 +82,22 @@ def test_vllm_sleep_mode_flags_on_a_cpu_unit_are_refused_by_name():
                                       for f in ("--enable-sleep-mode", "--sleep-mode-backend")]
 
 
+def test_a_negated_boolean_flag_counts_as_off_when_it_comes_last():
+    """vLLM's boolean options take ``--no-<flag>`` too, and argparse keeps the last word."""
+    off = [*VLLM_OK, "--no-enable-sleep-mode"]
+    issues = command_issues("vllm", off, VLLM_ENV, gpu=True)
+    assert [(i[1], i[2]) for i in issues] == [(
+        "engine 'vllm' capture needs --enable-sleep-mode; the command turns it off with --no-enable-sleep-mode",
+        "remove --no-enable-sleep-mode from the command")]
+    on_again = [*off, "--enable-sleep-mode"]
+    assert command_issues("vllm", on_again, VLLM_ENV, gpu=True) == []
+    # On a CPU unit sleep mode must be off: a negation that comes last is fine, an earlier one is not.
+    assert command_issues("vllm", [*VLLM_CPU, "--no-enable-sleep-mode"], VLLM_ENV) == []
+    late = [*VLLM_CPU, "--no-enable-sleep-mode", "--enable-sleep-mode"]
+    assert [i[1] for i in command_issues("vllm", late, VLLM_ENV)] == [
+        "engine 'vllm' on a CPU unit (no devices) does not accept --enable-sleep-mode"]
+
+
 @pytest.mark.parametrize(("drop", "needle"), [
     ("--enable-sleep-mode", "needs --enable-sleep-mode"),
     ("--sleep-mode-backend", "needs --sleep-mode-backend coldsnap"),

@@ -103,3 +103,35 @@ def test_the_serve_commands_placement_flags_must_agree_with_the_service(captured
         validate_request(req)
     field = "$.launch.execution.services[0]." + ("port" if flag == "--port" else "address")
     assert field in [i.path for i in exc.value.issues], str(exc.value)
+
+
+def test_a_capture_command_without_a_port_serves_on_the_engines_default(captured):
+    """A capture starts the command: without --port the engine listens on its default, which the
+    service must then name (a restore moves the captured listener wherever the service says)."""
+    req = copy.deepcopy(captured)
+    cmd = req["launch"]["units"][0]["command"]
+    i = cmd.index("--port")
+    del cmd[i:i + 2]
+    req["launch"]["execution"]["services"][0]["port"] = 9123
+    with pytest.raises(FormatError) as exc:
+        validate_request(req)
+    issue = next(i for i in exc.value.issues if i.path == "$.launch.execution.services[0].port")
+    assert "listens on its default 8000" in issue.message and issue.fix == "add --port 9123 to the command"
+    req["launch"]["execution"]["services"][0]["port"] = 8000
+    validate_request(req)
+    restore = copy.deepcopy(req)
+    restore["operation"] = "restore"
+    restore["artifact"] = {"path": "/var/lib/coldsnap/artifacts/x/artifact.json"}
+    restore["launch"]["execution"]["services"][0]["port"] = 9123
+    assert validate_request(restore)["launch"]["execution"]["services"][0]["port"] == 9123
+
+
+def test_a_capture_command_without_a_host_binds_the_engines_default(captured):
+    req = copy.deepcopy(captured)
+    req["launch"]["execution"]["services"][0]["address"] = "10.1.2.3"
+    with pytest.raises(FormatError) as exc:
+        validate_request(req)
+    issue = next(i for i in exc.value.issues if i.path == "$.launch.execution.services[0].address")
+    assert "has no --host, so engine 'reference' binds its default 127.0.0.1" in issue.message
+    req["launch"]["units"][0]["command"] += ["--host", "0.0.0.0"]
+    validate_request(req)
