@@ -50,7 +50,8 @@ def build_receipt(*, operation_id: str, operation: str, prepare_only: bool, succ
         "snapshot_driver": request["snapshot_driver"]["id"] if request is not None else None,
         "replay_semantics": replay_semantics(operation, prepare_only=prepare_only),
         "started_at": rfc3339(started_at),
-        "completed_at": rfc3339(completed_at) if completed_at is not None else None,
+        # never before the start, whatever the wall clock did meanwhile
+        "completed_at": rfc3339(max(completed_at, started_at)) if completed_at is not None else None,
         "duration_seconds": round(max(duration_seconds, 0.0), 6),
         "timing": timing,
         "result": result,

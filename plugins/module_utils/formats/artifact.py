@@ -8,16 +8,23 @@ evidence every restore must reproduce.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import CAPSULE_LAYOUTS
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import (
+    SNAPSHOT_DRIVERS,
+    contract_rows,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import Timestamp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
     REQUEST_SCHEMA,
     AbsPath,
     Digest,
     Ident,
+    launch_issues,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import (
     AnyJSON,
@@ -39,7 +46,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions im
 )
 
 PAYLOAD_PATH = r"model-payloads/sha256/[0-9a-f]{64}\.pack"
-REL_PATH = r"[A-Za-z0-9._-]+(?:/[A-Za-z0-9._-]+)*"
+_REL_PART = r"(?!\.\.?(?:/|$))[A-Za-z0-9._-]+"  # a name, never '.' or '..'
+REL_PATH = _REL_PART + r"(?:/" + _REL_PART + r")*"
 
 
 def RelPath(description: str = "") -> Str:
@@ -111,7 +119,7 @@ ARTIFACT_SCHEMA = Obj({
     "kind": Field(Const(ARTIFACT_KIND)),
     "state": Field(Str(enum=("accepted", "published"))),
     "capture_id": Field(Ident()),
-    "created_at": Field(Str(min_len=1)),
+    "created_at": Field(Timestamp()),
     "request_sha256": Field(Digest()),
     "identity": Field(Digest("recipe + model + engine + topology + snapshot driver")),
     "snapshot_driver": Field(Obj({
@@ -161,7 +169,7 @@ ARTIFACT_SCHEMA = Obj({
             "sha256": Field(Digest("digest of the validation reply's per-token log-probabilities")),
             "numerics": Field(Digest("fingerprint of the hardware that computed them")),
         })), required=False, default=None),
-        "validated_at": Field(Str(min_len=1)),
+        "validated_at": Field(Timestamp()),
         "evidence": Field(AnyJSON(object_only=True), required=False, default={}),
     })),
     "parent": Field(Nullable(Digest("descriptor this one was published from")), required=False, default=None),
@@ -179,10 +187,42 @@ def load_artifact(text: str | bytes, *, document: str = "artifact") -> dict:
     return validate_artifact(strict_loads(text, document=document), document=document)
 
 
+def _consistency(art: dict) -> list[FormatIssue]:
+    """Fields that state the same fact twice must agree."""
+    issues: list[FormatIssue] = []
+    acc = art["acceptance"]
+    want = "sha256:" + hashlib.sha256(acc["reply"].encode()).hexdigest()
+    if acc["reply_sha256"] != want:
+        issues.append(FormatIssue("$.acceptance.reply_sha256", f"is not the digest of acceptance.reply ({want})",
+                                  "recapture: the acceptance evidence does not hold together"))
+    if art["runtime"]["kind"] != art["launch"]["runtime"]:
+        issues.append(FormatIssue("$.runtime.kind", f"{art['runtime']['kind']!r} but launch.runtime is "
+                                  f"{art['launch']['runtime']!r}", "record the runtime the capture ran"))
+    recorded, model = art["weights"]["providers"]["recovery"]["model"], art["launch"]["model"]
+    for key in ("id", "revision"):
+        if recorded[key] != model[key]:
+            issues.append(FormatIssue(f"$.weights.providers.recovery.model.{key}",
+                                      f"{recorded[key]!r} but launch.model.{key} is {model[key]!r}",
+                                      "the recovery provider replays the launch's model: record the same"))
+    driver = art["snapshot_driver"]
+    contract = SNAPSHOT_DRIVERS[driver["id"]]
+    if driver["abi"] != contract.abi:
+        issues.append(FormatIssue("$.snapshot_driver.abi", f"{driver['abi']} is not snapshot driver "
+                                  f"{driver['id']}'s ABI {contract.abi}", "recapture with this ColdSnap"))
+    if driver["row"] not in contract_rows(driver["id"]):
+        issues.append(FormatIssue("$.snapshot_driver.row", f"{driver['row']!r} is not a contract row of snapshot "
+                                  f"driver {driver['id']}", f"use one of {', '.join(contract_rows(driver['id']))}"))
+    if art["state"] == "published" and art["parent"] is None:
+        issues.append(FormatIssue("$.parent", "a published descriptor names the descriptor it was published from",
+                                  "give the parent's digest (publish sets it)"))
+    return issues
+
+
 def validate_artifact(value: Any, *, document: str = "artifact") -> dict:
     """Validate a decoded artifact and its internal references."""
     art = validate_document(ARTIFACT_SCHEMA, value, document=document)
-    issues: list[FormatIssue] = []
+    issues: list[FormatIssue] = launch_issues(art["launch"])
+    issues += _consistency(art)
     unit_ids = [u["id"] for u in art["launch"]["units"]]
     for section, key in (("compatibility", "units"), ("capsule", "units")):
         listed = [e["unit"] for e in art[section][key]]
@@ -194,7 +234,18 @@ def validate_artifact(value: Any, *, document: str = "artifact") -> dict:
     if listed != worker_ids:
         issues.append(FormatIssue("$.weights.workers", f"lists workers {listed}, launch has {worker_ids}",
                                   "record exactly one weights entry per worker"))
+    launch_workers = {w["id"]: w for w in art["launch"]["execution"]["workers"]}
     for i, w in enumerate(art["weights"]["workers"]):
+        declared = launch_workers.get(w["worker"])
+        for key in ("unit", "rank"):
+            if declared is not None and w[key] != declared[key]:
+                issues.append(FormatIssue(f"$.weights.workers[{i}].{key}",
+                                          f"worker {w['worker']!r} has {key} {declared[key]!r} in launch, not {w[key]!r}",
+                                          f"record the launch worker's {key}"))
+        if w["payload"] is not None and w["payload"]["owner"] not in launch_workers:
+            issues.append(FormatIssue(f"$.weights.workers[{i}].payload.owner",
+                                      f"owner {w['payload']['owner']!r} is not a launch worker",
+                                      "name the worker that wrote the payload"))
         p = w["payload"]
         if p is not None and p["path"] != f"model-payloads/sha256/{p['sha256'].split(':', 1)[1]}.pack":
             issues.append(FormatIssue(f"$.weights.workers[{i}].payload.path",

@@ -95,6 +95,12 @@ SNAPSHOT_DRIVERS: dict[str, DriverContract] = {
 }
 
 
+def contract_rows(driver_id: str) -> tuple[str, ...]:
+    """The contract rows that can admit a host for ``driver_id`` (what an artifact's ``row`` may say)."""
+    contract = SNAPSHOT_DRIVERS[driver_id]
+    return (driver_id, f"{driver_id}-cpu", *(e.row for e in contract.exceptions))
+
+
 @dataclass(frozen=True)
 class DriverAdmission:
     """Which contract row admitted a host, and the NVIDIA driver it saw."""

@@ -21,6 +21,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema impo
     validate_document,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import (
+    ENVELOPE_KIND,
+    TIMING_FORMAT,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
     RECEIPT_FORMAT,
     RECEIPT_KIND,
@@ -57,12 +61,19 @@ _RFC3339_FIX = "write an RFC 3339 time with its offset (at most microseconds), s
 
 
 def _rfc3339(value: str) -> tuple[str, str] | None:
-    """A real date and time in the RFC 3339 form the pattern admits (no 30 February)."""
+    """A real date and time in the RFC 3339 form the pattern admits (no 30 February, no offset minute 60)."""
     try:
         dt.datetime.fromisoformat(value)
     except ValueError:
         return f"{value!r} is not a valid date and time", _RFC3339_FIX
+    if not value.endswith("Z") and int(value[-2:]) > 59:
+        return f"{value!r} has an offset minute above 59", _RFC3339_FIX
     return None
+
+
+def Timestamp(description: str = "") -> Str:
+    """An RFC 3339 date and time with its offset."""
+    return Str(description=description, pattern=_RFC3339.pattern, check=_rfc3339, pattern_fix=_RFC3339_FIX)
 
 
 RECEIPT_SCHEMA = Obj({
@@ -78,9 +89,8 @@ RECEIPT_SCHEMA = Obj({
     "engine": Field(Nullable(Str())),
     "snapshot_driver": Field(Nullable(Str())),
     "replay_semantics": Field(Str(enum=SEMANTICS)),
-    "started_at": Field(Str(pattern=_RFC3339.pattern, check=_rfc3339, pattern_fix=_RFC3339_FIX)),
-    "completed_at": Field(Nullable(Str(pattern=_RFC3339.pattern, check=_rfc3339, pattern_fix=_RFC3339_FIX)),
-                          description="null while running"),
+    "started_at": Field(Timestamp()),
+    "completed_at": Field(Nullable(Timestamp()), description="null while running"),
     "duration_seconds": Field(Num(minimum=0)),
     "timing": Field(AnyJSON(object_only=True)),
     "result": Field(Nullable(AnyJSON(object_only=True))),
@@ -102,11 +112,36 @@ def receipt_json_schema() -> dict:
 def validate_receipt(value: Any) -> dict:
     """Validate a receipt object (what the controller writes)."""
     receipt = validate_document(RECEIPT_SCHEMA, value, document="receipt")
+    issues: list[FormatIssue] = []
     want = replay_semantics(receipt["operation"], prepare_only=receipt["prepare_only"])
     if receipt["replay_semantics"] != want:
         verb = receipt["operation"] + (" --prepare-only" if receipt["prepare_only"] else "")
         problem = f"{receipt['replay_semantics']!r} is not what repeating {verb} does"
-        raise FormatError([FormatIssue("$.replay_semantics", problem, f"set it to {want!r}")], document="receipt")
+        issues.append(FormatIssue("$.replay_semantics", problem, f"set it to {want!r}"))
+    state, completed, error = receipt["state"], receipt["completed_at"], receipt["error"]
+    if state == "running":
+        if completed is not None:
+            issues.append(FormatIssue("$.completed_at", "a running operation has no completion time",
+                                      "set it to null, or state to the outcome"))
+    elif completed is None:
+        issues.append(FormatIssue("$.completed_at", f"a {state} operation has ended: its completion time is missing",
+                                  "give the time it ended (RFC 3339)"))
+    elif dt.datetime.fromisoformat(completed) < dt.datetime.fromisoformat(receipt["started_at"]):
+        issues.append(FormatIssue("$.completed_at", f"{completed} is before started_at {receipt['started_at']}",
+                                  "give the time the operation ended, after it started"))
+    timing = receipt["timing"]
+    if state != "running" and not (timing.get("format") == TIMING_FORMAT and timing.get("kind") == ENVELOPE_KIND
+                                   and timing.get("operation_id") == receipt["operation_id"]
+                                   and isinstance(timing.get("spans"), list) and isinstance(timing.get("marks"), list)):
+        issues.append(FormatIssue("$.timing", f"is not the timing envelope (format {TIMING_FORMAT}, kind "
+                                  f"{ENVELOPE_KIND!r}, spans and marks) of operation {receipt['operation_id']!r}",
+                                  "embed the envelope the operation's timing stream ended with"))
+    if state == "failed" and error is None:
+        issues.append(FormatIssue("$.error", "a failed operation must say why", "give error.message"))
+    if state != "failed" and error is not None:
+        issues.append(FormatIssue("$.error", f"a {state} operation has no error", "set it to null, or state to failed"))
+    if issues:
+        raise FormatError(issues, document="receipt")
     return receipt
 
 

@@ -77,6 +77,17 @@ MAX_REPLY = 262144  # characters of an expected reply (up to 4096 tokens)
 MAX_ARG, MAX_ARGS = 131072, 4096  # one command argument or environment value (Linux's own limit); arguments
 
 
+def _no_nul(value: str) -> tuple[str, str] | None:
+    """A process argument or environment value cannot hold a NUL byte (the kernel's strings end there)."""
+    return ("contains a NUL byte, which no process argument or environment value can hold", "remove it") \
+        if "\x00" in value else None
+
+
+# An HTTP path as it goes on the request line: printable ASCII without spaces (percent-encode the rest).
+HEALTH_PATH = r"/[\x21-\x7e]*"
+HEALTH_PATH_FIX = "start the path with '/' and write it in printable ASCII without spaces (percent-encode the rest)"
+
+
 def _abs_path_check(value: str) -> tuple[str, str] | None:
     if "\x00" in value:
         return "contains a NUL byte", "remove it"
@@ -115,9 +126,9 @@ UNIT = Obj({
     "image": Field(Str(pattern=ids.IMAGE_REF, pattern_fix=ids.IMAGE_REF_FIX,
                        description="runtime image pinned by digest (runtime docker)"), required=False),
     "environment_digest": Field(Digest("sha256 of the installed runtime tree (runtime host)"), required=False),
-    "command": Field(Arr(Str(min_len=1, max_len=MAX_ARG), min_items=1, max_items=MAX_ARGS,
+    "command": Field(Arr(Str(min_len=1, max_len=MAX_ARG, check=_no_nul), min_items=1, max_items=MAX_ARGS,
                          description="the engine's serve command (argv)")),
-    "environment": Field(Map(Str(max_len=MAX_ARG), key_pattern=r"[A-Za-z_][A-Za-z0-9_]*",
+    "environment": Field(Map(Str(max_len=MAX_ARG, check=_no_nul), key_pattern=r"[A-Za-z_][A-Za-z0-9_]*",
                              key_fix="environment names use letters, digits and '_'"), required=False, default={}),
     "mounts": Field(Arr(MOUNT), required=False, default=[]),
 })
@@ -151,7 +162,7 @@ EXECUTION = Obj({
         "port": Field(Int(minimum=1, maximum=65535)),
         "address": Field(Str(min_len=1, max_len=255, description="interface the server binds"), required=False,
                          default="127.0.0.1"),
-        "health_path": Field(Str(pattern=r"/[^\s]*", pattern_fix="start the path with '/'", max_len=1024),
+        "health_path": Field(Str(pattern=HEALTH_PATH, pattern_fix=HEALTH_PATH_FIX, max_len=1024),
                              required=False,
                              default="/health"),
     })), required=False, default=[]),
@@ -240,7 +251,7 @@ REQUEST_SCHEMA = Obj({
     })),
     "policy": Field(POLICY, required=False, default={}),
     "validation": Field(Obj({
-        "health_path": Field(Str(pattern=r"/[^\s]*", pattern_fix="start the path with '/'", max_len=1024),
+        "health_path": Field(Str(pattern=HEALTH_PATH, pattern_fix=HEALTH_PATH_FIX, max_len=1024),
                              required=False,
                              default="/health"),
         "prompt": Field(Str(min_len=1, max_len=MAX_PROMPT)),
@@ -353,16 +364,39 @@ def _host_tree_exposed(source: str) -> str | None:
     return None
 
 
-def cross_check(req: dict) -> list[FormatIssue]:
-    """Rules that span fields: inventories, references, operation needs."""
+# Where a unit's mount would hide what the unit itself needs (checked on the normalized target).
+_TARGET_TREES = {"/proc": "hide the kernel's /proc", "/sys": "hide the kernel's /sys", "/dev": "hide the unit's devices",
+                 "/opt/coldsnap": "hide ColdSnap's activation runtime (mounted at /opt/coldsnap/activation)"}
+_TARGET_DIRS = ("/", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib64", "/opt", "/var")
+
+
+def _nested(a: str, b: str) -> bool:
+    """``a`` and ``b`` are the same directory or one holds the other."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def _target_reserved(target: str) -> str | None:
+    for tree, what in _TARGET_TREES.items():
+        if target == tree or target.startswith(tree + "/"):
+            return what
+    if target in _TARGET_DIRS:
+        return f"hide the unit's own {target} (its system files, or ColdSnap's)"
+    return None
+
+
+def launch_issues(launch: dict, *, op: str | None = None) -> list[FormatIssue]:
+    """The rules within a ``launch`` (a request's, or the one an artifact records): unit, worker, group and
+    service references, the runtime's pins, mounts, and the serve command against its services. ``op``:
+    the operation that runs it (a capture starts the command, so its engine's defaults count)."""
     issues: list[FormatIssue] = []
 
     def add(path: str, message: str, fix: str) -> None:
         issues.append(FormatIssue(path, message, fix))
 
-    launch = req["launch"]
-    op = req["operation"]
     units = launch["units"]
+    source = launch["model"]["source"]
+    model_root = source.get("path") or source.get("cache_dir")  # where the recovery provider reads the model
+    model_path = normalize_abs(model_root) if model_root else None
     unit_by_id: dict[str, dict] = {}
     for i, unit in enumerate(units):
         p = f"$.launch.units[{i}]"
@@ -399,9 +433,17 @@ def cross_check(req: dict) -> list[FormatIssue]:
             if exposed:
                 add(f"{p}.mounts[{j}].source", f"mounting {mount['source']!r} would give the unit {exposed}",
                     "mount the model's own directory (a unit's mounts hold model files, read-only)")
-            if mount["target"] in targets:
+            target = normalize_abs(mount["target"])
+            hidden = _target_reserved(target)
+            if hidden:
+                add(f"{p}.mounts[{j}].target", f"a mount at {mount['target']!r} would {hidden}",
+                    "mount the model at a directory of its own (e.g. /models/<name>)")
+            if target in targets:
                 add(f"{p}.mounts[{j}].target", f"mount target {mount['target']!r} appears twice", "mount each target once")
-            targets.add(mount["target"])
+            targets.add(target)
+            if not mount.get("read_only", True) and model_path and _nested(target, model_path):
+                add(f"{p}.mounts[{j}].read_only", f"mount {mount['target']!r} holds the model's files "
+                    f"({model_path}) and is writable", "set read_only true (model mounts are read-only)")
 
     workers = launch["execution"]["workers"]
     worker_ids: set[str] = set()
@@ -486,6 +528,21 @@ def cross_check(req: dict) -> list[FormatIssue]:
                 add(f"{p}.address", f"service {s['id']!r} is probed at {s.get('address', '127.0.0.1')} but unit "
                     f"{unit['id']!r}{binds}",
                     f"set address to {got!r} (or bind the command to it, or to 0.0.0.0)")
+
+    return issues
+
+
+def cross_check(req: dict) -> list[FormatIssue]:
+    """Rules that span fields: inventories, references, operation needs."""
+    launch = req["launch"]
+    op = req["operation"]
+    units = launch["units"]
+    issues = launch_issues(launch, op=op)
+
+    def add(path: str, message: str, fix: str) -> None:
+        issues.append(FormatIssue(path, message, fix))
+
+    worker_ids = {w["id"] for w in launch["execution"]["workers"]}
 
     # The capsule builder's own path policy, so a path it would refuse fails here, before the capture runs.
     mount_targets = [m["target"] for u in units for m in u["mounts"]]

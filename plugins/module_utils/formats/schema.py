@@ -8,6 +8,7 @@ generates the JSON Schema shipped under docs/schemas/.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,6 +130,15 @@ class Str(Schema):
         return self._with_desc(doc)
 
 
+# I-JSON (RFC 7493): integers a JSON number holds exactly. Beyond them two documents could differ
+# and still share a canonical digest (RFC 8785 writes numbers as doubles). Fields that need more say so.
+MAX_SAFE_INT = (1 << 53) - 1
+INT64_MAX, UINT64_MAX = (1 << 63) - 1, (1 << 64) - 1  # for fields that say so (clocks in ns, inode numbers)
+# Opaque JSON (engine payloads, evidence, timing) may hold this many values at most, integers within 64 bits.
+MAX_OPAQUE_VALUES = 100_000
+MAX_OPAQUE_INT = INT64_MAX
+
+
 @dataclass
 class Int(Schema):
     description: str = ""
@@ -138,6 +148,11 @@ class Int(Schema):
     def validate(self, value, path, issues):
         if isinstance(value, bool) or not isinstance(value, int):
             return self._wrong_type(value, path, issues, "an integer")
+        if (self.maximum is None and abs(value) > MAX_SAFE_INT) or (
+                self.minimum is None and value < -MAX_SAFE_INT):
+            issues.append(FormatIssue(path, f"{value} is beyond the integers a JSON number holds exactly "
+                                      f"(±{MAX_SAFE_INT})", "use a smaller value"))
+            return MISSING
         if self.minimum is not None and value < self.minimum:
             issues.append(FormatIssue(path, f"{value} is below the minimum {self.minimum}",
                                       f"use a value >= {self.minimum}"))
@@ -150,10 +165,8 @@ class Int(Schema):
 
     def json_schema(self):
         doc: dict = {"type": "integer"}
-        if self.minimum is not None:
-            doc["minimum"] = self.minimum
-        if self.maximum is not None:
-            doc["maximum"] = self.maximum
+        doc["minimum"] = self.minimum if self.minimum is not None else -MAX_SAFE_INT
+        doc["maximum"] = self.maximum if self.maximum is not None else MAX_SAFE_INT
         return self._with_desc(doc)
 
 
@@ -165,6 +178,9 @@ class Num(Schema):
     def validate(self, value, path, issues):
         if isinstance(value, bool) or not isinstance(value, int | float):
             return self._wrong_type(value, path, issues, "a number")
+        if not _finite_json_number(value):
+            issues.append(FormatIssue(path, f"{value!r} is not a finite JSON number", "give a finite number"))
+            return MISSING
         if self.minimum is not None and value < self.minimum:
             issues.append(FormatIssue(path, f"{value} is below the minimum {self.minimum}",
                                       f"use a value >= {self.minimum}"))
@@ -358,23 +374,50 @@ class AnyJSON(Schema):
     def validate(self, value, path, issues):
         if self.object_only and not isinstance(value, dict):
             return self._wrong_type(value, path, issues, "an object")
-        _check_dups_deep(value, path, issues)
+        _check_opaque(value, path, issues, [0])
         return value
 
     def json_schema(self):
         return self._with_desc({"type": "object"} if self.object_only else {})
 
 
-def _check_dups_deep(value: Any, path: str, issues: list[FormatIssue]) -> None:
+def _finite_json_number(value: int | float, limit: int = MAX_SAFE_INT) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return abs(value) <= limit
+
+
+def _check_opaque(value: Any, path: str, issues: list[FormatIssue], seen: list[int]) -> bool:
+    """Opaque JSON: JSON values only (finite numbers, string keys), no duplicate keys, at most
+    MAX_OPAQUE_VALUES values. False once it stopped looking (too many values)."""
+    seen[0] += 1
+    if seen[0] > MAX_OPAQUE_VALUES:
+        issues.append(FormatIssue(path, f"holds more than {MAX_OPAQUE_VALUES} JSON values",
+                                  "keep engine-owned data small (it travels in every task's arguments)"))
+        return False
     if isinstance(value, dict):
         for dup in duplicates_of(value):
             issues.append(FormatIssue(_path_key(path, dup), f"duplicate key {dup!r}",
                                       f"keep exactly one {dup!r} in this object"))
         for k, v in value.items():
-            _check_dups_deep(v, _path_key(path, k), issues)
+            if not isinstance(k, str):
+                issues.append(FormatIssue(path, f"key {k!r} is not a string", "JSON object keys are strings"))
+            elif not _check_opaque(v, _path_key(path, k), issues, seen):
+                return False
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_dups_deep(v, f"{path}[{i}]", issues)
+            if not _check_opaque(v, f"{path}[{i}]", issues, seen):
+                return False
+    elif isinstance(value, bool) or value is None or isinstance(value, str):
+        pass
+    elif isinstance(value, int | float):
+        if not _finite_json_number(value, MAX_OPAQUE_INT):  # nanosecond clocks need 64 bits
+            issues.append(FormatIssue(path, f"{value!r} is not a finite JSON number within ±{MAX_OPAQUE_INT}",
+                                      "give a finite number (integers within 64 bits)"))
+    else:
+        issues.append(FormatIssue(path, f"a {type(value).__name__} is not a JSON value",
+                                  "give JSON values only (objects, arrays, strings, numbers, booleans, null)"))
+    return True
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import (
+    INT64_MAX,
     AnyJSON,
     Const,
     Field,
@@ -46,8 +48,8 @@ EVENT_SCHEMA = Obj({
     "host": Field(Nullable(Str())),
     "unit": Field(Nullable(Str())),
     "clock": Field(Str(pattern=r"controller|unit:[A-Za-z0-9._-]+", pattern_fix="'controller' or 'unit:<id>'")),
-    "t_ns": Field(Int(minimum=0)),
-    "wall_unix_ns": Field(Int(minimum=0)),
+    "t_ns": Field(Int(minimum=0, maximum=INT64_MAX)),
+    "wall_unix_ns": Field(Int(minimum=0, maximum=INT64_MAX)),
     "attrs": Field(AnyJSON(object_only=True)),
 })
 
@@ -59,7 +61,8 @@ def validate_event(value: Any) -> dict:
 
 def parse_ndjson(text: str) -> list[dict]:
     """Parse and validate a timing NDJSON stream."""
-    return [validate_event(strict_loads(line, document="timing event")) for line in text.splitlines() if line.strip()]
+    # NDJSON lines end at "\n" only (U+2028 and friends may stand unescaped inside JSON strings).
+    return [validate_event(strict_loads(line, document="timing event")) for line in text.split("\n") if line.strip()]
 
 
 class SpanRecorder:
@@ -199,8 +202,21 @@ class SpanRecorder:
 
 
 def ndjson_line(event: dict) -> str:
-    """One event as a compact JSON line."""
-    return json.dumps(event, separators=(",", ":"), sort_keys=True) + "\n"
+    """One event as a compact JSON line (strict JSON: a non-finite number in attrs is written as null)."""
+    try:
+        return json.dumps(event, separators=(",", ":"), sort_keys=True, allow_nan=False) + "\n"
+    except ValueError:
+        return json.dumps(_finite(event), separators=(",", ":"), sort_keys=True, allow_nan=False) + "\n"
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def span_seconds(envelope: dict, name: str) -> float | None:

@@ -22,6 +22,8 @@ from pathlib import Path
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsutil
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import (
+    INT64_MAX,
+    UINT64_MAX,
     Const,
     Field,
     Int,
@@ -51,13 +53,13 @@ RECORD_SCHEMA = Obj({
     "size": Field(Int(minimum=0)),
     "path": Field(Str(pattern=r"model-payloads/sha256/[0-9a-f]{64}\.pack")),
     "identity": Field(Obj({
-        "st_dev": Field(Int(minimum=0)),
-        "st_ino": Field(Int(minimum=0)),
+        "st_dev": Field(Int(minimum=0, maximum=UINT64_MAX)),
+        "st_ino": Field(Int(minimum=0, maximum=UINT64_MAX)),
         "st_size": Field(Int(minimum=0)),
-        "st_mtime_ns": Field(Int()),
-        "st_ctime_ns": Field(Int()),
+        "st_mtime_ns": Field(Int(minimum=-INT64_MAX, maximum=INT64_MAX)),
+        "st_ctime_ns": Field(Int(minimum=-INT64_MAX, maximum=INT64_MAX)),
     })),
-    "observed_at_ns": Field(Int(minimum=0), description="wall clock just before the identity was taken"),
+    "observed_at_ns": Field(Int(minimum=0, maximum=INT64_MAX), description="wall clock just before the identity was taken"),
     "verified_at": Field(Str(min_len=1)),
     "method": Field(Str(enum=("full-sha256", "writer-sha256"))),
     "coldsnap_version": Field(Str(min_len=1)),

@@ -117,14 +117,14 @@ def test_a_receipt_with_a_field_its_readers_cannot_use_is_refused(tmp_path, caps
 
 
 @pytest.mark.parametrize("timing", [
-    {"spans": 5, "marks": []},
-    {"spans": [{"start_ns": 1, "end_ns": 2, "clock": ["a"], "attrs": {}}], "marks": "x"},
+    {"spans": [5], "marks": []},
+    {"spans": [{"start_ns": 1, "end_ns": 2, "clock": ["a"], "attrs": {}}], "marks": ["x"]},
     {"spans": [{"start_ns": 1, "end_ns": 2, "clock": "controller", "attrs": [1]}],
      "marks": [{"t_ns": 1, "clock": ["a"]}]},
 ])
 def test_the_timeline_draws_what_it_can_of_a_hand_edited_receipt(tmp_path, capsys, timing) -> None:
     doc = json.loads(RECEIPT.read_text())
-    doc["timing"] = timing
+    doc["timing"] = {**{k: doc["timing"][k] for k in ("format", "kind", "operation_id")}, **timing}
     doc["result"] = {"runner": [1]}
     path = tmp_path / "receipt.json"
     path.write_text(json.dumps(doc))
@@ -226,3 +226,21 @@ def test_a_state_root_on_a_read_only_file_system_is_named_with_the_fix(tmp_path,
     rc, _out, err = _run(capsys, "stop", "--request-json", str(path), "--state-root", str(ro))
     assert rc == 2 and f"state root {ro} cannot be written (Read-only file system" in err, err
     assert "--state-root a writable directory" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda d: d.__setitem__("timing", {}), "$.timing"),
+    (lambda d: d["timing"].__setitem__("operation_id", "another-run"), "$.timing"),
+    (lambda d: d.__setitem__("completed_at", "2020-01-01T00:00:00Z"), "$.completed_at"),
+    (lambda d: d.__setitem__("completed_at", None), "$.completed_at"),
+    (lambda d: d.__setitem__("started_at", "2026-11-29T11:08:00+05:60"), "$.started_at"),
+    (lambda d: (d.__setitem__("state", "failed"), d.__setitem__("error", None)), "$.error"),
+    (lambda d: d.__setitem__("error", {"message": "x"}), "$.error"),  # the fixture succeeded
+])
+def test_a_receipt_whose_fields_contradict_each_other_is_refused(tmp_path, capsys, edit, field) -> None:
+    doc = json.loads(RECEIPT.read_text())
+    edit(doc)
+    path = tmp_path / "receipt.json"
+    path.write_text(json.dumps(doc))
+    rc, _out, err = _run(capsys, "validate", "--receipt-json", str(path))
+    assert rc == 2 and field in err and "Traceback" not in err, err
