@@ -12,7 +12,7 @@ host, where the job file and the progress records are.
 from __future__ import annotations
 
 from ansible.plugins.action import ActionBase
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.async_job import TIMING_KEY
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.async_job import ARGUMENT_SPEC, TIMING_KEY
 
 # Reported by the step's own task already: warnings shown once, its spans in the receipt once.
 _SHOWN_BY_THE_STEP = ("warnings", "deprecations", "invocation", TIMING_KEY)
@@ -23,9 +23,13 @@ class ActionModule(ActionBase):
 
     def run(self, tmp=None, task_vars=None):
         result = super().run(tmp, task_vars)
-        job = self._task.args.get("job")
-        if isinstance(job, dict) and "ansible_job_id" not in job:
+        # The module's own options, checked here too: a misspelt option or a wrong type fails the same way
+        # whether or not the step ran as a job.
+        _validation, args = self.validate_argument_spec(argument_spec=ARGUMENT_SPEC)
+        job = args["job"]
+        if "ansible_job_id" not in job:
             handed = {k: v for k, v in job.items() if k not in _SHOWN_BY_THE_STEP}
+            handed["finished"] = True
             result.update(handed)
             if handed.get("failed"):
                 result["msg"] = handed.get("msg") or "the step failed"

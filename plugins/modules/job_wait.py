@@ -100,21 +100,12 @@ coldsnap_progress:
 """
 
 from ansible.module_utils.basic import AnsibleModule
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.async_job import look
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.async_job import ARGUMENT_SPEC, look
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 
 
 def main() -> None:
-    module = AnsibleModule(
-        argument_spec=dict(
-            state_root=dict(STATE_ROOT_ARG),
-            job=dict(type="dict", required=True),
-            progress_dir=dict(type="path"),
-            cleanup=dict(type="bool", default=True),
-        ),
-        supports_check_mode=True,
-    )
+    module = AnsibleModule(argument_spec=ARGUMENT_SPEC, supports_check_mode=True)
     p = module.params
     try:
         result = look(p["job"], progress_dir=p["progress_dir"], remove=p["cleanup"])

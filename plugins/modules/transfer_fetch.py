@@ -28,7 +28,10 @@ extends_documentation_fragment:
   - coldsnap.fleet.progress
 options:
   dest:
-    description: Directory the files go to (created when missing), keeping their relative names.
+    description:
+      - Directory the files go to (created when missing), keeping their relative names.
+      - The served files arrive together (a pull cut short leaves nothing half-written under O(dest)); what
+        O(dest) held besides them is kept (returned as RV(kept)), its mode too.
     type: path
     required: true
   address:
@@ -78,6 +81,11 @@ bytes_received:
   description: Bytes received by this run (less than the files' size when it resumed partial files).
   returned: success
   type: int
+kept:
+  description: Relative names of files O(dest) held that the server does not serve (kept as they were).
+  returned: when a real run brought files into an existing O(dest)
+  type: list
+  elements: str
 bytes:
   description: Total size of the files.
   returned: success, except in check mode when no server answers

@@ -24,15 +24,25 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import (
+    LEASE_FILE,
+    PROGRESS_SUFFIX,
     RESULT_PROGRESS_KEY,
     read_progress,
     refresh_lease,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
+
+#: The job_wait module's options (its action plugin validates them too, before handing a result on).
+ARGUMENT_SPEC = dict(
+    state_root=dict(STATE_ROOT_ARG),
+    job=dict(type="dict", required=True),
+    progress_dir=dict(type="path"),
+    cleanup=dict(type="bool", default=True),
 )
 
 #: A step's unit-clock spans in its result (the controller's receipt takes them from the step's task).
@@ -71,15 +81,31 @@ def is_running(data: dict | None) -> bool:
     return data is None or (bool(data.get("started")) and not data.get("finished"))
 
 
+def _progress_file(name: str) -> bool:
+    """What a step's progress session writes: its lease, its records and their temporaries."""
+    record = name[1:].split(".tmp-", 1)[0] if name.startswith(".") and ".tmp-" in name else name
+    return name == LEASE_FILE or record.endswith(PROGRESS_SUFFIX)
+
+
 def cleanup(job_file: Path | None, progress_dir: Path | str | None) -> None:
-    """Remove the job file and the progress directory (missing ones are fine)."""
+    """Remove the job file and what the step wrote into its progress directory, then the directory once it
+    is empty (missing ones are fine). Nothing else is removed: a ``progress_dir`` that names a directory
+    with other files in it (a typo, a shared path) keeps them, and so the directory itself."""
     if job_file is not None:
         with contextlib.suppress(OSError):
             os.unlink(job_file)
     if progress_dir:
-        shutil.rmtree(progress_dir, ignore_errors=True)
+        directory = Path(progress_dir)
         with contextlib.suppress(OSError):
-            os.rmdir(Path(progress_dir).parent)  # the run's progress/ directory, once its last step is done
+            for entry in os.scandir(directory):
+                if entry.is_file(follow_symlinks=False) and _progress_file(entry.name):
+                    with contextlib.suppress(OSError):
+                        os.unlink(entry.path)
+        for empty in (directory, directory.parent):  # and the run's progress/ directory after its last step
+            try:
+                os.rmdir(empty)
+            except OSError:
+                break
 
 
 def finished_result(data: dict, jid: str) -> dict:

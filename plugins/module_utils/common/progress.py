@@ -179,9 +179,9 @@ def read_progress(directory: Path | str | None) -> list[dict]:
 
 def refresh_lease(directory: Path | str, *, create: bool = True) -> None:
     """A sign of life: touch the lease. ``create=False`` (a waiter) touches it only where the step made
-    its progress directory, so a wait never creates anything (check mode, a step without progress)."""
-    if not create and not Path(directory).is_dir():
-        return
+    its lease, so a wait never creates anything (check mode, a step without progress, a wrong path)."""
+    if not create and not (Path(directory) / LEASE_FILE).is_file():
+        return  # only where the step itself made its lease (never into a directory it does not own)
     path = private_dir(directory) / LEASE_FILE
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)

@@ -314,17 +314,63 @@ def fetch_tree(peer: Peer, dest: Path | str, *, progress: Progress | None = None
         received += got.bytes_received
         done += size
     old = None
+    kept: list[str] = []
+    mode = None
+    if dest.is_dir() and not dest.is_symlink():
+        kept = _carry_over(dest, stage, {str(f["name"]) for f in files})
+        mode = stat.S_IMODE(dest.stat().st_mode)
     if dest.exists() or dest.is_symlink():
         old = dest.with_name(f".{dest.name}.replaced-{os.getpid()}")
         os.rename(dest, old)
     os.rename(stage, dest)
+    if mode is not None:
+        os.chmod(dest, mode)
     fsutil.fsync_dir(dest.parent)
     if old is not None:
         if old.is_dir() and not old.is_symlink():
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
-    return {"files": len(files), "fetched": fetched, "bytes_received": received, "bytes": total}
+    return {"files": len(files), "fetched": fetched, "bytes_received": received, "bytes": total, "kept": kept}
+
+
+def _carry_over(dest: Path, stage: Path, served: set[str]) -> list[str]:
+    """Bring what ``dest`` holds besides the served files into ``stage`` (hard links, symbolic links as
+    they are), so the swap loses nothing of it; their names. Refused before anything is swapped when
+    something cannot be carried over."""
+    kept = []
+    for root, dirs, names in os.walk(dest):
+        rel_root = Path(root).relative_to(dest)
+        for name in sorted(names + [d for d in dirs if (Path(root) / d).is_symlink()]):
+            rel = (rel_root / name).as_posix()
+            if rel in served:
+                continue
+            src, target = Path(root) / name, stage / rel
+            st = os.lstat(src)
+            try:
+                if target.exists() or target.is_symlink():
+                    there = os.lstat(target)
+                    if (there.st_dev, there.st_ino) == (st.st_dev, st.st_ino) or (
+                            stat.S_ISLNK(st.st_mode) and stat.S_ISLNK(there.st_mode)
+                            and os.readlink(src) == os.readlink(target)):
+                        continue  # carried over by an earlier pull that was cut short
+                    if stat.S_ISLNK(st.st_mode):
+                        continue  # a link where the served tree has a directory: the served tree wins
+                    raise OSError(0, "the served files use that path")
+                _real_dirs_below(stage, rel)
+                if stat.S_ISLNK(st.st_mode):
+                    os.symlink(os.readlink(src), target)
+                elif stat.S_ISREG(st.st_mode):
+                    os.link(src, target, follow_symlinks=False)
+                else:
+                    raise OSError(0, "not a regular file or a link")
+            except OSError as exc:
+                raise ColdSnapError(f"{src} is not part of what the source serves and cannot be kept "
+                                    f"({exc.strerror or exc})", fix=f"move it out of {dest}, or fetch into a "
+                                    "directory of its own") from None
+            kept.append(rel)
+        dirs[:] = [d for d in dirs if not (Path(root) / d).is_symlink()]
+    return kept
 
 
 def _checked_listing(peer: Peer) -> list[dict[str, Any]]:

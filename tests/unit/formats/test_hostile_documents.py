@@ -13,7 +13,10 @@ import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import MAX_OPAQUE_VALUES, MAX_SAFE_INT
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import (
+    MAX_OPAQUE_VALUES,
+    MAX_SAFE_INT,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import ndjson_line, parse_ndjson
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"

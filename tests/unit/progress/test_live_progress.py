@@ -124,10 +124,12 @@ def test_wait_returns_progress_while_the_job_runs(tmp_path: Path) -> None:
     progress = tmp_path / "progress"
     pg.private_dir(progress)
     pg.ProgressWriter(progress, "stage", phase="payload staging")(5, 10)
+    pg.refresh_lease(progress)  # the step's watchdog made it
+    os.utime(progress / pg.LEASE_FILE, (1, 1))
     out = async_job.look(job, progress_dir=progress)
     assert out["finished"] is False and out["changed"] is False
     assert out[RESULT_PROGRESS_KEY][0]["done"] == 5
-    assert pg.lease_age(progress) is not None  # the look refreshed the lease
+    assert pg.lease_age(progress) < 60  # the look refreshed the lease
     assert Path(job["results_file"]).exists()
 
 
@@ -202,3 +204,31 @@ def test_a_wait_never_creates_the_progress_directory(tmp_path: Path) -> None:
     job = _job(tmp_path, {"started": True, "finished": False})
     async_job.look(job, progress_dir=tmp_path / "never-made")  # check mode: the step wrote no progress
     assert not (tmp_path / "never-made").exists()
+
+
+def test_a_wait_given_someone_elses_directory_removes_nothing_of_theirs(tmp_path: Path) -> None:
+    """``progress_dir`` pointing at a directory with other files (a typo, a shared path): the step's own
+    files go once the job ended, theirs and the directory stay; nothing is created there meanwhile."""
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    (victim / "notes.txt").write_text("keep")
+    (victim / "sub" / "data.txt").write_text("keep")
+    running = _job(tmp_path, {"started": True, "finished": False, "ansible_job_id": "j123.42"})
+    async_job.look(running, progress_dir=victim)
+    assert not (victim / pg.LEASE_FILE).exists()
+    pg.ProgressWriter(victim, "stage", phase="payload staging")(5, 10)
+    (victim / ".stage.progress.json.tmp-1-2").write_text("{")
+    Path(running["results_file"]).write_text(json.dumps({"changed": True}))
+    assert async_job.look(running, progress_dir=victim)["finished"] is True
+    assert sorted(p.name for p in victim.rglob("*")) == ["data.txt", "notes.txt", "sub"]
+
+
+def test_job_wait_checks_its_options_also_when_the_step_ran_in_the_foreground() -> None:
+    from module_runner import run_module
+
+    typo = run_module("job_wait", {"job": {"changed": True, "foo": 1}, "progress_dri": "/tmp/x"})
+    assert typo.get("failed") and "progress_dri" in typo["msg"], typo
+    wrong = run_module("job_wait", {"job": {"changed": True}, "cleanup": "notabool"})
+    assert wrong.get("failed") and "cleanup" in wrong["msg"], wrong
+    handed = run_module("job_wait", {"job": {"changed": True, "units": [1]}})
+    assert handed["finished"] is True and handed["changed"] is True and handed["units"] == [1], handed

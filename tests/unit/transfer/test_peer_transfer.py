@@ -99,6 +99,36 @@ def test_a_tree_arrives_identical_and_a_second_pull_moves_nothing(served, tmp_pa
     assert again["fetched"] == [] and again["bytes_received"] == 0
 
 
+def test_a_pull_into_a_directory_with_other_files_keeps_them(served, tmp_path):
+    """What ``dest`` held besides the served files survives the swap (and so does its mode); a stale copy of
+    a served file is replaced."""
+    server, (root, _blob) = served
+    dest = tmp_path / "keepme"
+    (dest / "notes").mkdir(parents=True)
+    os.chmod(dest, 0o750)
+    (dest / "mydata.txt").write_text("important")
+    (dest / "notes" / "n.txt").write_text("also")
+    os.symlink("mydata.txt", dest / "alias")
+    (dest / "index.json").write_text("stale")
+    out = fetch_tree(peer_of(server), dest)
+    assert sorted(out["kept"]) == ["alias", "mydata.txt", "notes/n.txt"]
+    assert (dest / "mydata.txt").read_text() == "important" and (dest / "notes" / "n.txt").read_text() == "also"
+    assert os.readlink(dest / "alias") == "mydata.txt"
+    assert (dest / "index.json").read_bytes() == (root / "index.json").read_bytes()
+    assert stat.S_IMODE(dest.stat().st_mode) == 0o750
+    assert not list(tmp_path.glob(".keepme*"))
+
+
+def test_a_file_where_the_served_tree_needs_a_directory_is_refused_before_the_swap(served, tmp_path):
+    server, _tree = served
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "blobs").write_text("a file where blobs/ goes")
+    with pytest.raises(ColdSnapError, match="cannot be kept"):
+        fetch_tree(peer_of(server), dest)
+    assert (dest / "blobs").read_text() == "a file where blobs/ goes"
+
+
 def test_a_wrong_token_is_refused_and_names_no_secret(served, tmp_path):
     server, _tree = served
     with pytest.raises(ColdSnapError, match="authentication failed") as err:
