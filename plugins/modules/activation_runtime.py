@@ -129,6 +129,7 @@ def main() -> None:
     def stage_files() -> dict:
         state_root = Path(p["state_root"])
         if module.check_mode:
+            activation.decode_files(p["files"], p["digest"])  # what a real run would refuse, refused here
             looked = activation.look(state_root, p["digest"], check_mode=True)
             return {**looked, "changed": not looked["staged"] or looked["changed"]}
         cleaned = clean_stale_temps(state_root)
@@ -142,6 +143,7 @@ def main() -> None:
         if not p["src"]:
             # Only ask: is this digest staged here (intact, no stray bytecode)?
             return activation.look(Path(p["state_root"]), p["digest"], check_mode=module.check_mode)
+        activation.require_runtime_dir(Path(p["src"]))
         digest = activation.tree_digest(Path(p["src"]))
         if p["digest"] and digest != p["digest"]:
             raise IntegrityError(f"activation runtime at {p['src']} has digest {digest}, expected {p['digest']}",

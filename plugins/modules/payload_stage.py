@@ -232,7 +232,8 @@ def run_module() -> None:
             out["verified"] = False
         module.exit_json(**out)
     except ColdSnapError as exc:
-        module.fail_json(msg=str(exc), quarantined=exc.details.get("quarantined"))
+        quarantined = exc.details.get("quarantined")
+        module.fail_json(msg=str(exc), quarantined=quarantined, changed=bool(quarantined))
     except Exception as exc:  # unexpected: keep the traceback for -vvv
         module.fail_json(msg=f"payload_stage failed unexpectedly: {exc}", exception=traceback.format_exc())
 

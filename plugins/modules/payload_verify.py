@@ -140,7 +140,9 @@ def run_module() -> None:
         changed = v.record_written or (module.check_mode and not v.reused_record)
         module.exit_json(changed=changed, **result)
     except ColdSnapError as exc:
-        module.fail_json(msg=str(exc), verified=False, quarantined=exc.details.get("quarantined"))
+        quarantined = exc.details.get("quarantined")
+        # a corrupt pack moved aside is a change on the host, failed run or not
+        module.fail_json(msg=str(exc), verified=False, quarantined=quarantined, changed=bool(quarantined))
     except Exception as exc:  # unexpected: keep the traceback for -vvv
         module.fail_json(msg=f"payload_verify failed unexpectedly: {exc}", exception=traceback.format_exc())
 

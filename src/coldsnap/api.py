@@ -42,7 +42,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson 
 from coldsnap.commands._io import read_input
 from coldsnap.runner import RESERVED_EXTRAVARS, default_state_root, run_playbook
 from coldsnap.runner.contract import check_prepare_only
-from coldsnap.runner.driver import EventHandler, StatusHandler
+from coldsnap.runner.driver import EventHandler, StatusHandler, require_operation
 from coldsnap.runner.drivers import resolve_snapshot_driver
 from coldsnap.runner.timing_stream import TimingTarget
 
@@ -139,6 +139,10 @@ def resolve_state_root(value: str | os.PathLike[str] | None) -> Path:
     """``value``, else ``$COLDSNAP_STATE_ROOT``, else the per-user default (/var/lib/coldsnap for root).
 
     A path that exists and is not a directory is refused here, before anything is written below it."""
+    if value is not None and not str(value).strip():
+        # an unset shell variable ("$SR") must not mean the default state root, which holds production state
+        raise ColdSnapError("--state-root is empty", fix="give a directory, or leave the option out for "
+                            f"{default_state_root()} (or set COLDSNAP_STATE_ROOT)")
     root = Path(value).expanduser() if value else Path(default_state_root())
     try:
         st = os.stat(root)
@@ -182,6 +186,8 @@ def run(operation: str, request: RequestSource, *, prepare_only: bool = False, i
         raise ColdSnapError(f"extra var {', '.join(reserved)} is set by the controller",
                             fix="leave it out: the request, prepare_only and state_root are arguments of their own")
     raw, document = decoded_request(request)
+    if isinstance(raw, dict) and isinstance(raw.get("operation"), str):
+        require_operation(raw, operation)  # before the snapshot driver's choice asks any host for facts
     driver, selection = resolve_snapshot_driver(operation, raw, inventory=inventory, envvars=envvars)
     normalized = validate_request(raw, document=document, snapshot_driver=driver)
     result = run_playbook(

@@ -117,6 +117,11 @@ def by_unit(request: dict, evidence: list[dict], facts_by_host: dict[str, dict],
             capsules: list[dict]) -> tuple[dict, dict, dict]:
     """Key the plays' per-host results by unit id; refuse a capture with a unit missing."""
     units = request["launch"]["units"]
+    for name, entries in (("evidence", evidence), ("capsules", capsules)):
+        for i, e in enumerate(entries):
+            if e and (not isinstance(e, dict) or not isinstance(e.get("unit"), str)):
+                raise ColdSnapError(f"{name}[{i}] names no unit",
+                                    fix=f"pass the unit_capture / capsule_build results unchanged as {name}")
     ev = {e["unit"]: e for e in evidence}
     caps = {c["unit"]: c for c in capsules if c}
     missing = [u["id"] for u in units if u["id"] not in ev or u["id"] not in caps or u["host"] not in facts_by_host]

@@ -279,6 +279,10 @@ def build_capsule_detailed(*, unit: str, capture_id: str, files: dict[str, Path]
     if not capture_id or not unit:
         raise ColdSnapError("a capsule needs its unit id and capture id", fix="pass unit= and capture_id=")
     state, caches = check_capsule_paths(state_target, cache_paths, forbidden_paths)
+    if isinstance(files, (str, Path)) and not Path(files).is_dir():
+        raise ColdSnapError(f"unit {unit!r}: state directory {files} "
+                            f"{'is not a directory' if Path(files).exists() else 'does not exist'}",
+                            fix="capture the unit first (unit_capture writes it), or pass its state_dir")
     trees, excluded, absent = gather_inputs(files, state, caches, cache_sources)
     present = [c for c in caches if c not in absent]
     all_labels = capsule_labels(unit=unit, capture_id=capture_id, state_target=state, cache_paths=present,

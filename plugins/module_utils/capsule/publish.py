@@ -353,8 +353,10 @@ def remote_has(repository_digest: str, *, auth: dict[str, Any] | None = None, in
     repo, digest = split_repository_digest(repository_digest)
     try:
         return RegistryClient(repo, auth=auth, insecure=insecure).manifest_exists(digest, MANIFEST_ACCEPT)
-    except RegistryError:
-        return False
+    except RegistryError as exc:
+        if exc.status == 404:  # the repository itself is unknown there: nothing published yet
+            return False
+        raise  # unreachable, credentials refused...: not an answer (check mode says so, as a push would)
 
 
 def published_docker_capsule(ref: CapsuleRef, repository: str, *, auth: dict[str, Any] | None = None,
@@ -370,8 +372,12 @@ def published_docker_capsule(ref: CapsuleRef, repository: str, *, auth: dict[str
         digest = oci.digest_bytes(data)
         _verify_remote_manifest(repository, digest, auth=auth, what=f"capsule of unit {ref.unit!r}",
                                 expected_config=ref.image_id, insecure=insecure)
-    except (RegistryError, PublishError, IntegrityError, ValueError):
-        return None  # not there, or not this capsule: push it
+    except RegistryError as exc:
+        if exc.status != 404:
+            raise  # unreachable, credentials refused...: no answer to "is it there?"
+        return None  # not there: push it
+    except (PublishError, IntegrityError, ValueError):
+        return None  # not this capsule (or incomplete): push it
     return f"{repository}@{digest}"
 
 

@@ -16,6 +16,7 @@ import ipaddress
 import os
 import re
 import secrets
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,9 @@ def read_endpoint(path: Path | str) -> EndpointDescriptor:
     """Read and strictly validate a descriptor; refuse a file that group or others can read."""
     path = Path(path)
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # before its mode is judged: /tmp is no endpoint file
+            raise ColdSnapError(f"coordinator endpoint file {path} is not a regular file",
+                                fix="point at the endpoint file the coordinator wrote")
         check_private(path)
         if os.path.getsize(path) > MAX_DESCRIPTOR_BYTES:
             raise ColdSnapError(

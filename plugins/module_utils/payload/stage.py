@@ -156,6 +156,8 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
                     return StageResult(False, final, sha256, size, v.reused_record, v.bytes_hashed, 0, source.describe())
             except IntegrityError:
                 pass
+        if source.kind == "local":
+            _check_local(source, hexd, size)  # what the real run would refuse, read-only
         return StageResult(True, final, sha256, size, False, 0, 0, source.describe())
 
     with cache.lock(sha256, timeout=lock_timeout):
@@ -187,12 +189,7 @@ def _stage_local(cache: NodeCache, hexd: str, size: int, source: StageSource, pr
         raise ColdSnapError(f"payload source {source.path} does not exist",
                             fix="give the path of the pack on this host") from None
     try:
-        st = os.fstat(src_fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ColdSnapError(f"payload source {source.path} is not a regular file", fix="give the pack file")
-        if st.st_size != size:
-            raise IntegrityError(f"payload source {source.path} has {st.st_size} bytes, sha256:{hexd} has {size}",
-                                 fix="the source is not this payload; check the path or the artifact")
+        _check_local(source, hexd, size, os.fstat(src_fd))
         with PackWriter(cache, expected_sha256=f"sha256:{hexd}", size=size, lock_held=True,
                         what=f"model payload sha256:{hexd} from {source.path}") as w:
             _pipelined(src_fd, size, 0, w.write, progress, what=f"payload source {source.path}")
@@ -200,6 +197,21 @@ def _stage_local(cache: NodeCache, hexd: str, size: int, source: StageSource, pr
         return size
     finally:
         os.close(src_fd)
+
+
+def _check_local(source: StageSource, hexd: str, size: int, st: os.stat_result | None = None) -> None:
+    """A local source is a regular file of the payload's size (``st``: of the opened file; None: look)."""
+    if st is None:
+        try:
+            st = os.stat(str(source.path))
+        except FileNotFoundError:
+            raise ColdSnapError(f"payload source {source.path} does not exist",
+                                fix="give the path of the pack on this host") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ColdSnapError(f"payload source {source.path} is not a regular file", fix="give the pack file")
+    if st.st_size != size:
+        raise IntegrityError(f"payload source {source.path} has {st.st_size} bytes, sha256:{hexd} has {size}",
+                             fix="the source is not this payload; check the path or the artifact")
 
 
 def _clean_downloads(cache: NodeCache, hexd: str) -> None:

@@ -96,13 +96,41 @@ def _safe_relpath(rel: object) -> str:
     return rel
 
 
-def stage_files(files: dict, state_root: Path, digest: str) -> tuple[str, Path, bool]:
-    """Stage a runtime given as :func:`file_map`'s map; it must have exactly ``digest`` (checked before
-    anything lands under the content-addressed name). (digest, path, changed)."""
+def decode_files(files: dict, digest: str) -> list[tuple[str, bytes, bool]]:
+    """The runtime given as :func:`file_map`'s map, checked in memory: plain relative names, base64
+    content, and exactly ``digest`` (as :func:`tree_digest` computes it). [(name, bytes, executable)]."""
     parse_digest(digest, what="activation runtime digest")
     if not isinstance(files, dict) or not files:
         raise ColdSnapError("the activation runtime file map is empty",
                             fix="pass the map the coldsnap.fleet.activation_files lookup returns")
+    out = []
+    for name, entry in sorted(files.items()):
+        rel = _safe_relpath(name)
+        if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
+            raise ColdSnapError(f"activation runtime file {rel!r} has no base64 content",
+                                fix="pass the map the coldsnap.fleet.activation_files lookup returns")
+        try:
+            data = base64.b64decode(entry["content"], validate=True)
+        except (binascii.Error, ValueError):
+            raise ColdSnapError(f"activation runtime file {rel!r} is not valid base64",
+                                fix="pass the map the coldsnap.fleet.activation_files lookup returns") from None
+        out.append((rel, data, bool(entry.get("executable"))))
+    h = hashlib.sha256()
+    for rel, data, executable in out:  # sorted by name, as tree_digest walks them
+        name = rel.encode()
+        h.update(len(name).to_bytes(4, "big") + name + (b"x" if executable else b"-") + len(data).to_bytes(8, "big"))
+        h.update(data)
+    got = "sha256:" + h.hexdigest()
+    if got != digest:
+        raise IntegrityError(f"the activation runtime files given have digest {got}, expected {digest}",
+                             fix="pass the files and the digest of the same collection version")
+    return out
+
+
+def stage_files(files: dict, state_root: Path, digest: str) -> tuple[str, Path, bool]:
+    """Stage a runtime given as :func:`file_map`'s map; it must have exactly ``digest`` (checked before
+    anything lands under the content-addressed name). (digest, path, changed)."""
+    entries = decode_files(files, digest)
     final = staged_path(state_root, digest)
     if is_staged(final, digest):
         return digest, final, False
@@ -113,20 +141,11 @@ def stage_files(files: dict, state_root: Path, digest: str) -> tuple[str, Path, 
     shutil.rmtree(incoming, ignore_errors=True)
     incoming.mkdir(mode=0o700)
     try:
-        for name, entry in sorted(files.items()):
-            rel = _safe_relpath(name)
-            if not isinstance(entry, dict) or not isinstance(entry.get("content"), str):
-                raise ColdSnapError(f"activation runtime file {rel!r} has no base64 content",
-                                    fix="pass the map the coldsnap.fleet.activation_files lookup returns")
-            try:
-                data = base64.b64decode(entry["content"], validate=True)
-            except (binascii.Error, ValueError):
-                raise ColdSnapError(f"activation runtime file {rel!r} is not valid base64",
-                                    fix="pass the map the coldsnap.fleet.activation_files lookup returns") from None
+        for rel, data, executable in entries:
             dst = incoming / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(data)
-            os.chmod(dst, 0o755 if entry.get("executable") else 0o644)
+            os.chmod(dst, 0o755 if executable else 0o644)
         got = tree_digest(incoming)
         if got != digest:
             raise IntegrityError(f"the activation runtime files given have digest {got}, expected {digest}",
@@ -134,6 +153,15 @@ def stage_files(files: dict, state_root: Path, digest: str) -> tuple[str, Path, 
         return stage(incoming, state_root)
     finally:
         shutil.rmtree(incoming, ignore_errors=True)
+
+
+def require_runtime_dir(src: Path) -> None:
+    """``src`` is an activation runtime directory (it holds ``coldsnap_activation/__main__.py``)."""
+    if not src.is_dir():
+        raise ColdSnapError(f"src {src} is not a directory" if src.exists() else f"src {src} does not exist",
+                            fix="give the collection's runtime_image/activation directory, or leave src out to "
+                                "ask whether a digest is staged")
+    runtime_dirs([src])
 
 
 def staged_path(state_root: Path, digest: str) -> Path:

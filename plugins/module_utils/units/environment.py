@@ -86,8 +86,10 @@ def of_python(python: str, *, describe_it: bool = False) -> str:
                                  "vLLM, scripts/setup-venv.sh for the reference engine) at the captured path, or "
                                  "set coldsnap_python to the runtime environment's interpreter") from None
     if r.returncode != 0:
-        raise ColdSnapError(f"{python} cannot compute its environment digest: {r.stderr.strip()[-300:]}",
-                            fix="install the coldsnap runtime environment (scripts/setup-venv.sh) on the host")
+        why = r.stderr.strip()[-300:] or f"it exited with status {r.returncode} and said nothing"
+        raise ColdSnapError(f"{python} cannot compute its environment digest: {why}",
+                            fix="give the interpreter of an environment with ColdSnap's runtime installed "
+                                "(scripts/setup-venv.sh, scripts/engine-env.sh)")
     return r.stdout.strip()
 
 

@@ -16,8 +16,12 @@ def register(sub) -> None:
 def run(args) -> int:
     import json
 
-    if args.describe:
-        print(json.dumps(environment.describe(), indent=2))
+    if args.python:
+        import os
+
+        python = os.path.abspath(args.python) if "/" in args.python else args.python  # it runs from /
+        out = environment.of_python(python, describe_it=args.describe)
+        print(json.dumps(json.loads(out), indent=2) if args.describe else out)
     else:
-        print(environment.of_python(args.python) if args.python else environment.compute())
+        print(json.dumps(environment.describe(), indent=2) if args.describe else environment.compute())
     return 0

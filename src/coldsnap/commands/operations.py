@@ -119,26 +119,56 @@ def run(args) -> int:
         # ansible-playbook, and on a local connection to every module and what they start.
         os.environ.pop(env_name, None)
     progress = False if args.quiet else (True if args.progress else None)
+    if args.receipt_json:
+        _check_output_file(Path(args.receipt_json), "--receipt-json")  # before the operation, not after it ran
 
     with cancel_on_signals() as cancel:
         receipt = api.run(args.operation, args.request_json, prepare_only=args.prepare_only,
                           inventory=args.inventory, state_root=args.state_root, extravars=extra, secrets=secrets,
                           playbook=args.playbook, timing_sink=args.timing_ndjson, progress=progress,
                           cancel_event=cancel, verbosity=args.verbose)
-    if args.receipt_json:
-        write_receipt(Path(args.receipt_json), receipt.raw)
+    code = receipt.exit_code
+    receipt_file = args.receipt_json
+    if receipt_file:
+        try:
+            write_receipt(Path(receipt_file), receipt.raw)
+        except OSError as exc:  # it changed since the check above: the operation's outcome still counts
+            print(f"coldsnap: cannot write --receipt-json {receipt_file} ({exc.strerror or exc}); the receipt is "
+                  f"at {receipt.path}", file=sys.stderr)
+            receipt_file, code = None, code or 1
     human = args.timing_ndjson != "-" and not wants_json(args)
-    if human:
-        # A person at a terminal: the summary instead of 10-60 KB of JSON (the receipt is on disk).
-        print(format_summary(receipt.raw, receipt_path=args.receipt_json or receipt.path))
-    elif args.receipt_json or args.timing_ndjson == "-":
-        pass  # stdout carries nothing, or the NDJSON stream; the receipt is in the file / the run directory
-    else:
-        print_json(receipt.raw)
+    try:
+        if human:
+            # A person at a terminal: the summary instead of 10-60 KB of JSON (the receipt is on disk).
+            print(format_summary(receipt.raw, receipt_path=receipt_file or receipt.path))
+        elif receipt_file or args.timing_ndjson == "-":
+            pass  # stdout carries nothing, or the NDJSON stream; the receipt is in the file / the run directory
+        else:
+            print_json(receipt.raw)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # stdout closed early (piped into head): the outcome still goes to stderr and the exit status.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        human = False
     if not args.quiet and not human:
-        where = args.receipt_json or (str(receipt.path) if args.timing_ndjson == "-" else "stdout")
+        if receipt_file:
+            where = receipt_file
+        else:  # the NDJSON stream on stdout, or a --receipt-json that could not be written: the run's copy
+            where = str(receipt.path) if args.timing_ndjson == "-" or args.receipt_json else "stdout"
         line = f"coldsnap {args.operation}: {receipt.state}{' (cancelled)' if receipt.cancelled else ''}"
         if receipt.error:
             line += f": {receipt.error.message}"
         print(f"{line}\nreceipt: {where}", file=sys.stderr)
-    return receipt.exit_code
+    return code
+
+
+def _check_output_file(path: Path, flag: str) -> None:
+    """A file the command will write: not a directory, in a directory this user may write."""
+    if path.is_dir():
+        raise ColdSnapError(f"{flag} {path} is a directory", fix=f"give {flag} a file name (e.g. {path}/receipt.json)")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ColdSnapError(f"{flag} {path}: directory {parent} does not exist", fix="create it, or give another path")
+    if not os.access(parent, os.W_OK | os.X_OK) or parent.resolve().parts[1:2] in (("proc",), ("sys",)):
+        raise ColdSnapError(f"{flag} {path}: this user cannot create files in {parent}",
+                            fix="give a path in a directory you may write")

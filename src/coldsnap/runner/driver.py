@@ -45,6 +45,7 @@ import re
 import secrets as pysecrets
 import shlex
 import shutil
+import stat
 import sys
 import threading
 import time
@@ -166,6 +167,16 @@ def _new_ident() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ") + "-" + pysecrets.token_hex(3)
 
 
+def require_operation(request: Mapping[str, Any], operation: str) -> None:
+    """A request runs only under its own operation (checked before any host is contacted)."""
+    other = request.get("operation")
+    if other != operation:
+        raise ColdSnapError(
+            f"request {request.get('id')} is for operation {other!r}, not {operation!r} (its field operation)",
+            fix=f"run 'coldsnap {other}' (coldsnap.api.{str(other).replace('-', '_')}), "
+                f"or set the request's operation to {operation!r}")
+
+
 def _generated_operation_id(operation: str) -> str:
     return f"{operation}-{dt.datetime.now(dt.UTC):%Y%m%dT%H%M%SZ}-{pysecrets.token_hex(4)}"
 
@@ -226,12 +237,8 @@ class RunConfig:
         if operation not in OPERATIONS:
             raise ColdSnapError(f"unknown operation {operation!r}", fix=f"use one of {', '.join(OPERATIONS)}")
         check_prepare_only(operation, prepare_only)
-        if request is not None and request.get("operation") != operation:
-            other = request.get("operation")
-            raise ColdSnapError(
-                f"request {request.get('id')} is for operation {other!r}, not {operation!r} (its field operation)",
-                fix=f"run 'coldsnap {other}' (coldsnap.api.{str(other).replace('-', '_')}), "
-                    f"or set the request's operation to {operation!r}")
+        if request is not None:
+            require_operation(request, operation)
         operation_id = str(request["id"]) if request is not None else _generated_operation_id(operation)
         if not OPERATION_ID_RE.match(operation_id):
             raise ColdSnapError(f"operation id {operation_id!r} cannot name a run directory",
@@ -286,11 +293,25 @@ READS_ARTIFACT = ("restore", "warm", "sleep", "wake", "status", "stop", "native-
 def require_artifact_file(operation: str, request: Mapping[str, Any]) -> None:
     """The artifact a request names is on this controller, or a clear error before the playbook runs."""
     path = (request.get("artifact") or {}).get("path")
-    if operation in READS_ARTIFACT and path and not os.path.isfile(path):
-        what = "is not a file" if os.path.exists(path) else "does not exist on this controller"
-        raise ColdSnapError(f"$.artifact.path: {path} {what}",
-                            fix="capture first (coldsnap capture commits it under output.artifact_dir), or point "
-                                "artifact.path at a committed artifact.json")
+    if operation not in READS_ARTIFACT or not path:
+        return
+    try:
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode):
+            with open(path, "rb"):
+                return
+        what = "is not a file"
+    except FileNotFoundError:
+        what = "does not exist on this controller"
+    except PermissionError:
+        raise ColdSnapError(f"$.artifact.path: {path} is not readable by this user",
+                            fix="run as the user who captured it (or root), or copy the artifact directory where "
+                                "you may read it") from None
+    except OSError as exc:
+        what = f"cannot be read ({exc.strerror or exc})"
+    raise ColdSnapError(f"$.artifact.path: {path} {what}",
+                        fix="capture first (coldsnap capture commits it under output.artifact_dir), or point "
+                            "artifact.path at a committed artifact.json")
 
 
 def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook: str | Path | None,

@@ -13,6 +13,7 @@ normalized for it; a request that names its driver is used as it is.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import choose_snapshot_driver
 
+from coldsnap.runner.driver import require_artifact_file
 from coldsnap.runner.inventory import check_unit_hosts
 
 FACTS_MODULE = "coldsnap.fleet.host_facts"
@@ -64,8 +66,11 @@ def _first_issue(exc: FormatError) -> str:
 
 def _from_artifact(raw: Mapping[str, Any]) -> tuple[str | None, dict | None]:
     path = (raw.get("artifact") or {}).get("path") if isinstance(raw.get("artifact"), Mapping) else None
-    if not isinstance(path, str) or not path or not Path(path).is_file():
+    if not isinstance(path, str) or not path:
         return None, None  # validation names $.snapshot_driver with the fix
+    require_artifact_file(str(raw.get("operation")), raw)  # missing, not a file, not readable: said by field
+    if not os.path.isfile(path):
+        return None, None
     try:
         artifact = load_artifact(Path(path).read_bytes())
     except (OSError, ColdSnapError) as exc:

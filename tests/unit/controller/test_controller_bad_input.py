@@ -37,9 +37,10 @@ def test_a_path_that_is_not_a_readable_document(tmp_path, capsys) -> None:
     assert rc == 2 and json.loads(out)["errors"][0]["message"].endswith("no such file")
     rc, _out, err = _run(capsys, "runs", "list", "--state-root", str(RECEIPT))
     assert rc == 2 and "is not a directory" in err and "Traceback" not in err
-    (tmp_path / "d").chmod(0o700)
-    rc, _out, err = _run(capsys, "coordinator", "health", "--endpoint-file", str(tmp_path / "d"))
-    assert rc == 2 and "cannot be read" in err and "Traceback" not in err
+    for mode in (0o700, 0o1777):  # a directory is no endpoint file, whatever its mode (never "chmod 600 /tmp")
+        (tmp_path / "d").chmod(mode)
+        rc, _out, err = _run(capsys, "coordinator", "health", "--endpoint-file", str(tmp_path / "d"))
+        assert rc == 2 and "is not a regular file" in err and "chmod" not in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("text", ["[]", "null", "7"])
@@ -244,3 +245,69 @@ def test_a_receipt_whose_fields_contradict_each_other_is_refused(tmp_path, capsy
     path.write_text(json.dumps(doc))
     rc, _out, err = _run(capsys, "validate", "--receipt-json", str(path))
     assert rc == 2 and field in err and "Traceback" not in err, err
+
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "reference"
+
+
+def test_an_empty_state_root_is_refused_not_taken_for_the_default(capsys) -> None:
+    """An unset shell variable (--state-root "$SR") must not reach the production state root."""
+    rc, _out, err = _run(capsys, "runs", "list", "--state-root", "")
+    assert rc == 2 and "--state-root is empty" in err and "Traceback" not in err
+
+
+def test_a_request_for_another_operation_is_refused_before_any_host_is_asked(capsys, monkeypatch) -> None:
+    import coldsnap.api
+
+    def contacted(*_a, **_k):
+        raise AssertionError("the snapshot driver's choice ran: hosts would have been asked for facts")
+
+    monkeypatch.setattr(coldsnap.api, "resolve_snapshot_driver", contacted)
+    rc, _out, err = _run(capsys, "capture", "--request-json", str(EXAMPLES / "status.json"))
+    assert rc == 2 and "is for operation 'status', not 'capture'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["dir", "missing-parent"])
+def test_a_receipt_file_that_cannot_be_written_is_refused_before_the_operation_runs(tmp_path, capsys, monkeypatch,
+                                                                                   where) -> None:
+    import coldsnap.api
+
+    def ran(*_a, **_k):
+        raise AssertionError("the operation ran")
+
+    monkeypatch.setattr(coldsnap.api, "run", ran)
+    target = tmp_path if where == "dir" else tmp_path / "no" / "receipt.json"
+    rc, _out, err = _run(capsys, "status", "--request-json", str(EXAMPLES / "status.json"),
+                         "--receipt-json", str(target))
+    assert rc == 2 and "--receipt-json" in err and "Traceback" not in err, err
+
+
+def test_environment_digest_describes_the_interpreter_it_is_given(capsys) -> None:
+    rc, _out, err = _run(capsys, "environment-digest", "--describe", "--python", "/bin/false")
+    assert rc == 2 and "/bin/false cannot compute its environment digest" in err and "said nothing" in err
+    rc, _out, err = _run(capsys, "environment-digest", "--describe", "--python", "/nonexistent/python")
+    assert rc == 2 and "/nonexistent/python" in err
+
+
+def test_a_failed_operation_piped_into_head_still_exits_non_zero(capsys, monkeypatch) -> None:
+    """stdout closed early (``| head``): the outcome still reaches stderr and the exit status."""
+    import coldsnap.api
+    from coldsnap.api import Receipt
+
+    doc = json.loads(RECEIPT.read_text())
+    doc.update(state="failed", error={"message": "unit u0 did not answer", "host": "h", "task": "t", "phase": None})
+    monkeypatch.setattr(coldsnap.api, "run", lambda *_a, **_k: Receipt.from_dict(doc, path=RECEIPT))
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    broken = open(write_end, "w", encoding="utf-8")
+    monkeypatch.setattr(sys, "stdout", broken)
+    try:
+        rc = main(["status", "--request-json", str(EXAMPLES / "status.json"), "--json"])
+    finally:
+        monkeypatch.undo()
+        try:
+            broken.close()
+        except BrokenPipeError:
+            pass
+    err = capsys.readouterr().err
+    assert rc == 1 and "unit u0 did not answer" in err, (rc, err)

@@ -174,6 +174,27 @@ def test_activation_runtime_stages_from_its_files_in_one_task_check_mode_then_id
     assert both["failed"] and "mutually exclusive" in both["msg"]
 
 
+def test_activation_runtime_check_mode_refuses_what_a_real_run_refuses(state_root, tmp_path):
+    """A wrong digest, a name that is not a plain relative path, a src that does not exist or holds no
+    runtime: the same refusal in check mode as in a real run, and nothing written."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
+
+    src = collection_root() / "ansible_collections" / "coldsnap" / "fleet" / "runtime_image" / "activation"
+    files, digest = activation_stage.file_map(src), activation_stage.tree_digest(src)
+    cases = [
+        ({"files": files, "digest": "sha256:" + "0" * 64}, "expected sha256:" + "0" * 64),
+        ({"files": {**files, "../evil": {"content": "eA=="}}, "digest": digest}, "not a plain relative path"),
+        ({"files": {**files, "x.py": {"content": "not base64!"}}, "digest": digest}, "not valid base64"),
+        ({"src": str(tmp_path / "does-not-exist")}, "does not exist"),
+        ({"src": str(tmp_path)}, "not an activation runtime directory"),
+    ]
+    for args, needle in cases:
+        for extra in (("--check",), ()):
+            res = run_module("activation_runtime", {**args, "state_root": str(state_root)}, *extra)
+            assert res.get("failed") and needle in res["msg"], (args.keys(), extra, res)
+    assert not (state_root / "activation-runtime").exists()
+
+
 def test_activation_runtime_check_mode_sees_stray_bytecode_in_a_staged_runtime(state_root):
     """Bytecode the digest does not cover (Python would load it instead of the sources) makes a real
     run re-stage; check mode says so too instead of calling the runtime staged."""

@@ -372,3 +372,23 @@ def test_a_killed_writers_temp_is_removed_before_a_new_writer_reserves_space(tmp
             w.commit()
     finally:
         os.close(held)
+
+
+def test_staging_check_mode_refuses_a_local_source_a_real_run_would_refuse(tmp_path):
+    """Check mode looks at a local source read-only: missing, not a file, or of another size is said
+    the way a real run says it; nothing is written under the state root."""
+    root = tmp_path / "state"
+    sha = "sha256:" + "ab" * 32
+    wrong_size = tmp_path / "wrong.pack"
+    wrong_size.write_bytes(b"x" * 100)
+    cases = ((tmp_path / "nope", ColdSnapError, "does not exist"), (tmp_path, ColdSnapError, "not a regular file"),
+             (wrong_size, IntegrityError, "has 100 bytes"))
+    for check_mode in (True, False):
+        for path, error, needle in cases:
+            with pytest.raises(error, match=needle):
+                stage_payload(root, sha, 4096, StageSource("local", path=path), check_mode=check_mode)
+        if check_mode:
+            assert not root.exists()
+    right = tmp_path / "right.pack"
+    right.write_bytes(b"x" * 4096)
+    assert stage_payload(root, sha, 4096, StageSource("local", path=right), check_mode=True).changed
