@@ -147,10 +147,4 @@ def validate_receipt(value: Any) -> dict:
 
 def load_receipt(text: str | bytes) -> dict:
     """Decode and validate a receipt file (another ColdSnap document is named as such, not dissected)."""
-    doc = strict_loads(text, document="receipt")
-    kind = doc.get("kind") if isinstance(doc, dict) else None
-    if isinstance(kind, str) and kind.startswith("coldsnap-") and kind != RECEIPT_KIND:
-        raise FormatError([FormatIssue("$.kind", f"this is a {kind!r} document, not an operation receipt",
-                                       "give the receipt.json an operation wrote (`coldsnap runs` lists them; "
-                                       "`coldsnap <verb> --receipt-json FILE` writes one)")], document="receipt")
-    return validate_receipt(doc)
+    return validate_receipt(strict_loads(text, document="receipt"))

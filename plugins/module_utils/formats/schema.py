@@ -445,7 +445,15 @@ class OneOfKind(Schema):
 
 
 def validate_document(schema: Schema, value: Any, *, document: str) -> Any:
-    """Validate and normalize; raise one FormatError listing every problem."""
+    """Validate and normalize; raise one FormatError listing every problem. Another ColdSnap document (its
+    ``kind`` says which) is named as such instead of being dissected field by field."""
+    kind_field = schema.fields.get("kind") if isinstance(schema, Obj) else None
+    want = kind_field.schema.value if kind_field is not None and isinstance(kind_field.schema, Const) else None
+    got = value.get("kind") if isinstance(value, dict) else None
+    if isinstance(want, str) and isinstance(got, str) and got.startswith("coldsnap-") and got != want:
+        raise FormatError([FormatIssue("$.kind", f"this is a {got!r} document, not a {want!r} one",
+                                       f"give the {document} here ({want}); `coldsnap validate` checks each kind "
+                                       "with its own option")], document=document)
     issues: list[FormatIssue] = []
     out = schema.validate(value, "$", issues)
     if issues:

@@ -101,22 +101,26 @@ def resolve_playbook(playbook: str | Path) -> Path:
     """Turn a playbook reference into an absolute, existing path.
 
     Accepted: an FQCN (``coldsnap.fleet.capture`` -> ``<collection>/playbooks/capture.yml``),
-    an absolute path, or a path relative to the collection directory
-    (``playbooks/capture.yml``).
+    an absolute path, or a relative path: from the current directory when a file is there, else
+    from the collection directory (``playbooks/capture.yml``).
     """
     text = str(playbook)
     prefix = COLLECTION_NAMESPACE + "."
-    if text.startswith(prefix) and "/" not in text:
+    fqcn = text.startswith(prefix) and "/" not in text
+    if fqcn:
         path = collection_dir() / "playbooks" / f"{text[len(prefix):]}.yml"
     else:
         path = Path(text)
-        if not path.is_absolute():
-            path = collection_dir() / path
+        if not path.is_absolute():  # from the current directory first (a user's own), else the collection's
+            here = Path.cwd() / path
+            path = here if here.is_file() else collection_dir() / path
     if not path.is_file():
         raise ColdSnapError(
             f"playbook {text} does not exist ({path})",
             fix="the operation's playbook is not part of this collection yet; update the collection, "
-                "or pass --playbook PATH to run another playbook",
+                "or pass --playbook PATH to run another playbook" if fqcn else
+                f"give an existing playbook: an absolute path, a path from the current directory ({Path.cwd()}) "
+                "or from the collection, or a name such as coldsnap.fleet.capture",
         )
     return path.resolve()
 

@@ -225,3 +225,15 @@ def test_missing_collection_is_a_clear_message(tmp_path: Path) -> None:
     assert imported.returncode == 1
     assert imported.stderr.strip().splitlines()[-1].startswith(
         "coldsnap._collection.CollectionNotFound: the Ansible collection coldsnap.fleet is not importable")
+
+
+def test_an_inventory_that_cannot_be_read_or_parsed_is_refused_not_replaced_by_localhost(
+        tmp_path: Path, example_request_text: str) -> None:
+    req = api.load(_request(example_request_text, "status", host="localhost"))
+    garbage = tmp_path / "hosts.ini"
+    garbage.write_text("[gpu\nfoo = = bar\n")
+    with pytest.raises(ColdSnapError, match="cannot be parsed"):
+        check_unit_hosts(req, garbage)
+    with pytest.raises(ColdSnapError, match="does not exist"):
+        check_unit_hosts(req, tmp_path / "missing.ini")
+    check_unit_hosts(req, "localhost,")  # a host list is no path

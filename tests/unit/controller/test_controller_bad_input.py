@@ -160,7 +160,7 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "reference"
 
 def test_a_request_given_to_timeline_is_named_as_a_request(tmp_path, capsys) -> None:
     rc, _out, err = _run(capsys, "timeline", str(EXAMPLES / "status.json"), "-o", str(tmp_path / "t.png"))
-    assert rc == 2 and "'coldsnap-operation-request' document, not an operation receipt" in err
+    assert rc == 2 and "'coldsnap-operation-request' document, not a 'coldsnap-operation-receipt' one" in err
     assert "must be 2" not in err and not (tmp_path / "t.png").exists()
 
 
@@ -247,9 +247,6 @@ def test_a_receipt_whose_fields_contradict_each_other_is_refused(tmp_path, capsy
     assert rc == 2 and field in err and "Traceback" not in err, err
 
 
-EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "reference"
-
-
 def test_an_empty_state_root_is_refused_not_taken_for_the_default(capsys) -> None:
     """An unset shell variable (--state-root "$SR") must not reach the production state root."""
     rc, _out, err = _run(capsys, "runs", "list", "--state-root", "")
@@ -311,3 +308,13 @@ def test_a_failed_operation_piped_into_head_still_exits_non_zero(capsys, monkeyp
             pass
     err = capsys.readouterr().err
     assert rc == 1 and "unit u0 did not answer" in err, (rc, err)
+
+
+@pytest.mark.parametrize(("option", "given", "kind"), [
+    ("--request-json", "artifacts/reference-tiny-n610.json", "coldsnap-snapshot-artifact"),
+    ("--artifact-json", "receipts/restore-reference-tiny.json", "coldsnap-operation-receipt"),
+    ("--receipt-json", "artifacts/reference-tiny-n610.json", "coldsnap-snapshot-artifact"),
+])
+def test_validate_names_a_document_of_another_kind_in_one_line(capsys, option, given, kind) -> None:
+    rc, _out, err = _run(capsys, "validate", option, str(RECEIPT.parents[1] / given))
+    assert rc == 2 and f"this is a {kind!r} document" in err and len(err.strip().splitlines()) <= 2, err

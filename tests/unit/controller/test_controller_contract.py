@@ -68,3 +68,13 @@ def test_set_stats_artifacts_takes_the_stats_event() -> None:
     ]
     assert set_stats_artifacts(events) == {"coldsnap_result": {"ok": True}}
     assert set_stats_artifacts(events[:2]) == {}
+
+
+def test_a_relative_playbook_is_taken_from_the_current_directory_first(tmp_path: Path, monkeypatch) -> None:
+    mine = tmp_path / "mine.yml"
+    mine.write_text("- hosts: all\n  tasks: []\n")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_playbook("./mine.yml") == mine.resolve() == resolve_playbook("mine.yml")
+    with pytest.raises(ColdSnapError) as err:
+        resolve_playbook("./typo.yml")
+    assert "current directory" in err.value.fix and "--playbook" not in err.value.fix
