@@ -265,8 +265,7 @@ def test_a_request_for_another_operation_is_refused_before_any_host_is_asked(cap
 
 
 @pytest.mark.parametrize("where", ["dir", "missing-parent"])
-def test_a_receipt_file_that_cannot_be_written_is_refused_before_it_runs(tmp_path, capsys, monkeypatch,
-                                                                          where) -> None:
+def test_an_unwritable_receipt_file_is_refused_before_it_runs(tmp_path, capsys, monkeypatch, where) -> None:
     import coldsnap.api
 
     def ran(*_a, **_k):
