@@ -26,7 +26,8 @@ options:
   state:
     description:
       - V(started) ensures a coordinator for O(scope) is running and healthy.
-      - V(stopped) stops it (SIGTERM, then SIGKILL after a timeout) and removes its files.
+      - V(stopped) stops it (SIGTERM, then SIGKILL after a timeout) and removes its endpoint file, pid record
+        and code copy; its log (C(<endpoint_file>.log), for diagnosis) and its lock file stay.
       - V(status) only reports.
     type: str
     choices: [started, stopped, status]

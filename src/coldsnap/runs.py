@@ -81,7 +81,8 @@ def read_run(run_dir: Path) -> RunEntry:
     try:
         receipt = load_receipt(text)
     except ColdSnapError as exc:
-        return RunEntry(state=INVALID_RECEIPT, problem=str(exc).splitlines()[0], **base)
+        # every problem on one line (the first line alone only says how many there are)
+        return RunEntry(state=INVALID_RECEIPT, problem=" ".join(x.strip() for x in str(exc).splitlines()), **base)
     state = receipt["state"]
     if state == "running" and not lock_held(run_dir):
         state = STALE_RUNNING

@@ -216,7 +216,7 @@ def timeline_model(receipt: Mapping[str, Any]) -> TimelineModel:
 
 
 def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) -> Path:
-    """Write the timeline PNG of ``receipt`` to ``out``; returns ``out``."""
+    """Write the timeline of ``receipt`` to ``out`` (PNG, or SVG/PDF by its suffix); returns ``out``."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -225,6 +225,7 @@ def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) ->
         raise ColdSnapError("coldsnap timeline needs matplotlib, which is not installed",
                             fix="pip install 'coldsnap[timeline]'") from None
 
+    picture_format(out)  # before anything is drawn
     model = timeline_model(receipt)
     # Lane geometry: each lane is as tall as its number of sub-rows; lanes listed top to bottom.
     offsets: dict[str, float] = {}
@@ -279,5 +280,19 @@ def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) ->
     # Drawn into a temporary file and renamed: an existing picture is replaced whole or not at all, and a
     # link at ``out`` is replaced, never written through.
     with atomic_writer(out, mode=0o644) as fh:
-        fig.savefig(fh, format="png")
+        fig.savefig(fh, format=picture_format(out))
     return out
+
+
+PICTURE_FORMATS = ("png", "svg", "pdf")
+
+
+def picture_format(out: Path) -> str:
+    """The format ``out``'s suffix names (PNG without one); another suffix is refused, never written as PNG."""
+    suffix = Path(out).suffix.lower().lstrip(".")
+    if not suffix:
+        return "png"
+    if suffix not in PICTURE_FORMATS:
+        raise ColdSnapError(f"cannot write the timeline as {Path(out).name}: .{suffix} is not a picture format "
+                            "it draws", fix=f"give -o a name ending in {', '.join('.' + f for f in PICTURE_FORMATS)}")
+    return suffix

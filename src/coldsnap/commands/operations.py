@@ -57,7 +57,8 @@ def register(sub) -> None:
         p.add_argument("--playbook", metavar="PATH|FQCN",
                        help="run this playbook instead of the collection's (custom or test playbooks)")
         p.add_argument("-v", "--verbose", action="count", default=0,
-                       help="ansible-playbook verbosity (-v .. -vvvv); output is scrubbed of known secrets")
+                       help="ansible-playbook verbosity (-v .. -vvvv); its output, scrubbed of known secrets, "
+                            "is kept in the run's artifacts/<ident>/stdout (the path is printed at the end)")
         out = p.add_mutually_exclusive_group()
         out.add_argument("--quiet", action="store_true", help="no progress and no summary on stderr")
         out.add_argument("--progress", action="store_true", help="show progress even when stderr is not a terminal")
@@ -68,8 +69,12 @@ def _key_values(items: list[str], option: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key.isidentifier():
-            raise ColdSnapError(f"{option} {item!r} is not KEY=VALUE", fix=f"write it as {option} name=value")
+        form = "KEY=ENVVAR" if option == "--secret-env" else "KEY=VALUE"
+        if not sep:
+            raise ColdSnapError(f"{option} {item!r} is not {form}", fix=f"write it as {option} {form}")
+        if not key.isidentifier():
+            raise ColdSnapError(f"{option} {item!r}: {key!r} is not a variable name",
+                                fix="use letters, digits and '_' (not starting with a digit)")
         if key in out:
             raise ColdSnapError(f"{option} {key} is given twice", fix="give each variable once")
         out[key] = value
@@ -159,6 +164,11 @@ def run(args) -> int:
         if receipt.error:
             line += f": {receipt.error.message}"
         print(f"{line}\nreceipt: {where}", file=sys.stderr)
+    ident = ((receipt.raw.get("result") or {}).get("runner") or {}).get("ident")
+    if args.verbose and not args.quiet and ident:
+        # ansible-playbook's own output (as verbose as asked) is kept with the run, not mixed into the progress
+        print(f"ansible-playbook output (-{'v' * args.verbose}): {Path(receipt.path).parent / 'artifacts' / ident / 'stdout'}",
+              file=sys.stderr)
     return code
 
 

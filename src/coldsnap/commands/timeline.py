@@ -16,7 +16,8 @@ def register(sub) -> None:
                                    "started. Unit clocks are placed by the wall-clock time their spans recorded "
                                    "(a clock without one starts at its own first event, and its lane says so).")
     p.add_argument("receipt", metavar="RECEIPT.json|-", help="receipt (format 2)")
-    p.add_argument("-o", "--output", metavar="PNG", default="timeline.png", help="output file (default: %(default)s)")
+    p.add_argument("-o", "--output", metavar="FILE", default="timeline.png",
+                   help="output file: .png (default: %(default)s), .svg or .pdf")
     p.set_defaults(func=run)
 
 

@@ -100,6 +100,8 @@ def gather_host_facts(request: Mapping[str, Any], hosts: list[str], *,
                                module_args="check_criu=false", inventory=inventory_arg,
                                envvars=secret_env or None, settings=dict(RUNNER_SETTINGS), suppress_env_files=True,
                                quiet=True)
+        if r.status == "canceled":  # Ctrl-C while the facts were read: the user stopped the command
+            raise KeyboardInterrupt
         found: dict[str, dict] = {}
         failed: dict[str, str] = {}
         for event in r.events:

@@ -260,6 +260,7 @@ def test_runs_list_json(state_root, capsys) -> None:
     assert by_id["restore-2"]["state"] == "failed" and by_id["restore-1"]["duration_seconds"] == 187.0
     assert by_id["empty-1"]["state"] == "no receipt" and by_id["empty-1"]["operation"] is None
     assert by_id["broken-1"]["state"] == "invalid receipt" and "receipt is invalid" in by_id["broken-1"]["problem"]
+    assert "$.kind" in by_id["broken-1"]["problem"], "what is wrong, not only how many things are"
     assert by_id["cap-1"]["receipt"] == str(state_root / "runs" / "cap-1" / "receipt.json")
 
 
@@ -305,3 +306,8 @@ def test_runs_state_root_default(state_root, monkeypatch, capsys) -> None:
     monkeypatch.setenv("COLDSNAP_STATE_ROOT", str(state_root))
     assert main(["runs", "list", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)) == 7
+
+
+def test_runs_show_of_a_run_whose_controller_died_says_so(state_root, capsys) -> None:
+    assert main(["runs", "show", "wake-1", "--state-root", str(state_root)]) == 0
+    assert "no controller holds it" in capsys.readouterr().err

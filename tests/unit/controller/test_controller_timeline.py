@@ -211,3 +211,13 @@ def test_a_picture_cut_short_leaves_the_old_one_whole(tmp_path: Path, monkeypatc
     with pytest.raises(OSError, match="File too large"):
         render_timeline(_receipt(), out)
     assert out.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["t.png"]
+
+
+def test_the_picture_format_follows_the_suffix_and_another_suffix_is_refused(tmp_path: Path) -> None:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+    assert render_timeline(_receipt(), tmp_path / "t.pdf").read_bytes()[:5] == b"%PDF-"
+    assert b"<svg" in render_timeline(_receipt(), tmp_path / "t.svg").read_bytes()[:400]
+    with pytest.raises(ColdSnapError, match=r"\.txt is not a picture format"):
+        render_timeline(_receipt(), tmp_path / "t.txt")
+    assert not (tmp_path / "t.txt").exists()
