@@ -34,6 +34,8 @@ class ActionModule(ActionBase):
             if handed.get("failed"):
                 result["msg"] = handed.get("msg") or "the step failed"
             return result
-        result.update(self._execute_module(module_name="coldsnap.fleet.job_wait", module_args=self._task.args,
+        # A copy: the module call adds Ansible's internal arguments to the dict it is given, and an until-loop
+        # runs this same task again.
+        result.update(self._execute_module(module_name="coldsnap.fleet.job_wait", module_args=dict(self._task.args),
                                            task_vars=task_vars))
         return result
