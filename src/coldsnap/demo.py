@@ -7,7 +7,6 @@ collection's playbooks through ansible-runner, receipts. Nothing is special-case
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -17,6 +16,8 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
+
+from coldsnap.commands._io import whole_number
 
 DRIVER = "n610"
 
@@ -202,34 +203,15 @@ def comparison_table(artifact: dict, restore_receipt: dict, *, capture_receipt: 
     return "\n".join(lines)
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} ranks: give 1 or more")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a TCP port: give 1-65535")
-    return value
-
-
 def register_cli(sub) -> None:
     p = sub.add_parser("demo", help="the main job: capture and restore the reference engine on localhost")
     p.add_argument("--preset", default=os.environ.get("COLDSNAP_DEMO_PRESET", "1g"),
                    help="reference model size: tiny (3 MB), small, 1g (default, about 1 GB of float32 "
                         "weights), 1g-bf16 ... 8g-bf16")
     p.add_argument("--state-root", type=Path, default=None)
-    p.add_argument("--port", type=_port, default=8000, help="port the engine serves on (1-65535)")
-    p.add_argument("--tp", type=_at_least_one, default=1, help="tensor-parallel ranks (one unit each; 1 or more)")
+    p.add_argument("--port", type=whole_number(1, 65535, what="a port number"), default=8000,
+                   help="port the engine serves on (1-65535)")
+    p.add_argument("--tp", type=whole_number(1), default=1, help="tensor-parallel ranks (one unit each; 1 or more)")
     p.add_argument("--keep-running", action="store_true", help="leave the restored engine serving")
 
     def start(a) -> int:

@@ -56,3 +56,21 @@ def stdout_is_terminal() -> bool:
 def wants_json(args: Any) -> bool:
     """Machine output: ``--json`` given, or stdout is not a terminal (scripts keep the JSON they had)."""
     return bool(getattr(args, "json", False)) or not stdout_is_terminal()
+
+
+def whole_number(minimum: int, maximum: int | None = None, *, what: str = "a whole number"):
+    """An argparse ``type`` for a whole number within [minimum, maximum] (the message names the range)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"{minimum}-{maximum}" if maximum is not None else f"{minimum} or more"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give {bound}")
+        return value
+
+    return parse
+

@@ -6,24 +6,13 @@ On a terminal both print for people; with ``--json`` (or when stdout is piped)
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from coldsnap.api import resolve_state_root
-from coldsnap.commands._io import print_json, wants_json
+from coldsnap.commands._io import print_json, wants_json, whole_number
 from coldsnap.commands.operations import STATE_ROOT_HELP
 from coldsnap.runs import STALE_RUNNING, find_run, list_runs
 from coldsnap.summary import format_duration, format_summary
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value}: give 0 (all) or more")
-    return value
 
 
 def register(sub) -> None:
@@ -41,7 +30,7 @@ def register(sub) -> None:
     lst = runs_sub.add_parser("list", help="recent runs, newest first",
                               description="Operation id, operation, state ('running' while a controller holds "
                                           "the run; 'no receipt' for a run that wrote none), start and duration.")
-    lst.add_argument("-n", "--limit", type=_count, default=20, metavar="N",
+    lst.add_argument("-n", "--limit", type=whole_number(0), default=20, metavar="N",
                      help="at most N runs (default: %(default)s; 0: all)")
     lst.add_argument("--state-root", metavar="PATH", help=STATE_ROOT_HELP)
     lst.add_argument("--json", action="store_true", help="print a JSON array (the default when stdout is piped)")

@@ -183,7 +183,9 @@ def test_an_artifact_that_is_not_there_is_named_before_any_playbook(tmp_path, ca
 
 
 @pytest.mark.parametrize("argv, message", [(["--preset", "huge"], "invalid choice: 'huge'"),
-                                           (["--tp", "0"], "0 ranks: give 1 or more")])
+                                           (["--tp", "0"], "--tp: 0 is out of range: give 1 or more"),
+                                           (["--port", "99999"], "--port: 99999 is out of range: give 1-65535"),
+                                           (["--port", "http"], "--port: 'http' is not a port number")])
 def test_demo_arguments_are_checked_by_name(capsys, argv, message) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["demo", *argv])
