@@ -73,4 +73,3 @@ def whole_number(minimum: int, maximum: int | None = None, *, what: str = "a who
         return value
 
     return parse
-
