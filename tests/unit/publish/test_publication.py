@@ -175,3 +175,13 @@ def test_model_mounts_are_read_only_and_the_recovery_source_is_visible(tmp_path)
     unit["mounts"][0]["read_only"] = False
     with pytest.raises(ColdSnapError, match="writable"):
         dr.model_mounts(req, unit)
+
+
+def test_an_unreachable_registry_is_no_answer_to_whether_a_capsule_is_there() -> None:
+    """Only the registry's "not found" counts as absent: check mode must not promise a push that the real
+    run cannot make (and a real run must not push because a lookup failed)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.publish import remote_has
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import RegistryError
+
+    with pytest.raises(RegistryError, match="unreachable"):
+        remote_has("127.0.0.1:1/coldsnap/capsules@sha256:" + "a" * 64, insecure=True)
