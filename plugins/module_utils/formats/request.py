@@ -441,7 +441,8 @@ def launch_issues(launch: dict, *, op: str | None = None) -> list[FormatIssue]:
             if target in targets:
                 add(f"{p}.mounts[{j}].target", f"mount target {mount['target']!r} appears twice", "mount each target once")
             targets.add(target)
-            if not mount.get("read_only", True) and model_path and _nested(target, model_path):
+            if not mount.get("read_only", True) and model_path and (
+                    _nested(target, model_path) or _nested(normalize_abs(mount["source"]), model_path)):
                 add(f"{p}.mounts[{j}].read_only", f"mount {mount['target']!r} holds the model's files "
                     f"({model_path}) and is writable", "set read_only true (model mounts are read-only)")
 

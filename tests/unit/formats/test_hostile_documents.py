@@ -77,6 +77,9 @@ def test_a_writable_mount_of_the_models_files_is_refused(request_doc):
     request_doc["launch"]["units"][0]["mounts"].append({"source": "/srv/scratch", "target": "/scratch",
                                                         "read_only": False})
     validate_request(request_doc)  # a writable scratch directory is fine
+    model = request_doc["launch"]["model"]["source"]["path"]
+    request_doc["launch"]["units"][0]["mounts"][1] = {"source": model, "target": "/elsewhere", "read_only": False}
+    assert "read_only true" in refused(validate_request, request_doc)["$.launch.units[0].mounts[1].read_only"]
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), 10 ** 400, b"x", {1}, 2 ** 64])
