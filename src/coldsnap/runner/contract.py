@@ -94,15 +94,16 @@ def playbook_name(operation: str) -> str:
 
 def playbook_for(operation: str) -> Path:
     """Absolute path of the collection playbook that runs ``operation``; error when it is missing."""
-    return resolve_playbook(f"playbooks/{playbook_name(operation)}.yml")
+    return resolve_playbook(f"playbooks/{playbook_name(operation)}.yml", from_cwd=False)
 
 
-def resolve_playbook(playbook: str | Path) -> Path:
+def resolve_playbook(playbook: str | Path, *, from_cwd: bool = True) -> Path:
     """Turn a playbook reference into an absolute, existing path.
 
     Accepted: an FQCN (``coldsnap.fleet.capture`` -> ``<collection>/playbooks/capture.yml``),
-    an absolute path, or a relative path: from the current directory when a file is there, else
-    from the collection directory (``playbooks/capture.yml``).
+    an absolute path, or a relative path: from the current directory when a file is there (unless
+    ``from_cwd`` is false: the operation's own playbook), else from the collection directory
+    (``playbooks/capture.yml``).
     """
     text = str(playbook)
     prefix = COLLECTION_NAMESPACE + "."
@@ -111,14 +112,14 @@ def resolve_playbook(playbook: str | Path) -> Path:
         path = collection_dir() / "playbooks" / f"{text[len(prefix):]}.yml"
     else:
         path = Path(text)
-        if not path.is_absolute():  # from the current directory first (a user's own), else the collection's
+        if not path.is_absolute():  # a user's: from the current directory first, else the collection's
             here = Path.cwd() / path
-            path = here if here.is_file() else collection_dir() / path
+            path = here if from_cwd and here.is_file() else collection_dir() / path
     if not path.is_file():
         raise ColdSnapError(
             f"playbook {text} does not exist ({path})",
             fix="the operation's playbook is not part of this collection yet; update the collection, "
-                "or pass --playbook PATH to run another playbook" if fqcn else
+                "or pass --playbook PATH to run another playbook" if fqcn or not from_cwd else
                 f"give an existing playbook: an absolute path, a path from the current directory ({Path.cwd()}) "
                 "or from the collection, or a name such as coldsnap.fleet.capture",
         )

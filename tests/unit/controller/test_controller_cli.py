@@ -69,7 +69,7 @@ def test_missing_explicit_playbook(tmp_path, capsys, example_request_text) -> No
 @pytest.mark.parametrize(("arg", "message"), [
     ("novalue", "is not KEY=VALUE"),
     ("coldsnap_request=x", "is set by the controller"),
-    ("1bad=x", "is not KEY=VALUE"),
+    ("1bad=x", "'1bad' is not a variable name"),
 ])
 def test_bad_extra_vars(tmp_path, capsys, example_request_text, arg, message) -> None:
     req = _write_request(tmp_path, example_request_text)
