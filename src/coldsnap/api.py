@@ -188,7 +188,15 @@ def run(operation: str, request: RequestSource, *, prepare_only: bool = False, i
     raw, document = decoded_request(request)
     if isinstance(raw, dict) and isinstance(raw.get("operation"), str):
         require_operation(raw, operation)  # before the snapshot driver's choice asks any host for facts
+    notes: dict[str, Any] = {}
+    gone = _artifact_gone(operation, raw)
+    if gone:
+        # status and stop act on what runs, which outlives its artifact (`coldsnap delete` keeps it running)
+        raw = {k: v for k, v in raw.items() if k != "artifact"}
+        notes["artifact_gone"] = gone
     driver, selection = resolve_snapshot_driver(operation, raw, inventory=inventory, envvars=envvars)
+    if selection:
+        notes["snapshot_driver_selection"] = selection
     normalized = validate_request(raw, document=document, snapshot_driver=driver)
     result = run_playbook(
         operation=operation, request=normalized, playbook=playbook,
@@ -196,8 +204,20 @@ def run(operation: str, request: RequestSource, *, prepare_only: bool = False, i
         state_root=resolve_state_root(state_root),
         prepare_only=prepare_only, timing_sink=timing_sink, progress=progress, progress_stream=progress_stream,
         cancel_event=cancel_event, envvars=envvars, verbosity=verbosity, event_handler=event_handler,
-        status_handler=status_handler, notes={"snapshot_driver_selection": selection} if selection else None)
+        status_handler=status_handler, notes=notes or None)
     return Receipt.from_dict(result.receipt, path=result.receipt_path)
+
+
+#: Operations that read the artifact when it is there and act on the running workload without it.
+ARTIFACT_OPTIONAL = ("status", "stop")
+
+
+def _artifact_gone(operation: str, raw: Any) -> str | None:
+    """The artifact path a status or stop request names when nothing is there any more."""
+    if operation not in ARTIFACT_OPTIONAL or not isinstance(raw, dict) or not isinstance(raw.get("artifact"), dict):
+        return None
+    path = raw["artifact"].get("path")
+    return path if isinstance(path, str) and path and not os.path.lexists(path) else None
 
 
 def _operation(operation: str, summary: str) -> Callable[..., Receipt]:

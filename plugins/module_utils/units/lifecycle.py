@@ -51,10 +51,12 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
     if action == "stop":
         # The engines (whole process trees, or the unit containers) go; captures, artifacts, payloads and
         # the model cache stay, so the workload can be restored again.
+        # A crashed unit (its engine gone, its control file left) becomes stopped too: that is a change.
+        crashed = {u["id"] for u in units if runtime.presence(u["id"]) == "crashed"}
         stopped = {s["unit"]: s for s in runtime.evict(check_mode=check_mode)}
-        return {"changed": bool(stopped),
+        return {"changed": bool(stopped) or bool(crashed),
                 "units": [{"unit": u["id"], "host": host, "ok": True, "state": "stopped",
-                           "stopped": stopped.get(u["id"])} for u in units]}
+                           "stopped": stopped.get(u["id"]), "was_crashed": u["id"] in crashed} for u in units]}
     if action == "status":
         # A unit whose engine does not run is reported (stopped, or crashed when it was never stopped);
         # only the running ones are asked.
@@ -85,7 +87,11 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
     running = {u["id"] for u in units}
     evidence = runtime.lifecycle([s for s in specs if s.unit["id"] in running])
     if check_mode:
-        would = any(_would_change(action, w.get("state")) for e in evidence for w in e.get("workers", []))
+        states = [w.get("state") for e in evidence for w in e.get("workers", [])]
+        if action == "sleep" and "warm" in states:  # the real run refuses it (nothing is serving yet)
+            raise UnitError(f"a unit on {host} is warm (restored, its weights not hydrated yet), so it cannot sleep",
+                            fix="wake it to finish the restore (coldsnap wake), then sleep it; or stop it")
+        would = any(_would_change(action, state) for state in states)
         return {"changed": would, "units": [*idle, *(public(e) for e in evidence)]}
     return {"changed": any(e.get("changed") for e in evidence), "units": [*idle, *(public(e) for e in evidence)],
             "coldsnap_timing": timing_of(evidence)}

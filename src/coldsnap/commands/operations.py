@@ -164,6 +164,10 @@ def run(args) -> int:
         if receipt.error:
             line += f": {receipt.error.message}"
         print(f"{line}\nreceipt: {where}", file=sys.stderr)
+    gone = (receipt.raw.get("result") or {}).get("artifact_gone")
+    if gone and not args.quiet:
+        print(f"coldsnap: note: artifact {gone} is gone (deleted?); {args.operation} acted on the running workload "
+              "without it", file=sys.stderr)
     ident = ((receipt.raw.get("result") or {}).get("runner") or {}).get("ident")
     if args.verbose and not args.quiet and ident:
         # ansible-playbook's own output (as verbose as asked) is kept with the run, not mixed into the progress

@@ -251,3 +251,43 @@ def test_a_failed_overlay_capture_gives_the_running_engine_back(captured, state_
     overlays = ArtifactStore(state_root).identity_dir(art["identity"]) / "overlays"
     stored = list(overlays.rglob("overlay.json")) if overlays.exists() else []
     assert all(json.loads(p.read_text())["binding"]["hosts"] != ["node-c"] for p in stored), stored
+
+
+def test_a_warm_workload_cannot_sleep_and_a_crashed_one_is_stopped_as_a_change(captured):
+    """Sleep of a warm restore (nothing serves yet) is refused naming the state, in check mode too; a stop
+    of a crashed workload (engine killed, control file left) turns it stopped, which is a change."""
+    wl, artifact, _art, _unused = captured
+    ok(run(wl, restore_req(wl, artifact, operation="warm")))
+    slept = run(wl, wl.request("sleep", artifact=artifact))
+    assert not slept.succeeded and "is warm" in json.dumps(slept.receipt["error"]), slept.receipt["error"]
+    assert result_of(ok(run(wl, wl.request("status", artifact=artifact))))["units"][0]["state"] == "warm"
+    wl.stop()  # SIGKILL: the engine is gone, its control file stays
+    assert result_of(ok(run(wl, wl.request("status", artifact=artifact))))["units"][0]["state"] == "crashed"
+    first = result_of(ok(run(wl, wl.request("stop", artifact=artifact))))["units"][0]
+    assert first["state"] == "stopped" and first["was_crashed"] is True
+    again = result_of(ok(run(wl, wl.request("stop", artifact=artifact))))["units"][0]
+    assert again["was_crashed"] is False and again["stopped"] is None
+    assert result_of(ok(run(wl, wl.request("status", artifact=artifact))))["units"][0]["state"] == "stopped"
+
+
+def test_status_and_stop_outlive_a_deleted_artifact(captured, tmp_path):
+    """``coldsnap delete`` keeps the workload running: its status and stop requests still work (without the
+    artifact, said in the receipt), where a restore is refused by field."""
+    from coldsnap import api
+
+    wl, artifact, art, _unused = captured
+    ok(run(wl, restore_req(wl, artifact)))
+    copy = tmp_path / "artifact.json"
+    shutil.copy(artifact, copy)
+    status_req = wl.request("status", artifact=copy)
+    stop_req = wl.request("stop", artifact=copy)
+    copy.unlink()
+    status = api.run("status", status_req, state_root=wl.state_root, progress=False)
+    assert status.state == "succeeded", status.raw["error"]
+    assert status.raw["result"]["artifact_gone"] == str(copy)
+    assert status.raw["result"]["operation"]["units"][0]["state"] == "ready"
+    assert wl.complete() == art["acceptance"]["reply"]
+    stopped = api.run("stop", stop_req, state_root=wl.state_root, progress=False)
+    assert stopped.state == "succeeded" and not wl.engines(), stopped.raw["error"]
+    with pytest.raises(Exception, match=r"\$\.artifact\.path"):
+        api.run("restore", wl.request("restore", artifact=copy), state_root=wl.state_root, progress=False)

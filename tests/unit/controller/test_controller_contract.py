@@ -88,13 +88,3 @@ def test_an_operations_own_playbook_never_comes_from_the_current_directory(tmp_p
     (tmp_path / "playbooks" / "capture.yml").write_text("- hosts: all\n  tasks: []\n")
     monkeypatch.chdir(tmp_path)
     assert playbook_for("capture") == (collection_dir() / "playbooks" / "capture.yml").resolve()
-
-
-def test_an_operations_own_playbook_never_comes_from_the_current_directory(tmp_path: Path, monkeypatch) -> None:
-    """A directory that happens to hold playbooks/capture.yml must not replace the collection's."""
-    from coldsnap.runner.contract import playbook_for
-
-    (tmp_path / "playbooks").mkdir()
-    (tmp_path / "playbooks" / "capture.yml").write_text("- hosts: all\n  tasks: []\n")
-    monkeypatch.chdir(tmp_path)
-    assert playbook_for("capture") == (collection_dir() / "playbooks" / "capture.yml").resolve()
