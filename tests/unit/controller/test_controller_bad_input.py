@@ -174,10 +174,11 @@ def test_a_state_root_that_is_a_file_is_refused_before_anything_runs(tmp_path, c
 
 
 def test_an_artifact_that_is_not_there_is_named_before_any_playbook(tmp_path, capsys) -> None:
-    req = json.loads((EXAMPLES / "status.json").read_text())
+    """A restore needs its artifact (status and stop act on what runs, and go on without one)."""
+    req = json.loads((EXAMPLES / "restore.json").read_text())
     req["artifact"]["path"] = str(tmp_path / "never-captured" / "artifact.json")
     path = _request(tmp_path, json.dumps(req))
-    rc, _out, err = _run(capsys, "status", "--request-json", str(path), "--state-root", str(tmp_path / "state"))
+    rc, _out, err = _run(capsys, "restore", "--request-json", str(path), "--state-root", str(tmp_path / "state"))
     assert rc == 2 and "$.artifact.path" in err and "does not exist" in err and "capture first" in err
     assert not (tmp_path / "state" / "runs").exists(), "refused before a run directory was made"
 
