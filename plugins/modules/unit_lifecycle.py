@@ -96,7 +96,7 @@ units:
   description: Per-unit state after the run (C(ready), C(sleeping), C(warm), C(stopped), C(crashed) when its
     engine died without being stopped); C(ok) is true for every unit the run could report on. A stopped
     unit lists the engine it ended under C(stopped) (null when none ran) and C(was_crashed) (its engine had
-    died without being stopped: the stop still changed its state, from crashed to stopped).
+    died without being stopped; the stop still changed its state, from crashed to stopped).
   returned: success
   type: list
   elements: dict
