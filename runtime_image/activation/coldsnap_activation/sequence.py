@@ -788,6 +788,7 @@ class Activation:
             self._engine_step(handles, "unit.sleep", ec.SLEEP)
             changed = True
         elif action in ("wake", "finish-warm") and any(s in (ec.SLEEPING, ec.WARM) for s in states):
+            self._require_serving_port(handles)
             path = ec.WAKE if ec.SLEEPING in states else ec.FINISH_WARM
             provider = spec.weights.get("provider", "recovery")
             self._engine_step(handles, f"unit.{action}", path, lambda h: self._hydration(
@@ -800,6 +801,19 @@ class Activation:
         return self._evidence([{"worker": h.worker["id"], "pid": h.pid, "state": s}
                                for h, s in zip(handles, final, strict=True)],
                               {"state": final[0] if len(set(final)) == 1 else "mixed", "changed": changed})
+
+    def _require_serving_port(self, handles: list) -> None:
+        """A wake checks readiness on the request's service port: one the engine does not listen on (a
+        restore moved it to another) would be waited on until the ready timeout. Refused at once instead."""
+        svc = self.spec.service
+        if not svc:
+            return
+        listening = sorted({port for h in handles for _addr, port in ports.tree_listeners(h.pid)})
+        if listening and svc["port"] not in listening:
+            raise UnitError(f"unit {self.spec.unit_id}: the engine does not listen on port {svc['port']} "
+                            f"(the request's services[].port); it listens on {', '.join(map(str, listening))}",
+                            fix="name the port the workload was restored onto in launch.execution.services[].port "
+                                "(and the command's port option)")
 
     def supervise(self) -> int:
         """Stay as the unit's supervisor (container PID 1) until the engine exits."""

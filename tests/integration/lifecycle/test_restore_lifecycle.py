@@ -291,3 +291,29 @@ def test_status_and_stop_outlive_a_deleted_artifact(captured, tmp_path):
     assert stopped.state == "succeeded" and not wl.engines(), stopped.raw["error"]
     with pytest.raises(Exception, match=r"\$\.artifact\.path"):
         api.run("restore", wl.request("restore", artifact=copy), state_root=wl.state_root, progress=False)
+
+
+def test_a_wake_naming_another_port_than_the_engine_serves_on_is_refused_at_once(captured):
+    """After a restore onto another port, a wake request that still names the old one is refused naming
+    both ports (it used to wait for readiness on the old port until the ready timeout)."""
+    import socket
+
+    wl, artifact, art, _unused = captured
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        other = s.getsockname()[1]
+
+    def moved(req):
+        req["launch"]["execution"]["services"][0]["port"] = other
+        cmd = req["launch"]["units"][0]["command"]
+        cmd[cmd.index("--port") + 1] = str(other)
+
+    ok(run(wl, wl.request("restore", artifact=artifact, mutate=moved)))
+    ok(run(wl, wl.request("sleep", artifact=artifact, mutate=moved)))
+    stale = run(wl, wl.request("wake", artifact=artifact))
+    message = json.dumps(stale.receipt["error"])
+    assert not stale.succeeded and f"does not listen on port {wl.port}" in message and str(other) in message, message
+    woken = ok(run(wl, wl.request("wake", artifact=artifact, mutate=moved)))
+    assert result_of(woken)["units"][0]["state"] == "ready"
+    assert wl.complete(port=other) == art["acceptance"]["reply"]
+    wl.stop()
