@@ -51,17 +51,22 @@ def is_staged(path: Path, digest: str) -> bool:
     return path.is_dir() and not bytecode_in(path) and tree_digest(path) == digest
 
 
+def _entries_digest(entries) -> str:
+    """``sha256:<hex>`` over (relative path, executable bit, content) of ``(name, bytes, executable)``
+    entries in name order: one definition for a tree on disk and a file map in memory."""
+    h = hashlib.sha256()
+    for rel, data, executable in entries:
+        name = rel.encode()
+        h.update(len(name).to_bytes(4, "big") + name + (b"x" if executable else b"-") + len(data).to_bytes(8, "big"))
+        h.update(data)
+    return "sha256:" + h.hexdigest()
+
+
 def tree_digest(root: Path) -> str:
     """``sha256:<hex>`` over (relative path, executable bit, content) of every file."""
     root = Path(root)
-    h = hashlib.sha256()
-    for f in _files(root):
-        rel = f.relative_to(root).as_posix().encode()
-        mode = b"x" if os.access(f, os.X_OK) else b"-"
-        data = f.read_bytes()
-        h.update(len(rel).to_bytes(4, "big") + rel + mode + len(data).to_bytes(8, "big"))
-        h.update(data)
-    return "sha256:" + h.hexdigest()
+    return _entries_digest((f.relative_to(root).as_posix(), f.read_bytes(), os.access(f, os.X_OK))
+                           for f in _files(root))
 
 
 def runtime_dirs(paths: list) -> list[Path]:
@@ -115,12 +120,7 @@ def decode_files(files: dict, digest: str) -> list[tuple[str, bytes, bool]]:
             raise ColdSnapError(f"activation runtime file {rel!r} is not valid base64",
                                 fix="pass the map the coldsnap.fleet.activation_files lookup returns") from None
         out.append((rel, data, bool(entry.get("executable"))))
-    h = hashlib.sha256()
-    for rel, data, executable in out:  # sorted by name, as tree_digest walks them
-        name = rel.encode()
-        h.update(len(name).to_bytes(4, "big") + name + (b"x" if executable else b"-") + len(data).to_bytes(8, "big"))
-        h.update(data)
-    got = "sha256:" + h.hexdigest()
+    got = _entries_digest(out)  # sorted by name, as tree_digest walks a tree
     if got != digest:
         raise IntegrityError(f"the activation runtime files given have digest {got}, expected {digest}",
                              fix="pass the files and the digest of the same collection version")
@@ -146,11 +146,11 @@ def stage_files(files: dict, state_root: Path, digest: str) -> tuple[str, Path, 
             dst.parent.mkdir(parents=True, exist_ok=True)
             dst.write_bytes(data)
             os.chmod(dst, 0o755 if executable else 0o644)
-        got = tree_digest(incoming)
+        got, path, changed = stage(incoming, state_root)  # hashes what was written, once
         if got != digest:
-            raise IntegrityError(f"the activation runtime files given have digest {got}, expected {digest}",
-                                 fix="pass the files and the digest of the same collection version")
-        return stage(incoming, state_root)
+            raise IntegrityError(f"the activation runtime files written have digest {got}, expected {digest}",
+                                 fix="check the state root's file system (the files given had the right digest)")
+        return got, path, changed
     finally:
         shutil.rmtree(incoming, ignore_errors=True)
 
