@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import PayloadRef, WorkerFiles
 
 # ------------------------------------------------------------------ environment
@@ -76,6 +77,14 @@ SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 def engine_search_path(python: str, unit_environment: dict | None = None) -> str:
     """The ``PATH`` a unit's engine starts with (the unit's own ``PATH`` wins)."""
     return (unit_environment or {}).get("PATH") or f"{os.path.dirname(python)}:{SYSTEM_PATH}"
+
+
+def require_can_sleep(unit: str, states) -> None:
+    """A warm restore has not served yet (its weights are not hydrated): there is nothing to put to sleep.
+    The one refusal both a sleep and its check mode give."""
+    if WARM in states:
+        raise UnitError(f"unit {unit} is warm (restored, its weights not hydrated yet), so it cannot sleep",
+                        fix="wake it to finish the restore (coldsnap wake), then sleep it; or stop it")
 
 
 def control_file_path(workload_dir: Path | str, worker: str) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_units import DockerUnits
@@ -87,11 +88,10 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
     running = {u["id"] for u in units}
     evidence = runtime.lifecycle([s for s in specs if s.unit["id"] in running])
     if check_mode:
-        states = [w.get("state") for e in evidence for w in e.get("workers", [])]
-        if action == "sleep" and "warm" in states:  # the real run refuses it (nothing is serving yet)
-            raise UnitError(f"a unit on {host} is warm (restored, its weights not hydrated yet), so it cannot sleep",
-                            fix="wake it to finish the restore (coldsnap wake), then sleep it; or stop it")
-        would = any(_would_change(action, state) for state in states)
+        if action == "sleep":  # the real run refuses a warm unit: so does its check mode
+            for e in evidence:
+                ec.require_can_sleep(e.get("unit"), [w.get("state") for w in e.get("workers", [])])
+        would = any(_would_change(action, w.get("state")) for e in evidence for w in e.get("workers", []))
         return {"changed": would, "units": [*idle, *(public(e) for e in evidence)]}
     return {"changed": any(e.get("changed") for e in evidence), "units": [*idle, *(public(e) for e in evidence)],
             "coldsnap_timing": timing_of(evidence)}

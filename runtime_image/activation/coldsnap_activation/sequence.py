@@ -780,10 +780,8 @@ class Activation:
             return self._evidence([], {"state": "absent"})
         states = [h.call("GET", ec.STATUS, timeout=30)["state"] for h in handles]
         changed = False
-        if action == "sleep" and ec.WARM in states:
-            # a warm restore has not served yet (weights not hydrated): there is nothing to put to sleep
-            raise UnitError(f"unit {spec.unit_id} is warm (restored, its weights not hydrated yet), so it cannot "
-                            "sleep", fix="wake it to finish the restore (coldsnap wake), then sleep it; or stop it")
+        if action == "sleep":
+            ec.require_can_sleep(spec.unit_id, states)
         if action == "sleep" and any(s == ec.READY for s in states):
             self._engine_step(handles, "unit.sleep", ec.SLEEP)
             changed = True
