@@ -4,15 +4,13 @@ and nothing is evicted first."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from coldsnap._collection import collection_root
+from module_runner import ansible_env
 
 PLAYBOOK = """- hosts: localhost
   gather_facts: false
@@ -34,11 +32,9 @@ def test_a_role_without_its_variables_names_them(tmp_path: Path, role: str, task
     playbook = tmp_path / "pb.yml"
     playbook.write_text(PLAYBOOK.format(role=role, tasks_from=tasks_from))
     ansible_playbook = Path(sys.executable).parent / "ansible-playbook"
-    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(collection_root()), "ANSIBLE_NOCOLOR": "1",
-           "ANSIBLE_LOCALHOST_WARNING": "false", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false"}
     proc = subprocess.run([str(ansible_playbook if ansible_playbook.exists() else shutil.which("ansible-playbook")),
                            "-i", "localhost,", "-c", "local", str(playbook), "-e", f"coldsnap_state_root={tmp_path}"],
-                          capture_output=True, text=True, env=env, timeout=300, check=False)
+                          capture_output=True, text=True, env=ansible_env(), timeout=300, check=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and f"missing required arguments: {missing}" in out, out[-3000:]
     assert "is undefined" not in out, out[-3000:]
