@@ -76,8 +76,14 @@ def raise_failures(results: list[dict]) -> None:
     if failed:
         # Prefer the root cause over "stopped because another unit failed".
         failed.sort(key=lambda r: "another unit failed" in r.get("error", ""))
-        msg = "; ".join(f"unit {r.get('unit')}: {r.get('error')}" for r in failed)
+        msg = "; ".join(_named(r.get("unit"), str(r.get("error"))) for r in failed)
         raise UnitError(msg, details={"evidence": results})
+
+
+def _named(unit: Any, error: str) -> str:
+    """``error`` led by its unit's name, once (a unit's own errors mostly name it already)."""
+    prefix = f"unit {unit}:"
+    return error if error.startswith(prefix) else f"{prefix} {error}"
 
 
 class RunningUnits(ABC):

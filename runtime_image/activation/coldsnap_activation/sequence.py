@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common import proctree
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import ProgressWriter
@@ -806,7 +807,10 @@ class Activation:
         svc = self.spec.service
         if not svc:
             return
-        listening = sorted({port for h in handles for _addr, port in ports.tree_listeners(h.pid)})
+        # From the process the launcher started: an engine whose control API lives in an engine-core child
+        # listens for requests in its parent (the API server).
+        roots = {proctree.marked_root(h.pid, ec.ENV_CONTROL_FILE) for h in handles}
+        listening = sorted({port for root in roots for _addr, port in ports.tree_listeners(root)})
         if listening and svc["port"] not in listening:
             raise UnitError(f"unit {self.spec.unit_id}: the engine does not listen on port {svc['port']} "
                             f"(the request's services[].port); it listens on {', '.join(map(str, listening))}",

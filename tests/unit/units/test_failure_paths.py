@@ -93,3 +93,20 @@ def test_a_failed_docker_step_keeps_its_own_error_when_giving_the_state_back_fai
     assert "CUDA out of memory" in str(exc.value) and "dockerd is not answering" in str(exc.value)
     with pytest.raises(RuntimeError, match="dockerd"):
         rt._give_back([], None)  # on its own, the failure is reported as it is
+
+
+def test_a_failed_units_error_names_it_once_and_the_root_cause_comes_first():
+    import pytest
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import raise_failures
+
+    results = [{"unit": "unit-1", "ok": False, "error": "stopped because another unit failed"},
+               {"unit": "unit-0", "ok": False, "error": "unit unit-0: the engine does not listen on port 8000"},
+               {"unit": "unit-2", "ok": False, "error": "health check timed out"},
+               {"unit": "unit-3", "ok": True}]
+    with pytest.raises(UnitError) as err:
+        raise_failures(results)
+    assert err.value.problem == ("unit unit-0: the engine does not listen on port 8000; "
+                                 "unit unit-2: health check timed out; "
+                                 "unit unit-1: stopped because another unit failed")
