@@ -12,8 +12,11 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_runtime import HostRuntime
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import raise_failures
 
 # A stand-in engine: the control API the real ones serve (GET /status answers its pid), started as the
 # activation runtime starts engines (the control file's path in COLDSNAP_CONTROL_FILE); a flag file
@@ -96,11 +99,6 @@ def test_a_failed_docker_step_keeps_its_own_error_when_giving_the_state_back_fai
 
 
 def test_a_failed_units_error_names_it_once_and_the_root_cause_comes_first():
-    import pytest
-
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import raise_failures
-
     results = [{"unit": "unit-1", "ok": False, "error": "stopped because another unit failed"},
                {"unit": "unit-0", "ok": False, "error": "unit unit-0: the engine does not listen on port 8000"},
                {"unit": "unit-2", "ok": False, "error": "health check timed out"},
