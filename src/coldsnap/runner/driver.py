@@ -78,7 +78,7 @@ from coldsnap.runner.contract import (
 )
 from coldsnap.runner.events import EventCollector
 from coldsnap.runner.inventory import check_unit_hosts, inventory_from_request
-from coldsnap.runner.proctree import find_child, terminate_tree
+from coldsnap.runner.proctree import find_child, playbooks_in, terminate_tree
 from coldsnap.runner.progress import ProgressReporter
 from coldsnap.runner.redaction import Redactor, is_secret_name, redact_env
 from coldsnap.runner.timing_stream import TimingStream, TimingTarget
@@ -372,6 +372,7 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
         raise ColdSnapError(f"operation {config.operation_id} is already running (lock {run_dir / '.lock'})",
                             fix="wait for it to finish, or give this request a new id") from None
     try:
+        _require_no_orphan(run_dir, config.operation_id)
         with _workload_lock(config):
             return PlaybookRun(config, ansible_runner=ansible_runner, timing_sink=timing_sink, progress=progress,
                                cancel_event=cancel_event, progress_stream=progress_stream,
@@ -404,11 +405,29 @@ def _workload_lock(config: RunConfig):
         raise ColdSnapError(f"another operation of workload {recipe!r} is running ({holder or 'see ' + str(path)})",
                             fix="wait for it to finish; operations on one workload run one at a time") from None
     try:
+        # The lock dies with its controller, its playbook does not: a controller killed with -9 leaves
+        # ansible-playbook evicting or restoring this workload. The last holder's run must be over.
+        last = os.pread(fd, 4096, 0).decode(errors="replace").split()
+        if len(last) >= 2 and last[1] != config.operation_id and OPERATION_ID_RE.match(last[1]):
+            _require_no_orphan(config.state_root / "runs" / last[1], last[1], workload=recipe)
         os.ftruncate(fd, 0)
         os.write(fd, f"{config.operation} {config.operation_id} pid {os.getpid()}\n".encode())
         yield
     finally:
         lock.__exit__(None, None, None)
+
+
+def _require_no_orphan(run_dir: Path, operation_id: str, *, workload: str | None = None) -> None:
+    """Refuse to start while the playbook of run ``run_dir`` still runs without its controller (killed with
+    -9: its locks went with it, its ansible-playbook did not)."""
+    pids = playbooks_in(run_dir / "project")
+    if pids:
+        of = f" of workload {workload!r}" if workload else ""
+        raise ColdSnapError(
+            f"operation {operation_id}{of} is still running: its controller ended, its playbook goes on "
+            f"(pid {', '.join(map(str, pids[:8]))})",
+            fix=f"wait for it to end (`coldsnap runs show {operation_id}`), or stop it (kill {pids[0]}), then run "
+                "again")
 
 
 def _prepare_run_dir(run_dir: Path, *, public_vars: Mapping[str, Any], caller_env: Mapping[str, str],

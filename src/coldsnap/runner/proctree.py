@@ -104,3 +104,26 @@ def find_child(marker: str) -> int | None:
         if marker in cmdline:
             return int(entry.name)
     return None
+
+
+def playbooks_in(directory: Path) -> list[int]:
+    """Live ansible-playbook processes (and their forked workers) that work in ``directory``: ansible-runner
+    starts ansible-playbook in a run's ``project`` directory. Only processes whose ``/proc`` entries this
+    user may read are seen; what a playbook launched (an engine, its keeper) runs another program."""
+    try:
+        target = directory.resolve(strict=True)
+    except OSError:
+        return []
+    found = []
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if Path(os.readlink(entry / "cwd")) != target:
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")[:2]
+        except OSError:
+            continue
+        if any(Path(a.decode(errors="replace")).name == "ansible-playbook" for a in argv) and _alive(int(entry.name)):
+            found.append(int(entry.name))
+    return sorted(found)

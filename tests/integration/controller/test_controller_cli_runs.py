@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -103,3 +104,53 @@ def test_sigterm_cancels_and_still_writes_the_receipt(tmp_path: Path) -> None:
     assert "cancelled" in receipt["error"]["message"]
     assert "CANCELLED" in stderr and "Long task" in stderr  # --progress lines
     assert read_ndjson(ndjson)[-1]["event"] == "envelope"
+
+
+def _pids_of(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], check=False, capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_a_controller_killed_with_9_leaves_a_playbook_that_blocks_the_workload_until_it_ends(tmp_path: Path) -> None:
+    from coldsnap.runner.proctree import playbooks_in, terminate_tree
+
+    state = tmp_path / "state"
+    request = _request_file(tmp_path, "sleep")
+    other = tmp_path / "request-other.json"
+    other.write_text(json.dumps(request_for("sleep", id="sleep-after-a-kill")))
+    proc = subprocess.Popen([sys.executable, "-m", "coldsnap.cli", "sleep", "--request-json", str(request),
+                             "--playbook", str(PLAYBOOKS / "long.yml"), "--state-root", str(state)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first_id = request_for("sleep")["id"]
+    project = state / "runs" / first_id / "project"
+    try:
+        deadline = time.monotonic() + 60
+        while not _pids_of("sleep 61.737"):
+            assert time.monotonic() < deadline and proc.poll() is None, "the long task never started"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        orphans = playbooks_in(project)
+        assert orphans, "the playbook went with its controller: nothing to guard"
+        for again in (request, other):  # the same operation, then another one of the same workload
+            p = _coldsnap("sleep", "--request-json", str(again), "--playbook", str(PLAYBOOKS / "succeed.yml"),
+                          "--state-root", str(state))
+            assert p.returncode != 0 and f"operation {first_id}" in p.stderr, p.stderr
+            assert "is still running" in p.stderr and f"kill {orphans[0]}" in p.stderr, p.stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in playbooks_in(project):
+            terminate_tree(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in _pids_of("sleep 61.737"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while playbooks_in(project) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    p = _coldsnap("sleep", "--request-json", str(other), "--playbook", str(PLAYBOOKS / "succeed.yml"),
+                  "--state-root", str(state))
+    assert p.returncode == 0, p.stderr
