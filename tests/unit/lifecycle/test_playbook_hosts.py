@@ -58,4 +58,3 @@ def test_a_run_with_every_host_passes_the_check(tmp_path):
                     "--limit", "localhost")
     assert rc != 0 and "Pass a delete request" in out, out[-3000:]
     assert "leaves out" not in out
-
