@@ -4,7 +4,8 @@ A unit's serving port and address are placement, not identity: the restore
 request may name others than the capture did. The move is one port shift for
 every listener of the unit (the serving port, the engine's control listener,
 anything else the tree listened on), ``restore port - captured port`` of the
-unit's service; only the service's own listener (the captured service address
+unit's service (an internal listener that this shift would push past 65535 or below 1
+wraps around within 1024..65535); only the service's own listener (the captured service address
 and port) moves to the restore's address: the engine's control API and any other
 internal listener keep theirs (loopback stays loopback, never exposed by a restore
 onto ``0.0.0.0``). Units without a service keep their ports. The CRIU images are never edited: the restore rebinds a linked
@@ -19,6 +20,8 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu_images
+
+UNPRIVILEGED = 1024  # the first port an internal listener wraps to
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,18 @@ class Placement:
 
     def apply(self, address: str, port: int, *, unit: str = "") -> tuple[str, int]:
         new_port = port + self.port_shift
+        serving = self.service_port is None or port == self.service_port
+        if not serving and not 1 <= new_port <= 65535:
+            # An internal listener (the engine's control API: an ephemeral port the user never chose) that the
+            # shift pushes out of range wraps around within the unprivileged ports, so any serving port can be
+            # restored onto; the move stays one-to-one and is checked for holders like any other.
+            new_port = UNPRIVILEGED + (new_port - UNPRIVILEGED) % (65536 - UNPRIVILEGED)
         if not 1 <= new_port <= 65535:
             where = f" ({self.field_path})" if self.field_path else ""
             raise AdmissionError(
                 f"unit {unit}: the captured listener {address}:{port} would move to port {new_port}, out of range: "
                 f"every listener of a unit moves by the serving port's shift ({self.port_shift:+d}){where}",
                 fix="choose a serving port that keeps every captured listener of the unit within 1..65535")
-        serving = self.service_port is None or port == self.service_port
         new_address = self.addresses.get(address, address) if serving else address
         if ipaddress.ip_address(new_address).version != ipaddress.ip_address(address).version:
             raise AdmissionError(
@@ -52,10 +60,19 @@ class Placement:
         return new_address, new_port
 
     def listeners(self, captured: list[tuple[str, int]], *, unit: str = "") -> list[tuple[str, int]]:
-        return [self.apply(a, p, unit=unit) for a, p in captured]
+        moves = self.moves(captured, unit=unit)
+        return [moves[(a, p)] for a, p in captured]
 
     def moves(self, captured: list[tuple[str, int]], *, unit: str = "") -> dict[tuple[str, int], tuple[str, int]]:
-        return {(a, p): self.apply(a, p, unit=unit) for a, p in captured}
+        moves = {(a, p): self.apply(a, p, unit=unit) for a, p in captured}
+        landed: dict[int, int] = {}
+        for (_address, port), (_to, new_port) in moves.items():
+            if landed.setdefault(new_port, port) != port:  # a wrapped listener on another's port
+                raise AdmissionError(
+                    f"unit {unit}: the captured listeners on ports {landed[new_port]} and {port} would both move to "
+                    f"port {new_port} ({self.field_path or 'the serving port'})",
+                    fix="restore onto another serving port")
+        return moves
 
     def to_json(self) -> dict:
         return {"port_shift": self.port_shift, "addresses": dict(self.addresses), "field": self.field_path,

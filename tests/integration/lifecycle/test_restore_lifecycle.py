@@ -20,6 +20,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.records imp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
 from lifecycle_workload import (
     Workload,
+    another_free_port,
     boundary,
     log_lines,
     ok,
@@ -296,12 +297,8 @@ def test_status_and_stop_outlive_a_deleted_artifact(captured, tmp_path):
 def test_a_wake_naming_another_port_than_the_engine_serves_on_is_refused_at_once(captured):
     """After a restore onto another port, a wake request that still names the old one is refused naming
     both ports (it used to wait for readiness on the old port until the ready timeout)."""
-    import socket
-
     wl, artifact, art, _unused = captured
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        other = s.getsockname()[1]
+    other = another_free_port(wl.port)
 
     def moved(req):
         req["launch"]["execution"]["services"][0]["port"] = other

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import time
@@ -19,6 +20,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def another_free_port(port: int, *, spread: int = 400) -> int:
+    """A free loopback port within ``spread`` of ``port`` (never ``port`` itself), for a restore onto another
+    port: every listener of the unit moves by the serving port's shift, so an arbitrary ephemeral port could
+    push another captured listener past 65535 (a refusal the product makes, not the case under test)."""
+    candidates = [p for p in range(max(1024, port - spread), min(65535, port + spread) + 1) if p != port]
+    random.shuffle(candidates)
+    for candidate in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+        return candidate
+    raise RuntimeError(f"no free port within {spread} of {port}")
 
 
 class Workload:

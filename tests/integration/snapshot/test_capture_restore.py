@@ -9,7 +9,7 @@ import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
-from snapshot_workload import Workload, free_port, units_of
+from snapshot_workload import Workload, another_free_port, units_of
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
@@ -182,7 +182,7 @@ def test_an_engine_core_child_holding_the_model_is_captured_and_restored_with_it
         assert control["pid"] != worker["pid"], "the control API is the child's"
         assert not wl.engines()
 
-        new_port = free_port()
+        new_port = another_free_port(wl.port)
 
         def moved(req):
             two_processes(req)

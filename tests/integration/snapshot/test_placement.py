@@ -1,7 +1,8 @@
 """Placement is not identity (the seeds' restore contract), with real CRIU: a capture restores onto
 another serving port, also while a stranger holds the captured one; every listener of the unit
 moves by one shift (the engine's control listener too, which stays on loopback when the service
-moves to another address) and the receipt names where it serves. A
+moves to another address; one the shift would push out of range wraps around) and the receipt
+names where it serves. A
 requested port someone else holds fails in prepare, naming the holder, and the running workload
 stays. A request that changes identity (the command beyond its placement flags) is refused with
 the field named."""
@@ -12,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from snapshot_workload import Workload, free_port, units_of
+from snapshot_workload import Workload, another_free_port, units_of
 from test_prepare_boundary import squatting
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
@@ -45,7 +46,7 @@ def test_restore_onto_another_port_while_a_stranger_holds_the_captured_one(captu
     wl, artifact, art, evidence = captured
     captured_listeners = {tuple(x) for x in evidence["workers"][0]["listeners"]}
     assert ("127.0.0.1", wl.port) in captured_listeners or ("0.0.0.0", wl.port) in captured_listeners
-    new_port = free_port()
+    new_port = another_free_port(wl.port)
     shift = new_port - wl.port
     with squatting("127.0.0.1", wl.port):
         res = wl.run(wl.request("restore", artifact=artifact, mutate=on_port(new_port)))
@@ -70,6 +71,50 @@ def test_restore_onto_another_port_while_a_stranger_holds_the_captured_one(captu
     assert wl.complete() == art["acceptance"]["reply"]
 
 
+def _free_in(ports: range) -> int:
+    """A free loopback port of ``ports``, tried in a random order."""
+    import random
+    import socket
+
+    for port in random.sample(ports, len(ports)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError(f"no free port in {ports}")
+
+
+def test_a_serving_port_that_pushes_the_control_listener_out_of_range_wraps_it(captured, state_root):
+    """Any serving port restores: the engine's control listener (an ephemeral port the user never chose)
+    that the shift would push past 65535 (or below 1) wraps around within 1024..65535, and the controller
+    reaches the engine there."""
+    wl, artifact, art, _evidence = captured
+    ctl = json.loads((state_root / "captures" / art["capture_id"] / "units" / UNIT / "control"
+                      / f"{WORKER}.json").read_text())["port"]
+    if ctl > wl.port:  # serve high enough that ctl + shift > 65535
+        new_port = _free_in(range(max(65536 - (ctl - wl.port), 1024), 65536))
+    else:  # serve low enough that ctl + shift < 1
+        new_port = _free_in(range(max(wl.port - ctl - 400, 1), wl.port - ctl + 1))
+    moved_ctl = 1024 + (ctl + new_port - wl.port - 1024) % (65536 - 1024)
+    assert not 1 <= ctl + new_port - wl.port <= 65535 and 1024 <= moved_ctl <= 65535
+    res = wl.run(wl.request("restore", artifact=artifact, mutate=on_port(new_port)))
+    assert res.succeeded, res.receipt["error"]
+    unit = units_of(res.receipt)[0]
+    assert unit["served"] == {"address": "127.0.0.1", "port": new_port}
+    assert {(tuple(m["from"]), tuple(m["to"])) for m in unit["listeners_moved"]} >= {
+        (("127.0.0.1", ctl), ("127.0.0.1", moved_ctl))}
+    control = json.loads((state_root / "workloads" / wl.name / UNIT / f"control-{WORKER}.json").read_text())
+    assert control["port"] == moved_ctl
+    assert wl.complete(port=new_port) == art["acceptance"]["reply"]
+    status = wl.run(wl.request("status", mutate=on_port(new_port)))
+    assert status.succeeded and units_of(status.receipt)[0]["state"] == "ready", status.receipt["error"]
+    back = wl.run(wl.request("restore", artifact=artifact))
+    assert back.succeeded, back.receipt["error"]
+    assert wl.complete() == art["acceptance"]["reply"]
+
+
 def _listening(port: int) -> set[str]:
     """The IPv4 addresses a TCP socket listens on at ``port`` on this host (from /proc/net/tcp)."""
     out = set()
@@ -86,7 +131,7 @@ def test_a_restore_onto_all_interfaces_moves_the_service_and_keeps_the_control_a
     """Only the service's own listener changes address: the engine's control API is never exposed by a
     restore that serves on 0.0.0.0 (and the controller still reaches it on loopback)."""
     wl, artifact, _art, _evidence = captured
-    new_port = free_port()
+    new_port = another_free_port(wl.port)
 
     def everywhere(req: dict) -> None:
         on_port(new_port)(req)
@@ -111,7 +156,7 @@ def test_a_requested_port_a_stranger_holds_fails_in_prepare_and_the_workload_kee
     wl, artifact, art, _evidence = captured
     pids = wl.engines()
     assert pids, "the previous test leaves the workload running on its captured port"
-    wanted = free_port()
+    wanted = another_free_port(wl.port)
     with squatting("127.0.0.1", wanted) as squatter:
         res = wl.run(wl.request("restore", artifact=artifact, mutate=on_port(wanted)))
         assert not res.succeeded

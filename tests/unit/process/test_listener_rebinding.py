@@ -116,6 +116,24 @@ def test_one_shift_for_every_listener_and_the_range_is_checked():
         Placement(addresses={"127.0.0.1": "::"}).apply("127.0.0.1", 8000)
 
 
+def test_an_internal_listener_pushed_out_of_range_wraps_and_the_serving_port_is_the_one_asked_for():
+    # Captured on 35000 with the control API on 43813, restored onto 58710 (+23710): the control listener
+    # would land on 67523; it wraps within 1024..65535 instead of refusing a perfectly good serving port.
+    place = Placement(port_shift=23710, service_port=35000, field_path="$.launch.execution.services[0].port")
+    moved = place.moves([("0.0.0.0", 35000), ("127.0.0.1", 43813)], unit="unit-0")
+    assert moved == {("0.0.0.0", 35000): ("0.0.0.0", 58710), ("127.0.0.1", 43813): ("127.0.0.1", 67523 - 64512)}
+    assert place.apply("127.0.0.1", 43813) == ("127.0.0.1", 3011)
+    down = Placement(port_shift=-30000, service_port=40000)
+    assert down.apply("127.0.0.1", 20000) == ("127.0.0.1", 20000 - 30000 + 64512)
+    assert down.apply("127.0.0.1", 40000) == ("127.0.0.1", 10000)
+    # The wrap is one-to-one over 1024..65535; a privileged listener wrapped onto another's port is refused.
+    assert len({place.apply("127.0.0.1", p)[1] for p in range(1024, 65536)}) == 65536 - 1024
+    clash = Placement(port_shift=-1000, service_port=65012, field_path="$.launch.execution.services[0].port")
+    with pytest.raises(AdmissionError, match=r"ports 65012 and 500 would both move to port 64012") as exc:
+        clash.moves([("127.0.0.1", 65012), ("127.0.0.1", 500)], unit="unit-0")
+    assert "services[0].port" in str(exc.value) and exc.value.fix
+
+
 def test_the_shift_comes_from_the_units_service():
     def launch(port: int, address: str = "127.0.0.1") -> dict:
         return {"execution": {"services": [{"id": "api", "unit": "unit-0", "port": port, "address": address}]}}

@@ -36,6 +36,8 @@ from typing import Protocol
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 
+from coldsnap_engines.common import cpu_state
+
 
 class EngineStateError(RuntimeError):
     """The engine is not in a state that allows the requested transition (HTTP 409)."""
@@ -172,6 +174,7 @@ class Lifecycle:
         with self.lock:
             self._expect(ec.READY)
             self.timing = Timing()
+            cpu_state.remember()  # what a restore must ask the kernel for again (AMX)
             self.state = ec.QUIESCING
             try:
                 with self.timing.span("engine.serving.pause"):
@@ -211,6 +214,7 @@ class Lifecycle:
                     sp["attrs"]["graphs"] = graphs["released"]
                 self.graphs_released = graphs["released"] > 0
             self._await_materialize()
+            cpu_state.remember()
             with self.timing.span("engine.weights.release"):
                 self.control.release_weights()
             self.state = ec.RELEASED
@@ -225,6 +229,7 @@ class Lifecycle:
                 raise EngineStateError("a template has no warm boundary (snapshot driver n580): restore it fully")
             self._check_materialize(spec)
             self.timing = Timing()
+            cpu_state.regrant()  # before any kernel runs: CRIU does not restore the AMX permission
             if self.state == ec.QUIESCED:
                 # A capture that stopped before the release gives the engine back: its weights are
                 # still resident, only the transport and the KV cache are rebuilt.

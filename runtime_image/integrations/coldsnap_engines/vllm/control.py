@@ -187,7 +187,9 @@ class VllmCpuControl(VllmControl):
         self._rpc("coldsnap_release", tags=["weights"])
 
     def recreate_memory(self) -> None:
-        """Nothing to map on CPU: the restored mappings are there, their pages zero."""
+        """Nothing to map on CPU (the restored mappings are there, their pages zero); each worker asks the
+        kernel again for the AMX permission a restore drops, before any kernel runs."""
+        self._rpc("coldsnap_restore_context")
 
     def hydrate(self, spec: dict) -> dict:
         stats = [s for s in self._rpc("coldsnap_hydrate", spec=spec) if s]

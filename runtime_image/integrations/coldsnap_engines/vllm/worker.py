@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import TRANSPORT_PREFIXES
 
-from coldsnap_engines.common import gpu_context
+from coldsnap_engines.common import cpu_state, gpu_context
 from coldsnap_engines.common import worker as payload_worker
 from coldsnap_engines.vllm.loader import LOAD_FORMAT, named_tensors, weights_table
 from coldsnap_engines.vllm.state import STATE
@@ -94,10 +94,13 @@ class ColdSnapWorkerExtension:
 
     def coldsnap_shrink_context(self) -> None:
         """After the level-2 sleep, before the CUDA checkpoint: free what the snapshot need not carry."""
+        cpu_state.remember()
         STATE.shrunk = gpu_context.shrink()
 
     def coldsnap_restore_context(self) -> None:
-        """First thing on resume, before any kernel runs: give the context its stack reservation back."""
+        """First thing on resume, before any kernel runs: the CPU state permissions a restore drops (AMX),
+        and the CUDA context's stack reservation."""
+        cpu_state.regrant()
         gpu_context.restore(STATE.shrunk)  # type: ignore[arg-type]
         STATE.shrunk = None
 
@@ -109,6 +112,7 @@ class ColdSnapWorkerExtension:
         from coldsnap_engines.vllm.cpu import release_kv
 
         out = {"weights": 0, "kv_cache": 0}
+        cpu_state.remember()
         if "weights" in tags and STATE.arena is not None:
             out["weights"] = STATE.arena.release()
             payload_worker.check_released()
