@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from snapshot_workload import Workload, another_free_port, units_of
+from snapshot_workload import Workload, another_free_port, free_port_in, units_of
 from test_prepare_boundary import squatting
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
@@ -71,21 +71,6 @@ def test_restore_onto_another_port_while_a_stranger_holds_the_captured_one(captu
     assert wl.complete() == art["acceptance"]["reply"]
 
 
-def _free_in(ports: range) -> int:
-    """A free loopback port of ``ports``, tried in a random order."""
-    import random
-    import socket
-
-    for port in random.sample(ports, len(ports)):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise AssertionError(f"no free port in {ports}")
-
-
 def test_a_serving_port_that_pushes_the_control_listener_out_of_range_wraps_it(captured, state_root):
     """Any serving port restores: the engine's control listener (an ephemeral port the user never chose)
     that the shift would push past 65535 (or below 1) wraps around within 1024..65535, and the controller
@@ -94,9 +79,9 @@ def test_a_serving_port_that_pushes_the_control_listener_out_of_range_wraps_it(c
     ctl = json.loads((state_root / "captures" / art["capture_id"] / "units" / UNIT / "control"
                       / f"{WORKER}.json").read_text())["port"]
     if ctl > wl.port:  # serve high enough that ctl + shift > 65535
-        new_port = _free_in(range(max(65536 - (ctl - wl.port), 1024), 65536))
+        new_port = free_port_in(range(max(65536 - (ctl - wl.port), 1024), 65536))
     else:  # serve low enough that ctl + shift < 1
-        new_port = _free_in(range(max(wl.port - ctl - 400, 1), wl.port - ctl + 1))
+        new_port = free_port_in(range(max(wl.port - ctl - 400, 1), wl.port - ctl + 1))
     moved_ctl = 1024 + (ctl + new_port - wl.port - 1024) % (65536 - 1024)
     assert not 1 <= ctl + new_port - wl.port <= 65535 and 1024 <= moved_ctl <= 65535
     res = wl.run(wl.request("restore", artifact=artifact, mutate=on_port(new_port)))
