@@ -32,15 +32,18 @@ def _x86_64() -> bool:
     return platform.system() == "Linux" and platform.machine() == "x86_64"
 
 
+def _arch_prctl(code: int, arg) -> int:
+    """``arch_prctl(code, arg)``: 0, or the errno of its failure."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return 0 if libc.syscall(SYS_ARCH_PRCTL, code, arg) == 0 else ctypes.get_errno()
+
+
 def permitted() -> int:
     """The mask of xstate features this process may use (0 where the kernel cannot say)."""
     if not _x86_64():
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
     mask = ctypes.c_uint64(0)
-    if libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
-        return 0
-    return int(mask.value)
+    return int(mask.value) if _arch_prctl(ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) == 0 else 0
 
 
 def _dynamic(mask: int) -> int:
@@ -59,13 +62,12 @@ def regrant() -> list[str]:
     missing = _REMEMBERED["mask"] & ~permitted()
     if not missing:
         return []
-    libc = ctypes.CDLL(None, use_errno=True)
     asked = []
     for bit, name in sorted(DYNAMIC_FEATURES.items()):
         if not missing & (1 << bit):
             continue
-        if libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, bit) != 0:
-            err = ctypes.get_errno()
+        err = _arch_prctl(ARCH_REQ_XCOMP_PERM, bit)
+        if err:
             raise OSError(err, f"the restored engine (pid {os.getpid()}) cannot get back its permission to use "
                                f"{name}: arch_prctl(ARCH_REQ_XCOMP_PERM, {bit}) failed: {os.strerror(err)}; "
                                "restore on a host whose CPU and kernel offer it, as the capture's host did")

@@ -174,7 +174,7 @@ class Lifecycle:
         with self.lock:
             self._expect(ec.READY)
             self.timing = Timing()
-            cpu_state.remember()  # what a restore must ask the kernel for again (AMX)
+            cpu_state.remember()  # before any dump: what a restore must ask the kernel for again (AMX)
             self.state = ec.QUIESCING
             try:
                 with self.timing.span("engine.serving.pause"):
@@ -214,7 +214,6 @@ class Lifecycle:
                     sp["attrs"]["graphs"] = graphs["released"]
                 self.graphs_released = graphs["released"] > 0
             self._await_materialize()
-            cpu_state.remember()
             with self.timing.span("engine.weights.release"):
                 self.control.release_weights()
             self.state = ec.RELEASED
