@@ -14,7 +14,10 @@ Keys used by ``barrier(client, name, rank, world, timeout)`` (all under
 
 A barrier name is single-use within one activation: name each phase uniquely
 (``criu-restore``, ``cuda-restore``, ``transport/2``...). Timeouts end with a
-``BarrierTimeout`` that names the ranks that never arrived.
+``BarrierTimeout`` that names the ranks that never arrived. A caller that must also
+watch something else while it waits (the activation's abort key) passes ``poll``: the
+wait is then cut into slices of at most ``POLL_SLICE`` seconds and ``poll()`` runs
+before each; whatever it raises ends the wait.
 
 Every step is one short TCP request (client.py): no connection or thread
 outlives the call, so a rank may be checkpointed between barriers.
@@ -23,7 +26,7 @@ outlives the call, so a rank may be checkpointed between barriers.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import (
     CoordinatorClient,
@@ -32,6 +35,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import
 )
 
 RELEASE_VALUE = b"released"
+POLL_SLICE = 1.0  # seconds a blocking wait lasts between two poll() calls
 _MAX_LISTED = 32  # missing ranks listed by number in a message; the rest are counted
 
 
@@ -53,11 +57,13 @@ def barrier_key(name: str, part: str) -> str:
     return f"barrier/{name}/{part}"
 
 
-def barrier(client: CoordinatorClient, name: str, rank: int, world: int, timeout: float) -> int:
+def barrier(client: CoordinatorClient, name: str, rank: int, world: int, timeout: float, *,
+            poll: Callable[[], None] | None = None) -> int:
     """Block until all ``world`` ranks reached barrier ``name``; return this rank's arrival order (1..world).
 
     Raises BarrierTimeout naming the missing ranks when ``timeout`` seconds pass
-    first, and BarrierError for a duplicate rank or a reused name.
+    first, and BarrierError for a duplicate rank or a reused name. ``poll`` (optional)
+    runs before every wait slice (module doc); an exception from it propagates.
     """
     _check_args(name, rank, world, timeout)
     deadline = time.monotonic() + timeout
@@ -76,11 +82,8 @@ def barrier(client: CoordinatorClient, name: str, rank: int, world: int, timeout
     if order == world:
         client.set(barrier_key(name, f"release@{world}"), RELEASE_VALUE)
         return order
-    remaining = deadline - time.monotonic()
     try:
-        if remaining <= 0:
-            raise CoordinatorTimeout("no time left")
-        client.get(barrier_key(name, f"release@{world}"), timeout=remaining)
+        _wait_release(client, barrier_key(name, f"release@{world}"), deadline, poll)
     except CoordinatorTimeout:
         # The release may have landed right at the deadline: look once more.
         if client.try_get(barrier_key(name, f"release@{world}")) is not None:
@@ -94,6 +97,22 @@ def barrier(client: CoordinatorClient, name: str, rank: int, world: int, timeout
             arrived=world - len(missing),
         ) from None
     return order
+
+
+def _wait_release(client: CoordinatorClient, key: str, deadline: float, poll: Callable[[], None] | None) -> None:
+    """Wait for ``key`` until ``deadline`` (CoordinatorTimeout after it), calling ``poll`` between slices."""
+    while True:
+        if poll is not None:
+            poll()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CoordinatorTimeout("no time left")
+        try:
+            client.get(key, timeout=remaining if poll is None else min(POLL_SLICE, remaining))
+            return
+        except CoordinatorTimeout:
+            if poll is None or time.monotonic() >= deadline:
+                raise
 
 
 def rendezvous_key(name: str, rank: int) -> str:

@@ -1,20 +1,20 @@
 """Cross-unit phases through the activation's coordinator.
 
-Each phase is a CSKV barrier (the coordinator's documented barrier keys) that
-also watches an ``abort`` key: a unit that fails publishes why, and every other
-unit stops at its next phase with that reason instead of waiting out a timeout.
+Each phase is the coordinator's barrier (``coord.barrier``: its documented keys, a unit
+index that arrives twice refused) that also watches an ``abort`` key while it waits: a unit
+that fails publishes why, and every other unit stops at its next phase with that reason
+instead of waiting out a timeout.
 """
 
 from __future__ import annotations
 
-import time
-
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.barrier import barrier_key, missing_ranks
-from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import (
-    CoordinatorClient,
-    CoordinatorTimeout,
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.barrier import (
+    BarrierError,
+    BarrierTimeout,
+    barrier,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import CoordinatorClient
 
 ABORT_KEY = "activation/abort"
 
@@ -32,24 +32,13 @@ class Phases:
         """Arrive at phase ``name`` and wait for every unit (or an abort)."""
         if self.client is None or self.world == 1:
             return
-        c = self.client
-        c.add(barrier_key(name, f"rank/{self.rank}"), 1)
-        if c.add(barrier_key(name, "count"), 1) >= self.world:
-            c.set(barrier_key(name, "release"), b"1")
-            return
-        deadline = time.monotonic() + timeout
-        while True:
-            self._check_abort()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = missing_ranks(c, name, self.world)
-                raise UnitError(f"unit {self.unit}: phase {name!r} timed out after {timeout:.0f}s waiting for "
-                                f"unit index(es) {missing}", fix="check those units' logs")
-            try:
-                c.get(barrier_key(name, "release"), timeout=min(1.0, remaining))
-                return
-            except CoordinatorTimeout:
-                continue
+        try:
+            barrier(self.client, name, self.rank, self.world, timeout, poll=self._check_abort)
+        except BarrierTimeout as exc:
+            raise UnitError(f"unit {self.unit}: phase {name!r} timed out after {timeout:.0f}s waiting for "
+                            f"unit index(es) {exc.missing}", fix="check those units' logs") from None
+        except BarrierError as exc:
+            raise UnitError(f"unit {self.unit}: phase {name!r}: {exc.problem}", fix=exc.fix) from None
 
     def _check_abort(self) -> None:
         reason = self.client.try_get(ABORT_KEY)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.barrier import (
@@ -112,6 +113,42 @@ def test_duplicate_rank_and_reused_name_are_errors(client) -> None:
     with pytest.raises(BarrierTimeout, match="world size") as exc:
         barrier(client, "pair", 2, 3, 0.3)
     assert exc.value.missing == []
+
+
+class Stop(Exception):
+    pass
+
+
+def test_poll_runs_while_waiting_and_its_exception_ends_the_wait(client, monkeypatch) -> None:
+    monkeypatch.setattr("ansible_collections.coldsnap.fleet.plugins.module_utils.coord.barrier.POLL_SLICE", 0.05)
+    calls = []
+
+    def poll() -> None:
+        calls.append(time.monotonic())
+        if len(calls) == 4:
+            raise Stop("another unit failed")
+
+    started = time.monotonic()
+    with pytest.raises(Stop):
+        barrier(client, "watched", 0, 2, 30, poll=poll)
+    # four slices of 50 ms, not the 30-s timeout
+    assert len(calls) == 4 and time.monotonic() - started < 5
+    # the rank registered before it waited: its second arrival is still a duplicate
+    with pytest.raises(BarrierError, match="rank 0 arrived 2 times"):
+        barrier(client, "watched", 0, 2, 1)
+
+
+def test_poll_waits_for_the_release_and_times_out_naming_the_missing(client, monkeypatch) -> None:
+    monkeypatch.setattr("ansible_collections.coldsnap.fleet.plugins.module_utils.coord.barrier.POLL_SLICE", 0.05)
+    calls = []
+    t = threading.Timer(0.3, lambda: barrier(client, "sliced", 1, 2, 30))
+    t.start()
+    assert barrier(client, "sliced", 0, 2, 30, poll=lambda: calls.append(1)) == 1
+    t.join(30)
+    assert len(calls) >= 2  # it waited over several slices and was released, not timed out
+    with pytest.raises(BarrierTimeout, match="missing rank 1") as exc:
+        barrier(client, "sliced-alone", 0, 2, 0.3, poll=lambda: None)
+    assert exc.value.missing == [1]
 
 
 BAD_ARGUMENTS = [(-1, 2, 1), (2, 2, 1), (0, 0, 1), (0, 2, 0), (True, 2, 1),
