@@ -46,10 +46,11 @@ HUGE_PAGES_VALUES = {"on": True, "1": True, "true": True, "yes": True,
                      "off": False, "0": False, "false": False, "no": False}
 
 
-def huge_pages_wanted(environment: dict | None) -> bool:
-    """Whether a unit with this (validated) environment is restored into huge pages; on by default."""
+def huge_pages_wanted(environment: dict | None, *, default: bool = True) -> bool:
+    """Whether a unit with this (validated) environment is restored into huge pages; ``default`` when it
+    does not say (the host's choice: ``process.criu.huge_pages_by_default``)."""
     value = (environment or {}).get(HUGE_PAGES_ENV)
-    return True if value is None else HUGE_PAGES_VALUES.get(str(value).strip().lower(), True)
+    return default if value is None else HUGE_PAGES_VALUES.get(str(value).strip().lower(), default)
 
 
 @dataclass(frozen=True)

@@ -285,6 +285,50 @@ def thp_mode() -> str:
     return text.split("[", 1)[1].split("]", 1)[0] if "[" in text else "absent"
 
 
+# A virtio memory balloon that negotiated free page reporting (feature bit 5) hands the guest's free
+# blocks of 2 MiB and more back to the hypervisor a few seconds after they are freed. A huge page is
+# such a block, so on those hosts a restore after any idle time takes its huge pages from memory the
+# host took back, and each first touch is a fault into the hypervisor; 4 KiB pages come from smaller
+# free fragments the guest kept (BENCHMARKS.md: CRIU's restore of a 148-MiB image after 8 s idle took
+# 0.37-0.43 s in huge pages, 0.12-0.14 s in 4 KiB pages). A VM with a GPU passed through has its
+# memory pinned for the device's DMA, so its hypervisor cannot take reported pages back even where
+# the feature was negotiated: a host with an NVIDIA GPU keeps huge pages (where they were measured
+# to pay: BENCHMARKS.md, the H200 sections).
+VIRTIO_DEVICES = Path("/sys/bus/virtio/devices")
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+_VIRTIO_BALLOON = "0x0005"
+_F_FREE_PAGE_REPORTING = 5
+
+
+def free_page_reporting(devices: Path = VIRTIO_DEVICES) -> bool:
+    """Whether a virtio balloon driver on this host reports free pages to its hypervisor."""
+    try:
+        entries = sorted(devices.iterdir())
+    except OSError:
+        return False
+    for dev in entries:
+        try:
+            if (dev / "device").read_text().strip() != _VIRTIO_BALLOON or not (dev / "driver").exists():
+                continue
+            features = (dev / "features").read_text().strip()
+        except OSError:
+            continue
+        if len(features) > _F_FREE_PAGE_REPORTING and features[_F_FREE_PAGE_REPORTING] == "1":
+            return True
+    return False
+
+
+def huge_pages_by_default(devices: Path = VIRTIO_DEVICES, nvidia_gpus: Path = NVIDIA_GPUS) -> bool:
+    """Whether a restore reads memory back into huge pages when the unit's environment does not say:
+    yes, except on a host without an NVIDIA GPU whose free memory goes back to its hypervisor."""
+    try:
+        if any(nvidia_gpus.iterdir()):
+            return True
+    except OSError:
+        pass
+    return not free_page_reporting(devices)
+
+
 @dataclass(frozen=True)
 class RestoreResult:
     pid: int

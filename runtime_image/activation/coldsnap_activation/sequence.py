@@ -664,7 +664,7 @@ class Activation:
         if any(w.get("cuda") for w in captured["workers"]):
             cuda_mod.preload()  # the driver's start-up overlaps the CRIU restore
         criu = criu_mod.find_criu(spec.criu_binary)
-        huge = huge_pages_wanted(spec.unit.get("environment"))
+        huge = huge_pages_wanted(spec.unit.get("environment"), default=criu_mod.huge_pages_by_default())
         moved = placement.Placement.from_json(spec.placement)
         restored: list[EngineHandle] = []
         served: list[dict] = []
@@ -683,7 +683,7 @@ class Activation:
             (self.workload_dir / ec.LOG_FILE_NAME).write_bytes(b"")
             if spec.service:
                 probe = PortProbe(spec.service["address"], spec.service["port"], self.t0).start()
-            with self.rec.span("unit.criu.restore"):
+            with self.rec.span("unit.criu.restore", huge_pages=huge):
                 for h in self.handles:
                     wid = h.worker["id"]
                     cw = by_worker[wid]

@@ -9,6 +9,7 @@ import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu
 from snapshot_workload import Workload, another_free_port, units_of
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
@@ -25,10 +26,10 @@ def huge_page_kib(pids: list[int]) -> int:
 
 
 def restores_into_huge_pages() -> bool:
-    """ColdSnap's CRIU build on a host with transparent huge pages (not ``never``)."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu
-
-    return criu.find_criu().coldsnap_build and criu.thp_mode() not in ("never", "absent")
+    """ColdSnap's CRIU build on a host with transparent huge pages (not ``never``) whose restores ask for
+    them (not a VM whose balloon hands free memory back to its hypervisor)."""
+    return criu.find_criu().coldsnap_build and criu.thp_mode() not in ("never", "absent") \
+        and criu.huge_pages_by_default()
 
 
 def capture(wl: Workload, *, live: bool = False) -> tuple[Path, dict]:
@@ -84,6 +85,9 @@ def test_capture_then_restore_native_and_recovery(tp, state_root, tiny_model, en
         assert wl.complete() == accepted
         if restores_into_huge_pages():  # the engine's large anonymous mappings came back in 2 MiB pages
             assert huge_page_kib(wl.engines()) > 0
+        # The receipt says which page size each unit's CRIU restore asked for: this host's default.
+        steps = [s for s in native["timing"]["spans"] if s["name"] == "unit.criu.restore"]
+        assert len(steps) == tp and {s["attrs"]["huge_pages"] for s in steps} == {criu.huge_pages_by_default()}
         log = (state_root / "workloads" / wl.name / "unit-0" / "target.log").read_text().splitlines()
         marker = json.loads(log[0])
         assert marker["coldsnap"] == "restore-boundary" and marker["provider"] == "native"

@@ -69,6 +69,49 @@ def test_a_units_environment_decides(env, wanted):
     assert huge_pages_wanted(env) is wanted
 
 
+@pytest.mark.parametrize("env,wanted", [(None, False), ({"COLDSNAP_HUGE_PAGES": "on"}, True),
+                                        ({"COLDSNAP_HUGE_PAGES": "off"}, False)])
+def test_the_hosts_default_applies_only_where_the_unit_does_not_say(env, wanted):
+    assert huge_pages_wanted(env, default=False) is wanted
+
+
+def _virtio(root: Path, name: str, device: str, features: str, *, driver: bool = True) -> None:
+    dev = root / name
+    dev.mkdir(parents=True)
+    (dev / "device").write_text(device + "\n")
+    (dev / "features").write_text(features + "\n")
+    if driver:
+        (root / f"{name}-driver").mkdir()
+        (dev / "driver").symlink_to(root / f"{name}-driver")
+
+
+REPORTING = "0110010100" + "0" * 118  # bits 1, 2, 5 (free page reporting) and 7, as a cloud VM's balloon
+NOT_REPORTING = "0110000100" + "0" * 118
+
+
+@pytest.mark.parametrize("devices,reports", [
+    ([("virtio0", "0x0005", REPORTING, True), ("virtio1", "0x0002", NOT_REPORTING, True)], True),
+    ([("virtio0", "0x0005", NOT_REPORTING, True)], False),
+    ([("virtio0", "0x0005", REPORTING, False)], False),  # no driver bound: nothing reports
+    ([("virtio0", "0x0001", REPORTING, True)], False),  # bit 5 of a network device means something else
+    ([("virtio0", "0x0005", "01", True)], False),  # a features string too short to carry the bit
+    ([], False),
+], ids=["balloon-reports", "balloon-without-reporting", "balloon-unbound", "not-a-balloon", "short", "none"])
+def test_huge_pages_by_default_except_where_free_memory_goes_back_to_a_hypervisor(tmp_path, devices, reports):
+    root = tmp_path / "virtio"
+    root.mkdir()
+    for name, device, features, driver in devices:
+        _virtio(root, name, device, features, driver=driver)
+    no_gpu = tmp_path / "no-nvidia"
+    assert criu_mod.free_page_reporting(root) is reports
+    assert criu_mod.huge_pages_by_default(root, no_gpu) is (not reports)
+    assert criu_mod.huge_pages_by_default(tmp_path / "no-such-bus", no_gpu) is True  # a host without virtio
+    # A GPU host keeps huge pages: a VM with a GPU passed through cannot give its memory back.
+    gpus = tmp_path / "gpus"
+    (gpus / "0000:1b:00.0").mkdir(parents=True)
+    assert criu_mod.huge_pages_by_default(root, gpus) is True
+
+
 @pytest.mark.criu
 @pytest.mark.parametrize("huge", [True, False], ids=["huge-pages", "as-dumped"])
 def test_restored_memory_is_the_dumped_bytes_in_huge_pages_when_asked(tmp_path, huge, criu_build, reap, spawn_ready):
