@@ -180,6 +180,10 @@ class CoordinatorServer:
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            with contextlib.suppress(OSError):
+                # Accepted sockets inherit it on Linux: replies (often header and value in two
+                # sends) are never held back waiting for an ACK.
+                self._listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._listener.bind((address, port))
             self._listener.listen(_LISTEN_BACKLOG)
         except OSError as exc:
@@ -374,8 +378,6 @@ class CoordinatorServer:
                 self._log(f"coordinator accept failed: {exc.strerror or exc}")
                 return
             sock.setblocking(False)
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             now = time.monotonic()
             source = str(addr[0]) if isinstance(addr, tuple) and addr else ""
             if self._preauth_by_source.get(source, 0) >= self.limits.max_unauthenticated_per_source:
@@ -385,8 +387,15 @@ class CoordinatorServer:
             self._preauth[conn] = None
             self._preauth_by_source[source] = self._preauth_by_source.get(source, 0) + 1
             self._peak = max(self._peak, len(self._conns))
-            self._watch(conn, selectors.EVENT_READ)
             self._set_deadline(conn, now + min(self.limits.read_timeout, self.limits.auth_timeout))
+            # A client sends its request right after connecting, so it is often here already:
+            # serve it now, and only watch the socket for what has not arrived.
+            try:
+                self._on_readable(conn)
+            except Exception as exc:
+                self._fail(conn, exc)
+            if conn in self._conns and conn.events == 0 and conn.phase in (_HEADER, _TOKEN, _BODY):
+                self._watch(conn, selectors.EVENT_READ)
         if self._accepting:
             # Every slot is taken by authenticated clients: leave new ones in the backlog until one frees.
             self._sel.unregister(self._listener)
@@ -571,9 +580,16 @@ class CoordinatorServer:
             self._op_get(conn, key, value, timeout_ms)
         else:
             status, reply, woken = self._kv.apply(op, key, value)
-            for waiter, stored in woken:
-                waiter.wait_key = None
-                self._reply(waiter, p.Status.OK, stored)
+            if woken:
+                # A barrier's release wakes every rank at once: send all the replies first, so
+                # the last waiter does not also wait for the others' connections to close.
+                sent = []
+                for waiter, stored in woken:
+                    waiter.wait_key = None
+                    if self._reply(waiter, p.Status.OK, stored, finish=False):
+                        sent.append(waiter)
+                for waiter in sent:
+                    self._reply_sent(waiter)
             self._reply(conn, status, reply)
 
     def _op_get(self, conn: _Conn, key: bytes, value: bytes, timeout_ms: int) -> None:
@@ -603,7 +619,9 @@ class CoordinatorServer:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def _reply(self, conn: _Conn, status: p.Status, value: bytes = b"") -> None:
+    def _reply(self, conn: _Conn, status: p.Status, value: bytes = b"", *, finish: bool = True) -> bool:
+        """Answer ``conn``; True when the whole reply went out at once and, with ``finish=False``,
+        the caller still has to call ``_reply_sent`` (which closes or drains the connection)."""
         self._statuses[status.label] += 1
         self._release(conn)
         conn.buf = bytearray()
@@ -612,24 +630,28 @@ class CoordinatorServer:
         # Small replies go out in one segment; large values are sent from the stored bytes.
         conn.out = [memoryview(header + value)] if len(value) <= _SCRATCH_SIZE else [
             memoryview(header), memoryview(value)]
-        self._set_deadline(conn, time.monotonic() + self.limits.write_timeout)
-        self._flush(conn)
+        return self._flush(conn, finish=finish)
 
-    def _flush(self, conn: _Conn) -> None:
+    def _flush(self, conn: _Conn, *, finish: bool = True) -> bool:
         while conn.out:
             try:
                 sent = conn.sock.send(conn.out[0])
             except (BlockingIOError, InterruptedError):
-                self._watch(conn, selectors.EVENT_WRITE)
-                return
+                if conn.events != selectors.EVENT_WRITE:
+                    # The client reads slowly: from now on it has write_timeout to take the rest.
+                    self._set_deadline(conn, time.monotonic() + self.limits.write_timeout)
+                    self._watch(conn, selectors.EVENT_WRITE)
+                return False
             except OSError:
                 self._close(conn)
-                return
+                return False
             if sent < len(conn.out[0]):
                 conn.out[0] = conn.out[0][sent:]
             else:
                 conn.out.pop(0)
-        self._reply_sent(conn)
+        if finish:
+            self._reply_sent(conn)
+        return True
 
     def _reply_sent(self, conn: _Conn) -> None:
         if conn.request_complete and not self._unread_bytes(conn):
