@@ -11,6 +11,8 @@ mode, no pluggable allocator), so ColdSnap provides the stable allocation itself
   hydration act on one allocation whose address a CRIU restore keeps. Buffers
   (rotary tables and other computed state) stay where they are: they are not in
   the checkpoint, so they stay in the process image.
+* vLLM's packed copies of the linear weights (``cpu_packed``) are dropped with the
+  arena and packed again from it after hydration.
 * :func:`release_kv` drops the pages of the KV cache storages (page-aligned
   interiors): after a restore they read back as zeros, which is their initial
   state (the prefix cache is reset first, so no block is believed to hold data).
@@ -32,9 +34,9 @@ def _align(n: int, a: int) -> int:
 class WeightArena:
     """The parameters of one CPU worker, in one stable allocation."""
 
-    def __init__(self, arena: CpuArena, names: list[str]) -> None:
+    def __init__(self, arena: CpuArena, entries: dict[str, tuple[int, tuple[int, ...], object]]) -> None:
         self.arena = arena
-        self.names = names
+        self.entries = entries  # parameter name -> (offset in the arena, shape, dtype), as relocated
 
     def table(self) -> AllocationTable:
         a = self.arena
@@ -69,7 +71,8 @@ def relocate_parameters(model) -> WeightArena:
             raise RuntimeError(f"{name}: the arena view does not alias its stable allocation")
         dest.copy_(p.data)
         p.data = dest
-    return WeightArena(arena, [n for n, _p in params])
+    return WeightArena(arena, {name: (off, tuple(p.shape), p.dtype)
+                               for (name, p), off in zip(params, offsets, strict=True)})
 
 
 def kv_storages(model_runner) -> list[tuple[int, int]]:

@@ -22,6 +22,7 @@ class WorkerState:
     last_hydration: dict | None = None
     shrunk: object | None = None  # gpu_context.Shrunk: what release took from the CUDA context
     arena: object | None = None  # cpu.WeightArena: the parameters' stable allocation on CPU
+    packed: list | None = None  # cpu_packed.PackedCopy: vLLM's packed linear weights on CPU (found at release)
     lock: threading.RLock = field(default_factory=threading.RLock)
 
     def arm(self, spec: dict | None) -> None:

@@ -10,12 +10,14 @@ every worker process, between engine steps.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import TRANSPORT_PREFIXES
 
 from coldsnap_engines.common import cpu_state, gpu_context
 from coldsnap_engines.common import worker as payload_worker
+from coldsnap_engines.vllm import cpu_packed
 from coldsnap_engines.vllm.loader import LOAD_FORMAT, named_tensors, weights_table
 from coldsnap_engines.vllm.state import STATE
 
@@ -114,6 +116,9 @@ class ColdSnapWorkerExtension:
         out = {"weights": 0, "kv_cache": 0}
         cpu_state.remember()
         if "weights" in tags and STATE.arena is not None:
+            if STATE.packed is None:
+                STATE.packed = cpu_packed.find(self._coldsnap_model(), STATE.arena.entries)
+            out["packed_weights"] = cpu_packed.release(STATE.packed)
             out["weights"] = STATE.arena.release()
             payload_worker.check_released()
         if "kv_cache" in tags:
@@ -124,8 +129,14 @@ class ColdSnapWorkerExtension:
     def coldsnap_hydrate(self, spec: dict) -> dict:
         """Fill the weight arena at its captured address from the pack + residual or the replay plan."""
         mine = for_rank(spec, int(self.rank))  # type: ignore[attr-defined]
-        STATE.last_hydration = payload_worker.hydrate(weights_table(self._coldsnap_model()), mine or {})
-        return STATE.last_hydration
+        stats = payload_worker.hydrate(weights_table(self._coldsnap_model()), mine or {})
+        if STATE.packed and STATE.arena is not None:
+            # vLLM's packed copies of the linear weights were dropped with the arena: pack them again.
+            t0 = time.monotonic()
+            stats["repacked_layers"] = cpu_packed.repack(STATE.packed, STATE.arena.arena)
+            stats["repack_s"] = round(time.monotonic() - t0, 4)
+        STATE.last_hydration = stats
+        return stats
 
     def coldsnap_materialize(self, spec: dict) -> dict:
         """Write the resident model bytes into the node cache (recovery read-through cache)."""
