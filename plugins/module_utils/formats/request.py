@@ -53,6 +53,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (
     HUGE_PAGES_ENV,
     HUGE_PAGES_VALUES,
+    VLLM_CPU_PACKED_ENV,
+    VLLM_CPU_PACKED_VALUES,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
     REQUEST_FORMAT,
@@ -414,7 +416,13 @@ def launch_issues(launch: dict, *, op: str | None = None) -> list[FormatIssue]:
         huge = unit.get("environment", {}).get(HUGE_PAGES_ENV)
         if huge is not None and huge.strip().lower() not in HUGE_PAGES_VALUES:
             add(f"{p}.environment.{HUGE_PAGES_ENV}", f"{huge!r} is neither on nor off",
-                "write 'on' (the default: the unit's memory is restored into transparent huge pages) or 'off'")
+                "write 'on' (the unit's memory is restored into transparent huge pages), 'off' (in the pages it "
+                "had), or leave it out (the host decides)")
+        packed = unit.get("environment", {}).get(VLLM_CPU_PACKED_ENV)
+        if packed is not None and packed.strip().lower() not in VLLM_CPU_PACKED_VALUES:
+            add(f"{p}.environment.{VLLM_CPU_PACKED_ENV}", f"{packed!r} is neither keep nor release",
+                "write 'keep' (the default: the snapshot carries vLLM's packed linear weights) or 'release' "
+                "(they are left out and packed again on resume)")
         if launch["runtime"] == "docker":
             if "image" not in unit:
                 add(f"{p}.image", "runtime 'docker' needs a digest-pinned image", ids.IMAGE_REF_FIX)

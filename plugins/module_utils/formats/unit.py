@@ -46,6 +46,17 @@ HUGE_PAGES_VALUES = {"on": True, "1": True, "true": True, "yes": True,
                      "off": False, "0": False, "false": False, "no": False}
 
 
+# A vLLM unit on CPU may leave vLLM's packed copies of its linear weights out of the snapshot
+# (docs/engines.md, "Packed linear weights"): smaller capsule, the copies packed again on resume.
+VLLM_CPU_PACKED_ENV = "COLDSNAP_VLLM_CPU_PACKED"
+VLLM_CPU_PACKED_VALUES = ("keep", "release")
+
+
+def vllm_cpu_packed_released(environment: dict | None) -> bool:
+    """Whether a snapshot of a vLLM CPU unit with this (validated) environment leaves the packed copies out."""
+    return str((environment or {}).get(VLLM_CPU_PACKED_ENV, "keep")).strip().lower() == "release"
+
+
 def huge_pages_wanted(environment: dict | None, *, default: bool = True) -> bool:
     """Whether a unit with this (validated) environment is restored into huge pages; ``default`` when it
     does not say (the host's choice: ``process.criu.huge_pages_by_default``)."""

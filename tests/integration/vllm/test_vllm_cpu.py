@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_workload import VllmWorkload, openai_answers
+from vllm_workload import VllmWorkload, hydration_attrs, openai_answers
 
 pytestmark = [pytest.mark.criu, pytest.mark.vllm, pytest.mark.slow]
 
@@ -19,7 +19,9 @@ pytestmark = [pytest.mark.criu, pytest.mark.vllm, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def captured(vllm, tmp_path_factory):
     python, model_dir, ident, digest = vllm
-    wl = VllmWorkload(tmp_path_factory.mktemp("vstate"), python, model_dir, ident, digest)
+    # The snapshot leaves vLLM's packed linear weights out (the docker test keeps them, the default).
+    wl = VllmWorkload(tmp_path_factory.mktemp("vstate"), python, model_dir, ident, digest,
+                      environment={"COLDSNAP_VLLM_CPU_PACKED": "release"})
     res = wl.run(wl.request("capture"))
     assert res.succeeded, res.receipt["error"]
     artifact = Path(res.receipt["result"]["operation"]["artifact"])
@@ -60,6 +62,8 @@ def test_native_restore_answers_as_the_cold_server_does(captured, cold_answers):
     unit = res.receipt["result"]["operation"]["units"][0]
     assert unit["reply"] == art["acceptance"]["reply"]
     assert unit["logprobs_check"] == "identical", unit["logprobs"]
+    # Every layer vLLM packed was left out of the image and packed again from the hydrated arena.
+    assert hydration_attrs(res.receipt)["repacked_layers"] >= 1, hydration_attrs(res.receipt)
     assert openai_answers(wl.port) == cold_answers
 
 
@@ -120,6 +124,7 @@ def test_sleep_releases_and_wake_brings_the_same_answers(captured, cold_answers)
         res = wl.run(wl.request(op, artifact=artifact))
         assert res.succeeded, res.receipt["error"]
     assert res.receipt["result"]["operation"]["units"][0]["logprobs_check"] == "identical"
+    assert hydration_attrs(res.receipt)["repacked_layers"] >= 1, "a sleep frees the packed copies; the wake packs them"
     assert openai_answers(wl.port) == cold_answers
 
 

@@ -36,8 +36,9 @@ class VllmWorkload:
     """One vLLM workload (recipe) on localhost."""
 
     def __init__(self, state_root: Path, python: str, model_dir: Path, ident: dict, env_digest: str, *,
-                 name: str = "vllm-cpu") -> None:
+                 name: str = "vllm-cpu", environment: dict | None = None) -> None:
         self.state_root = state_root
+        self.environment = dict(environment or {})  # added to the unit's environment in every request
         self.python = python
         self.model_dir = model_dir
         self.ident = ident
@@ -56,6 +57,7 @@ class VllmWorkload:
                            model_dir=self.model_dir, model=self.ident, port=self.port, env_digest=self.env_digest,
                            cache_root=self.cache_root, prompt=PROMPT, artifact=artifact,
                            artifact_dir=(self.state_root / "artifacts" / op_id) if operation == "capture" else None)
+        req["launch"]["units"][0]["environment"].update(self.environment)
         if mutate is not None:
             mutate(req)
         return validate_request(req)
@@ -106,6 +108,13 @@ class VllmDockerWorkload(VllmWorkload):
     # The unit's container is found and removed as the reference engine's docker workloads do.
     container = DockerWorkload.container
     stop = DockerWorkload.stop
+
+
+def hydration_attrs(receipt: dict) -> dict:
+    """The attributes of a receipt's hydration span (a restore's ``engine.hydrate``, a wake's ``engine.wake``;
+    a vLLM worker's repack counts are there)."""
+    [span] = [s for s in receipt["timing"]["spans"] if s["name"] in ("engine.hydrate", "engine.wake")]
+    return span["attrs"]
 
 
 def kill_tree(pid: int) -> None:

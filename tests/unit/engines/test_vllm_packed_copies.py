@@ -54,3 +54,27 @@ def test_copies_with_a_weight_to_pack_from_are_found_and_freed_in_place():
     assert handler.freed == [1234]
     stray_handler = model.stray.cpu_linear.__closure__[0].cell_contents
     assert stray_handler.freed == [] and int(stray_handler.handler_tensor) == 1234
+
+
+@pytest.mark.parametrize("env,released", [(None, False), ({}, False), ({"COLDSNAP_VLLM_CPU_PACKED": "keep"}, False),
+                                          ({"COLDSNAP_VLLM_CPU_PACKED": " Release "}, True)])
+def test_a_snapshot_keeps_the_copies_unless_the_unit_asks(env, released):
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import vllm_cpu_packed_released
+
+    assert vllm_cpu_packed_released(env) is released
+
+
+def test_an_unknown_value_is_refused_naming_the_field(example_request_text):
+    import json
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+
+    req = json.loads(example_request_text)
+    req["launch"]["units"][0].setdefault("environment", {})["COLDSNAP_VLLM_CPU_PACKED"] = "drop"
+    with pytest.raises(FormatError) as err:
+        validate_request(req)
+    assert "$.launch.units[0].environment.COLDSNAP_VLLM_CPU_PACKED" in str(err.value)
+    assert "'keep'" in str(err.value) and "'release'" in str(err.value)
+    req["launch"]["units"][0]["environment"]["COLDSNAP_VLLM_CPU_PACKED"] = "release"
+    validate_request(req)

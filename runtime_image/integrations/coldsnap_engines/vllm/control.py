@@ -26,6 +26,7 @@ import os
 import time
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import vllm_cpu_packed_released
 
 RPC_TIMEOUT = float(os.environ.get("COLDSNAP_VLLM_RPC_TIMEOUT", "1800"))
 
@@ -151,9 +152,10 @@ class VllmCpuControl(VllmControl):
                        (they read back as zeros, their initial state)
     export             ``coldsnap_export`` (the weight arena, observed at load)
     release            ``coldsnap_release(["weights"])``: the arena's pages dropped,
-                       its address kept
+                       its address kept; with ``COLDSNAP_VLLM_CPU_PACKED=release`` also
+                       vLLM's packed copies of the linear weights (``"packed"``)
     resume (restore)   ``coldsnap_hydrate(spec)`` into the arena; scheduling resumes
-    sleep / wake       pause + release both / hydrate + resume
+    sleep / wake       pause + release all (packed copies too) / hydrate + resume
     =================  ==========================================================
 
     The transport of a single-worker server needs nothing; several workers (tensor
@@ -184,7 +186,10 @@ class VllmCpuControl(VllmControl):
         return 0
 
     def release_weights(self) -> None:
-        self._rpc("coldsnap_release", tags=["weights"])
+        """Before the dump: the arena, and vLLM's packed copies where the unit asks (they cost a repack on
+        resume, which on a VM whose fresh memory faults in slowly can exceed what CRIU spends restoring them)."""
+        packed = vllm_cpu_packed_released(dict(os.environ))
+        self._rpc("coldsnap_release", tags=["weights", "packed"] if packed else ["weights"])
 
     def recreate_memory(self) -> None:
         """Nothing to map on CPU (the restored mappings are there, their pages zero); each worker asks the
@@ -206,9 +211,10 @@ class VllmCpuControl(VllmControl):
         """The KV pages were dropped when the engine quiesced or slept: they read back as zeros."""
 
     def sleep(self) -> None:
+        """A sleep frees what it can: the arena and the packed copies (the wake packs them again)."""
         self.pause_serving()
         self.discard_kv()
-        self.release_weights()
+        self._rpc("coldsnap_release", tags=["weights", "packed"])
 
     def wake(self, spec: dict) -> dict:
         return self.hydrate(spec)

@@ -109,16 +109,18 @@ class ColdSnapWorkerExtension:
     # ---- CPU: no sleep mode; the weight arena and the KV cache are released in place ----------
     def coldsnap_release(self, tags: list[str]) -> dict:
         """Drop the pages of the weight arena and/or the KV cache (addresses kept; they read back as
-        zeros): what a snapshot, or a level-2 sleep, must not carry."""
+        zeros): what a snapshot, or a level-2 sleep, must not carry. ``packed`` (with ``weights``) also
+        frees vLLM's packed copies of the linear weights; the next hydration packs them again."""
         from coldsnap_engines.common.arena import free_host_memory
         from coldsnap_engines.vllm.cpu import release_kv
 
         out = {"weights": 0, "kv_cache": 0}
         cpu_state.remember()
         if "weights" in tags and STATE.arena is not None:
-            if STATE.packed is None:
-                STATE.packed = cpu_packed.find(self._coldsnap_model(), STATE.arena.entries)
-            out["packed_weights"] = cpu_packed.release(STATE.packed)
+            if "packed" in tags:
+                if STATE.packed is None:
+                    STATE.packed = cpu_packed.find(self._coldsnap_model(), STATE.arena.entries)
+                out["packed_weights"] = cpu_packed.release(STATE.packed)
             out["weights"] = STATE.arena.release()
             payload_worker.check_released()
         if "kv_cache" in tags:
@@ -130,7 +132,7 @@ class ColdSnapWorkerExtension:
         """Fill the weight arena at its captured address from the pack + residual or the replay plan."""
         mine = for_rank(spec, int(self.rank))  # type: ignore[attr-defined]
         stats = payload_worker.hydrate(weights_table(self._coldsnap_model()), mine or {})
-        if STATE.packed and STATE.arena is not None:
+        if STATE.packed and STATE.arena is not None and any(c.released for c in STATE.packed):
             # vLLM's packed copies of the linear weights were dropped with the arena: pack them again.
             t0 = time.monotonic()
             stats["repacked_layers"] = cpu_packed.repack(STATE.packed, STATE.arena.arena)
