@@ -91,7 +91,7 @@ def main() -> int:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
 
     import coldsnap  # noqa: F401  # pylint: disable=unused-import
-    from coldsnap.demo import vllm_request
+    from coldsnap.demo import VLLM_SERVED, vllm_request
     from coldsnap.runner import operation_extravars, run_playbook
 
     here = Path(__file__).resolve().parents[1]
@@ -149,8 +149,6 @@ def main() -> int:
         req["policy"]["weights"]["mode"] = mode
         rec = run(req)
         # The restored server keeps serving: the first token of the request after the validation's.
-        from coldsnap.demo import VLLM_SERVED
-
         next_first = _first_token_s(args.port, VLLM_SERVED, prompt, time.monotonic())
         unit0 = next(u for u in rec["result"]["operation"]["units"] if u["unit"] == "unit-0")
         spans = {}

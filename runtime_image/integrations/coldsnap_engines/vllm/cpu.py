@@ -12,7 +12,8 @@ mode, no pluggable allocator), so ColdSnap provides the stable allocation itself
   (rotary tables and other computed state) stay where they are: they are not in
   the checkpoint, so they stay in the process image.
 * vLLM's packed copies of the linear weights (``cpu_packed``) are dropped with the
-  arena and packed again from it after hydration.
+  arena by a sleep (and by a snapshot where the unit sets ``COLDSNAP_VLLM_CPU_PACKED=release``)
+  and packed again from it after hydration.
 * :func:`release_kv` drops the pages of the KV cache storages (page-aligned
   interiors): after a restore they read back as zeros, which is their initial
   state (the prefix cache is reset first, so no block is believed to hold data).

@@ -6,8 +6,9 @@ kernels read: an sgl-kernel packed tensor (``convert_weight_packed``, small GEMM
 or a oneDNN matmul handle (``create_onednn_mm``) holding a reordered copy. The
 parameter itself is then emptied (``remove_weight=True``; the LM head keeps its
 weight), and the layer's ``cpu_linear`` closure holds the copy. Those copies live
-outside the weight arena, so without this module a snapshot carries a second copy
-of the model (on a CPU with AMX, about the model's size) and a CPU sleep keeps it.
+outside the weight arena: a snapshot carries them (a second copy of the model on a CPU
+with AMX) unless the unit sets ``COLDSNAP_VLLM_CPU_PACKED=release``, and a sleep frees
+them through this module.
 
 The copies are found through ``cpu_linear``'s closure, and emptied *in place*, so
 that the objects vLLM (and any TorchInductor graph reading them) holds stay the same:
