@@ -50,12 +50,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets imp
     is_credential_name,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (
-    HUGE_PAGES_ENV,
-    HUGE_PAGES_VALUES,
-    VLLM_CPU_PACKED_ENV,
-    VLLM_CPU_PACKED_VALUES,
-)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UNIT_SWITCHES
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
     REQUEST_FORMAT,
     REQUEST_KIND,
@@ -413,16 +408,10 @@ def launch_issues(launch: dict, *, op: str | None = None) -> list[FormatIssue]:
         for name in sorted(unit.get("environment", {})):
             if is_credential_name(name):
                 add(f"{p}.environment.{name}", f"{name} looks like a credential", UNIT_SECRET_FIX)
-        huge = unit.get("environment", {}).get(HUGE_PAGES_ENV)
-        if huge is not None and huge.strip().lower() not in HUGE_PAGES_VALUES:
-            add(f"{p}.environment.{HUGE_PAGES_ENV}", f"{huge!r} is neither on nor off",
-                "write 'on' (the unit's memory is restored into transparent huge pages), 'off' (in the pages it "
-                "had), or leave it out (the host decides)")
-        packed = unit.get("environment", {}).get(VLLM_CPU_PACKED_ENV)
-        if packed is not None and packed.strip().lower() not in VLLM_CPU_PACKED_VALUES:
-            add(f"{p}.environment.{VLLM_CPU_PACKED_ENV}", f"{packed!r} is neither keep nor release",
-                "write 'keep' (the default: the snapshot carries vLLM's packed linear weights) or 'release' "
-                "(they are left out and packed again on resume)")
+        for name, switch in UNIT_SWITCHES.items():
+            value = unit.get("environment", {}).get(name)
+            if value is not None and value.strip().lower() not in switch.values:
+                add(f"{p}.environment.{name}", f"{value!r} {switch.problem}", switch.fix)
         if launch["runtime"] == "docker":
             if "image" not in unit:
                 add(f"{p}.image", "runtime 'docker' needs a digest-pinned image", ids.IMAGE_REF_FIX)

@@ -39,29 +39,49 @@ def pack_relpath(hex_digest: str) -> str:
     return f"{PACK_DIR}/{hex_digest}{PACK_SUFFIX}"
 
 
-# A unit's environment may turn off the restore into transparent huge pages (docs/user-guide.md,
-# "GPU hosts"): its processes then come back in the pages they had.
+@dataclass(frozen=True)
+class UnitSwitch:
+    """A yes/no choice a unit's environment makes for ColdSnap: the words it accepts (case and
+    surrounding blanks ignored) with what each means, and what request validation says of another."""
+
+    values: dict[str, bool]
+    problem: str  # "{value!r} is neither ..." ends the message
+    fix: str
+
+    def read(self, environment: dict | None, name: str, default: bool) -> bool:
+        value = (environment or {}).get(name)
+        return default if value is None else self.values.get(str(value).strip().lower(), default)
+
+
 HUGE_PAGES_ENV = "COLDSNAP_HUGE_PAGES"
-HUGE_PAGES_VALUES = {"on": True, "1": True, "true": True, "yes": True,
-                     "off": False, "0": False, "false": False, "no": False}
-
-
-# A vLLM unit on CPU may leave vLLM's packed copies of its linear weights out of the snapshot
-# (docs/engines.md, "Packed linear weights"): smaller capsule, the copies packed again on resume.
 VLLM_CPU_PACKED_ENV = "COLDSNAP_VLLM_CPU_PACKED"
-VLLM_CPU_PACKED_VALUES = ("keep", "release")
+UNIT_SWITCHES = {
+    # Off: the unit's processes come back in the pages they had, not transparent huge pages
+    # (docs/user-guide.md, "GPU hosts").
+    HUGE_PAGES_ENV: UnitSwitch(
+        {"on": True, "1": True, "true": True, "yes": True, "off": False, "0": False, "false": False, "no": False},
+        "is neither on nor off",
+        "write 'on' (the unit's memory is restored into transparent huge pages), 'off' (in the pages it "
+        "had), or leave it out (the host decides)"),
+    # Release: a vLLM CPU unit's snapshot leaves vLLM's packed copies of the linear weights out
+    # (docs/engines.md, "Packed linear weights"): smaller capsule, the copies packed again on resume.
+    VLLM_CPU_PACKED_ENV: UnitSwitch(
+        {"keep": False, "release": True},
+        "is neither keep nor release",
+        "write 'keep' (the default: the snapshot carries vLLM's packed linear weights) or 'release' "
+        "(they are left out and packed again on resume)"),
+}
 
 
 def vllm_cpu_packed_released(environment: dict | None) -> bool:
     """Whether a snapshot of a vLLM CPU unit with this (validated) environment leaves the packed copies out."""
-    return str((environment or {}).get(VLLM_CPU_PACKED_ENV, "keep")).strip().lower() == "release"
+    return UNIT_SWITCHES[VLLM_CPU_PACKED_ENV].read(environment, VLLM_CPU_PACKED_ENV, False)
 
 
 def huge_pages_wanted(environment: dict | None, *, default: bool = True) -> bool:
     """Whether a unit with this (validated) environment is restored into huge pages; ``default`` when it
     does not say (the host's choice: ``process.criu.huge_pages_by_default``)."""
-    value = (environment or {}).get(HUGE_PAGES_ENV)
-    return default if value is None else HUGE_PAGES_VALUES.get(str(value).strip().lower(), default)
+    return UNIT_SWITCHES[HUGE_PAGES_ENV].read(environment, HUGE_PAGES_ENV, default)
 
 
 @dataclass(frozen=True)
