@@ -1,8 +1,8 @@
 """Restore-to-first-token vs cold-start-to-first-token of vLLM's own OpenAI server on CPU.
 
 The baseline is vLLM started the way a user starts it (no ColdSnap plugin, no worker
-extension), measured in the same run from process start to the first streamed token,
-with vLLM's compile cache already warm (the capture filled it).
+extension), measured in the same run from process start to the first non-empty streamed token of the
+validation's own request (the activation's probe: what a restore's TTFT counts), with vLLM's compile cache already warm (the capture filled it).
 Then the real controller path on localhost: one capture (strict request, the
 collection's playbooks through ansible-runner, CRIU of the whole process tree), then
 ``--restores`` native restores and one recovery restore of the same artifact. Prints JSON:
@@ -27,17 +27,18 @@ from pathlib import Path
 
 
 def _first_token_s(port: int, served: str, prompt: str, t0: float) -> float:
-    """Seconds from ``t0`` to the first streamed completion token."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = json.dumps({"model": served, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True})
-    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    for line in resp:
-        if line.startswith(b"data: ") and b'"text"' in line:
-            t = time.monotonic() - t0
-            conn.close()
-            return t
-    raise SystemExit("the cold server streamed no token")
+    """Seconds from ``t0`` to the first non-empty streamed token of the validation's own request (same
+    prompt and length), read by the activation's probe: the definition a restore's TTFT uses. (With
+    random weights vLLM's first tokens can be bytes of an unfinished UTF-8 character, streamed as empty
+    text: counting those would flatter the cold start by a few decode steps.)"""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime_image" / "activation"))
+    from coldsnap_activation.probes import stream_completion
+
+    from coldsnap.demo import VLLM_VALIDATION_TOKENS
+
+    done = stream_completion("127.0.0.1", port, model=served, prompt=prompt, max_tokens=VLLM_VALIDATION_TOKENS,
+                             timeout=600)
+    return done.first_ns / 1e9 - t0
 
 
 def cold_start(python: str, model_dir: Path, port: int, *, cache_root: Path, prompt: str, log: Path) -> dict:

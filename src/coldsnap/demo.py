@@ -65,6 +65,7 @@ def reference_request(*, operation: str, op_id: str, model_dir: Path, model: dic
 
 
 VLLM_SERVED = "llama-tiny"
+VLLM_VALIDATION_TOKENS = 12  # the validation reply's length
 VLLM_ENGINE_ENV = {"VLLM_PLUGINS": "coldsnap", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                    "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -108,7 +109,8 @@ def vllm_request(*, operation: str, op_id: str, recipe: str, python: str, model_
         "policy": {"process": {"backend": "criu"},
                    "cache": {"paths": [str(cache_root / "torch_compile_cache")]},
                    "weights": {"mode": "auto", "native": {"export": True, "materialize": "off"}}},
-        "validation": {"health_path": "/health", "prompt": prompt, "max_tokens": 12, "expected": None},
+        "validation": {"health_path": "/health", "prompt": prompt, "max_tokens": VLLM_VALIDATION_TOKENS,
+                       "expected": None},
         "workload": {"recipe": recipe, "served_model_name": served},
     }
     if artifact_dir is not None:
