@@ -63,7 +63,10 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, driver, 
     ``--engine-core-process`` (vLLM V1's shape) CUDA lives in the unit's child process only: the
     CUDA checkpoint and restore act on it, not on the API server. Under n580 the image is the
     context-free template (no CUDA state in it); the restore creates CUDA and the weight
-    allocations on this host's driver and hydrates them."""
+    allocations on this host's driver and hydrates them. The engine core pins its threads to one
+    CPU (``--bind-cpus``, as vLLM's workers do): they are pinned again after the restore."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.cpulist import format_cpus
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affinity
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage as activation
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units import specs as unit
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import run_units
@@ -74,7 +77,9 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, driver, 
     ident = make_model(model_dir, PRESETS["small"], model_id="coldsnap/reference-small")
     state = tmp_path / "state"
     req = _request(tmp_path, model_dir, ident, _port(), workers=1,
-                   flags=[*(["--compile"] if compiled else []), *(["--engine-core-process"] if engine_core else [])],
+                   flags=[*(["--compile"] if compiled else []),
+                          *(["--engine-core-process", "--bind-cpus", str(max(os.sched_getaffinity(0)))]
+                            if engine_core else [])],
                    env={"TORCH_LOGS": "recompiles"} if compiled else {}, driver=driver)
     digest, _adir, _staged = activation.stage(Path(__file__).resolve().parents[2] / "runtime_image" / "activation", state)
     cap = run_units(unit.build_specs(req, host="localhost", operation="capture", capture_id="c",
@@ -109,6 +114,14 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, driver, 
         assert json.loads(log[0]).get("template", False) is (driver == "n580")
         hydrate = [s["attrs"] for s in ev["timing"]["spans"] if s["name"] == "engine.hydrate"]
         assert [h["fill"] for h in hydrate] == ["native" if native_fill_built else "python"], hydrate
+        if engine_core:
+            pins = w["affinity"]["threads"]
+            assert pins and set(pins.values()) == {str(max(os.sched_getaffinity(0)))}, w["affinity"]
+            step = next(s for s in ev["timing"]["spans"] if s["name"] == "unit.criu.restore")
+            assert step["attrs"]["affinity"]["pinned"] == len(pins), step["attrs"]
+            for tid, cpus in pins.items():
+                if Path(f"/proc/{tid}").exists():
+                    assert format_cpus(affinity.thread_cpus(int(tid))) == cpus
         if compiled:  # the log was reset before the dump: these are the restored process's lines
             assert not [line for line in log if "ecompil" in line], log
     finally:

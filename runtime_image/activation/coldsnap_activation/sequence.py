@@ -41,10 +41,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import
     huge_pages_wanted,
     new_evidence,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affinity, placement, ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import files as files_mod
-from ansible_collections.coldsnap.fleet.plugins.module_utils.process import placement, ports
 
 from coldsnap_activation import keeper
 from coldsnap_activation.engine_handle import EngineHandle
@@ -410,6 +410,8 @@ class Activation:
         # The whole tree (an engine may run several processes): CRIU restores every pid, thread id and
         # listener of it, so a restore must find all of them free.
         tids, listeners = ports.tree_tids(h.pid), ports.tree_listeners(h.pid)
+        # The threads the engine pinned to CPUs (CRIU restores none of that): the restore pins them again.
+        pins = affinity.capture(h.pid)
         # The files it maps or holds open: a restore host must have them (checked in prepare).
         used = files_mod.tree_files(h.pid)
         options = self.criu_options
@@ -427,7 +429,8 @@ class Activation:
         gpu_uuids, host_gpus = gpu_placement(self.spec, h.worker) if cuda else ([], [])
         return {"worker": wid, "rank": h.worker["rank"], "pid": h.pid, "tids": tids,
                 "gpu_uuids": gpu_uuids, "host_gpu_uuids": host_gpus,
-                "listeners": [list(x) for x in listeners], "files": used, "cuda": bool(cuda), "cuda_pids": cuda,
+                "listeners": [list(x) for x in listeners], "affinity": pins, "files": used, "cuda": bool(cuda),
+                "cuda_pids": cuda,
                 "memory_at_checkpoint": memory, "payload": payload, "graphs": self.graphs.get(wid),
                 "criu": {"bytes": res.bytes, "dump_seconds": res.seconds, "options": options.to_json()}}
 
@@ -679,11 +682,13 @@ class Activation:
                                                                 unit=spec.unit_id)
                     ports.require_ports_free(listeners[h.worker["id"]], unit=spec.unit_id)
                     ports.require_pids_free([cw["pid"], *cw["tids"]], unit=spec.unit_id)
+                    affinity.records(cw.get("affinity"), where=f"unit {spec.unit_id} {h.worker['id']} affinity")
             self.workload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             (self.workload_dir / ec.LOG_FILE_NAME).write_bytes(b"")
             if spec.service:
                 probe = PortProbe(spec.service["address"], spec.service["port"], self.t0).start()
-            with self.rec.span("unit.criu.restore", huge_pages=huge):
+            with self.rec.span("unit.criu.restore", huge_pages=huge) as sp:
+                pinned = affinity.Applied()
                 for h in self.handles:
                     wid = h.worker["id"]
                     cw = by_worker[wid]
@@ -724,6 +729,9 @@ class Activation:
                     restored.append(h)
                     if pid != cw["pid"]:
                         raise UnitError(f"unit {spec.unit_id}: CRIU restored pid {pid}, captured {cw['pid']}")
+                    # Still stopped: its pinned threads get their CPUs back before they run.
+                    pinned += affinity.apply(cw.get("affinity"), where=f"unit {spec.unit_id} {wid} affinity")
+                sp["attrs"]["affinity"] = pinned.to_json()
             self.phases.wait("restore/criu", spec.timeout("phase", 600))
             with self.rec.span("unit.cuda.restore"):
                 for h in self.handles:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.cpulist import format_cpus
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
-from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affinity, criu
 from snapshot_workload import Workload, another_free_port, units_of
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
@@ -165,11 +167,20 @@ def test_an_engine_core_child_holding_the_model_is_captured_and_restored_with_it
     """The vLLM V1 shape (``--engine-core-process``): the unit's process serves HTTP and holds no
     model; its child holds the weights and the control API. Capture dumps both with the socket
     pair between them, restore brings both back (same pids), hydrates the child, and the API
-    server answers through it — also on another port than at capture."""
+    server answers through it — also on another port than at capture. The child pins its threads
+    to one CPU, as vLLM's CPU worker does (``--bind-cpus``): the restored threads are pinned again,
+    the API server's stay free (CRIU alone would leave every thread free)."""
     from test_placement import on_port
 
+    allowed = frozenset(os.sched_getaffinity(0))
+    assert len(allowed) >= 2, "pinning is only visible with two CPUs or more (CI has two)"
+    cpu = max(allowed)
+
     def two_processes(req):
-        req["launch"]["units"][0]["command"].append("--engine-core-process")
+        req["launch"]["units"][0]["command"] += ["--engine-core-process", "--bind-cpus", str(cpu)]
+
+    def thread_cpus(pid: int) -> set[frozenset[int]]:
+        return {affinity.thread_cpus(int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()}
 
     wl = Workload(state_root, tiny_model, env_digest, tp=1, name="core-child")
     try:
@@ -184,6 +195,10 @@ def test_an_engine_core_child_holding_the_model_is_captured_and_restored_with_it
         control = json.loads((state_root / "captures" / art["capture_id"] / "units" / "unit-0" / "control"
                               / "worker-0.json").read_text())
         assert control["pid"] != worker["pid"], "the control API is the child's"
+        pins = worker["affinity"]
+        assert pins["inherited"] == format_cpus(allowed)
+        assert pins["threads"] and set(pins["threads"].values()) == {str(cpu)}
+        assert str(control["pid"]) in pins["threads"] and str(worker["pid"]) not in pins["threads"]
         assert not wl.engines()
 
         new_port = another_free_port(wl.port)
@@ -200,6 +215,9 @@ def test_an_engine_core_child_holding_the_model_is_captured_and_restored_with_it
         assert root == worker["pid"] and wl.engines() == [control["pid"]]
         children = Path(f"/proc/{root}/task/{root}/children").read_text().split()
         assert children == [str(control["pid"])], "the engine core is the API server's child again"
+        assert thread_cpus(control["pid"]) == {frozenset({cpu})} and thread_cpus(root) == {allowed}
+        step = next(s for s in res.receipt["timing"]["spans"] if s["name"] == "unit.criu.restore")
+        assert step["attrs"]["affinity"] == {"pinned": len(pins["threads"]), "narrowed": 0, "unpinned": 0, "gone": 0}
         assert "libtorch" not in Path(f"/proc/{root}/maps").read_text(), "the API server never loads torch"
         assert wl.complete(port=new_port) == art["acceptance"]["reply"]
     finally:

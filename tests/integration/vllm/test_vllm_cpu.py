@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.cpulist import format_cpus
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affinity
 from vllm_workload import VllmWorkload, hydration_attrs, openai_answers
 
 pytestmark = [pytest.mark.criu, pytest.mark.vllm, pytest.mark.slow]
@@ -54,6 +56,10 @@ def test_capture_records_the_tree_and_keeps_the_weights_out_of_the_image(capture
     assert art["capsule"]["units"][0]["state"]["files"] > 10
     assert ev["acceptance_reply"]
     assert art["acceptance"]["logprobs"]["top"] == 5, "vLLM's default: the top 5 of every token are accepted"
+    # vLLM's CPU worker pins its OpenMP threads (VLLM_CPU_OMP_THREADS_BIND=auto); CRIU keeps no affinity,
+    # so the capture records them for the restore.
+    assert w["affinity"]["threads"], w["affinity"]
+    assert str(w["pid"]) not in w["affinity"]["threads"], "the API server's main thread is not pinned"
 
 
 def test_native_restore_answers_as_the_cold_server_does(captured, cold_answers):
@@ -64,6 +70,13 @@ def test_native_restore_answers_as_the_cold_server_does(captured, cold_answers):
     assert unit["logprobs_check"] == "identical", unit["logprobs"]
     # Every layer vLLM packed was left out of the image and packed again from the hydrated arena.
     assert hydration_attrs(res.receipt)["repacked_layers"] >= 1, hydration_attrs(res.receipt)
+    # The worker's pinned threads run on their captured CPUs again.
+    ev = json.loads((wl.state_root / "captures" / art["capture_id"] / "units" / "unit-0" / "evidence.json").read_text())
+    pins = ev["workers"][0]["affinity"]["threads"]
+    step = next(s for s in res.receipt["timing"]["spans"] if s["name"] == "unit.criu.restore")
+    assert step["attrs"]["affinity"]["pinned"] == len(pins) - step["attrs"]["affinity"]["gone"], step["attrs"]
+    alive = {tid: cpus for tid, cpus in pins.items() if Path(f"/proc/{tid}").exists()}
+    assert alive and all(format_cpus(affinity.thread_cpus(int(t))) == c for t, c in alive.items())
     assert openai_answers(wl.port) == cold_answers
 
 

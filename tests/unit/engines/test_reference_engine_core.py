@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.affinity import format_cpus
 
 pytest.importorskip("torch")
 
@@ -28,14 +29,14 @@ def model_dir(tmp_path_factory) -> Path:
     return d
 
 
-def _start(model_dir: Path, log: Path, **env_extra) -> tuple[subprocess.Popen, int]:
+def _start(model_dir: Path, log: Path, *flags: str, **env_extra) -> tuple[subprocess.Popen, int]:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
     env.update(OMP_NUM_THREADS="1", **env_extra)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO / "runtime_image" / "integrations"), env.get("PYTHONPATH", "")])
     with open(log, "wb") as fh:
         proc = subprocess.Popen([sys.executable, "-m", "coldsnap_engines.reference.server", "--model", str(model_dir),
-                                 "--port", str(port), "--device", "cpu", "--engine-core-process"],
+                                 "--port", str(port), "--device", "cpu", "--engine-core-process", *flags],
                                 env=env, stdout=fh, stderr=subprocess.STDOUT)
     return proc, port
 
@@ -86,3 +87,42 @@ def test_tensor_parallel_ranks_are_refused_with_the_fix(model_dir, tmp_path):
     proc, _port = _start(model_dir, tmp_path / "engine.log", COLDSNAP_WORLD_SIZE="2")
     assert proc.wait(timeout=60) != 0
     assert "--engine-core-process serves one rank" in (tmp_path / "engine.log").read_text()
+
+
+def _cpus(tid: int) -> str:
+    for line in Path(f"/proc/{tid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(tid)
+
+
+def test_bind_cpus_pins_the_engine_core_and_leaves_the_api_server_free(model_dir, tmp_path):
+    """``--bind-cpus`` (vLLM's CPU worker pins its threads): every thread of the process that runs the
+    model, none of the API server's."""
+    allowed = sorted(os.sched_getaffinity(0))
+    assert len(allowed) >= 2, "pinning is only visible with two CPUs or more (CI has two)"
+    proc, port = _start(model_dir, tmp_path / "engine.log", "--bind-cpus", str(allowed[-1]))
+    try:
+        probes.wait_http_ready("127.0.0.1", port, "/health", timeout=120, alive=lambda: proc.poll() is None)
+        assert probes.stream_completion("127.0.0.1", port, model="", prompt="ColdSnap says:",
+                                        max_tokens=16).text == "2VD{D{DDDDDDDDDD"
+        (core,) = _children(proc.pid)
+        assert {_cpus(int(t.name)) for t in Path(f"/proc/{core}/task").iterdir()} == {str(allowed[-1])}
+        assert {_cpus(int(t.name)) for t in Path(f"/proc/{proc.pid}/task").iterdir()} == {format_cpus(allowed)}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("value, says", [("abc", "'abc' is not a CPU number"), ("3-1", "ascending range"),
+                                         ("", "non-empty"), ("NOT_ALLOWED", "this process may only run on CPUs")])
+def test_bind_cpus_names_what_is_wrong_with_the_list(model_dir, tmp_path, value, says):
+    if value == "NOT_ALLOWED":
+        value = str(max(os.sched_getaffinity(0)) + 1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLDSNAP_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "runtime_image" / "integrations"), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "coldsnap_engines.reference.server", "--model", str(model_dir),
+                           "--port", str(free_port()), "--device", "cpu", "--bind-cpus", value],
+                          check=False, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr

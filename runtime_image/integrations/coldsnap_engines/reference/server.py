@@ -27,6 +27,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.cpulist import format_cpus, parse_cpus
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engine_control import (
     ENV_COORDINATOR,
     ENV_RANK,
@@ -232,6 +233,14 @@ def serve_api(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     if args.engine_core_process:
         return serve_api(args)
+    if args.bind_cpus:
+        # As vLLM's CPU worker pins its OpenMP threads: this thread and every thread it starts (torch's
+        # pool, the serving threads) run on these CPUs only. A restore must give them back.
+        allowed = os.sched_getaffinity(0)
+        if not args.bind_cpus <= allowed:
+            raise SystemExit(f"{LOG_PREFIX} --bind-cpus {format_cpus(args.bind_cpus)}: this process may only "
+                             f"run on CPUs {format_cpus(allowed)}; name CPUs among those")
+        os.sched_setaffinity(0, args.bind_cpus)
     import torch
 
     from coldsnap_engines.common.lifecycle import Lifecycle
@@ -298,6 +307,13 @@ def make_model_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_list(text: str) -> frozenset[int]:
+    try:
+        return parse_cpus(text, what="CPU list")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("serve", "make-model", "-h", "--help"):
@@ -319,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--engine-core-process", action="store_true",
                    help="run the model in a child engine-core process (it holds CUDA and the control API); "
                         "this process serves HTTP without CUDA, as vLLM V1's API server does")
+    s.add_argument("--bind-cpus", default=None, metavar="LIST", type=_cpu_list,
+                   help="pin the process that runs the model to these CPUs (e.g. 1 or 0-3,8), as vLLM's CPU worker "
+                        "pins its threads")
     s.add_argument("--engine-core-fd", type=int, default=None, help=argparse.SUPPRESS)
     s.set_defaults(func=serve)
     m = sub.add_parser("make-model", help="generate deterministic weights as safetensors")
