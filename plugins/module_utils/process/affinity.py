@@ -90,13 +90,20 @@ def records(record: dict | None, *, where: str = "affinity") -> list[tuple[int, 
     return out
 
 
-def apply(record: dict | None, *, allowed: frozenset[int] | None = None, where: str = "affinity") -> Applied:
+def apply(record: dict | None, *, tree: int | None = None, allowed: frozenset[int] | None = None,
+          where: str = "affinity") -> Applied:
     """Pin each recorded thread again (the restored tree should still be stopped), within ``allowed``
-    (default: the CPUs this process may use)."""
+    (default: the CPUs this process may use). With ``tree`` (the restored root's pid), only threads of
+    that tree are touched: a recorded thread that ended before the dump is not in the images, and its id
+    may belong to another process by now."""
     wanted = records(record, where=where)
     allowed = frozenset(os.sched_getaffinity(0)) if allowed is None else allowed
+    ours = set(tree_tids(tree)) if tree is not None else None
     pinned = narrowed = unpinned = gone = 0
     for tid, cpus in wanted:
+        if ours is not None and tid not in ours:
+            gone += 1
+            continue
         target = cpus & allowed
         if not target:
             unpinned += 1

@@ -730,7 +730,7 @@ class Activation:
                     if pid != cw["pid"]:
                         raise UnitError(f"unit {spec.unit_id}: CRIU restored pid {pid}, captured {cw['pid']}")
                     # Still stopped: its pinned threads get their CPUs back before they run.
-                    pinned += affinity.apply(cw.get("affinity"), where=f"unit {spec.unit_id} {wid} affinity")
+                    pinned += affinity.apply(cw.get("affinity"), tree=pid, where=f"unit {spec.unit_id} {wid} affinity")
                 sp["attrs"]["affinity"] = pinned.to_json()
             self.phases.wait("restore/criu", spec.timeout("phase", 600))
             with self.rec.span("unit.cuda.restore"):

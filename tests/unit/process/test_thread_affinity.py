@@ -152,3 +152,21 @@ def test_an_altered_record_is_refused_naming_it(record, word):
 def test_applied_counts_add_up():
     total = affinity.Applied(pinned=1, gone=1) + affinity.Applied(narrowed=2, unpinned=1)
     assert total.to_json() == {"pinned": 1, "narrowed": 2, "unpinned": 1, "gone": 1}
+
+
+def test_a_recorded_thread_outside_the_restored_tree_is_never_touched(child):
+    """A thread that ended between the record and the dump is not in the images, and its id may be
+    another process's by now: with the restored tree given, only that tree's threads are pinned."""
+    proc, pinned, _free, last = child
+    first = two_cpus()[0]
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        rec = {"threads": {str(pinned): str(first), str(other.pid): str(first)}}
+        assert affinity.apply(rec, tree=other.pid) == affinity.Applied(pinned=1, gone=1)
+        assert cpus_of(pinned) == {last}, "the stranger's thread kept its CPUs"
+        assert cpus_of(other.pid) == {first}
+        assert affinity.apply(rec, tree=proc.pid) == affinity.Applied(pinned=1, gone=1)
+        assert cpus_of(pinned) == {first}
+    finally:
+        other.kill()
+        other.wait()
