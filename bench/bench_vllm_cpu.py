@@ -152,11 +152,12 @@ def main() -> int:
         # The restored server keeps serving: the first token of the request after the validation's.
         next_first = _first_token_s(args.port, VLLM_SERVED, prompt, time.monotonic())
         unit0 = next(u for u in rec["result"]["operation"]["units"] if u["unit"] == "unit-0")
-        spans = {}
+        spans, pins = {}, None
         for s in rec["timing"]["spans"]:
             if s["clock"] == "unit:unit-0" and s.get("end_ns"):
                 spans[s["name"]] = round((s["end_ns"] - s["start_ns"]) / 1e9, 4)
-        restores.append({"mode": mode, "readiness": unit0["readiness"],
+                pins = s["attrs"].get("affinity", pins)  # the threads pinned again (unit.criu.restore)
+        restores.append({"mode": mode, "readiness": unit0["readiness"], "affinity": pins,
                          "reply_ok": unit0["reply"] == art["acceptance"]["reply"], "phases": spans,
                          "ready_to_first_token_s": round(unit0["readiness"]["ttft_s"]
                                                          - unit0["readiness"]["ttr_http_ready_s"], 3),
