@@ -44,12 +44,13 @@ class UnitSwitch:
     """A yes/no choice a unit's environment makes for ColdSnap: the words it accepts (case and
     surrounding blanks ignored) with what each means, and what request validation says of another."""
 
+    name: str
     values: dict[str, bool]
     problem: str  # "{value!r} is neither ..." ends the message
     fix: str
 
-    def read(self, environment: dict | None, name: str, default: bool) -> bool:
-        value = (environment or {}).get(name)
+    def read(self, environment: dict | None, default: bool) -> bool:
+        value = (environment or {}).get(self.name)
         return default if value is None else self.values.get(str(value).strip().lower(), default)
 
 
@@ -59,6 +60,7 @@ UNIT_SWITCHES = {
     # Off: the unit's processes come back in the pages they had, not transparent huge pages
     # (docs/user-guide.md, "GPU hosts").
     HUGE_PAGES_ENV: UnitSwitch(
+        HUGE_PAGES_ENV,
         {"on": True, "1": True, "true": True, "yes": True, "off": False, "0": False, "false": False, "no": False},
         "is neither on nor off",
         "write 'on' (the unit's memory is restored into transparent huge pages), 'off' (in the pages it "
@@ -66,6 +68,7 @@ UNIT_SWITCHES = {
     # Release: a vLLM CPU unit's snapshot leaves vLLM's packed copies of the linear weights out
     # (docs/engines.md, "Packed linear weights"): smaller capsule, the copies packed again on resume.
     VLLM_CPU_PACKED_ENV: UnitSwitch(
+        VLLM_CPU_PACKED_ENV,
         {"keep": False, "release": True},
         "is neither keep nor release",
         "write 'keep' (the default: the snapshot carries vLLM's packed linear weights) or 'release' "
@@ -75,13 +78,13 @@ UNIT_SWITCHES = {
 
 def vllm_cpu_packed_released(environment: dict | None) -> bool:
     """Whether a snapshot of a vLLM CPU unit with this (validated) environment leaves the packed copies out."""
-    return UNIT_SWITCHES[VLLM_CPU_PACKED_ENV].read(environment, VLLM_CPU_PACKED_ENV, False)
+    return UNIT_SWITCHES[VLLM_CPU_PACKED_ENV].read(environment, False)
 
 
 def huge_pages_wanted(environment: dict | None, *, default: bool = True) -> bool:
     """Whether a unit with this (validated) environment is restored into huge pages; ``default`` when it
     does not say (the host's choice: ``process.criu.huge_pages_by_default``)."""
-    return UNIT_SWITCHES[HUGE_PAGES_ENV].read(environment, HUGE_PAGES_ENV, default)
+    return UNIT_SWITCHES[HUGE_PAGES_ENV].read(environment, default)
 
 
 @dataclass(frozen=True)

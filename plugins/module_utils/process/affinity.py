@@ -16,8 +16,8 @@ The result counts both, so the restore's timing says what it could not give back
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.cpulist import format_cpus, parse_cpus
@@ -27,23 +27,20 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports impor
 def thread_cpus(tid: int) -> frozenset[int] | None:
     """The CPUs thread ``tid`` may run on, or None when it is gone."""
     try:
-        for line in Path(f"/proc/{tid}/status").read_text().splitlines():
-            if line.startswith("Cpus_allowed_list:"):
-                return parse_cpus(line.split(":", 1)[1], what=f"Cpus_allowed_list of thread {tid}")
-    except (OSError, ValueError):
+        return frozenset(os.sched_getaffinity(tid))
+    except OSError:
         return None
-    return None
 
 
-def capture(root: int, inherited: frozenset[int] | None = None) -> dict:
-    """The threads of the tree rooted at ``root`` pinned narrower than ``inherited`` (default: the CPUs
-    this process may use, which is what the engine was started with)::
+def capture(tids: Iterable[int], inherited: frozenset[int] | None = None) -> dict:
+    """Of the threads ``tids`` (a tree's, ``ports.tree_tids``), those pinned narrower than ``inherited``
+    (default: the CPUs this process may use, which is what the engine was started with)::
 
         {"inherited": "0-63", "threads": {"<tid>": "8-15", ...}}
     """
     inherited = frozenset(os.sched_getaffinity(0)) if inherited is None else inherited
     threads = {}
-    for tid in tree_tids(root):
+    for tid in tids:
         cpus = thread_cpus(tid)
         if cpus and cpus != inherited:
             threads[str(tid)] = format_cpus(cpus)

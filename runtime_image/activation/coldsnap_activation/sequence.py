@@ -411,7 +411,7 @@ class Activation:
         # listener of it, so a restore must find all of them free.
         tids, listeners = ports.tree_tids(h.pid), ports.tree_listeners(h.pid)
         # The threads the engine pinned to CPUs (CRIU restores none of that): the restore pins them again.
-        pins = affinity.capture(h.pid)
+        pins = affinity.capture(tids)
         # The files it maps or holds open: a restore host must have them (checked in prepare).
         used = files_mod.tree_files(h.pid)
         options = self.criu_options

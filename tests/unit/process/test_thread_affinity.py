@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import cpulist
-from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affinity
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affinity, ports
 
 ALLOWED = frozenset(os.sched_getaffinity(0))
 
@@ -86,7 +86,7 @@ def test_cpu_sets_format_as_ranges_and_round_trip(cpus, text):
 
 def test_capture_records_the_pinned_thread_and_not_the_free_one(child):
     proc, pinned, free, last = child
-    rec = affinity.capture(proc.pid)
+    rec = affinity.capture(ports.tree_tids(proc.pid))
     assert rec["inherited"] == cpulist.format_cpus(ALLOWED)
     assert rec["threads"] == {str(pinned): str(last)}, "only threads narrower than the inherited set are recorded"
     assert str(free) not in rec["threads"] and str(proc.pid) not in rec["threads"]
@@ -94,7 +94,7 @@ def test_capture_records_the_pinned_thread_and_not_the_free_one(child):
 
 def test_a_restore_pins_the_recorded_threads_again_by_id(child):
     proc, pinned, free, last = child
-    rec = affinity.capture(proc.pid)
+    rec = affinity.capture(ports.tree_tids(proc.pid))
     # What CRIU leaves: every thread with the restorer's CPUs.
     os.sched_setaffinity(pinned, ALLOWED)
     assert cpus_of(pinned) == ALLOWED
