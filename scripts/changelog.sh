@@ -20,7 +20,7 @@ have_core=$("$venv/bin/ansible-doc" --version 2>/dev/null || true)
 if [ "${have##* }" != "$version" ] || [[ "$have_core" != *"[core $core]"* ]]; then
   echo "[changelog] installing antsibull-changelog $version and ansible-core $core into $venv" >&2
   "$python" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q "antsibull-changelog==$version" "ansible-core==$core"
+  "$venv/bin/python" -m pip install -q -c "$here/scripts/constraints/antsibull-changelog.txt" "antsibull-changelog==$version" "ansible-core==$core"
 fi
 cd "$here"
 case "$cmd" in

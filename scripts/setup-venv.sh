@@ -14,13 +14,15 @@ PY
 
 [ -x "$venv/bin/python" ] || { log "creating $venv"; "$python" -m venv "$venv"; }
 stamp="$venv/.coldsnap-deps"
-want=$(cat "$here/pyproject.toml" "$0" | sha256sum | cut -c1-16)
+# The releases CI last ran green with (scripts/freeze-constraints.sh writes them).
+constraints="$here/scripts/constraints/venv.txt"
+want=$(cat "$here/pyproject.toml" "$0" "$constraints" | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "installing the project and its test tools (first run takes a few minutes)"
   "$venv/bin/python" -m pip install -q --upgrade pip
   # torch 2.13.0 is the CPU build these machines carry; a newer range would pull a CUDA build.
-  "$venv/bin/python" -m pip install -q "torch==2.13.0"
-  "$venv/bin/python" -m pip install -q -e "${here}[engine,timeline,test]"
+  "$venv/bin/python" -m pip install -q -c "$constraints" "torch==2.13.0"
+  "$venv/bin/python" -m pip install -q -c "$constraints" -e "${here}[engine,timeline,test]"
   echo "$want" > "$stamp"
 else
   log "dependencies up to date"
