@@ -183,8 +183,10 @@ def build_base(client: Any, *, cache: Path, suite: str, arch: str, packages: lis
 def wheelhouse(cache: Path, python: str, arch: str) -> Path:
     """Download (once) every wheel the requirements need, plus pip; write requirements.lock with hashes."""
     req = HERE / "requirements.txt"
+    # What torch brings along (filelock, sympy, ...) at the releases the suite last passed with.
+    pins = REPO / "scripts" / "constraints" / "venv.txt"
     platform_tag = {"amd64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
-    key = hashlib.sha256(req.read_bytes() + f"|{python}|{platform_tag}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(req.read_bytes() + pins.read_bytes() + f"|{python}|{platform_tag}".encode()).hexdigest()[:16]
     house = cache / "wheels" / key
     if (house / ".complete").exists():
         return house
@@ -197,7 +199,7 @@ def wheelhouse(cache: Path, python: str, arch: str) -> Path:
     def download(requirements: Path) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "pip", "download", "-q", "-d", str(tmp), "--only-binary=:all:",
                "--python-version", python, "--implementation", "cp", "--abi", f"cp{pyver}", "--abi", "abi3",
-               "--abi", "none"] + [a for p in plats for a in ("--platform", p)] + ["-r", str(requirements), "pip"]
+               "--abi", "none"] + [a for p in plats for a in ("--platform", p)] + ["-c", str(pins), "-r", str(requirements), "pip"]
         return subprocess.run(cmd, check=False, capture_output=True, text=True)
 
     log("downloading the pinned wheels (first build only; torch comes from PIP_FIND_LINKS)")
