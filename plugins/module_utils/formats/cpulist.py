@@ -13,18 +13,13 @@ MAX_CPU = 1 << 16
 
 def format_cpus(cpus) -> str:
     """``{0, 1, 2, 5}`` -> ``"0-2,5"`` (the kernel's ``Cpus_allowed_list`` form)."""
-    out: list[str] = []
-    run: list[int] = []
+    runs: list[list[int]] = []
     for c in sorted(set(cpus)):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [c]
-    if run:
-        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ",".join(out)
+        if runs and runs[-1][1] == c - 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def parse_cpus(text: str, *, what: str = "CPU list") -> frozenset[int]:
@@ -34,11 +29,11 @@ def parse_cpus(text: str, *, what: str = "CPU list") -> frozenset[int]:
     cpus: set[int] = set()
     for part in text.strip().split(","):
         lo, sep, hi = part.partition("-")
-        try:
-            a, b = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ValueError(f"{what} {text!r}: {part!r} is not a CPU number or range") from None
-        if not 0 <= a <= b < MAX_CPU or not lo.isdigit() or (sep and not hi.isdigit()):
+        if not all(x.isascii() and x.isdigit() for x in ((lo, hi) if sep else (lo,))):
+            raise ValueError(f"{what} {text!r}: {part!r} is not a CPU number or range")
+        a = int(lo)
+        b = int(hi) if sep else a
+        if not a <= b < MAX_CPU:
             raise ValueError(f"{what} {text!r}: {part!r} is not a CPU number or an ascending range")
         cpus.update(range(a, b + 1))
     return frozenset(cpus)

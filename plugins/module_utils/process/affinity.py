@@ -33,7 +33,7 @@ def thread_cpus(tid: int) -> frozenset[int] | None:
 
 
 def capture(tids: Iterable[int], inherited: frozenset[int] | None = None) -> dict:
-    """Of the threads ``tids`` (a tree's, ``ports.tree_tids``), those pinned narrower than ``inherited``
+    """Of the threads ``tids`` (a tree's, ``ports.tree_tids``), those pinned to other CPUs than ``inherited``
     (default: the CPUs this process may use, which is what the engine was started with)::
 
         {"inherited": "0-63", "threads": {"<tid>": "8-15", ...}}
