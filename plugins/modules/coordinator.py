@@ -35,6 +35,10 @@ options:
   endpoint_file:
     description:
       - Path of the endpoint descriptor. Its directory is created with mode 0700 when missing.
+      - A path that names a directory is refused, and so is one where a file the coordinator did not
+        write already sits (at the path itself, C(<endpoint_file>.pid) or C(.<endpoint_file>.code));
+        such paths are never removed or replaced. Paths that differ only by C(..) or a symbolic link in the
+        directory name the same coordinator.
     type: path
     required: true
   address:

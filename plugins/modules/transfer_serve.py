@@ -126,7 +126,10 @@ bytes:
 
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil import run_guarded
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import (
+    STATE_ROOT_ARG,
+    StateLayout,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server import (
     run_file_for,
     start_server,
@@ -157,6 +160,8 @@ def main() -> None:
         run_file = run_file_for(p["state_root"], p["name"])
         if p["state"] == "stopped":
             return {"changed": stop_server(run_file, check_mode=module.check_mode)}
+        if not module.check_mode:
+            StateLayout(p["state_root"]).ensure_private_root()  # as every module that writes below it
         served = start_server(p["root"], token=p["token"], address=p["address"], port=p["port"],
                               run_file=run_file, include=p["include"], idle_timeout=p["idle_timeout"],
                               lifetime=p["lifetime"], check_mode=module.check_mode)

@@ -381,6 +381,7 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
     files: set[str] = set()  # every regular member seen (hard-link validation)
     extracted: dict[str, str] = {}  # member name -> name below dest, for extracted regular files
     dir_modes: list[tuple[Path, int, int]] = []
+    dir_members: set[str] = set()  # directory entries extracted so far (by their name below dest)
     try:
         with tarfile.open(fileobj=reader, mode="r|") as tar:
             for info in tar:
@@ -403,9 +404,13 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
                 if parent_rel:
                     _makedirs(tmp, parent_rel)
                 if info.isdir():
+                    if target_name in dir_members:  # which entry's mode would win is the tar's order
+                        raise ArchiveError(f"{what} member {info.name!r} appears twice",
+                                           fix="this archive is malformed; rebuild the capsule")
+                    dir_members.add(target_name)
                     try:
                         os.mkdir(path, 0o700)
-                    except FileExistsError:
+                    except FileExistsError:  # made earlier as the parent of a member listed before it
                         if not stat.S_ISDIR(os.lstat(path).st_mode):
                             raise ArchiveError(f"{what} member {info.name!r} appears twice with different types",
                                                fix="rebuild the archive") from None

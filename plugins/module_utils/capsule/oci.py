@@ -26,6 +26,7 @@ from typing import IO, Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
+    FormatError,
     IntegrityError,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
@@ -34,6 +35,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_json
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
 
 MEDIA_INDEX = "application/vnd.oci.image.index.v1+json"
 MEDIA_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -203,6 +205,39 @@ def write_layout_files(layout: Path, manifest_desc: Descriptor) -> None:
     atomic_write_bytes(Path(layout) / "index.json", json_bytes(index), mode=0o600)
 
 
+LAYOUT_FILE_MAX = 1 << 20  # index.json and oci-layout of a one-manifest layout are a few hundred bytes
+
+
+def _read_layout_json(layout: Path, name: str, *, what: str) -> Any:
+    """One of a layout's own JSON files: a regular file (never read through a symbolic link, nor a FIFO
+    or device, which would be read without end), at most LAYOUT_FILE_MAX bytes, strict JSON."""
+    path = layout / name
+    damaged = "remove the directory and rebuild or re-pull the capsule"
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ColdSnapError(f"{what} at {layout} is not an OCI layout ({path} is missing)",
+                            fix="build or pull the capsule first") from None
+    except OSError as exc:
+        raise IntegrityError(f"{what} at {layout}: {name} cannot be opened ({exc.strerror}; a symbolic link is "
+                             "refused)", fix=damaged) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > LAYOUT_FILE_MAX:
+            raise IntegrityError(f"{what} at {layout}: {name} is not a regular file of at most {LAYOUT_FILE_MAX} "
+                                 "bytes", fix=damaged)
+        data = os.pread(fd, LAYOUT_FILE_MAX + 1, 0)
+    except OSError as exc:
+        raise IntegrityError(f"{what} at {layout}: {name} cannot be read ({exc.strerror})", fix=damaged) from None
+    finally:
+        os.close(fd)
+    try:
+        return strict_loads(data, document=f"{name} of {what}")
+    except FormatError as exc:
+        raise IntegrityError(f"{what} at {layout} has a malformed {name} ({exc.issues[0].message})",
+                             fix=damaged) from None
+
+
 def _load_json_blob(layout: Path, desc: Descriptor, *, what: str) -> dict[str, Any]:
     path = blob_path(layout, desc.digest)
     with open_blob(layout, desc, what=what) as fh:
@@ -212,7 +247,7 @@ def _load_json_blob(layout: Path, desc: Descriptor, *, what: str) -> dict[str, A
                              fix="the local copy is corrupt; remove the layout directory and rebuild or re-pull it")
     try:
         value = json.loads(data)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise IntegrityError(f"{what}: blob {desc.digest} is not JSON ({exc})", fix="rebuild or re-pull") from exc
     if not isinstance(value, dict):
         raise IntegrityError(f"{what}: blob {desc.digest} is not a JSON object", fix="rebuild or re-pull")
@@ -246,15 +281,8 @@ def open_layout(layout: Path, *, expected_manifest: str | None = None, verify_la
                 what: str = "OCI capsule") -> Image:
     """Read and verify a layout: index -> manifest -> config (and layers unless told otherwise)."""
     layout = Path(layout)
-    try:
-        index = json.loads((layout / "index.json").read_bytes())
-        marker = json.loads((layout / "oci-layout").read_bytes())
-    except FileNotFoundError as exc:
-        raise ColdSnapError(f"{what} at {layout} is not an OCI layout ({exc.filename} is missing)",
-                            fix="build or pull the capsule first") from None
-    except ValueError as exc:
-        raise IntegrityError(f"{what} at {layout} has a malformed index.json or oci-layout ({exc})",
-                             fix="remove the directory and rebuild or re-pull the capsule") from exc
+    index = _read_layout_json(layout, "index.json", what=what)
+    marker = _read_layout_json(layout, "oci-layout", what=what)
     if not isinstance(marker, dict) or marker.get("imageLayoutVersion") != "1.0.0":
         raise IntegrityError(f"{what} at {layout} has an unsupported oci-layout file",
                              fix="remove the directory and rebuild or re-pull the capsule")

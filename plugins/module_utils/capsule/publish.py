@@ -15,6 +15,7 @@ a registry returning wrong bytes fails the pull and leaves nothing cached.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -272,7 +273,7 @@ def _pull_oci(repo: str, digest: str, root: Path, *, auth: dict[str, Any] | None
                              fix="the registry (or something between) corrupts content; nothing was cached")
     try:
         manifest = json.loads(mbytes)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise IntegrityError(f"manifest of {what} is not JSON", fix="re-publish the capture") from exc
     config, layers = oci.parse_manifest(manifest, what=f"manifest of {what}")
     root.mkdir(parents=True, exist_ok=True)
@@ -290,7 +291,13 @@ def _pull_oci(repo: str, digest: str, root: Path, *, auth: dict[str, Any] | None
             raise IntegrityError(f"{what} is not the capsule of unit {unit!r}",
                                  fix="pull only the capsule assigned to this unit")
         final.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(tmp, final)
+        try:
+            os.rename(tmp, final)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+            # Another pull of the same capsule got there first; its blobs were verified as they came.
+            oci.open_layout(final, expected_manifest=digest, verify_layers=False, what=what)
         fsync_dir(final.parent)
     finally:
         if tmp.exists():

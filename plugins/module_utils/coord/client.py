@@ -165,7 +165,13 @@ class CoordinatorClient:
         retry_s: float | None = None,
     ) -> p.Response:
         """Send one request on a fresh connection and return the server's response (any status)."""
-        frame = p.encode_request(op, self.endpoint.token_bytes, _b(key), _b(value), timeout_ms=timeout_ms)
+        try:
+            frame = p.encode_request(op, self.endpoint.token_bytes, _b(key), _b(value), timeout_ms=timeout_ms)
+        except (ValueError, UnicodeError) as exc:  # over a cap, or a key that is not text
+            raise CoordinatorError(
+                f"{self}: {p.Op(op).name.lower()} {_show(key)} cannot be sent: {exc}",
+                fix=f"keep keys within {p.MAX_KEY} bytes and values within {p.MAX_VALUE} bytes (UTF-8 text or bytes)",
+            ) from None
         reply_wait = self.io_timeout + (timeout_ms / 1000.0 + _REPLY_MARGIN if timeout_ms else 0.0)
         sock = self._connect(self.connect_retry_s if retry_s is None else retry_s)
         try:

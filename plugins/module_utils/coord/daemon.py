@@ -24,6 +24,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -41,6 +42,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint import (
     EndpointDescriptor,
     check_address,
+    check_scope,
     read_endpoint,
 )
 
@@ -121,12 +123,23 @@ def _lock_file_for(endpoint_file: Path) -> Path:
     return endpoint_file.with_name(endpoint_file.name + ".lock")
 
 
+def endpoint_path(endpoint_file: Path | str) -> Path:
+    """The one spelling of an endpoint file: its directory resolved (``..``, symbolic links), so that
+    ``/run/x/ep.json`` and ``/var/run/x/ep.json`` name the same coordinator, its pid file and its lock.
+    A path that names a directory is refused (the coordinator writes a file there)."""
+    path = Path(endpoint_file)
+    if path.name in ("", ".", "..") or os.path.isdir(path):
+        raise ColdSnapError(f"coordinator endpoint_file {str(endpoint_file)!r} names a directory",
+                            fix=f"give a file path in it, e.g. {os.path.join(str(endpoint_file), 'coordinator.json')}")
+    return Path(os.path.realpath(path.parent)) / path.name
+
+
 # -- status ------------------------------------------------------------------------------------
 
 
 def coordinator_status(endpoint_file: Path | str, *, health_timeout: float = 2.0) -> CoordinatorState:
     """Is the coordinator of ``endpoint_file`` running (our process, pid alive) and answering health?"""
-    endpoint_file = Path(endpoint_file).absolute()
+    endpoint_file = endpoint_path(endpoint_file)
     pid = _read_pid(pid_file_for(endpoint_file))
     alive = pid is not None and _is_our_server(pid, endpoint_file)
     descriptor = _try_read_endpoint(endpoint_file) if alive else None
@@ -175,12 +188,11 @@ def start_coordinator(
     up. ``python`` (default: this interpreter) runs the server; it must be
     Python >= 3.11.
     """
-    endpoint_file = Path(endpoint_file).absolute()
+    endpoint_file = endpoint_path(endpoint_file)
     address = check_address(address)
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ColdSnapError(f"coordinator port {port!r} is not 0..65535", fix="give 0 for an ephemeral port")
-    if not scope:
-        raise ColdSnapError("coordinator scope is empty", fix="pass the operation id as scope")
+    check_scope(scope)
     _check_timeout(startup_timeout)
     if check_mode and not endpoint_file.parent.is_dir():
         return CoordinatorState(str(endpoint_file), running=False, changed=True,
@@ -196,6 +208,7 @@ def start_coordinator(
         state = coordinator_status(endpoint_file)
         if state.running:
             return _already_running(state, scope=scope, address=address, port=port)
+        _refuse_foreign(endpoint_file)
         stale = _leftovers(endpoint_file)
         if check_mode:
             return CoordinatorState(str(endpoint_file), running=False, changed=True,
@@ -259,7 +272,14 @@ def _spawn(endpoint_file: Path, *, scope: str, address: str, port: int, python: 
         "--ready-fd", str(write_fd), "--daemonize",
     ]
     log_path = log_file_for(endpoint_file)
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise ColdSnapError(f"cannot open the coordinator log {log_path}: {exc.strerror or exc}",
+                            fix="move away what is there (a symbolic link or a directory is refused), "
+                                "or choose another endpoint_file") from None
     try:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, pass_fds=(write_fd,),
@@ -344,9 +364,10 @@ def stop_coordinator(endpoint_file: Path | str, *, check_mode: bool = False, tim
 
     Idempotent: nothing running and nothing left -> ``changed`` False.
     """
-    endpoint_file = Path(endpoint_file).absolute()
+    endpoint_file = endpoint_path(endpoint_file)
     _check_timeout(timeout)
-    if not endpoint_file.parent.is_dir():  # nothing was ever started there, and nothing is made now
+    if not os.path.lexists(pid_file_for(endpoint_file)) and not _leftovers(endpoint_file):
+        # Nothing was started there (or all is gone): nothing to stop, and no lock file is made.
         return CoordinatorState(str(endpoint_file), running=False, changed=False, message="not running")
     with _lock_unless_check(endpoint_file, check_mode, timeout + 30):
         state = coordinator_status(endpoint_file)
@@ -430,8 +451,50 @@ def _try_read_endpoint(endpoint_file: Path) -> EndpointDescriptor | None:
 
 
 def _leftovers(endpoint_file: Path) -> list[str]:
-    paths = [endpoint_file, pid_file_for(endpoint_file), code_dir_for(endpoint_file)]
-    return [str(p) for p in paths if p.exists() or p.is_symlink()]
+    """The files a coordinator of ``endpoint_file`` left behind, each only where it is what a coordinator
+    writes there: anything else under those names belongs to someone else and is never removed."""
+    return [str(path) for path, ours in _written_files(endpoint_file) if ours(path)]
+
+
+def _refuse_foreign(endpoint_file: Path) -> None:
+    """ColdSnapError when a path a start would write holds something a coordinator did not write."""
+    foreign = [str(path) for path, ours in _written_files(endpoint_file) if os.path.lexists(path) and not ours(path)]
+    if foreign:
+        raise ColdSnapError(
+            f"coordinator endpoint {endpoint_file}: {', '.join(foreign)} already exist"
+            f"{'s' if len(foreign) == 1 else ''} and {'is' if len(foreign) == 1 else 'are'} not what a "
+            "coordinator writes there (its endpoint file, pid file or code directory); nothing was changed",
+            fix="choose an endpoint_file of its own (e.g. <dir>/coordinator.json), or move those paths away",
+        )
+
+
+def _written_files(endpoint_file: Path) -> list[tuple[Path, Any]]:
+    return [(endpoint_file, _is_endpoint_file), (pid_file_for(endpoint_file), _is_pid_file),
+            (code_dir_for(endpoint_file), _is_code_dir)]
+
+
+def _is_endpoint_file(path: Path) -> bool:
+    return _is_regular(path) and _try_read_endpoint(path) is not None
+
+
+def _is_pid_file(path: Path) -> bool:
+    """A pid file, stale or not: a small regular file (a server killed as it wrote it may leave it torn)."""
+    return _is_regular(path) and os.lstat(path).st_size <= 32
+
+
+def _is_code_dir(path: Path) -> bool:
+    """The server's private code copy: a real directory holding nothing but ``ansible_collections``."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode) and set(os.listdir(path)) <= {"ansible_collections"}
+    except OSError:
+        return False
+
+
+def _is_regular(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _remove(paths: list[str]) -> None:

@@ -62,7 +62,8 @@ def check_address(address: str) -> str:
         ) from None
 
 
-def _check_scope(scope: Any) -> str:
+def check_scope(scope: Any) -> str:
+    """``scope`` when it is a usable operation id (1..MAX_SCOPE printable characters), else ColdSnapError."""
     if not isinstance(scope, str) or not scope or len(scope) > MAX_SCOPE or not scope.isprintable():
         raise ColdSnapError(
             f"coordinator scope {scope!r} is not a usable operation id",
@@ -82,7 +83,7 @@ class EndpointDescriptor:
 
     def __post_init__(self) -> None:
         check_address(self.address)
-        _check_scope(self.scope)
+        check_scope(self.scope)
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535:
             raise ColdSnapError(
                 f"coordinator endpoint port {self.port!r} is not a TCP port",

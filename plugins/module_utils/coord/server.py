@@ -26,7 +26,10 @@ Memory policy (bounded, documented in docs/coordinator.md):
   the 16 MiB value cap is ``too-large`` too;
 * bytes buffered for request bodies being received never exceed
   ``max_inflight_bytes``: a request that does not fit right now gets ``internal``
-  (transient: retry later) before its body is read;
+  (transient: retry later) before its body is read; large values (over 64 KiB)
+  being sent to clients that have not read them yet have a budget of the same
+  size (a value a slow reader still holds may have been replaced in the store):
+  a ``get`` whose value does not fit right now gets ``internal`` too;
 * unexpected failures while handling one request answer ``internal`` and close
   that connection only.
 
@@ -125,6 +128,7 @@ class ServerStats:
     keys: int
     stored_bytes: int
     inflight_bytes: int
+    outbound_bytes: int  # bytes of large values in replies clients have not read yet
     requests: int
     statuses: dict[str, int]
     deadline_closes: int
@@ -140,6 +144,7 @@ class _Conn:
     header: p.RequestHeader | None = None
     token: bytes = b""
     reserved: int = 0
+    sending: int = 0  # bytes of a large value this connection's reply still holds
     out: list[memoryview] = field(default_factory=list)
     request_complete: bool = False
     wait_key: bytes | None = None
@@ -204,6 +209,7 @@ class CoordinatorServer:
         self._conns: set[_Conn] = set()
         self._kv = KeyValueStore(self.limits.max_store_bytes)
         self._inflight = 0
+        self._outbound = 0
         self._timers: list[tuple[float, int, int, _Conn]] = []
         self._seq = itertools.count()
         self._scratch = memoryview(bytearray(_SCRATCH_SIZE))
@@ -249,6 +255,7 @@ class CoordinatorServer:
             keys=len(self._kv),
             stored_bytes=self._kv.stored_bytes,
             inflight_bytes=self._inflight,
+            outbound_bytes=self._outbound,
             requests=self._requests,
             statuses=dict(self._statuses),
             deadline_closes=self._deadline_closes,
@@ -571,6 +578,10 @@ class CoordinatorServer:
         self._inflight -= conn.reserved
         conn.reserved = 0
 
+    def _sent(self, conn: _Conn) -> None:
+        self._outbound -= conn.sending
+        conn.sending = 0
+
     # -- operations ---------------------------------------------------------------------------
 
     def _dispatch(self, conn: _Conn, op: p.Op, key: bytes, value: bytes, timeout_ms: int) -> None:
@@ -622,8 +633,16 @@ class CoordinatorServer:
     def _reply(self, conn: _Conn, status: p.Status, value: bytes = b"", *, finish: bool = True) -> bool:
         """Answer ``conn``; True when the whole reply went out at once and, with ``finish=False``,
         the caller still has to call ``_reply_sent`` (which closes or drains the connection)."""
-        self._statuses[status.label] += 1
         self._release(conn)
+        if len(value) > _SCRATCH_SIZE:
+            # A large value goes out from the stored bytes, which a later set may replace while a slow
+            # reader still holds them: such replies have a budget of their own, as large as the bodies'.
+            if self._outbound + len(value) > self.limits.max_inflight_bytes:
+                status, value = p.Status.INTERNAL, b""  # transient: other replies hold the budget
+            else:
+                conn.sending = len(value)
+                self._outbound += len(value)
+        self._statuses[status.label] += 1
         conn.buf = bytearray()
         conn.phase = _WRITE
         header = p.encode_response_header(status, len(value))
@@ -649,6 +668,7 @@ class CoordinatorServer:
                 conn.out[0] = conn.out[0][sent:]
             else:
                 conn.out.pop(0)
+        self._sent(conn)  # the reply is out: its bytes no longer count
         if finish:
             self._reply_sent(conn)
         return True
@@ -709,6 +729,7 @@ class CoordinatorServer:
         self._authenticated(conn)  # no longer counted as waiting to authenticate
         self._conns.discard(conn)
         self._release(conn)
+        self._sent(conn)
         self._unwait(conn)
         conn.timer_gen += 1
         conn.out = []

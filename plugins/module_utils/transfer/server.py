@@ -43,6 +43,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
     file_sha256,
     first_link_below,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import private_dir
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import auth
 
@@ -341,7 +342,7 @@ def start_server(root: Path | str, *, token: str, address: str, run_file: Path |
     sock = bind(address, port)
     bound = sock.getsockname()[:2]
     log_path = run_file.with_suffix(".log")
-    run_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(run_file.parent)
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child

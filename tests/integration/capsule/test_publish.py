@@ -106,6 +106,27 @@ def test_only_the_assigned_capsule_is_pulled(tmp_path, capture_id, registry):
         pull_capsule(pb, expected_image_id=a.image_id, layout="oci-layout", oci_root=tmp_path / "h3")
 
 
+def test_pulls_of_one_capsule_at_once_all_end_with_it(tmp_path, capture_id, registry):
+    """Several restore-side pulls of the same capsule into one cache (two units' roles, a retry): the
+    pulls that lose the race to the final name use the winner's verified copy instead of failing."""
+    import multiprocessing
+
+    ref = _oci(tmp_path, capture_id)
+    published = push_capsule(ref, f"{registry}/coldsnap/capsules")
+    ctx = multiprocessing.get_context("fork")
+    for attempt in range(3):
+        root = tmp_path / f"host-{attempt}"
+        with ctx.Pool(4) as pool:
+            ids = pool.starmap(_pulled_id, [(published, ref.image_id, root)] * 4)
+        assert ids == [ref.image_id] * 4
+        assert os.listdir(root / "sha256") == [ref.image_id.split(":")[1]]
+        assert [name for name in os.listdir(root) if ".tmp-" in name] == []
+
+
+def _pulled_id(published: str, image_id: str, root: Path) -> str:
+    return pull_capsule(published, expected_image_id=image_id, layout="oci-layout", oci_root=root).image_id
+
+
 def test_oci_push_rejected_by_a_read_only_registry(tmp_path, capture_id, readonly_registry):
     ref = _oci(tmp_path, capture_id)
     with pytest.raises(RegistryError) as err:

@@ -88,6 +88,7 @@ UNSAFE = {
     "block-device": [_special("sda", tarfile.BLKTYPE)],
     "fifo": [_special("pipe", tarfile.FIFOTYPE)],
     "duplicate": [_file("a.txt", b"1"), _file("a.txt", b"2")],
+    "duplicate-directory": [_dir("d", 0o700), _file("d/x"), _dir("d", 0o755)],
 }
 
 
@@ -117,6 +118,12 @@ def test_a_good_archive_extracts_with_modes_links_and_setuid(sandbox: Path) -> N
     assert os.readlink(dest / "img" / "latest") == "pages-1.img"
     assert os.stat(dest / "img" / "hard").st_ino == os.stat(dest / "img" / "pages-1.img").st_ino
     assert sorted(os.listdir(sandbox / "work")) == ["dest"]
+
+
+def test_a_directory_listed_after_its_members_is_one_entry(sandbox: Path) -> None:
+    """Tools may list a directory after the files in it (its parent was made for them): one entry, fine."""
+    safe_extract(io.BytesIO(_tar([_file("d/x"), _dir("d", 0o750)])), sandbox / "work" / "dest", what="test layer")
+    assert stat.S_IMODE(os.stat(sandbox / "work" / "dest" / "d").st_mode) == 0o750
 
 
 def test_digest_mismatch_leaves_nothing(sandbox: Path) -> None:

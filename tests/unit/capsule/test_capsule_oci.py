@@ -370,3 +370,55 @@ def test_no_space_for_a_capsule_is_named_with_the_fix(state: Path, tmp_path: Pat
     with pytest.raises(ColdSnapError, match=r"no space left on the file system of .*capsules.*free space there"):
         _build(state, root)
     assert [p.name for p in root.iterdir()] == [], "the temporary layout is removed"
+
+
+@pytest.mark.parametrize("damage", ["link to /dev/zero", "directory", "fifo", "deep nesting", "trailing data"])
+@pytest.mark.parametrize("name", ["index.json", "oci-layout"])
+def test_a_damaged_layout_file_is_an_integrity_error_and_the_next_build_replaces_it(
+        state: Path, tmp_path: Path, name: str, damage: str) -> None:
+    """The layout's own files are read as carefully as its blobs: never through a link or from a FIFO
+    (read without end), bounded, strict JSON; a build then puts a good copy in place."""
+    root = tmp_path / "capsules"
+    ref = _build(state, root).ref
+    path = Path(ref.location) / name
+    path.unlink()
+    if damage == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    elif damage == "directory":
+        path.mkdir()
+    elif damage == "fifo":
+        os.mkfifo(path)
+    elif damage == "deep nesting":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        path.write_text('{"imageLayoutVersion": "1.0.0"} {}')
+    for read in (lambda: oci.open_layout(Path(ref.location)), lambda: inspect_capsule(ref)):
+        with pytest.raises(IntegrityError) as exc:
+            read()
+        assert name in str(exc.value) and "rebuild or re-pull" in exc.value.fix
+    again = _build(state, root)
+    assert again.changed and again.ref.image_id == ref.image_id
+    assert oci.open_layout(Path(ref.location), expected_manifest=ref.image_id).manifest_desc.digest == ref.image_id
+
+
+def test_builds_of_one_capsule_at_once_all_end_with_it(state: Path, tmp_path: Path) -> None:
+    """Two processes building the same capsule race to its final name: the one that loses keeps the
+    winner's (identical) layout instead of failing."""
+    import multiprocessing
+
+    root = tmp_path / "capsules"
+    ctx = multiprocessing.get_context("fork")
+    for _round in range(3):
+        if root.exists():
+            import shutil
+
+            shutil.rmtree(root)
+        with ctx.Pool(3) as pool:
+            ids = pool.starmap(_build_id, [(state, root)] * 3)
+        assert len(set(ids)) == 1
+        assert oci.open_layout(root / "sha256" / ids[0].split(":", 1)[1], expected_manifest=ids[0])
+        assert [p.name for p in root.iterdir() if ".tmp-" in p.name] == []
+
+
+def _build_id(state: Path, root: Path) -> str:
+    return _build(state, root).ref.image_id

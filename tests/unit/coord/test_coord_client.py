@@ -72,6 +72,17 @@ def test_errors_carry_status_and_fix(server, client) -> None:
             client.get("missing", timeout=bad)
 
 
+def test_a_key_or_value_over_its_cap_or_not_text_is_a_coordinator_error_naming_it(client) -> None:
+    """Refused before anything is sent, as the coordinator error callers catch (it escaped as ValueError)."""
+    cases = [("set", ("k" * (p.MAX_KEY + 1), "v"), "key"), ("set", ("big", b"x" * (p.MAX_VALUE + 1)), "value"),
+             ("get", ("\udcff",), "surrogate"), ("append", ("k" * (p.MAX_KEY + 1), "v"), "key")]
+    for op, args, named in cases:
+        with pytest.raises(CoordinatorError) as exc:
+            getattr(client, op)(*args)
+        assert exc.value.status is None and named in str(exc.value) and exc.value.fix
+    assert client.try_get("big") is None
+
+
 def test_no_connection_or_thread_outlives_a_call(server, client) -> None:
     # The in-unit runtime is CRIU-checkpointed between calls: nothing may stay open.
     client.health()

@@ -16,7 +16,11 @@ import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import daemon
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import CoordinatorClient
-from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint import read_endpoint
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint import (
+    EndpointDescriptor,
+    read_endpoint,
+    write_endpoint,
+)
 
 PREFIX = "ansible_collections.coldsnap.fleet.plugins.module_utils"
 
@@ -25,7 +29,8 @@ PREFIX = "ansible_collections.coldsnap.fleet.plugins.module_utils"
 def endpoint_file(tmp_path) -> Path:
     path = tmp_path / "run" / "coordinator.json"
     yield path
-    daemon.stop_coordinator(path, timeout=10)
+    if not path.is_dir():
+        daemon.stop_coordinator(path, timeout=10)
 
 
 def test_start_status_stop(endpoint_file) -> None:
@@ -125,12 +130,57 @@ def test_stale_pid_file_is_replaced(endpoint_file, stale_pid) -> None:
     endpoint_file.parent.mkdir(parents=True)
     pid_text = {"dead": str(_dead_pid()), "foreign": str(os.getpid()), "garbage": "not-a-pid"}[stale_pid]
     daemon.pid_file_for(endpoint_file).write_text(pid_text + "\n")
-    endpoint_file.write_text('{"stale": true}')
+    # The descriptor a killed server leaves behind (its port long closed).
+    write_endpoint(endpoint_file, EndpointDescriptor(address="127.0.0.1", port=9, scope="op-0", token="ab" * 32))
     assert not daemon.coordinator_status(endpoint_file).running
     started = daemon.start_coordinator(endpoint_file, scope="op-1")
     assert started.changed and started.healthy
     assert str(endpoint_file) in started.removed
     assert started.pid != os.getpid()
+
+
+@pytest.mark.parametrize("what", ["a file of the user's", "a directory", "a large pid-named file"])
+def test_what_a_coordinator_did_not_write_is_never_removed_or_replaced(endpoint_file, what) -> None:
+    """An endpoint_file that names someone's file, or a directory: start and stop refuse (or find nothing
+    to stop) and leave it exactly as it was."""
+    endpoint_file.parent.mkdir(parents=True)
+    if what == "a directory":
+        (endpoint_file / "sub").mkdir(parents=True)
+        (endpoint_file / "sub" / "data").write_text("keep")
+    elif what == "a file of the user's":
+        endpoint_file.write_text("precious notes\n")
+    else:
+        daemon.pid_file_for(endpoint_file).write_text("1234\n" * 100)
+    before = _tree(endpoint_file.parent)
+    with pytest.raises(ColdSnapError) as exc:
+        daemon.start_coordinator(endpoint_file, scope="op-1")
+    assert "directory" in str(exc.value) or "not what a coordinator writes" in str(exc.value)
+    assert exc.value.fix
+    if what != "a directory":
+        stopped = daemon.stop_coordinator(endpoint_file)
+        assert not stopped.changed and stopped.removed == []
+    assert {k: v for k, v in _tree(endpoint_file.parent).items() if not k.endswith(".lock")} == before
+
+
+def _tree(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): (p.read_text() if p.is_file() else "dir") for p in sorted(root.rglob("*"))}
+
+
+def test_two_spellings_of_one_endpoint_file_name_one_coordinator(endpoint_file, tmp_path) -> None:
+    started = daemon.start_coordinator(endpoint_file, scope="op-1")
+    alias_dir = tmp_path / "alias"
+    alias_dir.symlink_to(endpoint_file.parent)
+    for alias in (endpoint_file.parent / "sub" / ".." / endpoint_file.name, alias_dir / endpoint_file.name):
+        status = daemon.coordinator_status(alias)
+        assert status.running and status.pid == started.pid
+        assert not daemon.start_coordinator(alias, scope="op-1").changed
+    stopped = daemon.stop_coordinator(alias_dir / endpoint_file.name)
+    assert stopped.changed and not daemon.coordinator_status(endpoint_file).running
+
+
+def test_check_mode_refuses_a_scope_the_server_would_refuse(endpoint_file) -> None:
+    with pytest.raises(ColdSnapError, match="scope"):
+        daemon.start_coordinator(endpoint_file, scope="a\nb", check_mode=True)
 
 
 def test_killed_server_leaves_files_that_stop_cleans(endpoint_file) -> None:

@@ -189,6 +189,39 @@ def test_inflight_budget_answers_internal_without_reading(make_server) -> None:
     assert len(client.get("k")) == p.MAX_VALUE
 
 
+def test_large_replies_to_clients_that_do_not_read_share_the_inflight_budget(make_server) -> None:
+    """A reply of a large value holds its bytes until the client reads them, even after a set replaced the
+    value in the store: such replies have a budget as large as max_inflight_bytes, so memory stays bounded however
+    many clients ask and never read (100 of them, each after a new 16 MiB set, used to hold 1.6 GB)."""
+    budget = p.MAX_KEY + p.MAX_VALUE
+    size = 4 << 20
+    server = make_server(max_inflight_bytes=budget)
+    client = client_for(server)
+    readers = []
+    try:
+        for i in range(6):
+            client.set("big", bytes([97 + i]) * size)  # each reader is answered with another value
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((server.address, server.port))
+            sock.sendall(raw_request(p.Op.GET, b"big"))
+            readers.append(sock)
+            wait_until(lambda n=i: server.stats().requests >= 2 * (n + 1), "the get to be answered")
+        assert server.stats().outbound_bytes == 4 * size <= budget
+        client.set("big", b"small")
+        for i, sock in enumerate(readers):
+            status, length = p.decode_response_header(p.recv_exact(sock, 12))
+            if i < 4:  # answered with the bytes stored when it asked
+                assert (status, p.recv_exact(sock, length)) == (p.Status.OK, bytes([97 + i]) * size)
+            else:  # no budget left: internal (transient), holding nothing
+                assert (status, length) == (p.Status.INTERNAL, 0)
+    finally:
+        for sock in readers:
+            sock.close()
+    wait_until(lambda: server.stats().outbound_bytes == 0, "the budget to be released")
+    assert client.get("big") == b"small"
+
+
 # -- FAULTS 15: stalled clients ------------------------------------------------------------------
 
 

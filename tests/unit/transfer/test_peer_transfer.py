@@ -571,3 +571,22 @@ def test_only_authenticated_requests_keep_a_server_alive_and_ranges_stay_in_the_
         assert "Traceback" not in (tmp_path / "a.log").read_text()
     finally:
         stop_server(tmp_path / "a.json")
+
+
+@pytest.mark.skipif(not HAVE_ANSIBLE, reason="needs ansible-core")
+def test_the_module_makes_a_missing_state_root_and_its_runs_private(tree, tmp_path):
+    """A state root the transfer server is the first to write is 0700 like every other module's, and so is
+    the directory its record lives in (they were left to the umask: 0755)."""
+    root, _blob = tree
+    state = tmp_path / "fresh" / "state"
+    args = {"name": "t1", "root": str(root), "token": TOKEN, "address": "127.0.0.1", "state_root": str(state)}
+    checked = run_module("transfer_serve", args, "--check")
+    assert checked["changed"] and not state.exists()
+    started = run_module("transfer_serve", args)
+    try:
+        assert started["changed"] and started["port"] > 0
+        for directory in (state, state / "runs", state / "runs" / "transfers"):
+            assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+        assert TOKEN not in json.dumps(started)
+    finally:
+        assert run_module("transfer_serve", {**args, "state": "stopped"})["changed"]
