@@ -57,18 +57,47 @@ def needs_coordinator_filter(request) -> bool:
     return needs_coordinator(req)
 
 
+# The locations ``state_path`` names: StateLayout's path properties.
+_LOCATIONS = tuple(sorted(n for n in vars(StateLayout) if isinstance(vars(StateLayout)[n], property)))
+
+
+def _root(value, name: str) -> str:
+    """``value`` as a state root: unset (None or '') means ColdSnap's default; otherwise an absolute path."""
+    if value is None or value == "":
+        return DEFAULT_STATE_ROOT
+    if not isinstance(value, str):
+        raise AnsibleFilterError(f"{name}: the state root must be a string, got {type(value).__name__} {value!r} "
+                                 f"(fix: give an absolute path, or leave it unset for {DEFAULT_STATE_ROOT})")
+    if not value.startswith("/"):
+        raise AnsibleFilterError(f"{name}: the state root {value!r} is not an absolute path (fix: give an absolute "
+                                 f"path such as {DEFAULT_STATE_ROOT}, the same on every host of a workload)")
+    return value
+
+
 def state_root_filter(value=None) -> str:
-    """The state root: ``value`` when set, else ColdSnap's default (``/var/lib/coldsnap``)."""
-    return str(value) if value else DEFAULT_STATE_ROOT
+    """The state root: ``value`` when set (an absolute path), else ColdSnap's default (``/var/lib/coldsnap``)."""
+    return _root(value, "state_root")
 
 
 def state_path_filter(root, name: str, *parts: str) -> str:
     """A named location below the state root (``payloads``, ``payload_objects``, ``payload_incoming``,
-    ``captures``, ``capsules_oci``, ``workloads``, ``runs``, ``artifacts`` ...)."""
+    ``captures``, ``capsules_oci``, ``workloads``, ``runs``, ``artifacts`` ...), with optional parts below
+    it (non-empty strings, no '..', no absolute path)."""
+    base = _root(root, "state_path")
+    if not isinstance(name, str) or name not in _LOCATIONS:
+        raise AnsibleFilterError(f"state_path: unknown state location {name!r} (fix: name one of "
+                                 f"{', '.join(_LOCATIONS)})")
+    for i, part in enumerate(parts, start=1):
+        if not isinstance(part, str) or not part:
+            got = "an empty string" if part == "" else f"{type(part).__name__} {part!r}"
+            raise AnsibleFilterError(f"state_path: part {i} below {name!r} must be a non-empty string, got {got} "
+                                     "(fix: pass a defined name, e.g. the request's id; an undefined or null "
+                                     "variable is never a path)")
     try:
-        return str(StateLayout(state_root_filter(root)).path(name, *[str(p) for p in parts]))
+        return str(StateLayout(base).path(name, *parts))
     except ValueError as exc:
-        raise AnsibleFilterError(f"state_path: {exc}") from None
+        raise AnsibleFilterError(f"state_path: {exc} (fix: give a name below the location, without '/' at "
+                                 "its start or '..')") from None
 
 
 class FilterModule:

@@ -32,3 +32,33 @@ def test_state_path_stays_below_its_location(part):
     with pytest.raises(AnsibleFilterError, match="state_path"):
         F["state_path"]("/x", "runs", part)
     assert F["state_path"]("/x", "runs", "op-1", "progress") == "/x/runs/op-1/progress"
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (("/x", "runs", None), ("part 1", "NoneType", "fix:")),
+    (("/x", "runs", "op-1", 5), ("part 2", "int 5", "fix:")),
+    (("/x", 5), ("unknown state location 5", "fix: name one of", "runs")),
+    (("/x", "nowhere"), ("unknown state location 'nowhere'", "fix:")),
+    ((5, "runs"), ("state root must be a string", "int 5", "fix:")),
+    (("relative/root", "runs"), ("'relative/root' is not an absolute path", "fix:")),
+])
+def test_state_path_refuses_bad_arguments_by_name(args, needles):
+    with pytest.raises(AnsibleFilterError) as exc:
+        F["state_path"](*args)
+    message = str(exc.value)
+    assert message.startswith("state_path: ")
+    for needle in needles:
+        assert needle in message
+
+
+@pytest.mark.parametrize(("value", "needle"), [(5, "must be a string, got int 5"), (["/x"], "got list"),
+                                               ("var/lib/coldsnap", "is not an absolute path")])
+def test_state_root_refuses_what_is_not_an_absolute_path(value, needle):
+    with pytest.raises(AnsibleFilterError, match="^state_root: .*" + needle + ".*fix:"):
+        F["state_root"](value)
+
+
+def test_state_root_defaults_when_unset():
+    assert F["state_root"](None) == F["state_root"]("") == F["state_root"]() == "/var/lib/coldsnap"
+    assert F["state_root"]("/srv/coldsnap") == "/srv/coldsnap"
+    assert F["state_path"](None, "runs", "op-1") == "/var/lib/coldsnap/runs/op-1"

@@ -26,6 +26,7 @@ them together keeps what a build writes and what an extraction trusts side by si
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import fnmatch
 import json
@@ -67,6 +68,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_lab
     RESERVED_LABELS,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_paths import (
+    NO_HOST_CACHE_UNDER,
     cache_path_problems,
     check_capsule_paths,
     looks_like_hf_cache,
@@ -348,7 +350,13 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
             archive._rmtree(final)  # a damaged copy under the final name: replaced by the fresh build
         if changed:
             final.parent.mkdir(parents=True, exist_ok=True)
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)
+            except OSError as exc:
+                # Another build of the same capsule got there first: its layout is this one.
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not _layout_intact(final, mdesc.digest):
+                    raise
+                changed = False
             fsync_dir(final.parent)
     finally:
         archive._rmtree(tmp)
@@ -666,11 +674,6 @@ def extract_capsule(ref: CapsuleRef | dict, dest: Path, *, part: str = "state", 
     with oci.open_blob(img.layout, layer, what=f"capsule of unit {ref.unit!r}") as fh:
         return archive.safe_extract(fh, Path(dest), expected_digest=layer.digest, select=select,
                                     what=f"capsule layer {layer.digest} of unit {ref.unit!r}", replace=replace)
-
-
-# Where a host-runtime restore never adds cache files (a capsule run as a container may overlay anything
-# its capture declared; the host's own system trees are not the capsule's to change).
-NO_HOST_CACHE_UNDER = ("/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/boot", "/proc", "/sys", "/dev")
 
 
 def restore_caches(ref: CapsuleRef | dict, cache_paths: list[str], scratch: Path) -> list[str]:

@@ -14,6 +14,7 @@ fields it reads. Engine rules stay in :mod:`.engines`, capsule path policy in
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
@@ -22,6 +23,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical i
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_paths import (
     cache_path_problems,
     normalize_abs,
+    secrets_exposed,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import (
@@ -341,13 +343,13 @@ def driver_candidates(value: Any, *, document: str = "request") -> tuple[list[st
 _HOST_TREES = {"/": "the host's whole file system", "/etc": "the host's configuration", "/proc": "the host's /proc",
                "/sys": "the host's /sys", "/dev": "the host's devices", "/boot": "the host's boot files",
                "/root": "root's home", "/var/run": "the host's runtime sockets", "/run": "the host's runtime sockets"}
-# Directories that hold a user's keys and tokens, wherever their home is.
-_CREDENTIAL_DIRS = frozenset({".ssh", ".gnupg", ".docker", ".kube", ".aws", ".azure", ".config"})
 
 
 def _host_tree_exposed(source: str) -> str | None:
     """What of the host a mount of ``source`` exposes, when it is a system tree, lies below one or holds one
-    (``/var`` holds ``/var/run``), or is a container engine's socket; None for an ordinary directory."""
+    (``/var`` holds ``/var/run``), is a container engine's socket, or holds secrets (a credential directory, a
+    user's home, the container engine's data, ColdSnap's operation data: :func:`.capsule_paths.secrets_exposed`,
+    the rule a cache path follows too); None for an ordinary directory."""
     path = normalize_abs(source)
     if path.endswith(("docker.sock", "containerd.sock", "podman.sock")):
         return "control of the host's container engine"
@@ -356,8 +358,28 @@ def _host_tree_exposed(source: str) -> str | None:
             return what  # /root/models/... is a model directory like any other; /root itself is not
         if tree.startswith(path.rstrip("/") + "/"):
             return f"{what} (it holds {tree})"
-    if any(part in _CREDENTIAL_DIRS for part in path.split("/")):
-        return "a user's credentials"
+    return secrets_exposed(path)
+
+
+# A command flag that names a credential: its last word (split at '-' and '_') is one is_credential_name
+# refuses in an environment name (--api-key, --hf-token, --auth-token, --password). The engine's argv is part
+# of its memory, so the value would reach the snapshot, the capsule and the registry, like an environment
+# value. Only the last word counts, and never TOKENS: before it, and in the plural, the words name other things
+# (--private-shm, --long-prefill-token-threshold, --max-num-batched-tokens, --return-tokens-as-token-ids).
+_COUNT_WORDS = frozenset({"TOKENS"})
+# UNIT_SECRET_FIX's way to pass what ColdSnap needs, after what to remove.
+COMMAND_SECRET_FIX = ("remove the flag and its value from launch.units[].command: a process's arguments are part of "
+                      "its memory and so of its snapshot and capsule. "
+                      + (UNIT_SECRET_FIX.partition(". ")[2] or UNIT_SECRET_FIX))
+
+
+def _credential_flag(arg: str) -> str | None:
+    """The flag name (without the value of ``--flag=value``) when ``arg`` is a flag that names a credential."""
+    if not arg.startswith("-"):
+        return None
+    words = [w for w in re.split(r"[-_]", arg.split("=", 1)[0]) if w]
+    if words and words[-1].upper() not in _COUNT_WORDS and is_credential_name(words[-1]):
+        return arg.split("=", 1)[0]
     return None
 
 
@@ -408,6 +430,13 @@ def launch_issues(launch: dict, *, op: str | None = None) -> list[FormatIssue]:
         for name in sorted(unit.get("environment", {})):
             if is_credential_name(name):
                 add(f"{p}.environment.{name}", f"{name} looks like a credential", UNIT_SECRET_FIX)
+        for j, arg in enumerate(unit["command"]):
+            if arg == "--":
+                break  # what follows are operands, not flags
+            flag = _credential_flag(arg)
+            if flag:
+                add(f"{p}.command[{j}]", f"{flag} passes a credential on the serve command line (a process's "
+                    "arguments are part of its memory, like its environment)", COMMAND_SECRET_FIX)
         for name, switch in UNIT_SWITCHES.items():
             value = unit.get("environment", {}).get(name)
             if value is not None and value.strip().lower() not in switch.values:

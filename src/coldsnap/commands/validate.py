@@ -17,6 +17,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt imp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
     driver_candidates,
     request_json_schema,
+    validate_request,
 )
 
 from coldsnap import api
@@ -43,14 +44,15 @@ def _request(name: str) -> dict:
     valid under (stderr says the run chooses among them from the hosts' facts)."""
     raw, document = api.decoded_request(name)
     if not isinstance(raw, dict) or "snapshot_driver" in raw:
-        return api.load(raw, document=document)
+        # the decoded document itself (api.load would read a top-level JSON string as another file's path)
+        return validate_request(raw, document=document)
     candidates, refused = driver_candidates(raw, document=document)
     if not candidates:
         raise next(iter(refused.values()))
     print(f"snapshot_driver is left out: the controller chooses at run time the newest of "
           f"{', '.join(candidates)} every placed host supports (capture: from host facts; otherwise the "
           f"artifact's); shown normalized for {candidates[0]}", file=sys.stderr)
-    return api.load(raw, document=document, snapshot_driver=candidates[0])
+    return validate_request(raw, document=document, snapshot_driver=candidates[0])
 
 
 def run(args) -> int:

@@ -361,3 +361,80 @@ def test_free_text_that_would_swamp_every_task_result_is_refused_by_name(base):
     base["launch"]["units"][0]["command"] = [*base["launch"]["units"][0]["command"], "y" * 131073]
     with pytest.raises(FormatError, match=r"command\[\d+\].*longer than 131072 characters"):
         validate_request(base)
+
+
+@pytest.mark.parametrize(("path", "needle"), [
+    # credential directories, wherever the home is, and a user's home itself
+    ("/root/.ssh", "credentials (.ssh)"), ("/home/alice/.aws", "credentials (.aws)"),
+    ("/root/.config/gcloud", "credentials (.config)"), ("/home/alice", "home directory"),
+    # mounted secrets and the state root's operation data (tokens, runner data, artifacts)
+    ("/run/secrets", "mounted secrets"), ("/var/run/secrets/kubernetes.io", "mounted secrets"),
+    ("/var/lib/coldsnap/runs", "operation data"), ("/var/lib/coldsnap/artifacts/x", "operation data"),
+    ("/var/lib/docker", "container engine"),
+    # where a host restore never writes caches: the capture would validate but never restore
+    ("/etc/ssh", "system tree '/etc'"), ("/etc/ssl/private", "system tree '/etc'"),
+    ("/usr/lib", "system tree '/usr'"), ("/lib32/x", "system tree '/lib32'"),
+])
+def test_cache_paths_that_hold_secrets_or_system_trees_are_refused(base, path, needle):
+    base["policy"]["cache"]["paths"] = ["/root/.cache/vllm", path]
+    p = problems(base)
+    assert list(p) == ["$.policy.cache.paths[1]"], p
+    assert needle in p["$.policy.cache.paths[1]"] and "remove this path from policy.cache.paths" in \
+        p["$.policy.cache.paths[1]"]
+
+
+@pytest.mark.parametrize("path", ["/root/.cache/vllm", "/root/.cache/vllm/torch_compile_cache", "/var/cache/triton",
+                                  "/home/alice/.cache/vllm", "/var/lib/coldsnap/compile-cache", "/srv/cache"])
+def test_engine_cache_paths_stay_allowed(base, path):
+    base["policy"]["cache"]["paths"] = [path]
+    assert validate_request(base)["policy"]["cache"]["paths"] == [path]
+
+
+def test_the_restore_refusal_and_the_validation_share_one_list():
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import build
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import capsule_paths
+
+    assert build.NO_HOST_CACHE_UNDER is capsule_paths.NO_HOST_CACHE_UNDER
+    for tree in capsule_paths.NO_HOST_CACHE_UNDER:
+        assert capsule_paths.cache_path_problems([tree + "/cache"], []), tree
+
+
+@pytest.mark.parametrize("args", [["--api-key", "sk-SECRET"], ["--api-key=sk-SECRET"], ["--hf-token", "hf_x"],
+                                  ["--hf_token=hf_x"], ["--password", "hunter2"], ["--auth-token", "t"],
+                                  ["--admin-api-key", "k"], ["--access_token", "t"], ["--secret", "s"]])
+def test_credentials_on_a_units_command_line_are_refused_like_in_its_environment(base, args):
+    command = base["launch"]["units"][0]["command"]
+    j = len(command)
+    command.extend(args)
+    p = problems(base)
+    where = f"$.launch.units[0].command[{j}]"
+    assert list(p) == [where], p
+    assert args[0].split("=")[0] in p[where] and "credential" in p[where] and "--secret-env" in p[where]
+    assert "SECRET" not in json.dumps(p) and "hf_x" not in json.dumps(p), "the value itself is never echoed"
+
+
+def test_engine_flags_that_count_tokens_are_not_credentials(base):
+    base["launch"]["units"][0]["command"].extend([
+        "--max-tokens", "16", "--max-num-batched-tokens", "8192", "--tokenizer", "/m", "--tokenizer-mode", "auto",
+        "--skip-tokenizer-init", "--max-model-len", "4096", "--served-model-name", "m",
+        "--long-prefill-token-threshold", "64", "--return-tokens-as-token-ids", "--speculative-token-map", "/m/t",
+        "--max-total-tokens=1024", "--ssl-keyfile", "/etc/k.pem", "--private-shm", "--key-value-cache-dtype", "auto",
+        "--", "--api-key"])
+    validate_request(base)
+
+
+@pytest.mark.parametrize("source", ["/home", "/home/alice", "/var/lib/docker", "/var/lib/docker/volumes/m/_data",
+                                    "/var/lib/containerd", "/var/lib/coldsnap", "/var/lib/coldsnap/runs/op-1",
+                                    "/var/lib/coldsnap/workloads", "/var/lib", "/run/secrets"])
+def test_a_mount_that_holds_credentials_is_refused(base, source):
+    base["launch"]["units"][0]["mounts"] = [{"source": source, "target": "/mnt/x", "read_only": True}]
+    p = problems(base)
+    assert "would give the unit" in p["$.launch.units[0].mounts[0].source"]
+    assert "mount the model's own directory" in p["$.launch.units[0].mounts[0].source"]
+
+
+@pytest.mark.parametrize("source", ["/home/alice/models/tiny", "/var/lib/coldsnap/models/tiny",
+                                    "/var/lib/coldsnap/hf-cache", "/var/lib/models"])
+def test_a_model_directory_below_a_home_or_the_state_root_is_still_mountable(base, source):
+    base["launch"]["units"][0]["mounts"] = [{"source": source, "target": "/mnt/x", "read_only": True}]
+    validate_request(base)

@@ -83,6 +83,26 @@ def test_cli_capabilities_validate_and_errors(tmp_path, example_request_text):
     assert v.stdout.startswith("coldsnap ")
 
 
+@pytest.mark.parametrize("json_errors", [False, True])
+def test_validate_checks_a_top_level_string_as_the_document_not_as_a_path(tmp_path, capsys, example_request_text,
+                                                                          json_errors):
+    """A request file whose JSON is a string naming a valid request is refused at "$", as capture refuses it."""
+    from coldsnap.cli import main
+
+    (tmp_path / "good.json").write_text(example_request_text)
+    (tmp_path / "r.json").write_text(json.dumps(str(tmp_path / "good.json")))
+    argv = ["validate", "--request-json", str(tmp_path / "r.json")] + (["--json-errors"] if json_errors else [])
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 2
+    if json_errors:
+        assert json.loads(out)["errors"] == [{"path": "$", "message": "expected an object, got string",
+                                              "fix": "give an object here"}]
+    else:
+        assert "$: expected an object, got string" in err and "Traceback" not in err
+    assert main(["validate", "--request-json", str(tmp_path / "good.json")]) == 0
+
+
 def test_golden_artifact_and_receipt(fixtures_dir):
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
         artifact_json_schema,
