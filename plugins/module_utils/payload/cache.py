@@ -31,6 +31,7 @@ from pathlib import Path
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsutil
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
+    space_error,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
@@ -74,22 +75,38 @@ class NodeCache:
     def ensure_dirs(self) -> None:
         """The cache's directories, below a state root that is private (0700, created so when absent) and
         not another user's planted in a world-writable directory (refused: they could redirect every write)."""
-        StateLayout(self.state_root).ensure_private_root()
-        for d in (self.objects, self.locks):
-            d.mkdir(parents=True, exist_ok=True, mode=0o755)
+        try:
+            StateLayout(self.state_root).ensure_private_root()
+            for d in (self.objects, self.locks):
+                d.mkdir(parents=True, exist_ok=True, mode=0o755)
+        except OSError as exc:
+            raise no_space_error(exc, what="the node cache's directories", path=self.root) from None
 
     @contextlib.contextmanager
-    def lock(self, sha256: str, *, timeout: float | None = DEFAULT_LOCK_TIMEOUT) -> Iterator[None]:
-        """Hold the per-digest lock (exclusive flock on ``locks/<hex>.lock``) for the block."""
+    def lock(self, sha256: str, *, timeout: float | None = DEFAULT_LOCK_TIMEOUT,
+             create: bool = True) -> Iterator[None]:
+        """Hold the per-digest lock (exclusive flock on ``locks/<hex>.lock``) for the block.
+
+        ``create=False`` creates no directory and changes no permission (for a pack given by its path,
+        which may lie in a directory of the user's that is no state root): without a ``locks`` directory
+        it raises FileNotFoundError.
+        """
         hexd = parse_digest(sha256, what="model payload digest")
-        self.ensure_dirs()
-        try:
-            with fsutil.file_lock(self.locks / f"{hexd}.lock", timeout=timeout):
-                yield
-        except TimeoutError as exc:
-            raise ColdSnapError(f"model payload sha256:{hexd}: {exc}",
-                                fix="another worker on this host is writing or verifying it; wait for it or "
-                                    "stop that process") from None
+        if create:
+            self.ensure_dirs()
+        elif not self.locks.is_dir():
+            raise FileNotFoundError(errno.ENOENT, "no lock directory", str(self.locks))
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(fsutil.file_lock(self.locks / f"{hexd}.lock", timeout=timeout))
+            except TimeoutError as exc:
+                raise ColdSnapError(f"model payload sha256:{hexd}: {exc}",
+                                    fix="another worker on this host is writing or verifying it; wait for it or "
+                                        "stop that process") from None
+            except OSError as exc:
+                raise no_space_error(exc, what=f"the lock file of model payload sha256:{hexd}",
+                                     path=self.locks) from None
+            yield
 
     def clean_stale_temps(self, sha256: str | None = None) -> list[Path]:
         """Remove temp files of killed writers; returns what was removed.
@@ -166,6 +183,16 @@ class NodeCache:
         last = held[-1]
         return (f"its copy in the node cache was refused (corrupt or truncated: {last.stat().st_size} bytes) and "
                 f"moved to quarantine as {last}")
+
+
+def no_space_error(exc: OSError, *, what: str, path: Path | str, needed: int | None = None) -> Exception:
+    """:func:`space_error` (ENOSPC or EDQUOT: no space or no inodes left), with the errno kept in its
+    ``details`` so a caller that can go on without writing (a read-only verification) tells it apart;
+    any other error is returned as it is."""
+    err = space_error(exc, what=what, path=path, needed=needed)
+    if isinstance(err, ColdSnapError):
+        err.details["errno"] = exc.errno
+    return err
 
 
 def _remove_if_abandoned(path: Path) -> bool:

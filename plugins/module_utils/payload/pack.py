@@ -15,14 +15,15 @@ manifest lies.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsutil
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
@@ -96,6 +97,10 @@ class FileAllocationReader:
             self.close()
             raise ColdSnapError(f"allocation bytes file {exc.filename} does not exist",
                                 fix="give one raw byte file per allocation") from None
+        except PermissionError as exc:
+            self.close()
+            raise ColdSnapError(f"allocation bytes file {exc.filename} cannot be read by this user: permission denied",
+                                fix="make it readable by this user") from None
         self._buf = bytearray(READ_CHUNK)
 
     def read(self, allocation: str, offset: int, size: int) -> memoryview:
@@ -214,28 +219,60 @@ def _json_bytes(doc: dict) -> bytes:
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
 
-def _write_json(path: Path, doc: dict) -> FileRef:
+@contextlib.contextmanager
+def _temp_output(final: Path, temps: dict[str, Path], what: str) -> Iterator[IO[bytes]]:
+    """Write ``final``'s bytes under a temporary name beside it (0600, fsynced); :func:`_publish` renames it
+    into place. The temp is listed in ``temps`` from its creation, so the caller removes it on any failure."""
+    tmp = fsutil.temp_path_for(final)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise space_error(exc, what=what, path=final.parent) from None
+    temps[final.name] = tmp
+    try:
+        with os.fdopen(fd, "wb", closefd=True) as fh:
+            os.fchmod(fh.fileno(), 0o600)  # not subject to umask
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        raise space_error(exc, what=what, path=final) from None
+
+
+def _write_json(path: Path, doc: dict, temps: dict[str, Path]) -> FileRef:
     data = _json_bytes(doc)
-    fsutil.atomic_write_bytes(path, data, mode=0o600)
+    with _temp_output(path, temps, what=f"the document {path.name}") as fh:
+        fh.write(data)
     return FileRef(path.name, len(data), "sha256:" + hashlib.sha256(data).hexdigest())
 
 
 def _write_residual(path: Path, extents: Sequence[ResidualExtent], reader: AllocationReader,
-                    prog: _Progress) -> FileRef:
+                    prog: _Progress, temps: dict[str, Path]) -> FileRef:
     h = hashlib.sha256()
     total = 0
-    try:
-        with fsutil.atomic_writer(path, mode=0o600) as fh:
-            for e in extents:
-                for off, n in _chunks(e.offset, e.size):
-                    data = _read(reader, e.allocation, off, n)
-                    h.update(data)
-                    fh.write(data)
-                    total += n
-                    prog.add(n)
-    except OSError as exc:
-        raise space_error(exc, what="the residual blob weights.blob", path=path) from None
+    with _temp_output(path, temps, what=f"the residual blob {path.name}") as fh:
+        for e in extents:
+            for off, n in _chunks(e.offset, e.size):
+                data = _read(reader, e.allocation, off, n)
+                h.update(data)
+                fh.write(data)
+                total += n
+                prog.add(n)
     return FileRef(path.name, total, "sha256:" + h.hexdigest())
+
+
+def _publish(out_dir: Path, temps: dict[str, Path], names: Sequence[str]) -> None:
+    """Rename the written temps into place, ``names`` in order (the manifest last: it is what binds the set).
+
+    The old manifest goes first, so an interrupted publish leaves a set without a manifest (refused as
+    incomplete), never a new blob described by the old manifest.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(out_dir / MANIFEST_NAME)
+    for name in names:
+        os.replace(temps[name], out_dir / name)
+        del temps[name]
+    fsutil.fsync_dir(out_dir)
 
 
 def _write_canonical_pack(cache: NodeCache, ordered: Sequence[PackedExtent], reader: AllocationReader, *,
@@ -313,25 +350,37 @@ def write_worker_payload(out_dir: Path, allocations: list[Allocation], model_ext
         crcs[(e.allocation, e.offset)] = crc
     ordered = pack_order(hashed)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    residual_ref = _write_residual(out_dir / RESIDUAL_NAME, residual, reader, prog)
-    pack_ref = None
-    reused = False
     if export_pack:
         if cache is None:
             raise AssertionError("export_pack needs a node cache")
-        result = _write_canonical_pack(cache, ordered, reader, crcs=crcs, expected_sha256=None, prog=prog)
-        pack_ref, reused = result.pack, result.reused_existing
+        cache.ensure_dirs()  # a state root that cannot hold the pack fails before any output is written
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Every output is written under a temporary name and renamed into place only once all of them and the
+    # pack are done: a failure before that leaves --out as it was (a previous set stays whole), never a mix.
+    temps: dict[str, Path] = {}
+    try:
+        residual_ref = _write_residual(out_dir / RESIDUAL_NAME, residual, reader, prog, temps)
+        pack_ref = None
+        reused = False
+        if export_pack:
+            result = _write_canonical_pack(cache, ordered, reader, crcs=crcs, expected_sha256=None, prog=prog)
+            pack_ref, reused = result.pack, result.reused_existing
 
-    manifest = NativeManifest(model, tuple(allocations), pack_ref.sha256 if pack_ref else None,
-                              pack_size(ordered), residual_ref, tuple(ordered), tuple(residual))
-    manifest_ref = _write_json(out_dir / MANIFEST_NAME, manifest.as_dict())
-    sha_of = {(a, o): s for a, o, _n, s in hashed}
-    plan = ReplayPlan(model, tuple(allocations), files,
-                      tuple(ReplayEntry(e.allocation, e.offset, e.size, sha_of[(e.allocation, e.offset)], e.source)
-                            for e in sorted(model_extents, key=lambda x: (x.allocation, x.offset))),
-                      residual_ref)
-    replay_ref = _write_json(out_dir / REPLAY_PLAN_NAME, plan.as_dict())
+        manifest = NativeManifest(model, tuple(allocations), pack_ref.sha256 if pack_ref else None,
+                                  pack_size(ordered), residual_ref, tuple(ordered), tuple(residual))
+        manifest_ref = _write_json(out_dir / MANIFEST_NAME, manifest.as_dict(), temps)
+        sha_of = {(a, o): s for a, o, _n, s in hashed}
+        plan = ReplayPlan(model, tuple(allocations), files,
+                          tuple(ReplayEntry(e.allocation, e.offset, e.size, sha_of[(e.allocation, e.offset)], e.source)
+                                for e in sorted(model_extents, key=lambda x: (x.allocation, x.offset))),
+                          residual_ref)
+        replay_ref = _write_json(out_dir / REPLAY_PLAN_NAME, plan.as_dict(), temps)
+        _publish(out_dir, temps, (RESIDUAL_NAME, REPLAY_PLAN_NAME, MANIFEST_NAME))
+    except BaseException:
+        for tmp in temps.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        raise
     return WorkerPayload(pack_ref, residual_ref, manifest_ref, replay_ref, model_bytes, residual_bytes,
                          len(allocations), pack_size(ordered), len(model_extents), reused)
 

@@ -157,9 +157,13 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
             except IntegrityError:
                 pass
         if source.kind == "local":
-            _check_local(source, hexd, size)  # what the real run would refuse, read-only
+            os.close(_open_local(source, hexd, size))  # what the real run would refuse, read-only
         return StageResult(True, final, sha256, size, False, 0, 0, source.describe())
 
+    if source.kind == "local" and not os.path.lexists(final):
+        # A source that cannot be used is refused before the digest's lock is taken (every other stager
+        # of the digest on this host waits on it); a staged pack is reused below whatever the source is.
+        os.close(_open_local(source, hexd, size))
     with cache.lock(sha256, timeout=lock_timeout):
         cache.clean_stale_temps(sha256)
         _clean_downloads(cache, hexd)
@@ -181,15 +185,8 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
 
 
 def _stage_local(cache: NodeCache, hexd: str, size: int, source: StageSource, progress: Progress | None) -> int:
-    if source.path is None:
-        raise AssertionError("a local stage source has no path")
+    src_fd = _open_local(source, hexd, size)
     try:
-        src_fd = os.open(source.path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ColdSnapError(f"payload source {source.path} does not exist",
-                            fix="give the path of the pack on this host") from None
-    try:
-        _check_local(source, hexd, size, os.fstat(src_fd))
         with PackWriter(cache, expected_sha256=f"sha256:{hexd}", size=size, lock_held=True,
                         what=f"model payload sha256:{hexd} from {source.path}") as w:
             _pipelined(src_fd, size, 0, w.write, progress, what=f"payload source {source.path}")
@@ -199,14 +196,45 @@ def _stage_local(cache: NodeCache, hexd: str, size: int, source: StageSource, pr
         os.close(src_fd)
 
 
+def _open_local(source: StageSource, hexd: str, size: int) -> int:
+    """Open a local source that is a regular file of the payload's size, readable by this user.
+
+    Looked at before it is opened, and opened without blocking: a FIFO (or a device) at the path is
+    refused, never waited on while the digest's lock is held.
+    """
+    if source.path is None:
+        raise AssertionError("a local stage source has no path")
+    _check_local(source, hexd, size)
+    try:
+        fd = os.open(source.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _source_error(source, exc) from None
+    try:
+        _check_local(source, hexd, size, os.fstat(fd))  # the file opened (the path may have changed since)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _source_error(source: StageSource, exc: OSError) -> ColdSnapError:
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        return ColdSnapError(f"payload source {source.path} does not exist",
+                             fix="give the path of the pack on this host")
+    if isinstance(exc, PermissionError):
+        return ColdSnapError(f"payload source {source.path} cannot be read by this user (uid {os.geteuid()}): "
+                             "permission denied", fix="make it readable by this user")
+    return ColdSnapError(f"payload source {source.path} cannot be opened: {exc.strerror or exc}",
+                         fix="give the path of the pack on this host")
+
+
 def _check_local(source: StageSource, hexd: str, size: int, st: os.stat_result | None = None) -> None:
     """A local source is a regular file of the payload's size (``st``: of the opened file; None: look)."""
     if st is None:
         try:
             st = os.stat(str(source.path))
-        except FileNotFoundError:
-            raise ColdSnapError(f"payload source {source.path} does not exist",
-                                fix="give the path of the pack on this host") from None
+        except OSError as exc:
+            raise _source_error(source, exc) from None
     if not stat.S_ISREG(st.st_mode):
         raise ColdSnapError(f"payload source {source.path} is not a regular file", fix="give the pack file")
     if st.st_size != size:

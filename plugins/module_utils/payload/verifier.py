@@ -174,17 +174,22 @@ class PayloadVerifier:
             # Check mode / read-only verification: no lock file, no record, no quarantine.
             return self._verify(path, hexd, size, cache, write_record=False, progress=progress, read_only=True,
                                 rehash=rehash, pipelined=pipelined)
-        if not os.path.lexists(path):  # said before a lock file (or a mistyped state root) is created for it
-            raise ColdSnapError(f"model payload sha256:{hexd} is not present at {path}", fix=STAGE_FIX)
+        _check_present(path, hexd)  # said before a lock file (or a mistyped state root) is created for it
+        # A pack given by its path may lie in a directory of the user's that is no state root: its
+        # directories are neither created nor made private; without a lock directory there, no lock and
+        # no record (the read-only verification below).
+        explicit = not isinstance(target, NodeCache)
         with contextlib.ExitStack() as stack:
             try:
-                stack.enter_context(cache.lock(sha256, timeout=self.lock_timeout))
-            except OSError as exc:
-                if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT):
+                stack.enter_context(cache.lock(sha256, timeout=self.lock_timeout, create=not explicit))
+            except (OSError, ColdSnapError) as exc:
+                if not _lock_unavailable(exc, explicit):
                     raise
                 # A read-only view of the cache (e.g. a unit's bind mount): verify without lock or record.
                 return self._verify(path, hexd, size, cache, write_record=False, progress=progress, read_only=True,
                                     rehash=rehash, pipelined=pipelined)
+            with contextlib.suppress(OSError):
+                cache.clean_stale_temps(sha256)  # a killed verifier's record temp (we hold the digest's lock)
             return self._verify(path, hexd, size, cache, write_record=write_record, progress=progress, rehash=rehash,
                                 pipelined=pipelined)
 
@@ -253,9 +258,9 @@ class PayloadVerifier:
         cls = IntegrityError if all(isinstance(e, IntegrityError) for e in errors) else ColdSnapError
         quarantined = [e.details.get("quarantined") for e in errors if isinstance(e, ColdSnapError)]
         raise cls(f"{len(failures)} of {len(items)} model payloads failed verification: "
-                  + "; ".join(f"[{i}] {exc}" for i, exc in failures),
-                  fix=STAGE_FIX, details={"failed": [items[i][1] for i, _e in failures],
-                                          "quarantined": [q for q in quarantined if q]})
+                  + "; ".join(f"[{i}] {_problem_of(exc)}" for i, exc in failures),
+                  fix=_common_fix(errors), details={"failed": [items[i][1] for i, _e in failures],
+                                                    "quarantined": [q for q in quarantined if q]})
 
     def verify_locked(self, path: Path, sha256: str, size: int, *, write_record: bool = True,
                       progress: Progress | None = None, rehash: bool = False) -> VerifiedPayload:
@@ -399,6 +404,48 @@ def _check_size_arg(size: int) -> None:
         raise ColdSnapError(f"payload size {size!r} is not a non-negative integer", fix="give the size in bytes")
 
 
+def _problem_of(exc: BaseException) -> str:
+    """An error's message without its fix (a combined message says each fix once)."""
+    return exc.problem if isinstance(exc, ColdSnapError) else str(exc)
+
+
+def _common_fix(errors: Sequence[BaseException]) -> str:
+    """The fixes of several errors, each said once, in order of first appearance."""
+    fixes: list[str] = []
+    for exc in errors:
+        fix = exc.fix if isinstance(exc, ColdSnapError) else None
+        if fix and fix not in fixes:
+            fixes.append(fix)
+    return "; ".join(fixes) if fixes else STAGE_FIX
+
+
+def _check_present(path: Path, hexd: str) -> None:
+    """Something is at ``path`` (what it is, the verification says); absent or unreachable is an error."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise ColdSnapError(f"model payload sha256:{hexd} is not present at {path}", fix=STAGE_FIX) from None
+    except PermissionError:
+        raise ColdSnapError(f"model payload {path}: permission denied (this user, uid {os.geteuid()}, may not "
+                            "look into its directories)",
+                            fix="run as the state root's owner (or root)") from None
+    except OSError as exc:
+        raise ColdSnapError(f"cannot look up model payload {path}: {exc.strerror}",
+                            fix="check the state root's file system and permissions") from None
+
+
+def _lock_unavailable(exc: BaseException, explicit: bool) -> bool:
+    """Whether taking the digest's lock failed because the cache cannot be written here (read-only,
+    another user's, full) or, for a pack given by its path, has no lock directory: then the pack is
+    verified without lock or record."""
+    if isinstance(exc, ColdSnapError):
+        return exc.details.get("errno") in (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(exc, FileNotFoundError) and explicit:
+        return True
+    return isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC,
+                                                      errno.EDQUOT)
+
+
 def _open_pack(path: Path, hexd: str) -> int:
     try:
         # O_NONBLOCK: a FIFO planted at the name must not hang the verifier (and the digest lock it holds)
@@ -409,5 +456,11 @@ def _open_pack(path: Path, hexd: str) -> int:
         if exc.errno == errno.ELOOP:
             raise IntegrityError(f"model payload {path} is a symbolic link",
                                  fix="the cache holds packs as regular files; remove the link and stage the pack") from None
+        if exc.errno == errno.ENXIO:  # a socket (or a device without its driver) where the pack should be
+            raise IntegrityError(f"model payload {path} is not a regular file",
+                                 fix="the cache holds packs as regular files; remove it and stage the pack") from None
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise ColdSnapError(f"model payload {path}: permission denied (uid {os.geteuid()} may not read it)",
+                                fix="run as the state root's owner (or root)") from None
         raise ColdSnapError(f"cannot open model payload {path}: {exc.strerror}",
                             fix="check the permissions of the state root") from None

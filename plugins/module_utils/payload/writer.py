@@ -28,6 +28,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache impor
     DEFAULT_LOCK_TIMEOUT,
     INCOMING,
     NodeCache,
+    no_space_error,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import PackRef
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import write_all
@@ -75,7 +76,10 @@ class PackWriter:
         final = self.cache.objects / (f"{self.expected_hex}.pack" if self.expected_hex else INCOMING)
         for _i in range(5):
             tmp = fsutil.temp_path_for(final)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except OSError as exc:  # no inode left for the temp: name the cache, not the temp
+                raise no_space_error(exc, what=self.what, path=self.cache.objects, needed=self.size) from None
             fcntl.flock(fd, fcntl.LOCK_EX)
             # A cleaner may have taken the flock between create and flock and removed the name: retry.
             try:

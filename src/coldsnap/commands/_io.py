@@ -30,9 +30,12 @@ def read_input(path: str) -> bytes:
             raise ColdSnapError(f"{path}: no such file", fix=fix) from None
         except IsADirectoryError:
             raise ColdSnapError(f"{path}: is a directory", fix=fix) from None
+        except PermissionError:
+            raise ColdSnapError(f"{path}: cannot be read by this user (permission denied)",
+                                fix="make it readable by this user, or run as its owner (or root)") from None
         except OSError as exc:
             raise ColdSnapError(f"{path}: cannot be read ({exc.strerror or exc})",
-                                fix=fix + " that this user can read") from None
+                                fix="give the path of a JSON document this user can read, or '-' for stdin") from None
     if len(data) > MAX_INPUT_BYTES:
         raise ColdSnapError(f"{'standard input' if path == '-' else path}: more than {MAX_INPUT_BYTES >> 20} MiB, "
                             "larger than any ColdSnap document", fix=fix)

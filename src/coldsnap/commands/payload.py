@@ -9,6 +9,7 @@ description of allocations and extents plus raw allocation byte files.
 
 from __future__ import annotations
 
+import os
 import stat
 import sys
 import time
@@ -168,10 +169,17 @@ def _inspect_pack(path: Path, do_hash: bool) -> dict:
     digest = f"sha256:{hexd}"
     ids.parse_digest(digest, what=f"digest in the file name {name!r}")
     try:
-        st = path.stat()
-    except FileNotFoundError:
+        st = path.lstat()
+    except (FileNotFoundError, NotADirectoryError):
         raise ColdSnapError(f"{path} does not exist",
                             fix="give the path of a pack (<state root>/model-payloads/sha256/<hex>.pack)") from None
+    except PermissionError:
+        raise ColdSnapError(f"{path}: permission denied (this user may not look into its directories)",
+                            fix="run as the state root's owner (or root)") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ColdSnapError(f"{path} is a symbolic link (to {os.readlink(path)!r}); packs are regular files and a "
+                            "link is refused, never followed",
+                            fix="give the path of the pack itself (<state root>/model-payloads/sha256/<hex>.pack)")
     if not stat.S_ISREG(st.st_mode):
         raise ColdSnapError(f"{path} is not a regular file; a pack is one",
                             fix="give the path of a pack (<state root>/model-payloads/sha256/<hex>.pack)")
@@ -214,6 +222,25 @@ def run_inspect(args) -> int:
     return 0
 
 
+def _check_bytes_file(alloc: Allocation, p: Path) -> None:
+    """An allocation's bytes file is a regular file holding at least the whole allocation."""
+    what = f"allocation {alloc.id!r}: bytes file {p}"
+    try:
+        st = p.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        raise ColdSnapError(f"{what} does not exist", fix="dump the whole allocation into that file") from None
+    except OSError as exc:
+        raise ColdSnapError(f"{what} cannot be looked at ({exc.strerror})",
+                            fix="give a file this user can read") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise ColdSnapError(f"{what} is {kind}; the allocation's raw bytes must be a regular file",
+                            fix="give the file the allocation was dumped into")
+    if st.st_size < alloc.size:
+        raise ColdSnapError(f"{what} holds {st.st_size} bytes, shorter than the allocation's {alloc.size}",
+                            fix="dump the whole allocation into that file")
+
+
 def run_build(args) -> int:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.pack import (
         FileAllocationReader,
@@ -228,10 +255,7 @@ def run_build(args) -> int:
     allocs = [Allocation(a["id"], a["address"], a["size"]) for a in doc["allocations"]]
     files = {a["id"]: (base / a["bytes"]) for a in doc["allocations"]}
     for a in allocs:
-        p = files[a.id]
-        if not p.is_file() or p.stat().st_size < a.size:
-            raise ColdSnapError(f"allocation {a.id!r}: bytes file {p} is missing or shorter than {a.size} bytes",
-                                fix="dump the whole allocation into that file")
+        _check_bytes_file(a, files[a.id])
     extents = []
     for e in doc["extents"]:
         s = e["source"]
