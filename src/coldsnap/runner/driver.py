@@ -11,7 +11,7 @@ is replayed; each run gets its own artifact directory)::
 
     <state_root>/runs/<operation_id>/          0700
         .lock                                   one run of an operation at a time
-        env/extravars                           0600  public extra vars (JSON)
+        env/extravars                           0600  public extra vars (YAML flow, request strings !unsafe)
         env/envvars                             0600  non-secret environment we set
         env/settings                            0600  runner settings
         inventory/hosts.json                    0600  only when we wrote the inventory
@@ -69,6 +69,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing impo
 from coldsnap.receipts import build_receipt, write_receipt
 from coldsnap.runner.contract import (
     EXTRAVAR_LIVE_PROGRESS,
+    EXTRAVAR_REQUEST,
     check_prepare_only,
     collection_dir,
     operation_extravars,
@@ -127,6 +128,44 @@ def _private_dir(path: Path) -> Path:
 
 def _write_private_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode(), mode=0o600)
+
+
+def _write_extravars(path: Path, public_vars: Mapping[str, Any]) -> None:
+    """``env/extravars`` (ansible-playbook reads it as ``-e @file``): YAML in JSON's flow style, where every
+    string of the request that holds a ``{`` is tagged ``!unsafe``. Ansible trusts extra vars as templates, so
+    a request string such as ``{{ lookup('pipe', ...) }}`` (a prompt, an environment value) would otherwise
+    run on the controller when a task reads it; tagged, it stays the text it is. Only those strings: Ansible
+    resolves a ``!unsafe`` scalar's type from its text as if it were unquoted (``"8"`` would become 8,
+    ``"off"`` false), which no text with a brace in it is mistaken for; Jinja needs a brace."""
+    body = ", ".join(f"{_yaml_quoted(str(k))}: {_yaml_flow(v, unsafe=k == EXTRAVAR_REQUEST)}"
+                     for k, v in sorted(public_vars.items()))
+    atomic_write_bytes(path, ("{" + body + "}\n").encode("ascii"), mode=0o600)
+
+
+def _yaml_flow(value: Any, *, unsafe: bool) -> str:
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{_yaml_quoted(str(k))}: {_yaml_flow(v, unsafe=unsafe)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_yaml_flow(v, unsafe=unsafe) for v in value) + "]"
+    if isinstance(value, str):
+        return ("!unsafe " if unsafe and "{" in value else "") + _yaml_quoted(value)
+    return json.dumps(value)  # numbers, booleans, null: the same in YAML
+
+
+def _yaml_quoted(text: str) -> str:
+    """A YAML double-quoted scalar in ASCII: every character outside printable ASCII escaped (YAML refuses
+    some raw ones; its escapes take a whole code point, so no surrogate pairs)."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif 0x20 <= code < 0x7F:
+            out.append(ch)
+        else:
+            out.append(f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+    return '"' + "".join(out) + '"'
 
 
 def _collection_paths(extra: str | None) -> str:
@@ -437,7 +476,7 @@ def _prepare_run_dir(run_dir: Path, *, public_vars: Mapping[str, Any], caller_en
     env_dir = _private_dir(run_dir / "env")
     for stale in ("cmdline", "passwords", "ssh_key"):  # we never use them; a stale one would change the run
         (env_dir / stale).unlink(missing_ok=True)
-    _write_private_json(env_dir / "extravars", dict(public_vars))
+    _write_extravars(env_dir / "extravars", public_vars)
     _write_private_json(env_dir / "settings", RUNNER_SETTINGS)
     public_env = _base_envvars()
     if not shutil.which("ansible-playbook", path=public_env.get("PATH", os.environ.get("PATH"))):
