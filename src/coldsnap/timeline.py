@@ -21,6 +21,7 @@ switch), so it works headless and inside other programs.
 
 from __future__ import annotations
 
+import io
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_writer
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import write_output
 
 STATUS_COLORS = {
     "failed": "#d62728",
@@ -277,10 +278,11 @@ def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) ->
     if not out.parent.is_dir():
         raise ColdSnapError(f"cannot write the timeline to {out}: {out.parent} is not a directory",
                             fix="give -o a path in an existing directory")
-    # Drawn into a temporary file and renamed: an existing picture is replaced whole or not at all, and a
-    # link at ``out`` is replaced, never written through.
-    with atomic_writer(out, mode=0o644) as fh:
-        fig.savefig(fh, format=picture_format(out))
+    # Drawn whole, then written: an existing picture is replaced whole or not at all (temporary file and
+    # rename), a link at ``out`` is replaced, never written through; a device or FIFO (/dev/stdout) is written to.
+    picture = io.BytesIO()
+    fig.savefig(picture, format=picture_format(out))
+    write_output(out, picture.getvalue(), mode=0o644)
     return out
 
 

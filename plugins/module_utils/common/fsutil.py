@@ -44,8 +44,10 @@ def fsync_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_writer(final: Path, *, mode: int = 0o600, binary: bool = True) -> Iterator[IO[Any]]:
-    """Write ``final`` atomically. On any exception the temp file is removed."""
+    """Write ``final`` atomically. On any exception the temp file is removed. A device, FIFO or socket at
+    ``final`` is refused, never replaced (as root, ``/dev/null`` would become a regular file)."""
     final = Path(final)
+    _refuse_special(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -66,10 +68,37 @@ def atomic_writer(final: Path, *, mode: int = 0o600, binary: bool = True) -> Ite
         raise
 
 
+def _refuse_special(final: Path) -> None:
+    try:
+        st = os.lstat(final)
+    except OSError:
+        return  # absent (or unreachable: the write itself says why)
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+        raise ColdSnapError(f"{final} is a device, FIFO or socket, not a file: it is never replaced",
+                            fix="give the path of a regular file (or of one to create)")
+
+
 def atomic_write_bytes(final: Path, data: bytes, *, mode: int = 0o600) -> None:
     """Write bytes atomically with the given mode."""
     with atomic_writer(final, mode=mode) as fh:
         fh.write(data)
+
+
+def write_output(path: Path | str, data: bytes, *, mode: int = 0o600) -> None:
+    """Write a file a user named for output (``--receipt-json``, ``timeline -o``): a regular file (or a link)
+    is replaced atomically; a device, FIFO or socket there (``/dev/stdout``, ``/dev/null``, a named pipe) is
+    written to, never replaced."""
+    try:
+        st = os.stat(path)  # what a link leads to: /dev/stdout is a link to the process's own stdout
+    except OSError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        with open(os.open(path, os.O_WRONLY | os.O_CLOEXEC), "wb") as fh:
+            fh.write(data)
+        return
+    atomic_write_bytes(Path(path), data, mode=mode)
 
 
 def atomic_write_json(final: Path, obj: Any, *, mode: int = 0o600) -> None:

@@ -12,8 +12,10 @@ go to stderr. Exit status: 0 succeeded, 1 failed, 130 cancelled (SIGINT/SIGTERM)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -21,11 +23,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import write_output
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import OPERATIONS
 
 from coldsnap import api
 from coldsnap.commands._io import print_json, wants_json
-from coldsnap.receipts import write_receipt
+from coldsnap.receipts import receipt_bytes
 from coldsnap.runner import PREPARE_ONLY_OPERATIONS
 from coldsnap.summary import format_summary
 
@@ -136,7 +139,7 @@ def run(args) -> int:
     receipt_file = args.receipt_json
     if receipt_file:
         try:
-            write_receipt(Path(receipt_file), receipt.raw)
+            write_output(receipt_file, receipt_bytes(receipt.raw))
         except OSError as exc:  # it changed since the check above: the operation's outcome still counts
             print(f"coldsnap: cannot write --receipt-json {receipt_file} ({exc.strerror or exc}); the receipt is "
                   f"at {receipt.path}", file=sys.stderr)
@@ -177,7 +180,11 @@ def run(args) -> int:
 
 
 def _check_output_file(path: Path, flag: str) -> None:
-    """A file the command will write: not a directory, in a directory this user may write."""
+    """A file the command will write: not a directory, in a directory this user may write (or a device, FIFO
+    or socket this user may write to, such as /dev/stdout: written to, never replaced)."""
+    with contextlib.suppress(OSError):
+        if not stat.S_ISREG(mode := os.stat(path).st_mode) and not stat.S_ISDIR(mode) and os.access(path, os.W_OK):
+            return
     if path.is_dir():
         raise ColdSnapError(f"{flag} {path} is a directory", fix=f"give {flag} a file name (e.g. {path}/receipt.json)")
     parent = path.parent

@@ -17,19 +17,21 @@ def register(sub) -> None:
                                    "(a clock without one starts at its own first event, and its lane says so).")
     p.add_argument("receipt", metavar="RECEIPT.json|-", help="receipt (format 2)")
     p.add_argument("-o", "--output", metavar="FILE", default="timeline.png",
-                   help="output file: .png (default: %(default)s), .svg or .pdf")
+                   help="output file: .png (default: %(default)s), .svg or .pdf; '-' writes the PNG to stdout")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from coldsnap.timeline import render_timeline
 
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+    if not args.output or args.output.endswith("/"):
+        raise ColdSnapError(f"-o {args.output!r} names no file", fix="give -o a file name, e.g. -o timeline.png")
     receipt = load_receipt(read_input(args.receipt))
     try:
-        out = render_timeline(receipt, Path(args.output))
+        out = render_timeline(receipt, Path("/dev/stdout" if args.output == "-" else args.output))
     except OSError as exc:
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-
         raise ColdSnapError(f"cannot write the timeline to {args.output}: {exc.strerror or exc}",
                             fix="give -o a PNG file path in a writable directory") from None
     print(f"timeline: {out}", file=sys.stderr)

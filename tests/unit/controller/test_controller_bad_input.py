@@ -320,3 +320,32 @@ def test_a_failed_operation_piped_into_head_still_exits_non_zero(capsys, monkeyp
 def test_validate_names_a_document_of_another_kind_in_one_line(capsys, option, given, kind) -> None:
     rc, _out, err = _run(capsys, "validate", option, str(RECEIPT.parents[1] / given))
     assert rc == 2 and f"this is a {kind!r} document" in err and len(err.strip().splitlines()) <= 2, err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a character device needs root")
+def test_a_receipt_file_that_is_a_device_is_written_to_never_replaced(tmp_path, capsys, monkeypatch) -> None:
+    """--receipt-json /dev/null as root used to rename a regular file over the device."""
+    import stat
+
+    import coldsnap.api
+    from coldsnap.api import Receipt
+
+    monkeypatch.setattr(coldsnap.api, "run", lambda *_a, **_k: Receipt.from_dict(json.loads(RECEIPT.read_text()),
+                                                                                  path=RECEIPT))
+    null = tmp_path / "null"
+    os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    rc, _out, err = _run(capsys, "status", "--request-json", str(EXAMPLES / "status.json"),
+                         "--receipt-json", str(null))
+    assert rc == 0, err
+    assert stat.S_ISCHR(os.lstat(null).st_mode) and os.listdir(tmp_path) == ["null"]
+
+
+def test_the_library_never_replaces_a_device_or_fifo_with_a_file(tmp_path) -> None:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_bytes
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(ColdSnapError, match="device, FIFO or socket"):
+        atomic_write_bytes(fifo, b"x")
+    assert os.listdir(tmp_path) == ["pipe"] and os.path.exists(fifo) and not fifo.is_file()

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import struct
+import subprocess
+import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -221,3 +226,30 @@ def test_the_picture_format_follows_the_suffix_and_another_suffix_is_refused(tmp
     with pytest.raises(ColdSnapError, match=r"\.txt is not a picture format"):
         render_timeline(_receipt(), tmp_path / "t.txt")
     assert not (tmp_path / "t.txt").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a character device needs root")
+def test_a_device_or_fifo_is_written_to_never_replaced(tmp_path: Path) -> None:
+    """-o /dev/null as root used to rename a regular file over the device; -o /dev/stdout over the link."""
+    null = tmp_path / "null"
+    os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # the kernel's /dev/null, in a scratch directory
+    render_timeline(_receipt(), null)
+    assert stat.S_ISCHR(os.lstat(null).st_mode) and os.lstat(null).st_rdev == os.makedev(1, 3)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    render_timeline(_receipt(), fifo)
+    reader.join(30)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and _png_size(got[0])[0] >= 1000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["null", "pipe"]  # no temporary file left
+
+
+def test_the_cli_writes_a_png_to_stdout_for_dash_and_refuses_an_empty_name(tmp_path: Path) -> None:
+    receipt = Path(__file__).resolve().parents[2] / "fixtures" / "receipts" / "restore-reference-tiny.json"
+    cli = [str(Path(sys.executable).parent / "coldsnap"), "timeline", str(receipt)]
+    out = subprocess.run([*cli, "-o", "-"], capture_output=True, timeout=120, check=False, cwd=tmp_path)
+    assert out.returncode == 0 and _png_size(out.stdout)[0] >= 1000 and not (tmp_path / "-").exists()
+    empty = subprocess.run([*cli, "-o", ""], capture_output=True, text=True, timeout=120, check=False)
+    assert empty.returncode == 2 and "names no file" in empty.stderr and "Traceback" not in empty.stderr
