@@ -22,9 +22,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from coldsnap.timeline import render_timeline
-
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+    from coldsnap.timeline import render_timeline
 
     if not args.output or args.output.endswith("/"):
         raise ColdSnapError(f"-o {args.output!r} names no file", fix="give -o a file name, e.g. -o timeline.png")

@@ -330,8 +330,8 @@ def test_a_receipt_file_that_is_a_device_is_written_to_never_replaced(tmp_path, 
     import coldsnap.api
     from coldsnap.api import Receipt
 
-    monkeypatch.setattr(coldsnap.api, "run", lambda *_a, **_k: Receipt.from_dict(json.loads(RECEIPT.read_text()),
-                                                                                  path=RECEIPT))
+    doc = json.loads(RECEIPT.read_text())
+    monkeypatch.setattr(coldsnap.api, "run", lambda *_a, **_k: Receipt.from_dict(doc, path=RECEIPT))
     null = tmp_path / "null"
     os.mknod(null, stat.S_IFCHR | 0o666, os.makedev(1, 3))
     rc, _out, err = _run(capsys, "status", "--request-json", str(EXAMPLES / "status.json"),
