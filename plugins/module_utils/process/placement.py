@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import ENGINES, command_option
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu_images
 
 UNPRIVILEGED = 1024  # the first port an internal listener wraps to
@@ -99,9 +100,30 @@ def for_unit(captured_launch: dict, launch: dict, unit_id: str) -> Placement:
         return Placement()
     i, svc = now
     old_addr, new_addr = before[1].get("address", "127.0.0.1"), svc.get("address", "127.0.0.1")
-    return Placement(port_shift=svc["port"] - before[1]["port"],
-                     addresses={old_addr: new_addr} if old_addr != new_addr else {},
+    addresses = {old_addr: new_addr} if old_addr != new_addr else {}
+    # The engine's bind flag says where the serving socket listens, which may be wider than where the service
+    # is probed (bound to 0.0.0.0, probed at 127.0.0.1): a restore whose command binds elsewhere than the
+    # captured one moves the serving listener there too, or it would keep listening where the capture did.
+    bound, binds = _bind_address(captured_launch, unit_id, capture=True), _bind_address(launch, unit_id)
+    if bound is not None and binds is not None and bound != binds:
+        addresses[bound] = binds
+    return Placement(port_shift=svc["port"] - before[1]["port"], addresses=addresses,
                      field_path=f"$.launch.execution.services[{i}].port", service_port=before[1]["port"])
+
+
+def _bind_address(launch: dict, unit_id: str, *, capture: bool = False) -> str | None:
+    """The address the unit's command binds its serving socket to (``0.0.0.0`` for every interface); None when
+    the command does not say (on a restore: where it was captured) or the engine has no such flag."""
+    engine = ENGINES.get(launch.get("engine", ""))
+    unit = next((u for u in launch.get("units", []) if u["id"] == unit_id), None)
+    if engine is None or not engine.address_flag or unit is None:
+        return None
+    got = command_option(unit["command"], engine.address_flag)
+    if got is None and capture:
+        got = engine.default_address  # what the capture's engine bound without the flag
+    if got is None:
+        return None
+    return got or "0.0.0.0"  # an empty bind address is every interface
 
 
 def rebind(images_dir: Path, out_dir: Path, placement: Placement, *, unit: str) -> tuple[Path, list[dict]]:

@@ -121,8 +121,20 @@ class OperationResult:
 
 
 def _private_dir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path, 0o700)  # also when it existed with a wider mode
+    """Create ``path`` 0700 (and make an existing one 0700), never through a symbolic link: one planted at
+    ``runs/`` of a state root a user owns would have root chmod and write wherever it points. Its parent
+    exists (the state root, checked by ``ensure_private_root``, or a directory this function made)."""
+    path.mkdir(exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ColdSnapError(f"{path} is a symbolic link or not a directory ({exc.strerror}): ColdSnap never "
+                            "writes through one", fix=f"remove {path}; the directories below the state root are "
+                                                      "ColdSnap's own and it makes them itself") from None
+    try:
+        os.fchmod(fd, 0o700)  # also when it existed with a wider mode
+    finally:
+        os.close(fd)
     return path
 
 

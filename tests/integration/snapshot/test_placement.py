@@ -137,6 +137,31 @@ def test_a_restore_onto_all_interfaces_moves_the_service_and_keeps_the_control_a
     assert back.succeeded, back.receipt["error"]
 
 
+def test_the_serving_socket_binds_where_the_restore_command_says(captured, state_root):
+    """The command's --host is where the serving socket listens, which may be wider than where the service
+    is probed: a restore whose command binds 0.0.0.0 (probed on loopback) listens on every interface, and one
+    back on 127.0.0.1 listens on loopback only (a socket captured on 0.0.0.0 used to stay there whatever the
+    restore asked, while the receipt said 127.0.0.1)."""
+    wl, artifact, _art, _evidence = captured
+
+    def bind_all(req: dict) -> None:
+        cmd = req["launch"]["units"][0]["command"]
+        if "--host" in cmd:
+            cmd[cmd.index("--host") + 1] = "0.0.0.0"
+        else:  # the reference engine binds 127.0.0.1 by default
+            cmd += ["--host", "0.0.0.0"]
+
+    wide = wl.run(wl.request("restore", artifact=artifact, mutate=bind_all))
+    assert wide.succeeded, wide.receipt["error"]
+    assert _listening(wl.port) == {"0.0.0.0"}
+    control = json.loads((state_root / "workloads" / wl.name / UNIT / f"control-{WORKER}.json").read_text())
+    assert _listening(control["port"]) == {"127.0.0.1"}, "the control API stays on loopback"
+    back = wl.run(wl.request("restore", artifact=artifact))
+    assert back.succeeded, back.receipt["error"]
+    assert _listening(wl.port) == {"127.0.0.1"}
+    assert units_of(back.receipt)[0]["served"] == {"address": "127.0.0.1", "port": wl.port}
+
+
 def test_a_requested_port_a_stranger_holds_fails_in_prepare_and_the_workload_keeps_serving(captured):
     wl, artifact, art, _evidence = captured
     pids = wl.engines()

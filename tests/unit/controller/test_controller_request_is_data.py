@@ -56,3 +56,32 @@ def test_jinja_in_a_request_is_text_on_the_controller(tmp_path: Path) -> None:
     assert seen["prompt"] == request["validation"]["prompt"]
     assert seen["environment"] == request["launch"]["units"][0]["environment"]  # "8", "off", "" stay strings
     assert seen["command"] == request["launch"]["units"][0]["command"]
+
+
+def test_a_link_planted_below_the_state_root_is_never_written_through(tmp_path: Path) -> None:
+    """runs/ (or locks/) of a state root a user owns, made a link to elsewhere (/etc): root used to chmod the
+    link's target 0700 and write the run directory into it."""
+    import os
+    import stat
+
+    import pytest
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+    victim = tmp_path / "victim"
+    victim.mkdir(mode=0o755)
+    os.chmod(victim, 0o755)
+    request = json.loads((REPO / "tests" / "fixtures" / "requests" / "capture-reference.json").read_text())
+    request["operation"] = "stop"
+    request["artifact"] = {"path": "/var/lib/coldsnap/artifacts/fixture/artifact.json"}
+    path = tmp_path / "stop.json"
+    path.write_text(json.dumps(request))
+    inventory = tmp_path / "hosts.ini"
+    inventory.write_text(f"[coldsnap_units]\nlocalhost {LOCAL_VARS}\n")
+    playbook = REPO / "tests" / "fixtures" / "playbooks" / "succeed.yml"
+    for planted in ("runs", "locks"):
+        state = tmp_path / f"state-{planted}"
+        state.mkdir(mode=0o700)
+        (state / planted).symlink_to(victim)
+        with pytest.raises(ColdSnapError, match="symbolic link"):
+            api.stop(path, inventory=inventory, state_root=state, playbook=playbook)
+        assert stat.S_IMODE(victim.stat().st_mode) == 0o755 and list(victim.iterdir()) == []

@@ -38,3 +38,37 @@ def test_a_role_without_its_variables_names_them(tmp_path: Path, role: str, task
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and f"missing required arguments: {missing}" in out, out[-3000:]
     assert "is undefined" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize(("operation", "fails"), [("status", False), ("stop", False), ("wake", True),
+                                                  ("restore", True)])
+def test_the_playbooks_run_as_awx_does_say_the_artifact_is_gone(tmp_path: Path, operation: str, fails: bool) -> None:
+    """After `coldsnap delete` removed a running generation's artifact, the collection's playbooks run directly
+    (an AWX job template) act on what runs for status and stop, and refuse a wake or restore naming the
+    artifact, never with a raw lookup error."""
+    import json
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+
+    request = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "requests"
+                          / "capture-reference.json").read_text())
+    request["operation"] = operation
+    request["artifact"] = {"path": str(tmp_path / "deleted" / "artifact.json")}
+    if operation == "restore":
+        request["artifact"]["sha256"] = "sha256:" + "0" * 64
+    request["workload"]["recipe"] = f"gone-{operation}"
+    extravars = tmp_path / "extravars.json"
+    extravars.write_text(json.dumps({"coldsnap_request": validate_request(request, document="request"),
+                                     "coldsnap_state_root": str(tmp_path / "state"), "coldsnap_prepare_only": False}))
+    ansible_playbook = Path(sys.executable).parent / "ansible-playbook"
+    playbook = Path(__file__).resolve().parents[3] / "playbooks" / f"{operation}.yml"
+    proc = subprocess.run([str(ansible_playbook if ansible_playbook.exists() else shutil.which("ansible-playbook")),
+                           "-i", "localhost,", "-c", "local", "-e", f"ansible_python_interpreter={sys.executable}",
+                           "-e", f"@{extravars}", str(playbook)],
+                          capture_output=True, text=True, env=ansible_env(), timeout=300, check=False)
+    out = proc.stdout + proc.stderr
+    assert "lookup plugin" not in out and "Finalization of task args" not in out, out[-3000:]
+    if fails:
+        assert proc.returncode != 0 and "is not there" in out, out[-3000:]
+    else:
+        assert proc.returncode == 0, out[-3000:]

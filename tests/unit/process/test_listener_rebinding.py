@@ -149,3 +149,24 @@ def test_the_shift_comes_from_the_units_service():
     assert q.listeners([("127.0.0.1", 8000), ("127.0.0.1", 41234)]) == [("192.0.2.2", 8000), ("127.0.0.1", 41234)]
     assert for_unit(launch(8000), launch(9100), "unit-1") == Placement(), "a unit without a service stays"
     assert Placement.from_json(p.to_json()) == p
+
+
+def test_the_serving_listener_follows_the_commands_bind_address_too():
+    """Bound to 0.0.0.0 and probed at 127.0.0.1 at capture (vLLM binds every interface by default), restored
+    with --host 127.0.0.1: the serving socket moves to loopback instead of staying on every interface while
+    the request and the receipt say 127.0.0.1."""
+    def launch(host: str | None, engine: str = "reference") -> dict:
+        command = ["coldsnap-reference-engine", "--port", "8000"] + (["--host", host] if host is not None else [])
+        return {"engine": engine, "units": [{"id": "unit-0", "command": command}],
+                "execution": {"services": [{"id": "api", "unit": "unit-0", "port": 8000, "address": "127.0.0.1"}]}}
+
+    p = for_unit(launch("0.0.0.0"), launch("127.0.0.1"), "unit-0")
+    assert p.listeners([("0.0.0.0", 8000), ("127.0.0.1", 41234)]) == [("127.0.0.1", 8000), ("127.0.0.1", 41234)]
+    # vLLM without --host bound every interface; restored with --host 127.0.0.1 it serves on loopback only.
+    v = for_unit(launch(None, "vllm"), launch("127.0.0.1", "vllm"), "unit-0")
+    assert v.listeners([("0.0.0.0", 8000)]) == [("127.0.0.1", 8000)]
+    # The same bind, or a restore command that does not say, moves nothing.
+    assert not for_unit(launch("0.0.0.0"), launch("0.0.0.0"), "unit-0").moves_anything
+    assert not for_unit(launch("0.0.0.0"), launch(None), "unit-0").moves_anything
+    wide = for_unit(launch("127.0.0.1"), launch("0.0.0.0"), "unit-0")
+    assert wide.listeners([("127.0.0.1", 8000), ("127.0.0.1", 41234)]) == [("0.0.0.0", 8000), ("127.0.0.1", 41234)]
