@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ class EngineHandle:
         self.workload_dir = Path(workload_dir)
         self.control_file = ec.control_file_path(self.workload_dir, worker["id"])
         self.log_path = self.workload_dir / ec.LOG_FILE_NAME
+        self.exit_record: Path | None = None
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
         self._control: ec.ControlInfo | None = None
@@ -57,10 +60,12 @@ class EngineHandle:
         self.pid = self.proc.pid
         return self.pid
 
-    def adopt(self, pid: int, control: ec.ControlInfo | dict) -> None:
-        """Take over a restored process (not our child unless restored as a sibling)."""
+    def adopt(self, pid: int, control: ec.ControlInfo | dict, *, exit_record: Path | None = None) -> None:
+        """Take over a restored process (not our child unless restored as a sibling); ``exit_record``: where
+        the unit keeper that reaps it records how it ended."""
         self.pid = pid
         self._control = control if isinstance(control, ec.ControlInfo) else ec.ControlInfo.from_json(control)
+        self.exit_record = exit_record
 
     def alive(self) -> bool:
         if self.proc is not None:
@@ -94,10 +99,36 @@ class EngineHandle:
         return "\n".join(data[-lines:])
 
     def failure(self, what: str) -> UnitError:
-        code = self.proc.poll() if self.proc is not None else None
-        status = f" (exit status {code})" if code is not None else ""
-        return UnitError(f"unit {self.unit} worker {self.worker['id']}: {what}{status}; last engine log lines:\n"
-                         f"{self.log_tail()}", fix=f"see {self.log_path}")
+        tail = self.log_tail() or "(none: it wrote nothing to its log since it was started or restored)"
+        return UnitError(f"unit {self.unit} worker {self.worker['id']}: {what}{self._ended()}; last engine log "
+                         f"lines:\n{tail}", fix=f"see {self.log_path}")
+
+    def _ended(self, wait: float = 1.0) -> str:
+        """`` (exit status N)`` / `` (killed by SIGKILL)`` when it is known how the engine ended, else ''."""
+        if self.proc is not None:
+            code = self.proc.poll()
+            return "" if code is None else (f" (exit status {code})" if code >= 0 else
+                                            f" (killed by {_signal_name(-code)})")
+        status = None
+        if self.pid is not None:  # restored as our own child (a container's first process restores so)
+            with contextlib.suppress(ChildProcessError, OSError):
+                got, raw = os.waitpid(self.pid, os.WNOHANG)
+                status = raw if got == self.pid else None
+        deadline = time.monotonic() + wait
+        while status is None and self.exit_record is not None:  # or the unit keeper's, which reaps it
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                doc = json.loads(self.exit_record.read_text())
+                if doc.get("pid") == self.pid:
+                    status = int(doc["wait_status"])
+                    break
+            if time.monotonic() >= deadline or self.alive():
+                break
+            time.sleep(0.05)
+        if status is None:
+            return ""
+        if os.WIFSIGNALED(status):
+            return f" (killed by {_signal_name(os.WTERMSIG(status))})"
+        return f" (exit status {os.WEXITSTATUS(status)})" if os.WIFEXITED(status) else ""
 
     # ------------------------------------------------------------- control
     def control_info(self) -> ec.ControlInfo:
@@ -155,3 +186,10 @@ class EngineHandle:
             if not self.alive():
                 raise self.failure("the engine exited")
             time.sleep(0.05)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -71,11 +71,18 @@ def _restore_and_reap(criu, images: Path, result_file: Path, *, leave_stopped: b
     _write(result_file, {"ok": True, "pid": res.pid, "seconds": res.seconds, "keeper": os.getpid()})
     while True:
         try:
-            os.wait()
+            pid, status = os.wait()
         except ChildProcessError:
             return 0
         except InterruptedError:
             continue
+        if pid == res.pid:  # how the engine ended, for the activation's error (it is not its child)
+            _write(exit_record(result_file.parent), {"pid": pid, "wait_status": status})
+
+
+def exit_record(work_dir: Path) -> Path:
+    """Where a keeper records how its restored engine ended (``pid``, ``wait_status``)."""
+    return Path(work_dir) / "keeper-exit.json"
 
 
 def run(criu_binary: str | None) -> int:
@@ -143,6 +150,7 @@ class Prestarted:
 
         result_file = private_work_dir(work_dir) / "keeper-result.json"
         result_file.unlink(missing_ok=True)
+        exit_record(result_file.parent).unlink(missing_ok=True)
         job = {"images": str(images), "result": str(result_file), "log": str(log_path),
                "leave_stopped": leave_stopped, "options": options, "huge_pages": huge_pages}
         self.sent = True

@@ -725,7 +725,7 @@ class Activation:
                             _port_taken_since_admission(kept["error"], listeners[wid], spec.unit_id)
                             raise UnitError(f"unit {spec.unit_id}: {kept['error']}")
                         pid = kept["pid"]
-                    h.adopt(pid, control)
+                    h.adopt(pid, control, exit_record=None if spec.supervise else keeper.exit_record(work))
                     restored.append(h)
                     if pid != cw["pid"]:
                         raise UnitError(f"unit {spec.unit_id}: CRIU restored pid {pid}, captured {cw['pid']}")

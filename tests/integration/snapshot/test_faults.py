@@ -256,6 +256,7 @@ def test_an_engine_that_dies_as_criu_restores_it_is_named_and_status_says_stoppe
     assert not res.succeeded
     message = json.dumps(res.receipt["error"])
     assert "ProcessLookupError" not in message and "died" in message and "engine" in message, message
+    assert "killed by SIGKILL" in message, message  # the keeper that reaped it recorded how it ended
     assert not engines_after(wl, 10)
     assert unit_state(wl.run(wl.request("status", artifact=artifact))) == "stopped", \
         "a failed restore leaves no control file behind"
