@@ -79,14 +79,14 @@ def push_capsule(ref: CapsuleRef, repository: str, *, auth: dict[str, Any] | Non
     details = inspect_capsule(ref, verify=True, client=client)
     tag = publish_tag(ref, details.get("capture_id"))
     if ref.layout == "docker":
-        digest = _push_docker(ref, repository, tag, auth=auth, progress=progress, client=client)
+        digest = _push_docker(ref, repository, tag, auth=auth, progress=progress, client=client, insecure=insecure)
     else:
         digest = _push_oci(ref, repository, tag, auth=auth, progress=progress, insecure=insecure)
     return f"{repository}@{digest}"
 
 
 def _push_docker(ref: CapsuleRef, repository: str, tag: str, *, auth: dict[str, Any] | None,
-                 progress: Progress | None, client: Any) -> str:
+                 progress: Progress | None, client: Any, insecure: bool | None = None) -> str:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import dockerapi
 
     docker = dockerapi.docker_module()
@@ -122,8 +122,9 @@ def _push_docker(ref: CapsuleRef, repository: str, tag: str, *, auth: dict[str, 
     if not digest or not ids.is_digest(digest):
         raise PublishError(f"push of capsule of unit {ref.unit!r} to {repository} reported no manifest digest",
                            fix="check the Docker daemon's logs; nothing was recorded")
+    # Read back as the daemon pushed it: over plain HTTP where the publication says the registry is insecure.
     _verify_remote_manifest(repository, digest, auth=auth, what=f"capsule of unit {ref.unit!r}",
-                            expected_config=ref.image_id)
+                            expected_config=ref.image_id, insecure=insecure)
     return digest
 
 
@@ -219,9 +220,7 @@ def _pull_docker(repository_digest: str, expected_image_id: str, *, auth: dict[s
     except docker.errors.APIError as exc:
         error = str(exc.explanation or exc)
     if error:
-        raise IntegrityError(f"pull of capsule {repository_digest} failed: {error}",
-                             fix="the registry is unreachable or returned bytes that do not match their digest; "
-                                 "nothing was cached")
+        raise IntegrityError(f"pull of capsule {repository_digest} failed: {error}", fix=_pull_fix(error, repo))
     try:
         image = client.images.get(repository_digest)
     except docker.errors.ImageNotFound:
@@ -244,6 +243,18 @@ def _pull_docker(repository_digest: str, expected_image_id: str, *, auth: dict[s
     bytes_ = int(image.attrs.get("Size") or 0)
     return CapsuleRef(labels.get(LABEL_UNIT, unit or ""), "docker", image.id, repository_digest, bytes_,
                       repository_digest)
+
+
+def _pull_fix(error: str, repository: str) -> str:
+    """What to do about a pull the daemon refused, from its reason."""
+    said = error.lower()
+    if any(word in said for word in ("no basic auth credentials", "unauthorized", "denied", "authentication required")):
+        return (f"give the registry's credentials for {repository} (coldsnap_registry_username, and "
+                "--secret-env coldsnap_registry_password or coldsnap_registry_token); nothing was cached")
+    if "manifest unknown" in said or "not found" in said:
+        return (f"the capsule is no longer in {repository}: publish the capture again from its capture host "
+                "(coldsnap publish), or restore on that host; nothing was cached")
+    return "the registry is unreachable or returned bytes that do not match their digest; nothing was cached"
 
 
 def _docker_has(client: Any, image_id: str) -> bool:

@@ -345,7 +345,7 @@ _HOST_TREES = {"/": "the host's whole file system", "/etc": "the host's configur
                "/root": "root's home", "/var/run": "the host's runtime sockets", "/run": "the host's runtime sockets"}
 
 
-def _host_tree_exposed(source: str) -> str | None:
+def host_tree_exposed(source: str) -> str | None:
     """What of the host a mount of ``source`` exposes, when it is a system tree, lies below one or holds one
     (``/var`` holds ``/var/run``), is a container engine's socket, or holds secrets (a credential directory, a
     user's home, the container engine's data, ColdSnap's operation data: :func:`.capsule_paths.secrets_exposed`,
@@ -416,6 +416,11 @@ def launch_issues(launch: dict, *, op: str | None = None) -> list[FormatIssue]:
     source = launch["model"]["source"]
     model_root = source.get("path") or source.get("cache_dir")  # where the recovery provider reads the model
     model_path = normalize_abs(model_root) if model_root else None
+    exposed = host_tree_exposed(model_root) if model_root else None
+    if exposed:  # a docker unit binds it when no mount covers it
+        where = "path" if source.get("path") else "cache_dir"
+        add(f"$.launch.model.source.{where}", f"the model is read from {model_root!r}, which would give the unit "
+            f"{exposed}", "point it at the model's own directory (e.g. /var/lib/coldsnap/models/<name>)")
     unit_by_id: dict[str, dict] = {}
     for i, unit in enumerate(units):
         p = f"$.launch.units[{i}]"
@@ -455,7 +460,7 @@ def launch_issues(launch: dict, *, op: str | None = None) -> list[FormatIssue]:
                 add(f"{p}.image", "runtime 'host' runs no image", "remove image or set launch.runtime to 'docker'")
         targets = set()
         for j, mount in enumerate(unit["mounts"]):
-            exposed = _host_tree_exposed(mount["source"])
+            exposed = host_tree_exposed(mount["source"])
             if exposed:
                 add(f"{p}.mounts[{j}].source", f"mounting {mount['source']!r} would give the unit {exposed}",
                     "mount the model's own directory (a unit's mounts hold model files, read-only)")

@@ -60,7 +60,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     UnitError,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
+    host_tree_exposed,
+    units_on_host,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, UnitSpec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state
@@ -218,7 +221,9 @@ def _covered(path: str, targets: list[str]) -> bool:
 
 
 def model_mounts(request: dict, unit: dict) -> list[dict]:
-    """The unit's request mounts (model mounts read-only), plus the recovery source when no mount covers it."""
+    """The unit's request mounts (model mounts read-only), plus the recovery source when no mount covers it.
+    Each source is bound as what it resolves to on this host, which must pass the request's host-tree rule
+    too (a link to ``/`` in a model directory would otherwise bind the host's root into the container)."""
     src = model_dir(request)
     out = []
     for m in unit.get("mounts", []):
@@ -227,11 +232,21 @@ def model_mounts(request: dict, unit: dict) -> list[dict]:
             raise ColdSnapError(f"unit {unit['id']}: model mount {m['source']} -> {m['target']} is writable",
                                 fix="mount model inputs read-only (read_only: true)")
         kind = "model" if m.get("read_only", True) else "other"
-        out.append({"source": m["source"], "target": m["target"], "read_only": bool(m.get("read_only", True)),
-                    "kind": kind})
+        out.append({"source": _resolved_source(m["source"], unit["id"]), "target": m["target"],
+                    "read_only": bool(m.get("read_only", True)), "kind": kind})
     if src is not None and not _covered(src, [m["target"] for m in out]) and os.path.isdir(src):
-        out.append({"source": src, "target": src, "read_only": True, "kind": "model"})
+        out.append({"source": _resolved_source(src, unit["id"]), "target": src, "read_only": True, "kind": "model"})
     return out
+
+
+def _resolved_source(source: str, unit_id: str) -> str:
+    real = os.path.realpath(source)
+    exposed = host_tree_exposed(real)
+    if exposed:
+        raise ColdSnapError(f"unit {unit_id}: mount source {source} resolves to {real} on this host, which would "
+                            f"give the unit {exposed}",
+                            fix="mount the model's own directory (no symbolic link out of it to a system tree)")
+    return real
 
 
 def _state_mount(path: Path, *, read_only: bool = False) -> dict:

@@ -348,6 +348,14 @@ def test_a_mount_spelled_with_extra_slashes_is_refused_as_not_normalized(base, s
         validate_request(base)
 
 
+@pytest.mark.parametrize("path", ["/var/run", "/etc", "/root", "/"])
+def test_a_model_source_that_is_a_host_tree_is_refused_like_a_mount(base, path):
+    """A docker unit binds the model source when no mount covers it: the same rule as a mount's source."""
+    base["launch"]["model"]["source"]["path"] = path
+    with pytest.raises(FormatError, match=r"\$\.launch\.model\.source\.path.*would give the unit"):
+        validate_request(base)
+
+
 def test_a_mount_of_a_model_directory_is_fine(base):
     base["launch"]["units"][0]["mounts"] = [{"source": "/root/models/tiny", "target": "/mnt/x", "read_only": True}]
     validate_request(base)

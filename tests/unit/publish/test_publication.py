@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -177,6 +178,35 @@ def test_model_mounts_are_read_only_and_the_recovery_source_is_visible(tmp_path)
         dr.model_mounts(req, unit)
 
 
+@pytest.mark.parametrize("where", ["/", "/etc", "/var/run"])
+def test_a_mount_source_that_links_to_a_host_tree_is_refused_on_the_host(tmp_path, where):
+    """The request's rule sees the path as written; the host binds what it resolves to: a link to / in a
+    model directory would put the host's root (writable) into the container."""
+    link = tmp_path / "models" / "rootlink"
+    link.parent.mkdir()
+    link.symlink_to(where)
+    req = {"launch": {"model": {"source": {"kind": "local-safetensors", "path": str(tmp_path / "models")}}}}
+    unit = {"id": "unit-0", "mounts": [{"source": str(link), "target": "/hostroot", "read_only": False}]}
+    real = os.path.realpath(where)  # /var/run is itself a link to /run
+    with pytest.raises(ColdSnapError, match=f"resolves to {real} on this host"):
+        dr.model_mounts(req, unit)
+    req["launch"]["model"]["source"]["path"] = str(link)  # the recovery source bound at its own path
+    with pytest.raises(ColdSnapError, match=f"resolves to {real} on this host"):
+        dr.model_mounts(req, {"id": "unit-0", "mounts": []})
+
+
+def test_a_model_directory_reached_through_a_link_is_bound_as_what_it_is(tmp_path):
+    real = tmp_path / "data" / "llama"
+    real.mkdir(parents=True)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "llama").symlink_to(real)
+    req = {"launch": {"model": {"source": {"kind": "local-safetensors", "path": "/models/llama"}}}}
+    unit = {"id": "unit-0", "mounts": [{"source": str(tmp_path / "models" / "llama"), "target": "/models/llama",
+                                        "read_only": True}]}
+    assert dr.model_mounts(req, unit) == [{"source": str(real), "target": "/models/llama", "read_only": True,
+                                           "kind": "model"}]
+
+
 def test_an_unreachable_registry_is_no_answer_to_whether_a_capsule_is_there() -> None:
     """Only the registry's "not found" counts as absent: check mode must not promise a push that the real
     run cannot make (and a real run must not push because a lookup failed)."""
@@ -185,3 +215,17 @@ def test_an_unreachable_registry_is_no_answer_to_whether_a_capsule_is_there() ->
 
     with pytest.raises(RegistryError, match="unreachable"):
         remote_has("127.0.0.1:1/coldsnap/capsules@sha256:" + "a" * 64, insecure=True)
+
+
+@pytest.mark.parametrize(("error", "says"), [
+    ("Head https://r:5000/v2/c/manifests/sha256:ab: no basic auth credentials", "credentials for r:5000/c"),
+    ("unauthorized: authentication required", "credentials for r:5000/c"),
+    ("manifest for r:5000/c@sha256:ab not found: manifest unknown", "no longer in r:5000/c"),
+    ("Get https://r:5000/v2/: dial tcp: connection refused", "unreachable"),
+])
+def test_a_refused_capsule_pull_says_what_to_do_about_its_reason(error, says):
+    """A restore whose pull the daemon refuses for credentials or a capsule gone from the registry names that
+    fix (it used to blame an unreachable registry or corrupt bytes for both)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.publish import _pull_fix
+
+    assert says in _pull_fix(error, "r:5000/c")
