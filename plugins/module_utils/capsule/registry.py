@@ -144,6 +144,9 @@ class RegistryClient:
                 if exc.code == 401 and attempt == 0 and self._answer_challenge(exc.headers, scope):
                     exc.close()
                     continue
+                if exc.code == 401 and attempt == 1:  # the challenge was answered with our credentials
+                    exc.close()
+                    break
                 if exc.code in expect:
                     return exc
                 raise self._error(exc, method, what) from None
