@@ -100,7 +100,7 @@ def test_refused_credentials_are_reported_without_the_secret(auth_registry: str)
     with pytest.raises(RegistryError) as err:
         client.blob_exists(DIGEST)
     assert err.value.status == 401
-    assert "wrong-pw" not in str(err.value) and "refused the credentials" in str(err.value)
+    assert "wrong-pw" not in str(err.value) and "credentials" in str(err.value)
     anonymous = RegistryClient(f"{auth_registry}/coldsnap/capsules")
     with pytest.raises(RegistryError, match="401"):
         anonymous.blob_exists(DIGEST)
