@@ -33,6 +33,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import (
+    STATE_ROOT_ENV,
+    state_root_from_env,
+    user_state_root,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import load_receipt
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
     validate_request,
@@ -136,26 +141,51 @@ def decoded_request(request: RequestSource) -> tuple[Any, str]:
 
 
 def resolve_state_root(value: str | os.PathLike[str] | None) -> Path:
-    """``value``, else ``$COLDSNAP_STATE_ROOT``, else the per-user default (/var/lib/coldsnap for root).
+    """``value``, else ``$COLDSNAP_STATE_ROOT``, else the per-user default (/var/lib/coldsnap for root), as an
+    absolute path (a relative one is taken from the current directory, here: the playbook runs elsewhere).
 
-    A path that exists and is not a directory is refused here, before anything is written below it."""
+    An empty value or variable, and a path that exists and is not a directory, are refused here, before
+    anything is written below it; the message names where the path came from."""
     if value is not None and not str(value).strip():
         # an unset shell variable ("$SR") must not mean the default state root, which holds production state
         raise ColdSnapError("--state-root is empty", fix="give a directory, or leave the option out for "
-                            f"{default_state_root()} (or set COLDSNAP_STATE_ROOT)")
-    root = Path(value).expanduser() if value else Path(default_state_root())
+                            f"{_default_state_root_text()}")
+    from_env = False
+    if value is not None:
+        root = Path(value).expanduser()
+    else:
+        root = state_root_from_env()  # refuses a variable that is set but empty
+        from_env = root is not None
+        if root is None:
+            root = user_state_root()
+    root = root.absolute()
+    named = f"state root {root}" + (f" (from {STATE_ROOT_ENV})" if from_env else "")
+    if from_env:
+        elsewhere = f"set {STATE_ROOT_ENV} to the state directory (the one holding runs/), or unset it"
+    elif value is not None:
+        elsewhere = f"pass --state-root the state directory, or leave it out for {_default_state_root_text()}"
+    else:
+        elsewhere = f"pass --state-root the state directory (or set {STATE_ROOT_ENV})"
     try:
         st = os.stat(root)
     except FileNotFoundError:
         return root  # made by the first operation
     except OSError as exc:
-        raise ColdSnapError(f"state root {root} cannot be read ({exc.strerror or exc})",
-                            fix="run as a user who may use it, or pass --state-root a directory of your own") from None
+        raise ColdSnapError(f"{named} cannot be read ({exc.strerror or exc})",
+                            fix=f"run as a user who may use it, or {elsewhere}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise ColdSnapError(f"state root {root} is not a directory",
-                            fix="pass --state-root the state directory (or leave it out: "
-                                f"{default_state_root()} for this user)")
+        raise ColdSnapError(f"{named} is not a directory", fix=elsewhere)
     return root
+
+
+def _default_state_root_text() -> str:
+    """Where the state root is without --state-root, for a message (never raises)."""
+    try:
+        root = default_state_root()
+    except ColdSnapError:  # the variable is set but empty
+        return f"{user_state_root()} (once the empty {STATE_ROOT_ENV} is unset)"
+    return f"{root.absolute()}" + (f" (from {STATE_ROOT_ENV})" if os.environ.get(STATE_ROOT_ENV) is not None
+                                   else f" (or set {STATE_ROOT_ENV})")
 
 
 def run(operation: str, request: RequestSource, *, prepare_only: bool = False, inventory: Inventory = None,

@@ -68,7 +68,25 @@ def _without_collection(argv: list[str] | None, missing: CollectionNotFound) -> 
     return 2
 
 
+def _closed_stdio_to_devnull() -> None:
+    """A standard stream the caller closed (``>&-``) becomes /dev/null: what a command prints there is dropped
+    instead of failing with a traceback (its exit status still says how it went), and no file the command opens
+    later takes the descriptor, where a child process or a stray print would write into it."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        if getattr(sys, name) is not None:
+            continue
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+        setattr(sys, name, open(fd, "w", encoding="utf-8", errors="replace", closefd=False))
+
+
 def main(argv: list[str] | None = None) -> int:
+    _closed_stdio_to_devnull()
     try:
         parser = build_parser()
     except CollectionNotFound as missing:

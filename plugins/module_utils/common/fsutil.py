@@ -44,10 +44,10 @@ def fsync_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_writer(final: Path, *, mode: int = 0o600, binary: bool = True) -> Iterator[IO[Any]]:
-    """Write ``final`` atomically. On any exception the temp file is removed. A device, FIFO or socket at
-    ``final`` is refused, never replaced (as root, ``/dev/null`` would become a regular file)."""
+    """Write ``final`` atomically. On any exception the temp file is removed. Whatever is at ``final`` is
+    replaced (in the state root, a FIFO planted at a record's name gives way to the record): a path a user
+    names for output goes through :func:`write_output`, which writes to a device or FIFO instead."""
     final = Path(final)
-    _refuse_special(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -66,18 +66,6 @@ def atomic_writer(final: Path, *, mode: int = 0o600, binary: bool = True) -> Ite
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-
-
-def _refuse_special(final: Path) -> None:
-    try:
-        st = os.lstat(final)
-    except OSError:
-        return  # absent (or unreachable: the write itself says why)
-    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-
-        raise ColdSnapError(f"{final} is a device, FIFO or socket, not a file: it is never replaced",
-                            fix="give the path of a regular file (or of one to create)")
 
 
 def atomic_write_bytes(final: Path, data: bytes, *, mode: int = 0o600) -> None:

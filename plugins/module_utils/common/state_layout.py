@@ -44,12 +44,33 @@ ARTIFACTS = "artifacts"
 LOCKS = "locks"
 
 
+def state_root_from_env() -> Path | None:
+    """``$COLDSNAP_STATE_ROOT`` (``~`` expanded), None when it is unset.
+
+    Set but empty is refused: an exported shell variable that was never given a value must not mean the
+    default state root, which holds production state (as an empty ``--state-root`` is refused)."""
+    env = os.environ.get(STATE_ROOT_ENV)
+    if env is None:
+        return None
+    if not env.strip():
+        raise ColdSnapError(f"{STATE_ROOT_ENV} is set but empty",
+                            fix=f"set it to the state directory, or unset it ('unset {STATE_ROOT_ENV}') for "
+                                f"{user_state_root()}")
+    return Path(env).expanduser()
+
+
 def default_state_root() -> Path:
     """``$COLDSNAP_STATE_ROOT``, else ``/var/lib/coldsnap`` for root, else ``$XDG_STATE_HOME/coldsnap``
-    (``~/.local/state/coldsnap``)."""
-    env = os.environ.get(STATE_ROOT_ENV)
-    if env:
-        return Path(env)
+    (``~/.local/state/coldsnap``). An empty ``$COLDSNAP_STATE_ROOT`` is refused (ColdSnapError)."""
+    env = state_root_from_env()
+    if env is not None:
+        return env
+    return user_state_root()
+
+
+def user_state_root() -> Path:
+    """The state root without ``$COLDSNAP_STATE_ROOT``: ``/var/lib/coldsnap`` for root, else
+    ``$XDG_STATE_HOME/coldsnap`` (``~/.local/state/coldsnap``)."""
     if os.geteuid() == 0:
         return Path(DEFAULT_STATE_ROOT)
     xdg = os.environ.get("XDG_STATE_HOME")

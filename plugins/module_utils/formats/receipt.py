@@ -57,6 +57,20 @@ def replay_semantics(operation: str, *, prepare_only: bool = False) -> str:
 _RFC3339 = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(?:\.\d{1,6})?(?:Z|[+-]\d\d:\d\d)")
 
 
+# A receipt's timing and result describe the whole fleet's run: one restored host adds some 750 JSON values
+# of spans, so the opaque-data bound of task arguments (MAX_OPAQUE_VALUES) would refuse a receipt of about
+# 135 hosts after the playbook acted. Receipts are bounded for fleets of thousands of hosts instead (and the
+# controller reads no document above 64 MiB).
+MAX_RECEIPT_VALUES = 2_000_000
+_RECEIPT_TOO_BIG_FIX = (f"a receipt holds at most {MAX_RECEIPT_VALUES} values in each of timing and result (the "
+                        "spans of some 2,500 hosts): run the operation on fewer hosts at a time, or check where "
+                        "this receipt came from")
+
+
+def _receipt_data() -> AnyJSON:
+    return AnyJSON(object_only=True, max_values=MAX_RECEIPT_VALUES, too_big_fix=_RECEIPT_TOO_BIG_FIX)
+
+
 _RFC3339_FIX = "write an RFC 3339 time with its offset (at most microseconds), such as 2026-11-29T11:08:00.123456Z"
 
 
@@ -92,8 +106,8 @@ RECEIPT_SCHEMA = Obj({
     "started_at": Field(Timestamp()),
     "completed_at": Field(Nullable(Timestamp()), description="null while running"),
     "duration_seconds": Field(Num(minimum=0)),
-    "timing": Field(AnyJSON(object_only=True)),
-    "result": Field(Nullable(AnyJSON(object_only=True))),
+    "timing": Field(_receipt_data()),
+    "result": Field(Nullable(_receipt_data())),
     "error": Field(Nullable(Obj({
         "message": Field(Str()),
         "host": Field(Nullable(Str()), required=False, default=None),

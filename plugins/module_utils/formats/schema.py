@@ -22,6 +22,19 @@ MISSING: Any = object()
 Check = Callable[[Any], "tuple[str, str] | None"]
 
 
+# An issue names a bad value; it does not repeat all of it (an id of 100,000 characters, a key of a
+# megabyte): a quoted value is cut to this many characters, and says how long it was.
+MAX_QUOTED = 200
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)`` for a message, at most about MAX_QUOTED characters."""
+    if isinstance(value, str) and len(value) > MAX_QUOTED:
+        return f"{value[:MAX_QUOTED]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= MAX_QUOTED else f"{text[:MAX_QUOTED]}... ({len(text)} characters)"
+
+
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
@@ -71,7 +84,7 @@ class Const(Schema):
         # nor True the 1
         if (not isinstance(value, type(self.value)) or isinstance(value, bool) != isinstance(self.value, bool)
                 or value != self.value):
-            issues.append(FormatIssue(path, f"must be {self.value!r}, got {value!r}",
+            issues.append(FormatIssue(path, f"must be {self.value!r}, got {_shown(value)}",
                                       f"set it to {self.value!r} (this ColdSnap speaks only that version)"))
             return MISSING
         return value
@@ -96,7 +109,7 @@ class Str(Schema):
         if self.enum is not None and value not in self.enum:
             close = difflib.get_close_matches(value, self.enum, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            issues.append(FormatIssue(path, f"{value!r} is not one of {', '.join(self.enum)}{hint}",
+            issues.append(FormatIssue(path, f"{_shown(value)} is not one of {', '.join(self.enum)}{hint}",
                                       f"use one of: {', '.join(self.enum)}"))
             return MISSING
         if len(value) < self.min_len:
@@ -107,7 +120,7 @@ class Str(Schema):
             issues.append(FormatIssue(path, f"longer than {self.max_len} characters", "shorten it"))
             return MISSING
         if self.pattern is not None and not re.fullmatch(self.pattern, value):
-            issues.append(FormatIssue(path, f"{value!r} does not match the required form",
+            issues.append(FormatIssue(path, f"{_shown(value)} does not match the required form",
                                       self.pattern_fix or f"match the pattern {self.pattern}"))
             return MISSING
         if self.check is not None:
@@ -134,8 +147,11 @@ class Str(Schema):
 # and still share a canonical digest (RFC 8785 writes numbers as doubles). Fields that need more say so.
 MAX_SAFE_INT = (1 << 53) - 1
 INT64_MAX, UINT64_MAX = (1 << 63) - 1, (1 << 64) - 1  # for fields that say so (clocks in ns, inode numbers)
-# Opaque JSON (engine payloads, evidence, timing) may hold this many values at most, integers within 64 bits.
+# Opaque JSON (engine payloads, evidence, span attributes) may hold this many values at most, integers within
+# 64 bits: it travels in every task's arguments. A document the controller writes of a whole fleet's run (a
+# receipt's timing and result) sets its own, larger bound (AnyJSON.max_values).
 MAX_OPAQUE_VALUES = 100_000
+OPAQUE_TOO_BIG_FIX = "keep engine-owned data small (it travels in every task's arguments)"
 MAX_OPAQUE_INT = INT64_MAX
 
 
@@ -265,9 +281,9 @@ class Field:
 
 
 def _path_key(path: str, key: str) -> str:
-    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+    if len(key) <= MAX_QUOTED and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
         return f"{path}.{key}"
-    return f"{path}[{key!r}]"
+    return f"{path}[{_shown(key)}]"
 
 
 @dataclass
@@ -280,14 +296,14 @@ class Obj(Schema):
         if not isinstance(value, dict):
             return self._wrong_type(value, path, issues, "an object")
         for dup in duplicates_of(value):
-            issues.append(FormatIssue(_path_key(path, dup), f"duplicate key {dup!r}",
-                                      f"keep exactly one {dup!r} in this object"))
+            issues.append(FormatIssue(_path_key(path, dup), f"duplicate key {_shown(dup)}",
+                                      f"keep exactly one {_shown(dup)} in this object"))
         out: dict = {}
         for key in value:
             if key not in self.fields:
                 close = difflib.get_close_matches(key, list(self.fields), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                issues.append(FormatIssue(_path_key(path, key), f"unknown field {key!r}{hint}",
+                issues.append(FormatIssue(_path_key(path, key), f"unknown field {_shown(key)}{hint}",
                                           f"remove it; allowed here: {', '.join(self.fields)}"))
         for name, fld in self.fields.items():
             sub = _path_key(path, name)
@@ -343,13 +359,13 @@ class Map(Schema):
         if not isinstance(value, dict):
             return self._wrong_type(value, path, issues, "an object")
         for dup in duplicates_of(value):
-            issues.append(FormatIssue(_path_key(path, dup), f"duplicate key {dup!r}",
-                                      f"keep exactly one {dup!r} in this object"))
+            issues.append(FormatIssue(_path_key(path, dup), f"duplicate key {_shown(dup)}",
+                                      f"keep exactly one {_shown(dup)} in this object"))
         out = {}
         for key, item in value.items():
             sub = _path_key(path, key)
             if self.key_pattern is not None and not re.fullmatch(self.key_pattern, key):
-                issues.append(FormatIssue(sub, f"key {key!r} is not allowed",
+                issues.append(FormatIssue(sub, f"key {_shown(key)} is not allowed",
                                           self.key_fix or f"keys must match {self.key_pattern}"))
                 continue
             res = self.value.validate(item, sub, issues)
@@ -370,11 +386,13 @@ class AnyJSON(Schema):
 
     description: str = ""
     object_only: bool = False
+    max_values: int = MAX_OPAQUE_VALUES
+    too_big_fix: str = OPAQUE_TOO_BIG_FIX
 
     def validate(self, value, path, issues):
         if self.object_only and not isinstance(value, dict):
             return self._wrong_type(value, path, issues, "an object")
-        _check_opaque(value, path, issues, [0])
+        _check_opaque(value, path, issues, [0], self)
         return value
 
     def json_schema(self):
@@ -387,26 +405,25 @@ def _finite_json_number(value: int | float, limit: int = MAX_SAFE_INT) -> bool:
     return abs(value) <= limit
 
 
-def _check_opaque(value: Any, path: str, issues: list[FormatIssue], seen: list[int]) -> bool:
+def _check_opaque(value: Any, path: str, issues: list[FormatIssue], seen: list[int], bound: AnyJSON) -> bool:
     """Opaque JSON: JSON values only (finite numbers, string keys), no duplicate keys, at most
-    MAX_OPAQUE_VALUES values. False once it stopped looking (too many values)."""
+    ``bound.max_values`` values. False once it stopped looking (too many values)."""
     seen[0] += 1
-    if seen[0] > MAX_OPAQUE_VALUES:
-        issues.append(FormatIssue(path, f"holds more than {MAX_OPAQUE_VALUES} JSON values",
-                                  "keep engine-owned data small (it travels in every task's arguments)"))
+    if seen[0] > bound.max_values:
+        issues.append(FormatIssue(path, f"holds more than {bound.max_values} JSON values", bound.too_big_fix))
         return False
     if isinstance(value, dict):
         for dup in duplicates_of(value):
-            issues.append(FormatIssue(_path_key(path, dup), f"duplicate key {dup!r}",
-                                      f"keep exactly one {dup!r} in this object"))
+            issues.append(FormatIssue(_path_key(path, dup), f"duplicate key {_shown(dup)}",
+                                      f"keep exactly one {_shown(dup)} in this object"))
         for k, v in value.items():
             if not isinstance(k, str):
-                issues.append(FormatIssue(path, f"key {k!r} is not a string", "JSON object keys are strings"))
-            elif not _check_opaque(v, _path_key(path, k), issues, seen):
+                issues.append(FormatIssue(path, f"key {_shown(k)} is not a string", "JSON object keys are strings"))
+            elif not _check_opaque(v, _path_key(path, k), issues, seen, bound):
                 return False
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            if not _check_opaque(v, f"{path}[{i}]", issues, seen):
+            if not _check_opaque(v, f"{path}[{i}]", issues, seen, bound):
                 return False
     elif isinstance(value, bool) or value is None or isinstance(value, str):
         pass
@@ -435,7 +452,7 @@ class OneOfKind(Schema):
         kind = value.get(self.discriminator)
         if not isinstance(kind, str) or kind not in self.variants:
             issues.append(FormatIssue(_path_key(path, self.discriminator),
-                                      f"{kind!r} is not one of {', '.join(self.variants)}",
+                                      f"{_shown(kind)} is not one of {', '.join(self.variants)}",
                                       f"set {self.discriminator!r} to one of: {', '.join(self.variants)}"))
             return MISSING
         return self.variants[kind].validate(value, path, issues)
@@ -451,7 +468,7 @@ def validate_document(schema: Schema, value: Any, *, document: str) -> Any:
     want = kind_field.schema.value if kind_field is not None and isinstance(kind_field.schema, Const) else None
     got = value.get("kind") if isinstance(value, dict) else None
     if isinstance(want, str) and isinstance(got, str) and got.startswith("coldsnap-") and got != want:
-        raise FormatError([FormatIssue("$.kind", f"this is a {got!r} document, not a {want!r} one",
+        raise FormatError([FormatIssue("$.kind", f"this is a {_shown(got)} document, not a {want!r} one",
                                        f"give the {document} here ({want}); `coldsnap validate` checks each kind "
                                        "with its own option")], document=document)
     issues: list[FormatIssue] = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -74,23 +75,57 @@ def compute() -> str:
     return canonical_sha256(describe())
 
 
+# How long another interpreter may take to answer (it hashes every installed distribution's RECORD).
+OF_PYTHON_TIMEOUT_S = 120
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_DESCRIPTION_KEYS = {"python": dict, "distributions": list, "code": dict}
+_NOT_COLDSNAP_FIX = ("give the interpreter of an environment with ColdSnap's runtime installed "
+                     "(scripts/setup-venv.sh, scripts/engine-env.sh)")
+
+
 def of_python(python: str, *, describe_it: bool = False) -> str:
-    """The environment digest (or, with ``describe_it``, the description JSON) of another interpreter."""
+    """The environment digest (or, with ``describe_it``, the description JSON) of another interpreter.
+
+    Its answer is checked: a ``sha256:<64 hex>`` digest, or a JSON object with what :func:`describe` gives;
+    anything else (a program that is no Python with ColdSnap, one that hangs) is a ColdSnapError."""
+    if not python:
+        raise ColdSnapError("the unit's Python is empty", fix="give the path of the unit environment's interpreter")
     try:
         # -P: never put the current directory first on sys.path (it must not change the answer).
         r = subprocess.run([python, "-P", "-m", __name__, *(["--describe"] if describe_it else [])],
-                           check=False, capture_output=True, text=True, timeout=120, cwd="/")
+                           check=False, capture_output=True, text=True, errors="replace",
+                           timeout=OF_PYTHON_TIMEOUT_S, cwd="/")
     except OSError as exc:
         raise AdmissionError(f"cannot run the unit's Python {python}: {exc.strerror}",
                              fix="install the unit's engine environment on this host (scripts/engine-env.sh for "
                                  "vLLM, scripts/setup-venv.sh for the reference engine) at the captured path, or "
                                  "set coldsnap_python to the runtime environment's interpreter") from None
+    except subprocess.TimeoutExpired:
+        raise ColdSnapError(f"{python} did not compute its environment digest within {OF_PYTHON_TIMEOUT_S} s "
+                            "(it was stopped)", fix=_NOT_COLDSNAP_FIX + "; if it is that interpreter, find out "
+                            "what it waits for (a hung file system, a lock)") from None
     if r.returncode != 0:
         why = r.stderr.strip()[-300:] or f"it exited with status {r.returncode} and said nothing"
-        raise ColdSnapError(f"{python} cannot compute its environment digest: {why}",
-                            fix="give the interpreter of an environment with ColdSnap's runtime installed "
-                                "(scripts/setup-venv.sh, scripts/engine-env.sh)")
-    return r.stdout.strip()
+        raise ColdSnapError(f"{python} cannot compute its environment digest: {why}", fix=_NOT_COLDSNAP_FIX)
+    out = r.stdout.strip()
+    if describe_it:
+        try:
+            doc = json.loads(out)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict) or any(not isinstance(doc.get(k), t) for k, t in _DESCRIPTION_KEYS.items()):
+            raise ColdSnapError(f"{python} answered no environment description: {_excerpt(out)}",
+                                fix=_NOT_COLDSNAP_FIX)
+    elif not _DIGEST.fullmatch(out):
+        raise ColdSnapError(f"{python} answered no environment digest (sha256:<64 hex>): {_excerpt(out)}",
+                            fix=_NOT_COLDSNAP_FIX)
+    return out
+
+
+def _excerpt(text: str) -> str:
+    if not text:
+        return "it printed nothing"
+    return f"it printed {text[:200]!r}" + (f"... ({len(text)} characters)" if len(text) > 200 else "")
 
 
 def _shebang_python(script: Path) -> str | None:
@@ -142,8 +177,9 @@ def require(expected: str, python: str, *, unit: str, host: str) -> None:
     got = of_python(python)
     if got != expected:
         here = json.loads(of_python(python, describe_it=True))
-        summary = (f"python {here['python']['version']}, {len(here['distributions'])} distributions, "
-                   f"code module_utils {str(here['code']['module_utils'])[:12]} engines {str(here['code']['engines'])[:12]}")
+        code = here["code"]
+        summary = (f"python {here['python'].get('version')}, {len(here['distributions'])} distributions, "
+                   f"code module_utils {str(code.get('module_utils'))[:12]} engines {str(code.get('engines'))[:12]}")
         raise AdmissionError(
             f"unit {unit} on {host}: runtime environment {got} (of {python}) differs from the pinned {expected} "
             f"(this host has {summary})",

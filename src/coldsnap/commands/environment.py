@@ -16,6 +16,12 @@ def register(sub) -> None:
 def run(args) -> int:
     import json
 
+    if args.python is not None and not args.python.strip():
+        # an unset shell variable (--python "$PY") must not mean this interpreter, the controller's own
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+        raise ColdSnapError("--python is empty",
+                            fix="give the unit environment's interpreter, or leave the option out for this one")
     if args.python:
         import os
 

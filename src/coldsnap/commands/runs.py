@@ -67,7 +67,7 @@ def run_show(args) -> int:
     entry = find_run(resolve_state_root(args.state_root), args.operation_id)
     if wants_json(args):
         # The receipt as written (what the operation printed with --json), byte for byte.
-        sys.stdout.write(entry.receipt_path.read_text(encoding="utf-8"))
+        sys.stdout.write(entry.raw.decode("utf-8"))
     else:
         print(format_summary(entry.receipt, receipt_path=entry.receipt_path))
     if entry.state == STALE_RUNNING:

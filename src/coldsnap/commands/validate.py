@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, FormatError
@@ -55,6 +56,25 @@ def _request(name: str) -> dict:
     return validate_request(raw, document=document, snapshot_driver=candidates[0])
 
 
+def _invalid(report: dict) -> int:
+    """Print the --json-errors report and exit 2: the document is invalid whether or not anyone still reads
+    stdout (a reader that closed it, ``| true``, must not turn the verdict into success)."""
+    try:
+        json.dump(report, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # what is still buffered, and Python's flush at exit, go nowhere instead of failing again
+        try:
+            fd = sys.stdout.fileno()
+        except (OSError, ValueError):  # a stream without a descriptor of its own
+            return 2
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+    return 2
+
+
 def run(args) -> int:
     try:
         if args.request_json:
@@ -65,17 +85,12 @@ def run(args) -> int:
             doc = load_receipt(read_input(args.receipt_json))
     except FormatError as exc:
         if args.json_errors:
-            json.dump({"valid": False, "document": exc.document, "errors": [i.as_dict() for i in exc.issues]},
-                      sys.stdout, indent=2)
-            sys.stdout.write("\n")
-            return 2
+            return _invalid({"valid": False, "document": exc.document, "errors": [i.as_dict() for i in exc.issues]})
         raise
     except ColdSnapError as exc:  # the document could not be read (no such file, a directory, too large)
         if args.json_errors:
-            json.dump({"valid": False, "document": args.request_json or args.artifact_json or args.receipt_json,
-                       "errors": [{"path": "$", "message": exc.problem, "fix": exc.fix}]}, sys.stdout, indent=2)
-            sys.stdout.write("\n")
-            return 2
+            return _invalid({"valid": False, "document": args.request_json or args.artifact_json or args.receipt_json,
+                             "errors": [{"path": "$", "message": exc.problem, "fix": exc.fix}]})
         raise
     print_json(doc)
     return 0

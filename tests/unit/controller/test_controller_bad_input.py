@@ -338,14 +338,3 @@ def test_a_receipt_file_that_is_a_device_is_written_to_never_replaced(tmp_path, 
                          "--receipt-json", str(null))
     assert rc == 0, err
     assert stat.S_ISCHR(os.lstat(null).st_mode) and os.listdir(tmp_path) == ["null"]
-
-
-def test_the_library_never_replaces_a_device_or_fifo_with_a_file(tmp_path) -> None:
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_bytes
-
-    fifo = tmp_path / "pipe"
-    os.mkfifo(fifo)
-    with pytest.raises(ColdSnapError, match="device, FIFO or socket"):
-        atomic_write_bytes(fifo, b"x")
-    assert os.listdir(tmp_path) == ["pipe"] and os.path.exists(fifo) and not fifo.is_file()
