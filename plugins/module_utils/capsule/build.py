@@ -329,10 +329,14 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
     root.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_builds(root)
     tmp = temp_path_for(root / "capsule")
-    os.mkdir(tmp, 0o755)
+    # Made under a name the clean-up of abandoned builds does not match, locked, then renamed: a build that
+    # cleans up at the same moment never takes this one for abandoned between its mkdir and its lock.
+    pending = tmp.with_name(tmp.name.replace(TEMP_MARKER, ".new-", 1))
+    os.mkdir(pending, 0o755)
     # Held for the whole build: a later build removes this directory only once its builder is gone.
-    held = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    held = os.open(pending, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     fcntl.flock(held, fcntl.LOCK_EX)
+    os.rename(pending, tmp)
     try:
         try:
             layer = oci.write_blob_stream(tmp, oci.MEDIA_LAYER_TAR, lambda out: archive.write_layer(entries, out))

@@ -109,15 +109,14 @@ def test_only_the_assigned_capsule_is_pulled(tmp_path, capture_id, registry):
 def test_pulls_of_one_capsule_at_once_all_end_with_it(tmp_path, capture_id, registry):
     """Several restore-side pulls of the same capsule into one cache (two units' roles, a retry): the
     pulls that lose the race to the final name use the winner's verified copy instead of failing."""
-    import multiprocessing
+    from concurrent.futures import ThreadPoolExecutor
 
     ref = _oci(tmp_path, capture_id)
     published = push_capsule(ref, f"{registry}/coldsnap/capsules")
-    ctx = multiprocessing.get_context("fork")
-    for attempt in range(3):
+    for attempt in range(5):  # threads: a fork of the test process could inherit a held lock
         root = tmp_path / f"host-{attempt}"
-        with ctx.Pool(4) as pool:
-            ids = pool.starmap(_pulled_id, [(published, ref.image_id, root)] * 4)
+        with ThreadPoolExecutor(4) as pool:
+            ids = list(pool.map(lambda _i, r=root: _pulled_id(published, ref.image_id, r), range(4)))
         assert ids == [ref.image_id] * 4
         assert os.listdir(root / "sha256") == [ref.image_id.split(":")[1]]
         assert [name for name in os.listdir(root) if ".tmp-" in name] == []
