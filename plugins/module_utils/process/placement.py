@@ -42,7 +42,7 @@ class Placement:
         new_port = port + self.port_shift
         serving = self.service_port is None or port == self.service_port
         if not serving and not 1 <= new_port <= 65535:
-            # An internal listener (the engine's control API: an ephemeral port the user never chose) that the
+            # An internal listener (the engine's control API: a port the engine picked, never the user) that the
             # shift pushes out of range wraps around within the unprivileged ports, so any serving port can be
             # restored onto; the move stays one-to-one and is checked for holders like any other.
             new_port = UNPRIVILEGED + (new_port - UNPRIVILEGED) % (65536 - UNPRIVILEGED)

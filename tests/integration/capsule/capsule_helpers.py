@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+
+from netports import free_port  # pylint: disable=unused-import
 
 REPO = Path(__file__).resolve().parents[3]
 REGISTRY_BIN = "/usr/bin/docker-registry"
@@ -30,12 +31,6 @@ def build_runtime_image(*, base_only: bool = False) -> dict:
     if r.returncode != 0:
         raise RuntimeError(f"runtime image build failed ({r.returncode}):\n{r.stderr[-3000:]}")
     return json.loads(r.stdout)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager

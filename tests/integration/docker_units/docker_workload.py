@@ -13,7 +13,6 @@ import importlib
 import json
 import os
 import pwd
-import socket
 import subprocess
 import sys
 import uuid
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+from netports import free_port  # pylint: disable=unused-import
 
 from coldsnap.demo import reference_request
 from coldsnap.runner import operation_extravars, run_playbook
@@ -44,12 +44,6 @@ def build_runtime_image() -> dict:
 def docker_registry(root: Path, *, readonly: bool = False) -> Any:
     """Debian's docker-registry on loopback (the capsule tests' helper); a context manager yielding host:port."""
     return integration_module("capsule", "capsule_helpers").docker_registry(root, readonly=readonly)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DockerWorkload:

@@ -11,15 +11,11 @@ import socket
 import time
 from pathlib import Path
 
+from netports import free_port  # pylint: disable=unused-import
+
 import coldsnap  # noqa: F401  # pylint: disable=unused-import
 from coldsnap.demo import reference_request
 from coldsnap.runner import operation_extravars, run_playbook
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_port_in(ports) -> int:

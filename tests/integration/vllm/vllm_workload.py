@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,16 +19,11 @@ from coldsnap.runner import operation_extravars, run_playbook
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docker_units"))
 from docker_workload import DockerWorkload
+from netports import free_port  # pylint: disable=unused-import
 
 SERVED = VLLM_SERVED
 PROMPT = "The snapshot restored the model server"
 ENGINE_ENV = VLLM_ENGINE_ENV
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class VllmWorkload:

@@ -5,20 +5,15 @@ shard, copied into stable CPU arenas) that the observer must classify."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from netports import free_port  # noqa: F401  # pylint: disable=unused-import
+
 REPO = Path(__file__).resolve().parents[3]
 ENV_SCRIPT = REPO / "scripts" / "engine-contract-env.sh"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_reference_model(out: Path) -> dict:

@@ -33,6 +33,20 @@ def test_local_states_reads_the_local_port_only():
     assert ports.local_states(1, tables) == []
 
 
+def test_restorable_ports_avoid_the_ephemeral_range(tmp_path, monkeypatch):
+    low, high = ports.ephemeral_range()
+    picked = ports.restorable_ports(500)
+    assert len(picked) == len(set(picked)) == 500
+    assert all(10000 <= p <= 65535 and not low <= p <= high for p in picked)
+    real = Path.read_text
+
+    def narrow(self, *a, **kw):
+        return "1024\t65535\n" if str(self).endswith("ip_local_port_range") else real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "read_text", narrow)
+    assert ports.ephemeral_range() == (1024, 65535) and ports.restorable_ports() == []
+
+
 def test_a_listening_port_fails_at_once_naming_its_holder():
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

@@ -13,6 +13,7 @@ captured one worthless.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import os
@@ -24,6 +25,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports import restorable_ports
 
 from coldsnap_engines.common.lifecycle import EngineStateError, Lifecycle
 
@@ -35,6 +37,18 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 64
+
+
+def _listen(handler) -> _Server:
+    """The control listener, on a port outside the ephemeral range: a restore binds it again, and an
+    ephemeral port may meanwhile be the local port of any outgoing connection on the host."""
+    for port in restorable_ports():
+        try:
+            return _Server((ec.CONTROL_HOST, port), handler)
+        except OSError as exc:
+            if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                raise
+    return _Server((ec.CONTROL_HOST, 0), handler)
 
 
 def _reply(handler: BaseHTTPRequestHandler, code: int, obj: dict) -> None:
@@ -191,7 +205,7 @@ class ControlServer:
         self.control_file = Path(control_file) if control_file else None
         token = secrets.token_hex(32)
         self.tokens = TokenSource(self.control_file, token)
-        self.httpd = _Server((ec.CONTROL_HOST, 0), make_handler(lifecycle, self.tokens, dict(extra_status or {})))
+        self.httpd = _listen(make_handler(lifecycle, self.tokens, dict(extra_status or {})))
         self.port = self.httpd.server_address[1]
         if self.control_file is not None:
             write_control_file(self.control_file, self.port, token)
