@@ -506,12 +506,14 @@ def _links_stay_inside(root: Path, what: str) -> None:
 
 
 def _rmtree(path: Path) -> None:
-    """Remove a tree even when extraction left read-only directories in it."""
+    """Remove a tree even when extraction left read-only directories in it (a link or a file: itself)."""
     def onerror(func, p, _exc):
         with contextlib.suppress(OSError):
             os.chmod(os.path.dirname(p), 0o700)
             func(p)
-    if os.path.lexists(path):
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        os.unlink(path)  # a link or a file under a layout's name goes; what a link points at stays
+    elif os.path.lexists(path):
         shutil.rmtree(path, onerror=onerror)
 
 

@@ -26,7 +26,6 @@ them together keeps what a build writes and what an extraction trusts side by si
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import fnmatch
 import json
@@ -348,20 +347,14 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
         mdesc = oci.Descriptor(oci.MEDIA_MANIFEST, mdesc.digest, mdesc.size,
                                {oci.REF_NAME: f"{labels[LABEL_CAPTURE]}.{unit}"})
         oci.write_layout_files(tmp, mdesc)
-        final = oci.layout_dir(root, mdesc.digest)
-        changed = not _layout_intact(final, mdesc.digest)
-        if changed and os.path.lexists(final):
-            archive._rmtree(final)  # a damaged copy under the final name: replaced by the fresh build
-        if changed:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            try:
+        with oci.layout_lock(root, mdesc.digest) as final:
+            # A build of the same capsule that got here first left this very layout: nothing to do.
+            changed = not _layout_intact(final, mdesc.digest)
+            if changed:
+                if os.path.lexists(final):
+                    archive._rmtree(final)  # a damaged copy under the final name: replaced by the fresh build
                 os.rename(tmp, final)
-            except OSError as exc:
-                # Another build of the same capsule got there first: its layout is this one.
-                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not _layout_intact(final, mdesc.digest):
-                    raise
-                changed = False
-            fsync_dir(final.parent)
+                fsync_dir(final.parent)
     finally:
         archive._rmtree(tmp)
         os.close(held)

@@ -15,11 +15,12 @@ names and renamed to their digest only after their bytes were hashed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -31,6 +32,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
     atomic_write_bytes,
+    file_lock,
     temp_path_for,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_json
@@ -116,6 +118,32 @@ def blob_path(layout: Path, digest: str) -> Path:
 def layout_dir(root: Path, manifest_digest: str) -> Path:
     """The content-addressed layout directory of a capsule below ``root``."""
     return Path(root) / "sha256" / parse_digest(manifest_digest, what="capsule manifest digest")
+
+
+@contextlib.contextmanager
+def layout_lock(root: Path, manifest_digest: str) -> Iterator[Path]:
+    """Hold the lock of one capsule's layout directory (yielded) while it is checked, replaced or renamed
+    into place: without it, a build or pull that found the layout damaged (or absent) could remove the
+    whole copy another one had just renamed there, under a reader that was told it is in place."""
+    final = layout_dir(root, manifest_digest)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    lock = final.parent / f".{final.name}.lock"
+    while True:
+        with file_lock(lock) as fd:
+            try:
+                current = os.stat(lock, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if not current:
+                continue  # its holder removed it on release: lock the one there now
+            try:
+                yield final
+            finally:
+                # Removed while held, so the directory lists only layouts; a waiter on the removed file
+                # sees that above and takes the next one.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(lock)
+            return
 
 
 def write_blob_bytes(layout: Path, data: bytes, media_type: str) -> Descriptor:

@@ -15,7 +15,6 @@ a registry returning wrong bytes fails the pull and leaves nothing cached.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -268,14 +267,13 @@ def _docker_has(client: Any, image_id: str) -> bool:
 def _pull_oci(repo: str, digest: str, root: Path, *, auth: dict[str, Any] | None, unit: str | None,
               insecure: bool | None, progress: Progress | None, repository_digest: str) -> CapsuleRef:
     root = Path(os.path.abspath(root))
-    final = oci.layout_dir(root, digest)
     what = f"capsule {repository_digest}"
-    if final.exists():
-        try:
-            img = oci.open_layout(final, expected_manifest=digest, what=what)
+    final = oci.layout_dir(root, digest)
+    if os.path.lexists(final):
+        with oci.layout_lock(root, digest):
+            img = _cached_layout(final, digest, what=what)
+        if img is not None:
             return _oci_ref(img, final, unit, repository_digest)
-        except ColdSnapError:
-            archive._rmtree(final)  # a damaged cache entry is replaced by a verified pull
     reg = RegistryClient(repo, auth=auth, insecure=insecure)
     mbytes = reg.get_manifest(digest, MANIFEST_ACCEPT, what=what)
     if oci.digest_bytes(mbytes) != digest:
@@ -301,20 +299,28 @@ def _pull_oci(repo: str, digest: str, root: Path, *, auth: dict[str, Any] | None
         if labels.get(LABEL_KIND) != "capsule" or (unit is not None and labels.get(LABEL_UNIT) != unit):
             raise IntegrityError(f"{what} is not the capsule of unit {unit!r}",
                                  fix="pull only the capsule assigned to this unit")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(tmp, final)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-            # Another pull of the same capsule got there first; its blobs were verified as they came.
-            oci.open_layout(final, expected_manifest=digest, verify_layers=False, what=what)
-        fsync_dir(final.parent)
+        with oci.layout_lock(root, digest):
+            # Another pull of the same capsule may have got there first: its layout is this one.
+            if _cached_layout(final, digest, what=what, verify_layers=False) is None:
+                os.rename(tmp, final)
+                fsync_dir(final.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     img = oci.open_layout(final, expected_manifest=digest, verify_layers=False, what=what)
     return _oci_ref(img, final, unit, repository_digest)
+
+
+def _cached_layout(final: Path, digest: str, *, what: str, verify_layers: bool = True) -> oci.Image | None:
+    """The layout of this capsule already in the cache, or None; a damaged one is removed (a verified pull
+    replaces it). Called with the layout's lock held."""
+    if not os.path.lexists(final):
+        return None
+    try:
+        return oci.open_layout(final, expected_manifest=digest, verify_layers=verify_layers, what=what)
+    except ColdSnapError:
+        archive._rmtree(final)
+        return None
 
 
 def _fetch_blob(reg: RegistryClient, layout: Path, desc: oci.Descriptor, *, what: str,

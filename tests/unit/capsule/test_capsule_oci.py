@@ -399,3 +399,39 @@ def test_a_damaged_layout_file_is_an_integrity_error_and_the_next_build_replaces
     again = _build(state, root)
     assert again.changed and again.ref.image_id == ref.image_id
     assert oci.open_layout(Path(ref.location), expected_manifest=ref.image_id).manifest_desc.digest == ref.image_id
+
+
+def test_builds_of_one_capsule_at_once_all_end_with_it(state: Path, tmp_path: Path) -> None:
+    """Builds of the same capsule race to its final name (threads here: a fork of the test process could
+    inherit a held lock): one of them places it, the others find it in place, and none removes it under
+    the others."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = tmp_path / "capsules"
+    for _round in range(8):
+        shutil.rmtree(root, ignore_errors=True)
+        with ThreadPoolExecutor(4) as pool:
+            builds = list(pool.map(lambda _i: _build(state, root), range(4)))
+        ids = {b.ref.image_id for b in builds}
+        assert len(ids) == 1 and sum(b.changed for b in builds) == 1
+        [image_id] = ids
+        assert oci.open_layout(root / "sha256" / image_id.split(":", 1)[1], expected_manifest=image_id)
+        assert os.listdir(root / "sha256") == [image_id.split(":", 1)[1]], "no lock file stays"
+        assert [p.name for p in root.iterdir() if ".tmp-" in p.name or ".new-" in p.name] == []
+
+
+def test_a_link_planted_at_a_layouts_name_is_replaced_not_followed(state: Path, tmp_path: Path) -> None:
+    root = tmp_path / "capsules"
+    ref = _build(state, root).ref
+    final = Path(ref.location)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("not ColdSnap's")
+    import shutil
+
+    shutil.rmtree(final)
+    final.symlink_to(elsewhere)
+    again = _build(state, root)
+    assert again.changed and not final.is_symlink() and (elsewhere / "keep").read_text() == "not ColdSnap's"
+    assert oci.open_layout(final, expected_manifest=ref.image_id).manifest_desc.digest == ref.image_id
