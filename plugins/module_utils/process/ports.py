@@ -1,6 +1,7 @@
 """Pre-restore checks that a captured process can come back here: its listening
 ports and its pids must be free. Both fail before anything is evicted (at once, but
-for a port held only by TIME_WAIT connections, which is waited for up to a minute)."""
+for a port held only by TIME_WAIT connections, which is waited for up to a minute, and
+one that only outgoing connections hold, waited for a few seconds)."""
 
 from __future__ import annotations
 
@@ -150,19 +151,22 @@ ADDRESS_FIX = ("restore onto an address of this host: set the unit's launch.exec
 
 
 def require_ports_free(listeners: list[tuple[str, int]], *, unit: str, time_wait_grace: float = 65.0,
-                       replaced: set[int] | frozenset[int] = frozenset(), what: str = "captured listening port",
-                       fix: str = RESTORE_PORT_FIX) -> None:
+                       connection_grace: float = 5.0, replaced: set[int] | frozenset[int] = frozenset(),
+                       what: str = "captured listening port", fix: str = RESTORE_PORT_FIX) -> None:
     """Every captured listener must be bindable again, or restore stops here.
 
     ``replaced`` are the pids of the running workload this restore replaces (it is evicted
     only after prepare passed on every host): a port they hold, and nobody else, is fine.
     A port held only by TIME_WAIT connections of a process that has exited (some kernels
     refuse the bind then, even with SO_REUSEADDR) frees itself within a minute: wait for
-    it, up to ``time_wait_grace`` seconds. Anything else holding the port fails at once.
+    it, up to ``time_wait_grace`` seconds. A port that is the local end of connections and
+    no listener (an outgoing connection took it as its ephemeral port) is waited for up to
+    ``connection_grace`` seconds: most such connections are short. A listener holding the
+    port fails at once.
     """
     for addr, port in listeners:
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        deadline = None
+        started = None
         while True:
             s = socket.socket(family, socket.SOCK_STREAM)
             try:
@@ -177,12 +181,16 @@ def require_ports_free(listeners: list[tuple[str, int]], *, unit: str, time_wait
                 if holders and replaced and holders <= set(replaced):
                     break  # the workload being replaced holds it: eviction frees it
                 states = local_states(port)
-                if exc.errno == errno.EADDRINUSE and states and all(st == TIME_WAIT for st in states):
-                    deadline = deadline or time.monotonic() + time_wait_grace
-                    if time.monotonic() < deadline:
+                if exc.errno == errno.EADDRINUSE and states and LISTEN not in states:
+                    only_time_wait = all(st == TIME_WAIT for st in states)
+                    grace = time_wait_grace if only_time_wait else connection_grace
+                    started = started or time.monotonic()
+                    if time.monotonic() < started + grace:
                         time.sleep(0.25)
                         continue
-                    holder = f"TIME_WAIT connections that outlived {time_wait_grace:.0f}s"
+                    holder = (f"TIME_WAIT connections that outlived {grace:.0f}s" if only_time_wait else
+                              f"a connection (not a listener) of {_describe(holders) if holders else 'another process'}"
+                              f" that outlived {grace:.0f}s")
                 else:
                     holder = _describe(holders - set(replaced)) if holders else port_holder(port)
                 raise AdmissionError(

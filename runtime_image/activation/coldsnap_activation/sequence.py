@@ -840,7 +840,7 @@ def _port_taken_since_admission(error: str, listeners: list, unit: str) -> None:
     instead of CRIU's socket id; return when the error is something else."""
     if "Address already in use" not in error:
         return
-    ports.require_ports_free(listeners, unit=unit, time_wait_grace=0.0, what="listening port",
+    ports.require_ports_free(listeners, unit=unit, time_wait_grace=0.0, connection_grace=0.0, what="listening port",
                              fix="stop what took the port since the restore began (a supervisor restarting the "
                                  "replaced server?) and restore again; the replaced workload is no longer running, "
                                  "or restore onto another port")

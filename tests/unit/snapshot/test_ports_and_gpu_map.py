@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -92,12 +94,47 @@ def test_time_wait_that_outlives_the_grace_fails(monkeypatch):
         ports.require_ports_free([("127.0.0.1", 0)], unit="unit-0", time_wait_grace=0)
 
 
-def test_a_port_held_by_an_established_connection_is_not_waited_for(monkeypatch):
-    monkeypatch.setattr(ports.socket, "socket", _Refusing)
-    monkeypatch.setattr(ports, "local_states", lambda port: ["06", "01"])
-    _Refusing.refusals = 1
-    with pytest.raises(AdmissionError, match="is taken on this host"):
-        ports.require_ports_free([("127.0.0.1", 0)], unit="unit-0")
+def _outgoing_connection() -> tuple[socket.socket, socket.socket, socket.socket, int]:
+    """(server, its accepted end, client, client's local port): the client's port is the ephemeral one an
+    outgoing connection takes, and no listener holds it."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    client = socket.create_connection(server.getsockname())
+    accepted, _addr = server.accept()
+    return server, accepted, client, client.getsockname()[1]
+
+
+def test_a_port_that_a_short_outgoing_connection_holds_is_waited_for():
+    """An ephemeral port captured as a listener may be an outgoing connection's local port by restore time:
+    such connections are mostly short, so admission waits for it a few seconds."""
+    import threading
+
+    server, accepted, client, port = _outgoing_connection()
+    try:
+        def end():
+            accepted.close()  # the far end closes first: the client's end leaves no TIME_WAIT behind
+            time.sleep(0.2)
+            client.close()
+
+        timer = threading.Timer(0.5, end)
+        timer.start()
+        ports.require_ports_free([("127.0.0.1", port)], unit="unit-0", connection_grace=20)
+        timer.join()
+    finally:
+        for s in (server, accepted, client):
+            s.close()
+
+
+def test_a_connection_that_outlives_the_grace_is_named_as_one():
+    server, accepted, client, port = _outgoing_connection()
+    try:
+        with pytest.raises(AdmissionError, match=rf"127\.0\.0\.1:{port} is taken on this host by a connection "
+                                                 rf"\(not a listener\) of pid {os.getpid()} .* that outlived 0s"):
+            ports.require_ports_free([("127.0.0.1", port)], unit="unit-0", connection_grace=0)
+    finally:
+        for s in (server, accepted, client):
+            s.close()
 
 
 @pytest.mark.parametrize(("used_before", "used_now", "host_before", "host_now", "expected"), [
