@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports import restorable_ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.listen_ports import restorable_ports
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -9,9 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-from netports import free_port  # noqa: F401  # pylint: disable=unused-import
-
 REPO = Path(__file__).resolve().parents[3]
+
+
+def free_port() -> int:
+    """A free loopback port (imported late: the engine probes load this module where tests/ is not on the
+    path)."""
+    from netports import free_port as pick
+
+    return pick()
+
+
 ENV_SCRIPT = REPO / "scripts" / "engine-contract-env.sh"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

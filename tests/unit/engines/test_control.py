@@ -148,7 +148,7 @@ def test_control_file_is_private_and_names_this_process(rig):
 def test_the_control_port_is_outside_the_ephemeral_range(rig):
     """A restore binds the captured control port again: an ephemeral one could by then be the local port
     of any outgoing connection on the host."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports import ephemeral_range
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.listen_ports import ephemeral_range
 
     low, high = ephemeral_range()
     assert not low <= rig["server"].port <= high

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common import listen_ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     AdmissionError,
     ColdSnapError,
@@ -36,8 +37,8 @@ def test_local_states_reads_the_local_port_only():
 
 
 def test_restorable_ports_avoid_the_ephemeral_range(tmp_path, monkeypatch):
-    low, high = ports.ephemeral_range()
-    picked = ports.restorable_ports(500)
+    low, high = listen_ports.ephemeral_range()
+    picked = listen_ports.restorable_ports(500)
     assert len(picked) == len(set(picked)) == 500
     assert all(10000 <= p <= 65535 and not low <= p <= high for p in picked)
     real = Path.read_text
@@ -46,7 +47,7 @@ def test_restorable_ports_avoid_the_ephemeral_range(tmp_path, monkeypatch):
         return "1024\t65535\n" if str(self).endswith("ip_local_port_range") else real(self, *a, **kw)
 
     monkeypatch.setattr(Path, "read_text", narrow)
-    assert ports.ephemeral_range() == (1024, 65535) and ports.restorable_ports() == []
+    assert listen_ports.ephemeral_range() == (1024, 65535) and listen_ports.restorable_ports() == []
 
 
 def test_a_listening_port_fails_at_once_naming_its_holder():

@@ -24,8 +24,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.listen_ports import restorable_ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
-from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports import restorable_ports
 
 from coldsnap_engines.common.lifecycle import EngineStateError, Lifecycle
 
