@@ -310,13 +310,16 @@ def record_overlay(store, *, portable_path: Path | str, overlay_artifact: dict, 
     with store.locked(art["identity"]):
         if _stored_already(odir, data, doc):
             return kept
-        odir.parent.mkdir(parents=True, exist_ok=True)
+        for d in (odir.parent.parent, odir.parent):  # overlays/<portable hex>/, below the 0700 identity directory
+            d.mkdir(exist_ok=True, mode=0o700)
         tmp = temp_path_for(odir)
-        os.mkdir(tmp, 0o755)
+        os.mkdir(tmp, 0o700)
         try:
             for name, payload in ((ARTIFACT_FILE, data),
                                   (OVERLAY_FILE, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())):
-                with open(tmp / name, "xb") as fh:
+                # 0600 like every descriptor: the artifact names the launch, its placement and its captures.
+                fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "wb") as fh:
                     fh.write(payload)
                     fh.flush()
                     os.fsync(fh.fileno())

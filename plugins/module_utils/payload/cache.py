@@ -77,8 +77,9 @@ class NodeCache:
         not another user's planted in a world-writable directory (refused: they could redirect every write)."""
         try:
             StateLayout(self.state_root).ensure_private_root()
-            for d in (self.objects, self.locks):
-                d.mkdir(parents=True, exist_ok=True, mode=0o755)
+            # Private like everything below the state root: names of packs and locks tell what this host serves.
+            for d in (self.root, self.objects, self.locks):
+                d.mkdir(exist_ok=True, mode=0o700)
         except OSError as exc:
             raise no_space_error(exc, what="the node cache's directories", path=self.root) from None
 

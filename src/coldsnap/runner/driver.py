@@ -339,6 +339,8 @@ class RunConfig:
 # The operations whose playbooks read the request's artifact.json on the controller (delete takes a
 # missing one as "nothing stored under it").
 READS_ARTIFACT = ("restore", "warm", "sleep", "wake", "status", "stop", "native-status", "publish", "publish-native")
+# Those that cannot go on without its content (status, stop and sleep act on what runs).
+PARSES_ARTIFACT = ("restore", "warm", "wake", "native-status", "publish", "publish-native")
 
 
 def require_artifact_file(operation: str, request: Mapping[str, Any]) -> None:
@@ -349,8 +351,21 @@ def require_artifact_file(operation: str, request: Mapping[str, Any]) -> None:
     try:
         st = os.stat(path)
         if stat.S_ISREG(st.st_mode):
-            with open(path, "rb"):
+            with open(path, "rb") as f:
+                if operation not in PARSES_ARTIFACT:
+                    return
+                try:
+                    doc = json.loads(f.read())
+                except ValueError as exc:  # the playbook's from_json would fail naming neither file nor fix
+                    doc = exc
+            if isinstance(doc, dict):
                 return
+            raise ColdSnapError(
+                f"$.artifact.path: {path} is not an artifact descriptor (a JSON object): "
+                f"{doc if isinstance(doc, ValueError) else 'it holds a JSON ' + type(doc).__name__}; "
+                "it was damaged (truncated?) or is another file",
+                fix="point artifact.path at a committed artifact.json (restore another generation) or capture "
+                    "again")
         what = "is not a file"
     except FileNotFoundError:
         what = "does not exist on this controller"
@@ -759,5 +774,16 @@ def _error(collector: EventCollector, *, cancelled: bool, in_flight: list[dict],
     tail = [line for line in collector.verbose_tail if line.strip()]
     errors = [line for line in tail if "ERROR" in line or "error" in line.lower()]
     detail = " / ".join((errors or tail)[-6:]) or "no task failed and no error output was seen"
-    return {"message": f"ansible-playbook ended with status {runner_status} (rc {rc}): {detail}"[:4000],
+    ended = (f"ended with status {runner_status} (rc {rc})" if rc is not None
+             else f"ended with status {runner_status} and no exit status (killed by a signal)")
+    if in_flight:
+        # Killed from outside (kill -9, the OOM killer) mid-task: the task it was in is what the user must
+        # check (a restore's prepare evicts nothing, its activation may have).
+        current = in_flight[0]
+        hosts = ", ".join(sorted({t["host"] for t in in_flight}))
+        return {"message": f"ansible-playbook {ended} while task {current['task']!r} was running on {hosts}: "
+                           f"that task did not finish; see the run's receipt and `coldsnap status` for what runs "
+                           f"now, then run the operation again{f' ({detail})' if tail else ''}"[:4000],
+                "host": current["host"], "task": current["task"], "phase": current.get("play")}
+    return {"message": f"ansible-playbook {ended}: {detail}"[:4000],
             "host": None, "task": None, "phase": "playbook"}

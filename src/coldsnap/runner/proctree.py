@@ -106,12 +106,29 @@ def find_child(marker: str) -> int | None:
     return None
 
 
+def _artifact_dir_of(pid_dir: Path) -> Path | None:
+    """The ``AWX_ISOLATED_DATA_DIR`` (ansible-runner's artifact directory of the run) in a process's
+    environment, or None."""
+    try:
+        environ = (pid_dir / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    for item in environ:
+        if item.startswith(b"AWX_ISOLATED_DATA_DIR="):
+            return Path(os.fsdecode(item.split(b"=", 1)[1]))
+    return None
+
+
 def playbooks_in(directory: Path) -> list[int]:
-    """Live ansible-playbook processes (and their forked workers) that work in ``directory``: ansible-runner
-    starts ansible-playbook in a run's ``project`` directory. Only processes whose ``/proc`` entries this
-    user may read are seen; what a playbook launched (an engine, its keeper) runs another program."""
+    """Live ansible-playbook processes (and their forked workers) of the run whose ``project`` directory is
+    ``directory``: ansible-runner starts ansible-playbook in it, with the run's artifact directory (below the
+    run directory, ``directory``'s parent) in its environment. Every run's ``project`` links to the same
+    collection, so the working directory alone would take another run's playbook (another workload, another
+    state root) for this one's. Only processes whose ``/proc`` entries this user may read are seen; what a
+    playbook launched (an engine, its keeper) runs another program."""
     try:
         target = directory.resolve(strict=True)
+        run_dir = directory.parent.resolve(strict=True)
     except OSError:
         return []
     found = []
@@ -124,6 +141,11 @@ def playbooks_in(directory: Path) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")[:2]
         except OSError:
             continue
-        if any(Path(a.decode(errors="replace")).name == "ansible-playbook" for a in argv) and _alive(int(entry.name)):
+        if not any(Path(a.decode(errors="replace")).name == "ansible-playbook" for a in argv):
+            continue
+        artifacts = _artifact_dir_of(entry)
+        if artifacts is None or not artifacts.resolve().is_relative_to(run_dir):
+            continue
+        if _alive(int(entry.name)):
             found.append(int(entry.name))
     return sorted(found)

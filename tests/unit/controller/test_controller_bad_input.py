@@ -183,6 +183,21 @@ def test_an_artifact_that_is_not_there_is_named_before_any_playbook(tmp_path, ca
     assert not (tmp_path / "state" / "runs").exists(), "refused before a run directory was made"
 
 
+@pytest.mark.parametrize("text", ['{"format": 9, "kind": "coldsnap-artifact", "capture_id": "cap', "[]", ""])
+def test_a_damaged_artifact_is_named_before_any_playbook(tmp_path, capsys, text) -> None:
+    """A truncated (or otherwise non-object) artifact.json is refused naming the file and the fix, not by a Jinja
+    filter error in the playbook's first play."""
+    artifact = tmp_path / "artifact.json"
+    artifact.write_text(text)
+    req = json.loads((EXAMPLES / "restore.json").read_text())
+    req["artifact"] = {"path": str(artifact)}
+    path = _request(tmp_path, json.dumps(req))
+    rc, _out, err = _run(capsys, "restore", "--request-json", str(path), "--state-root", str(tmp_path / "state"))
+    assert rc == 2 and f"$.artifact.path: {artifact} is not an artifact descriptor" in err, err
+    assert "restore another generation" in err and "Traceback" not in err
+    assert not (tmp_path / "state" / "runs").exists(), "refused before a run directory was made"
+
+
 @pytest.mark.parametrize("argv, message", [(["--preset", "huge"], "invalid choice: 'huge'"),
                                            (["--tp", "0"], "--tp: 0 is out of range: give 1 or more"),
                                            (["--port", "99999"], "--port: 99999 is out of range: give 1-65535"),

@@ -125,3 +125,24 @@ def test_a_failure_whose_result_runner_left_out_keeps_its_message() -> None:
         collector({"event": "runner_on_failed", "stdout": stdout,
                    "event_data": {"host": "localhost", "task": task, "res": {}}})
     assert [f["msg"] for f in collector.failures] == ["unit unit-0: the engine refused /resume", "not json at all"]
+
+
+def test_a_playbook_killed_mid_task_is_named_with_the_task_it_was_in() -> None:
+    """ansible-playbook killed from outside (kill -9, the OOM killer) reports no exit status and no failure:
+    the receipt's error names the task it was in and the host, never "no task failed" with rc None."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
+
+    from coldsnap.runner.driver import _error
+    from coldsnap.runner.events import EventCollector
+    from coldsnap.runner.redaction import Redactor
+
+    collector = EventCollector(SpanRecorder("controller"), parent_span_id=None, redactor=Redactor(),
+                               progress=ProgressReporter(False, stream=io.StringIO()))
+    task = "Prepare the restore (admission, capsule state, pids and ports, weight provider)"
+    in_flight = [{"host": "localhost", "task": task, "play": "prepare", "action": "coldsnap.fleet.unit_restore"}]
+    error = _error(collector, cancelled=False, in_flight=in_flight, controller_error=None, runner_status="failed",
+                   rc=None)
+    assert error["task"] == task and error["host"] == "localhost"
+    assert "killed by a signal" in error["message"] and f"while task {task!r} was running on localhost" \
+        in error["message"]
+    assert "rc None" not in error["message"]

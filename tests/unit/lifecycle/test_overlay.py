@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -200,3 +202,24 @@ def test_overlays_lookup_lists_what_the_restore_playbook_selects_from(recorded, 
         lookup.run([restore], state_root=str(state_root), portable="x")
     with pytest.raises(AnsibleLookupError, match="takes a request"):
         lookup.run([str(portable)], state_root=str(state_root))
+
+
+def test_a_recorded_overlay_is_private_whatever_the_umask(state_root, tmp_path):
+    req = make_request(hosts=("gpu-a",), gpus=True)
+    store = ArtifactStore(state_root)
+    portable = write_artifact(tmp_path / "out" / "cap-1", make_artifact(req, capture_id="cap-1"))
+    store.promote(portable, request=req)
+    sha = file_sha256(portable)
+    ov = make_artifact(req, capture_id="cap-1.overlay", capsule="target-local")
+    ov["parent"] = sha
+    binding = overlay.target_binding(req, {"gpu-a": host_facts(uuid="GPU-a")}, portable_sha256=sha)
+    old = os.umask(0o022)
+    try:
+        res = overlay.record_overlay(store, portable_path=portable, overlay_artifact=ov, binding=binding)
+    finally:
+        os.umask(old)
+    odir = Path(res["path"])
+    for d in (odir.parent.parent, odir.parent, odir):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
+    files = list(odir.iterdir())
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files), files

@@ -408,3 +408,15 @@ def test_a_document_or_pack_this_user_cannot_read_says_what_to_do(open_dir):
     kind, msg, fix = _as_other_user(lambda: _inspect_pack(path, False))
     assert kind == "ColdSnapError" and str(path) in msg and "permission denied" in msg, msg
     assert fix == "run as the state root's owner (or root)"
+
+
+def test_the_cache_directories_are_private_whatever_the_umask(tmp_path):
+    # Below the 0700 state root every directory is 0700 too: pack and lock names tell what the host serves.
+    cache = NodeCache(tmp_path / "state")
+    old = os.umask(0o022)
+    try:
+        cache.ensure_dirs()
+    finally:
+        os.umask(old)
+    for d in (cache.state_root, cache.root, cache.objects, cache.locks):
+        assert stat.S_IMODE(d.stat().st_mode) == 0o700, d
