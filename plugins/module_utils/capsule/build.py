@@ -325,13 +325,13 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
         return CapsuleBuild(ref, not _layout_intact(final, mdigest), tuple(excluded), tuple(absent), key, True,
                             labels)
 
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
     _remove_abandoned_builds(root)
     tmp = temp_path_for(root / "capsule")
     # Made under a name the clean-up of abandoned builds does not match, locked, then renamed: a build that
     # cleans up at the same moment never takes this one for abandoned between its mkdir and its lock.
     pending = tmp.with_name(tmp.name.replace(TEMP_MARKER, ".new-", 1))
-    os.mkdir(pending, 0o755)
+    os.mkdir(pending, 0o700)  # a capsule holds process memory: private, like its blobs
     # Held for the whole build: a later build removes this directory only once its builder is gone.
     held = os.open(pending, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     fcntl.flock(held, fcntl.LOCK_EX)

@@ -126,7 +126,7 @@ def layout_lock(root: Path, manifest_digest: str) -> Iterator[Path]:
     into place: without it, a build or pull that found the layout damaged (or absent) could remove the
     whole copy another one had just renamed there, under a reader that was told it is in place."""
     final = layout_dir(root, manifest_digest)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     lock = final.parent / f".{final.name}.lock"
     while True:
         with file_lock(lock) as fd:
@@ -146,11 +146,20 @@ def layout_lock(root: Path, manifest_digest: str) -> Iterator[Path]:
             return
 
 
+def blob_dir(layout: Path) -> Path:
+    """A layout's ``blobs/sha256`` directory, made private (capsule blobs hold process memory)."""
+    blobs = Path(layout) / "blobs"
+    for d in (blobs, blobs / "sha256"):
+        d.mkdir(parents=True, mode=0o700, exist_ok=True)
+    return blobs / "sha256"
+
+
 def write_blob_bytes(layout: Path, data: bytes, media_type: str) -> Descriptor:
     """Store ``data`` as a blob; return its descriptor."""
     digest = digest_bytes(data)
     path = blob_path(layout, digest)
     if not path.exists():
+        blob_dir(layout)
         atomic_write_bytes(path, data, mode=0o600)
     return Descriptor(media_type, digest, len(data))
 
@@ -159,9 +168,7 @@ def write_blob_stream(layout: Path, media_type: str, produce: Callable[[IO[bytes
     """Store a blob whose bytes ``produce(fileobj)`` writes; hashed on the way, renamed to its digest."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.archive import HashingWriter
 
-    blobs = Path(layout) / "blobs" / "sha256"
-    blobs.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path_for(blobs / "blob")
+    tmp = temp_path_for(blob_dir(layout) / "blob")
     try:
         with open(tmp, "xb") as fh:
             writer = HashingWriter(fh)

@@ -285,9 +285,9 @@ def _pull_oci(repo: str, digest: str, root: Path, *, auth: dict[str, Any] | None
     except (ValueError, RecursionError) as exc:
         raise IntegrityError(f"manifest of {what} is not JSON", fix="re-publish the capture") from exc
     config, layers = oci.parse_manifest(manifest, what=f"manifest of {what}")
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = temp_path_for(root / "pull")
-    os.mkdir(tmp, 0o755)
+    os.mkdir(tmp, 0o700)  # a capsule holds process memory: private, like its blobs
     try:
         for desc in (config, *layers):
             _fetch_blob(reg, tmp, desc, what=what, progress=progress, unit=unit)
@@ -325,9 +325,7 @@ def _cached_layout(final: Path, digest: str, *, what: str, verify_layers: bool =
 
 def _fetch_blob(reg: RegistryClient, layout: Path, desc: oci.Descriptor, *, what: str,
                 progress: Progress | None, unit: str | None) -> None:
-    blobs = layout / "blobs" / "sha256"
-    blobs.mkdir(parents=True, exist_ok=True)
-    part = temp_path_for(blobs / "blob")
+    part = temp_path_for(oci.blob_dir(layout) / "blob")
     reader = reg.open_blob(desc.digest, what=f"blob {desc.digest} of {what}")
     try:
         with reader, open(part, "xb") as out:

@@ -435,3 +435,19 @@ def test_a_link_planted_at_a_layouts_name_is_replaced_not_followed(state: Path, 
     again = _build(state, root)
     assert again.changed and not final.is_symlink() and (elsewhere / "keep").read_text() == "not ColdSnap's"
     assert oci.open_layout(final, expected_manifest=ref.image_id).manifest_desc.digest == ref.image_id
+
+
+def test_a_built_capsule_is_private_whatever_the_umask(state: Path, tmp_path: Path) -> None:
+    """A capsule holds process memory: its layout, blobs and files are the owner's only."""
+    import stat as st
+
+    old = os.umask(0o022)
+    try:
+        ref = _build(state, tmp_path / "capsules").ref
+    finally:
+        os.umask(old)
+    final = Path(ref.location)
+    for d in (final.parent, final, final / "blobs", final / "blobs" / "sha256"):
+        assert st.S_IMODE(d.stat().st_mode) == 0o700, d
+    files = [p for p in final.rglob("*") if p.is_file()]
+    assert files and all(st.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in files), files
