@@ -55,6 +55,15 @@ options:
   python:
     description: Python that runs the activation runtime.
     type: path
+  owner:
+    description:
+      - Runtime C(docker) only. The invoking user, as C({uid, gid}) or C("uid:gid"). Every state path the
+        step wrote as root - the spec and evidence files and whatever the activation runtime wrote in the
+        unit's workload directory (it runs as root inside the unit container), and the validation records
+        and locks of the node payload cache when the module itself runs as root - is given to this user
+        afterwards, also when the step failed; mode bits are kept. Omitted, the files stay as written.
+      - O(state=stopped) writes nothing; runtime C(host) units run as the module's own user.
+    type: raw
 attributes:
   check_mode:
     support: full
@@ -76,6 +85,7 @@ EXAMPLES = r"""
     artifact: "{{ coldsnap_artifact }}"
     host: "{{ inventory_hostname }}"
     activation_digest: "{{ coldsnap_host_activation.digest }}"
+    owner: "1000:1000"
 
 - name: Stop the workload (a later restore brings it back)
   coldsnap.fleet.unit_lifecycle:
@@ -134,6 +144,7 @@ def main() -> None:
             activation_digest=dict(type="str", required=True),
             activation_required=dict(type="bool", default=True),
             python=dict(type="path"),
+            owner=dict(type="raw"),
             state_root=dict(STATE_ROOT_ARG),
         ),
         required_if=[("state", "running", ["artifact"])],
@@ -146,7 +157,8 @@ def main() -> None:
         art = validate_artifact(p["artifact"], document="artifact (module option)") if p["artifact"] else None
         out = lifecycle_units(req, art, host=p["host"], action=ACTIONS[p["state"]], state_root=Path(p["state_root"]),
                               activation_digest=p["activation_digest"], python=p["python"],
-                              check_mode=module.check_mode, activation_required=p["activation_required"])
+                              check_mode=module.check_mode, activation_required=p["activation_required"],
+                              owner=p["owner"])
         return {"activation_staged": True, **out}
 
     run_guarded(module, run, what="lifecycle")

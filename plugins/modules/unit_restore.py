@@ -24,6 +24,9 @@ description:
   - O(phase=activate) restores the units - CRIU restore (stopped), CUDA restore, release, resume with
     fresh transport endpoints from the coordinator, hydration, zeroed KV - and validates the exact reply.
     O(warm=true) stops before hydration; a later wake finishes it.
+  - A failure of O(phase=activate) comes after the eviction. Given O(evicted), its message says once that the
+    workload that ran before was evicted and is not running, names its units and pids (or containers), and
+    how to serve again; C(details.previous_workload) is C(evicted) and C(details.evicted) lists them.
 extends_documentation_fragment:
   - coldsnap.fleet.attributes
   - coldsnap.fleet.attributes.ACTION_GROUP
@@ -77,6 +80,12 @@ options:
         reason leads its C(weights.workers[].reasons).
     type: dict
     default: {}
+  evicted:
+    description:
+      - O(phase=activate). What O(phase=evict) stopped on this host (its C(stopped)). A failed activation
+        names it as evicted and not running. Omitted, the failure does not say what was evicted.
+    type: list
+    elements: dict
   hf_token:
     description:
       - O(phase=prepare). Hugging Face token for a C(huggingface) recovery source (the pinned snapshot is
@@ -137,6 +146,14 @@ stopped:
   elements: dict
   sample:
     - {unit: unit-0, pid: 4242, pids: [4242, 4250], processes: 2}
+coldsnap_evicted:
+  description:
+    - What became of the workload that ran before, for the C(coldsnap) controller's receipt
+      (C(result.eviction)). O(phase=evict) returns C(host) and C(units) (its C(stopped); null in a failure
+      part way, under C(details)), a successful O(phase=activate) C(host) and C(restored=true).
+  returned: when phase is evict or activate, not in check mode
+  type: dict
+  sample: {host: gpu-a, units: [{unit: unit-0, pid: 4242, pids: [4242], processes: 2}]}
 coldsnap_timing:
   description: Unit-clock spans of the activation (activate).
   returned: when phase is activate and this host has units to restore, not in check mode
@@ -178,6 +195,7 @@ def main() -> None:
             owner=dict(type="raw"),
             staging_failures=dict(type="dict", default={}),
             hf_token=dict(type="str", no_log=True),
+            evicted=dict(type="list", elements="dict"),
             progress_dir=dict(PROGRESS_DIR_ARG),
             progress_lease=dict(LEASE_ARG),
         ),
@@ -202,7 +220,7 @@ def main() -> None:
                                      activation_digest=p["activation_digest"],
                                      coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
                                      warm=p["warm"], check_mode=module.check_mode, timeouts=p["timeouts"],
-                                     owner=p["owner"], progress_dir=session.directory)
+                                     owner=p["owner"], progress_dir=session.directory, evicted=p["evicted"])
 
     run_guarded(module, run, what="unit_restore")
 

@@ -2,13 +2,18 @@
 
 :class:`DockerUnits` is what the lifecycle needs; :class:`~.docker_runtime.DockerRuntime`
 adds capture, prepare and restore. Each lifecycle step runs the activation runtime inside the
-unit's running container (``docker exec``), as PID 1's sibling.
+unit's running container (``docker exec``), as PID 1's sibling. It runs as root there: what it
+wrote under the state root is given back to the invoking user (``owner``) afterwards, also when
+the step failed, as a capture's or a restore's is (:mod:`.ownership`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +31,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import (
     chown_state_paths,
+    normalize_ownership,
     parse_owner,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
@@ -115,7 +121,10 @@ class DockerUnits(RunningUnits):
         return self.layout.unit_runs(self.request["id"])
 
     def lifecycle(self, specs: list[UnitSpec]) -> list[dict]:
-        """Run a lifecycle operation (status, sleep, wake, finish-warm) inside each unit's running container."""
+        """Run a lifecycle operation (status, sleep, wake, finish-warm) inside each unit's running container.
+
+        Each unit's workload directory (the spec and evidence files, and whatever the root activation
+        runtime wrote there) is given to ``owner`` afterwards, also when the operation failed."""
         client, request = self.client, self.request
         results: list[dict] = [{} for _spec in specs]
         owned: list[Path] = []
@@ -132,23 +141,52 @@ class DockerUnits(RunningUnits):
                 (container.image.labels or {}).get(LABEL_STATE_TARGET)
             s = docker_spec(spec, unit_dir=target or spec.unit_dir)
             # The workload directory is the one state path the running container has bound read-write.
+            owned.append(Path(s.workload_dir))
             where = Path(s.workload_dir) / ".coldsnap"
             where.mkdir(mode=0o700, exist_ok=True)
-            owned.append(where)
             spec_path, ev_path = write_spec(where, s)
             argv = [DOCKER_PYTHON, "-m", "coldsnap_activation", s.operation, "--spec", str(spec_path),
                     "--evidence", str(ev_path)]
-            code, out = container.exec_run(argv, environment={"PYTHONPATH": docker_unit.ACTIVATION_TARGET, "PYTHONDONTWRITEBYTECODE": "1"},
-                                           user="0", stdout=True, stderr=True)
+            env = {"PYTHONPATH": docker_unit.ACTIVATION_TARGET, "PYTHONDONTWRITEBYTECODE": "1"}
+            code, out = container.exec_run(argv, environment=env, user="0", stdout=True, stderr=True)
             results[i] = container_evidence(ev_path, uid, (out or b"").decode("utf-8", "replace"), code)
 
         try:
             run_concurrently(one, list(enumerate(specs)))
         finally:
-            if self.owner is not None:
-                chown_state_paths(owned, self.owner.uid, self.owner.gid, client=client)
+            self._hand_back(owned, client)
         raise_failures(results)
         return results
+
+    @contextlib.contextmanager
+    def giving_back(self) -> Iterator[None]:
+        """Around a lifecycle step: what the module itself wrote in the node payload cache (validation
+        records and locks, while the weights were planned), when it runs as another user than ``owner``
+        (root, for an unprivileged invoking user), is given to ``owner`` afterwards, also on failure."""
+        try:
+            yield
+        finally:
+            if self.owner is not None and os.geteuid() != self.owner.uid and self.layout.payloads.is_dir():
+                self._hand_back([self.layout.payloads], self.client, payloads=True)
+
+    def _hand_back(self, paths: list[Path], client: Any, *, payloads: bool = False) -> None:
+        """Give ``paths`` to ``owner`` (the node payload cache's with its packs' validation records kept
+        valid). When the operation itself failed, a failure here must not replace its error (the
+        engine's last log lines are in it): it is added to it."""
+        if self.owner is None or not paths:
+            return
+        failing = sys.exc_info()[1]
+        try:
+            if payloads:
+                normalize_ownership(paths, state_root=self.state_root, owner=self.owner, client=client)
+            else:
+                chown_state_paths(paths, self.owner.uid, self.owner.gid, client=client)
+        except Exception as exc:
+            if failing is None:
+                raise
+            if isinstance(failing, ColdSnapError):
+                failing.problem += f" (then giving the state back to the invoking user failed too: {exc})"
+                failing.args = (failing.problem if not failing.fix else f"{failing.problem}; {failing.fix}",)
 
     def presence(self, unit_id: str) -> str:
         c = canonical_container(self.request, unit_id, client=self.client)

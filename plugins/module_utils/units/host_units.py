@@ -57,6 +57,11 @@ class HostUnits(RunningUnits):
             return [unit_status(s) for s in specs]
         return self.run(specs)
 
+    def giving_back(self) -> contextlib.AbstractContextManager[None]:
+        """Nothing to give back: the engines run as host processes of the module's own user, so what a
+        lifecycle step writes already belongs to the user who ran it (``owner`` is for runtime docker)."""
+        return contextlib.nullcontext()
+
     def running_pids(self, unit_id: str) -> list[int]:
         """The root pids of this workload's engines running on the host, one per worker of the unit that
         answers (proven through its control API); empty when none runs. An engine whose control API

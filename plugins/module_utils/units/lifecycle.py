@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
@@ -11,6 +12,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activa
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_units import DockerUnits
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import HostUnits
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import parse_owner
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import (
     accepted_validation,
     build_specs,
@@ -31,7 +33,7 @@ def _would_change(action: str, state: str | None) -> bool:
 
 def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: str, state_root: Path,
                     activation_digest: str, python: str | None, check_mode: bool,
-                    activation_required: bool = True) -> dict:
+                    activation_required: bool = True, owner: Any = None) -> dict:
     """status / sleep / wake / finish-warm / stop of this host's running units (convergent).
 
     With ``activation_required`` false, a host where the activation runtime ``activation_digest``
@@ -39,7 +41,12 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
     asks again): one round trip where it is staged, which is nearly always. Only sleep, wake and
     finish-warm run it: ``status`` (and check mode, which only reads) asks a host unit's workers
     through their control APIs and a docker unit's container through the runtime it was started
-    with, and ``stop`` only ends processes."""
+    with, and ``stop`` only ends processes.
+
+    ``owner`` (runtime docker): the invoking user, ``{uid, gid}`` or ``'uid:gid'``; what a step wrote
+    under ``state_root`` as root (inside the unit container, or as a root module) is given to it
+    afterwards, also when the step failed. None leaves the files as written."""
+    parse_owner(owner)  # a malformed owner is refused on every runtime, before anything runs
     units = units_on_host(request, host)
     if not units:
         return {"changed": False, "units": []}
@@ -48,7 +55,8 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
             not activation_stage.staged_path(state_root, activation_digest).is_dir():
         return {"changed": False, "units": [], "activation_staged": False}
     runtime = RUNNING_UNITS[request["launch"]["runtime"]](request, host=host, state_root=state_root,
-                                                          activation_digest=activation_digest, python=python)
+                                                          activation_digest=activation_digest, python=python,
+                                                          owner=owner)
     if action == "stop":
         # The engines (whole process trees, or the unit containers) go; captures, artifacts, payloads and
         # the model cache stay, so the workload can be restored again.
@@ -78,20 +86,23 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
         idle = []
     capture_id = artifact["capture_id"] if artifact else request["id"]
     unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units} if artifact else None
-    weights = plan_weights(request, artifact, host=host, state_root=state_root) if artifact else {}
-    if weights and action in ("wake", "finish-warm") and not check_mode:
-        read_packs_ahead(weights)
-    validation = accepted_validation(request, artifact)
-    op = "status" if check_mode else action
-    specs = build_specs(request, host=host, operation=op, capture_id=capture_id, state_root=state_root,
-                        python=python, weights=weights, validation=validation, unit_dirs=unit_dirs)
-    running = {u["id"] for u in units}
-    evidence = runtime.lifecycle([s for s in specs if s.unit["id"] in running])
-    if check_mode:
-        if action == "sleep":  # the real run refuses a warm unit: so does its check mode
-            for e in evidence:
-                ec.require_can_sleep(e.get("unit"), [w.get("state") for w in e.get("workers", [])])
-        would = any(_would_change(action, w.get("state")) for e in evidence for w in e.get("workers", []))
-        return {"changed": would, "units": [*idle, *(public(e) for e in evidence)]}
-    return {"changed": any(e.get("changed") for e in evidence), "units": [*idle, *(public(e) for e in evidence)],
-            "coldsnap_timing": timing_of(evidence)}
+    # Planning the weights verifies the node's packs (their records and locks) and the step writes into the
+    # workload directories: all of it is the invoking user's afterwards, also when the step failed.
+    with runtime.giving_back():
+        weights = plan_weights(request, artifact, host=host, state_root=state_root) if artifact else {}
+        if weights and action in ("wake", "finish-warm") and not check_mode:
+            read_packs_ahead(weights)
+        validation = accepted_validation(request, artifact)
+        op = "status" if check_mode else action
+        specs = build_specs(request, host=host, operation=op, capture_id=capture_id, state_root=state_root,
+                            python=python, weights=weights, validation=validation, unit_dirs=unit_dirs)
+        running = {u["id"] for u in units}
+        evidence = runtime.lifecycle([s for s in specs if s.unit["id"] in running])
+        if check_mode:
+            if action == "sleep":  # the real run refuses a warm unit: so does its check mode
+                for e in evidence:
+                    ec.require_can_sleep(e.get("unit"), [w.get("state") for w in e.get("workers", [])])
+            would = any(_would_change(action, w.get("state")) for e in evidence for w in e.get("workers", []))
+            return {"changed": would, "units": [*idle, *(public(e) for e in evidence)]}
+        return {"changed": any(e.get("changed") for e in evidence), "units": [*idle, *(public(e) for e in evidence)],
+                "coldsnap_timing": timing_of(evidence)}

@@ -1,11 +1,16 @@
 """Per-host restore steps: ``prepare_restore`` decides, without touching the running workload,
 whether this host can restore its units; ``evict`` stops the running workload (only after
-prepare passed everywhere); ``restore_units`` activates the units from their captured state."""
+prepare passed everywhere); ``restore_units`` activates the units from their captured state.
+
+A failure of ``restore_units`` comes after the eviction: its error says what was evicted (the units
+and pids ``evict`` reported) and that it is not running, once, with how to serve again."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import eviction
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import placement
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
@@ -44,30 +49,71 @@ def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, st
 
 
 def evict(request: dict, *, host: str, state_root: Path, check_mode: bool) -> dict:
-    """Stop the running engines of this workload on this host (after prepare passed everywhere)."""
-    stopped = runtime_for(request, host=host, state_root=state_root).evict(check_mode=check_mode)
-    return {"changed": bool(stopped), "stopped": stopped}
+    """Stop the running engines of this workload on this host (after prepare passed everywhere).
+
+    The result names what was stopped under ``coldsnap_evicted`` too (the controller's record of the
+    eviction); a failure part way says the step may have stopped some of them."""
+    try:
+        stopped = runtime_for(request, host=host, state_root=state_root).evict(check_mode=check_mode)
+    except ColdSnapError as exc:
+        raise _same_kind(exc)(f"{exc.problem} (the evict step failed part way: the workload that ran before may be "
+                              "stopped in part; `coldsnap status` shows what runs)", fix=exc.fix,
+                              details={**exc.details, eviction.RESULT_EVICTED_KEY: {"host": host, "units": None}}) \
+            from exc
+    out = {"changed": bool(stopped), "stopped": stopped}
+    if not check_mode:
+        out[eviction.RESULT_EVICTED_KEY] = {"host": host, "units": stopped}
+    return out
 
 
 def restore_units(request: dict, artifact: dict, *, host: str, state_root: Path, activation_digest: str,
                   coordinator_endpoint: str | None, python: str | None, warm: bool,
                   check_mode: bool, timeouts: dict | None = None, owner: dict | str | None = None,
-                  progress_dir: str | None = None) -> dict:
-    """Activate this host's units from their captured state (``progress_dir``: their live progress)."""
+                  progress_dir: str | None = None, evicted: list[dict] | None = None) -> dict:
+    """Activate this host's units from their captured state (``progress_dir``: their live progress).
+
+    ``evicted``: what the evict step stopped on this host (its ``stopped``; None when not known). A
+    failure then says that this workload is not running any more, naming it, and how to serve again."""
     units = units_on_host(request, host)
     if not units:
         return {"changed": False, "units": []}
     if check_mode:
         return {"changed": True, "units": [], "msg": f"would restore {len(units)} unit(s) on {host}"}
-    runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
-                          python=python, owner=owner)
-    unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units}
-    specs = build_specs(request, host=host, operation="warm" if warm else "restore",
-                        capture_id=artifact["capture_id"], state_root=state_root, python=python,
-                        coordinator_endpoint=coordinator_endpoint,
-                        weights=plan_weights(request, artifact, host=host, state_root=state_root),
-                        validation=accepted_validation(request, artifact), unit_dirs=unit_dirs, warm=warm,
-                        timeouts=timeouts, placements=placements_of(request, artifact, host),
-                        progress_dir=progress_dir)
-    evidence = runtime.restore(artifact, specs)
-    return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence)}
+    try:
+        runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
+                              python=python, owner=owner)
+        unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units}
+        specs = build_specs(request, host=host, operation="warm" if warm else "restore",
+                            capture_id=artifact["capture_id"], state_root=state_root, python=python,
+                            coordinator_endpoint=coordinator_endpoint,
+                            weights=plan_weights(request, artifact, host=host, state_root=state_root),
+                            validation=accepted_validation(request, artifact), unit_dirs=unit_dirs, warm=warm,
+                            timeouts=timeouts, placements=placements_of(request, artifact, host),
+                            progress_dir=progress_dir)
+        evidence = runtime.restore(artifact, specs)
+    except Exception as exc:
+        if not evicted:
+            raise
+        raise failed_after_eviction(exc, evicted, host=host) from exc
+    return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence),
+            eviction.RESULT_EVICTED_KEY: {"host": host, "restored": True}}
+
+
+def failed_after_eviction(exc: Exception, evicted: list[dict], *, host: str) -> ColdSnapError:
+    """``exc`` (an activation's failure) as the error of a restore that evicted ``evicted`` first: the
+    same class, problem and details, saying once that the workload that ran before is not running and
+    how to serve again (the problem's own fix kept first)."""
+    if isinstance(exc, ColdSnapError):
+        problem = exc.problem if not exc.fix else f"{exc.problem}; {exc.fix}"
+        cls, details = _same_kind(exc), exc.details
+    else:  # unexpected: still said with what was evicted (its traceback is the cause's)
+        problem, cls, details = f"unit_restore failed unexpectedly: {type(exc).__name__}: {exc}", ColdSnapError, {}
+    if eviction.EVICTED_PHRASE in problem and isinstance(exc, ColdSnapError):
+        return exc
+    return cls(eviction.after_eviction(problem, evicted, host=host),
+               details={**details, "previous_workload": eviction.EVICTED, "evicted": evicted})
+
+
+def _same_kind(exc: ColdSnapError) -> type[ColdSnapError]:
+    """``exc``'s class when it is built like ColdSnapError (message, fix, details), else ColdSnapError."""
+    return type(exc) if type(exc).__init__ is ColdSnapError.__init__ else ColdSnapError

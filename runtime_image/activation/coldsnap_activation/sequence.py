@@ -837,13 +837,13 @@ class Activation:
 def _port_taken_since_admission(error: str, listeners: list, unit: str) -> None:
     """CRIU could not bind a listener that was free at admission: someone took the port in between (a
     supervisor restarting the evicted server, say). Raise an error that names the port and its holder
-    instead of CRIU's socket id; return when the error is something else."""
+    instead of CRIU's socket id; return when the error is something else. (What was evicted, and that it
+    is not running, the restore step that knows it adds: units/restore.py.)"""
     if "Address already in use" not in error:
         return
     ports.require_ports_free(listeners, unit=unit, time_wait_grace=0.0, connection_grace=0.0, what="listening port",
                              fix="stop what took the port since the restore began (a supervisor restarting the "
-                                 "replaced server?) and restore again; the replaced workload is no longer running, "
-                                 "or restore onto another port")
+                                 "replaced server?) and restore again, or restore onto another port")
     raise UnitError(f"unit {unit}: a listening port was taken after admission, before CRIU could restore it ({error})",
                     fix="find what binds the unit's ports and restore again")
 

@@ -63,6 +63,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout
     StateLayout,
     default_state_root,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import eviction
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import OPERATIONS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
 
@@ -683,6 +684,11 @@ class PlaybookRun:
         result = _result(collector, playbook_path=cfg.playbook_path, ident=self.ident,
                          runner_status=self.runner_status, rc=rc, cancelled=cancelled, in_flight=in_flight,
                          warnings=self.timing.problems + self.user_handler_errors)
+        if cfg.operation in eviction.RESTORE_OPERATIONS:  # what became of the workload that ran before
+            result["eviction"] = eviction.receipt_record(
+                collector.evictions, succeeded=succeeded, interrupted=any(_may_evict(t.get("play")) for t in in_flight))
+            if error is not None:
+                error["message"] = with_eviction(error["message"], result["eviction"])
         if cancelled:
             result["runner"]["terminated_processes"] = self.terminated
         result.update(cfg.notes or {})
@@ -744,6 +750,28 @@ def _result(collector: EventCollector, *, playbook_path: Path, ident: str, runne
     if problems:
         result["controller_warnings"] = problems[:50]
     return result
+
+
+def _may_evict(play: str | None) -> bool:
+    """A play of a restore that may evict (the collection's plays say so in their names; one that says
+    "nothing is evicted" does not)."""
+    name = (play or "").lower()
+    return "evict" in name and "nothing is evicted" not in name
+
+
+def with_eviction(message: str, record: Mapping[str, Any]) -> str:
+    """A restore's error message saying, once, what became of the workload that ran before (``record``:
+    ``result.eviction``): evicted and not running (naming it, and how to serve again), untouched, or not
+    known."""
+    state = record.get("previous_workload")
+    if state == eviction.EVICTED:
+        return eviction.after_eviction(message, [u for u in record.get("units") or [] if not u.get("restored")])
+    if state == eviction.UNTOUCHED:
+        return eviction.before_eviction(message)
+    if state == eviction.UNKNOWN and "coldsnap status" not in message:
+        return (f"{message} (the restore may have evicted the workload that ran before: `coldsnap status` shows "
+                "what runs)")
+    return message
 
 
 def _error(collector: EventCollector, *, cancelled: bool, in_flight: list[dict], controller_error: str | None,

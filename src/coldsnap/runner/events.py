@@ -9,6 +9,8 @@ very dict the handler received to ``job_events/``), then records:
 * unit-clock spans a module returned under ``coldsnap_timing`` (imported as is,
   never shifted onto the controller clock);
 * progress lines (task start/finish and ``coldsnap_progress``);
+* what a restore's evict step stopped and whether activation brought it back
+  (``coldsnap_evicted``, by host: the receipt's ``result.eviction``);
 * ``playbook_on_stats`` totals and the ``set_stats`` data (``artifact_data``).
 
 It always returns True: a falsy return makes ansible-runner drop the event and
@@ -25,6 +27,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.eviction import RESULT_EVICTED_KEY
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
 
 from coldsnap.runner.contract import RESULT_PROGRESS_KEY, RESULT_TIMING_KEY
@@ -180,6 +183,8 @@ class EventCollector:
         self.timing_problems: list[str] = []
         self.events_seen = 0
         self.current_play: str | None = None
+        # host -> {"units": what its evict step stopped (None: not known), "restored": activation passed}
+        self.evictions: dict[str, dict[str, Any]] = {}
 
     # ansible-runner calls this for every event.
     def __call__(self, event: dict) -> bool:
@@ -293,6 +298,21 @@ class EventCollector:
                                     time.monotonic() - opened.started, msg)
         if not censored:
             self._import_from_result(res, host=host, task=task, counter=counter, span_id=opened.span["span_id"])
+            self._note_eviction(res, host=host)
+
+    def _note_eviction(self, res: Mapping[str, Any], *, host: str) -> None:
+        """A restore's evict step (what it stopped, or null when it failed part way) and a successful
+        activation (``restored``) report under ``coldsnap_evicted``; a failure carries it in ``details``."""
+        details = res.get("details") if isinstance(res.get("details"), Mapping) else {}
+        report = res.get(RESULT_EVICTED_KEY, details.get(RESULT_EVICTED_KEY))
+        if not isinstance(report, Mapping):
+            return
+        mine = self.evictions.setdefault(host, {"units": None, "restored": False})
+        if "units" in report:
+            units = report["units"]
+            mine["units"] = [dict(u) for u in units if isinstance(u, Mapping)] if isinstance(units, list) else None
+        if report.get("restored") is True:
+            mine["restored"] = True
 
     def _import_from_result(self, res: Mapping[str, Any], *, host: str, task: str, counter: int,
                             span_id: str) -> None:

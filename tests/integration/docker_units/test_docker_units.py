@@ -199,6 +199,51 @@ def test_warm_restore_and_lifecycle_run_inside_the_unit_container(captured):
     assert run("status")["units"][0]["state"] == "stopped"
 
 
+def _root_owned(root: Path) -> set[str]:
+    """Every entry below ``root`` (links themselves) that belongs to root (uid or gid 0)."""
+    out = set()
+    for p in root.rglob("*"):
+        st = p.lstat()
+        if st.st_uid == 0 or st.st_gid == 0:
+            out.add(str(p))
+    return out
+
+
+def test_lifecycle_hands_what_the_unit_container_wrote_back_to_the_invoking_user(captured):
+    """status, sleep and wake run the activation runtime inside the unit container as root: every state
+    path they wrote belongs to the invoking user afterwards, also when the step failed."""
+    def wrong_reply(req: dict) -> None:
+        req["validation"]["expected"] = "not what the engine answers"
+
+    def run(operation: str, *, mutate=None, ok: bool = True) -> dict:
+        req = captured.wl.request(operation, artifact=captured.path, mutate=mutate)
+        res = captured.wl.run(req)
+        assert res.succeeded is ok, res.receipt["error"]
+        return res.receipt
+
+    _req, res = restore(captured)
+    assert res.succeeded, res.receipt["error"]
+    before = _root_owned(captured.wl.state_root)
+    uid, gid = captured.user.uid, captured.user.gid
+    written = [captured.state("workloads", RECIPE), captured.state("model-payloads")]
+    try:
+        steps = [("status", None, True), ("sleep", None, True), ("status", None, True), ("wake", None, True),
+                 ("sleep", None, True), ("wake", wrong_reply, False)]
+        for operation, mutate, ok in steps:
+            receipt = run(operation, mutate=mutate, ok=ok)
+            assert not_owned(written, uid, gid) == [], f"after {operation}"
+            if not ok:
+                assert "differs" in receipt["error"]["message"], receipt["error"]
+        evidence = list(captured.state("workloads", RECIPE, "unit-0", ".coldsnap").glob("evidence-*.json"))
+        assert evidence, "the unit container's evidence is kept in the workload directory"
+        # Nothing else the operations wrote under the state root belongs to root, but the controller's own
+        # run records (the controller runs as root here).
+        runs = str(captured.state("runs")) + "/"
+        assert sorted(p for p in _root_owned(captured.wl.state_root) - before if not p.startswith(runs)) == []
+    finally:
+        captured.wl.stop()
+
+
 def test_a_failed_restore_leaves_no_container_and_still_hands_state_back(captured):
     import docker
 

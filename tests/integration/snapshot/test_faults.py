@@ -123,6 +123,10 @@ def test_fault19_other_architecture_refused_before_eviction(captured, state_root
     err = failed(wl.run(wl.request("restore", artifact=path)), phase_word="prepare")
     assert "aarch64" in err["message"] and "architecture" in err["message"]
     assert wl.engines() == running, "admission failure must not evict the running workload"
+    # ... and says so, in the message and the receipt, never that it was evicted.
+    assert "nothing was evicted" in err["message"] and "was evicted and is not running" not in err["message"], err
+    refused = wl.run(wl.request("restore", artifact=path)).receipt["result"]["eviction"]
+    assert refused["previous_workload"] == "untouched" and refused["evicted"] is False, refused
     wl.stop()
 
 
@@ -264,6 +268,49 @@ def test_an_engine_that_dies_as_criu_restores_it_is_named_and_status_says_stoppe
     assert res.succeeded, res.receipt["error"]
     assert wl.complete() == art["acceptance"]["reply"]
     wl.stop()
+
+
+def test_a_restore_that_fails_after_eviction_says_the_previous_workload_was_evicted(captured, state_root, tmp_path):
+    """A workload runs; a restore passes prepare, evicts it, and its restored engine dies as CRIU restores it.
+    The error says, once, that the workload that ran before was evicted and is not running (its unit and
+    pid) and how to serve again; the receipt records it (result.eviction); status says it is stopped; and
+    restoring again, as the error says, brings it back."""
+    wl, artifact, art = captured
+    ok = wl.run(wl.request("restore", artifact=artifact))
+    assert ok.succeeded, ok.receipt["error"]
+    running = wl.engines()
+    assert running, "the workload must run before the failing restore"
+    pid = captured_worker(state_root, art)["pid"]
+    real = shutil.which("criu") or "/usr/local/sbin/criu"
+    wrapper = tmp_path / "criu-whose-restore-dies"
+    wrapper.write_text(f'#!/bin/sh\n{real} "$@"; rc=$?\n'
+                       f'if [ "$1" = restore ] && [ $rc = 0 ]; then kill -9 {pid}; fi\nexit $rc\n')
+    wrapper.chmod(0o755)
+    try:
+        res = wl.run(wl.request("restore", artifact=artifact), envvars={"COLDSNAP_CRIU": str(wrapper)})
+        err = failed(res, phase_word="activate")
+        message = err["message"]
+        assert "died" in message, message  # the technical failure first
+        assert message.count("was evicted and is not running") == 1, message
+        assert f"unit unit-0 (engine pid {running[0]})" in message, message
+        assert "restore again" in message and "another generation" in message and "recovery" in message, message
+        assert ok.receipt["result"]["eviction"]["previous_workload"] in ("none-running", "replaced")
+        record = res.receipt["result"]["eviction"]
+        assert record["previous_workload"] == "evicted" and record["evicted"] is True, record
+        assert [(u["host"], u["unit"], u["pids"], u["restored"]) for u in record["units"]] == \
+            [("localhost", "unit-0", running, False)], record
+        assert not engines_after(wl, 10)
+        assert unit_state(wl.run(wl.request("status", artifact=artifact))) == "stopped", \
+            "the evicted workload does not run after the failed restore"
+    finally:
+        wl.stop()
+    again = wl.run(wl.request("restore", artifact=artifact))  # the fix the error names
+    try:
+        assert again.succeeded, again.receipt["error"]
+        assert again.receipt["result"]["eviction"]["previous_workload"] == "none-running"
+        assert wl.complete() == art["acceptance"]["reply"]
+    finally:
+        wl.stop()
 
 
 def test_a_restore_under_another_state_root_is_refused_in_prepare(captured, tiny_model, env_digest, tmp_path):

@@ -146,3 +146,81 @@ def test_a_playbook_killed_mid_task_is_named_with_the_task_it_was_in() -> None:
     assert "killed by a signal" in error["message"] and f"while task {task!r} was running on localhost" \
         in error["message"]
     assert "rc None" not in error["message"]
+
+
+def _restore_events(collector, *, activated: bool) -> None:
+    """A one-host restore as ansible-runner reports it: the evict step stopped unit-0's engine, then the
+    activation failed (or passed)."""
+    evict = {"changed": True, "stopped": [{"unit": "unit-0", "pid": 4242, "pids": [4242], "processes": 3}],
+             "coldsnap_evicted": {"host": "gpu-a", "units": [{"unit": "unit-0", "pid": 4242, "pids": [4242],
+                                                              "processes": 3}]}}
+    collector({"event": "runner_on_ok", "counter": 1, "event_data": {
+        "host": "gpu-a", "task": "Evict this workload's running engines on the host", "res": evict,
+        "play": "ColdSnap restore | evict and activate"}})
+    if activated:
+        res, event = {"changed": True, "units": [], "coldsnap_evicted": {"host": "gpu-a", "restored": True}}, "ok"
+    else:
+        res, event = {"failed": True, "msg": "unit unit-0: the engine (pid 4242) died right after CRIU restored it"}, \
+            "failed"
+    collector({"event": f"runner_on_{event}", "counter": 2, "event_data": {
+        "host": "gpu-a", "task": "Restore the units on this host", "res": res,
+        "play": "ColdSnap restore | evict and activate"}})
+
+
+def test_a_restore_that_failed_after_eviction_says_so_in_its_error_and_records_it() -> None:
+    """The receipt of a restore that failed after eviction: result.eviction says the workload that ran
+    before was evicted (unit, pids) and is not running, the error message says it once with how to serve
+    again; the receipt stays a valid format-2 receipt. One that succeeded says the workload was replaced."""
+    import datetime as dt
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import eviction
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
+
+    from coldsnap.receipts import build_receipt
+    from coldsnap.runner.driver import _error, with_eviction
+    from coldsnap.runner.events import EventCollector
+    from coldsnap.runner.redaction import Redactor
+
+    def collector() -> EventCollector:
+        return EventCollector(SpanRecorder("controller"), parent_span_id=None, redactor=Redactor(),
+                              progress=ProgressReporter(False, stream=io.StringIO()))
+
+    failed = collector()
+    _restore_events(failed, activated=False)
+    record = eviction.receipt_record(failed.evictions, succeeded=False, interrupted=False)
+    assert record["previous_workload"] == "evicted" and record["evicted"] is True
+    assert record["units"] == [{"host": "gpu-a", "unit": "unit-0", "pid": 4242, "pids": [4242], "processes": 3,
+                                "restored": False}]
+    error = _error(failed, cancelled=False, in_flight=[], controller_error=None, runner_status="failed", rc=2)
+    error["message"] = with_eviction(error["message"], record)
+    assert error["message"].count(eviction.EVICTED_PHRASE) == 1, error["message"]
+    assert "unit unit-0 on gpu-a (engine pid 4242)" in error["message"]
+    assert "restore again" in error["message"] and "recovery" in error["message"]
+    # Said by the module already: not told twice.
+    assert with_eviction(error["message"], record) == error["message"]
+
+    now = dt.datetime.now(dt.UTC)
+    receipt = build_receipt(operation_id="op-1", operation="restore", prepare_only=False, succeeded=False,
+                            request=None, started_at=now, completed_at=now, duration_seconds=0.0,
+                            timing=SpanRecorder("controller").finish("op-1"), result={"eviction": record},
+                            error=error)
+    assert receipt["result"]["eviction"]["previous_workload"] == "evicted"
+
+    ok = collector()
+    _restore_events(ok, activated=True)
+    assert eviction.receipt_record(ok.evictions, succeeded=True, interrupted=False)["previous_workload"] == "replaced"
+
+
+def test_a_restore_that_failed_before_eviction_says_nothing_was_evicted() -> None:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import eviction
+
+    from coldsnap.runner.driver import _may_evict, with_eviction
+
+    record = eviction.receipt_record({}, succeeded=False, interrupted=False)
+    said = with_eviction("task 'Prepare the restore' failed on gpu-a: unit unit-0: GPU model differs", record)
+    assert said.count(eviction.UNTOUCHED_PHRASE) == 1 and eviction.EVICTED_PHRASE not in said
+    # Cut off in the play that evicts, before its evict step reported: not known, and said so.
+    assert _may_evict("ColdSnap restore | evict and activate")
+    assert not _may_evict("ColdSnap restore | prepare every host (nothing is evicted)")
+    unknown = eviction.receipt_record({}, succeeded=False, interrupted=True)
+    assert "may have evicted" in with_eviction("operation cancelled while task 'Evict' was running", unknown)

@@ -181,8 +181,10 @@ def test_gpu_placement_reads_the_workers_gpu_and_the_hosts_from_one_enumeration(
 
 
 def test_a_port_taken_between_admission_and_criu_is_named_with_its_holder():
-    """CRIU only says 'Can't bind inet socket (id 72)': the restore names the port, who holds it and
-    that the replaced workload is gone."""
+    """CRIU only says 'Can't bind inet socket (id 72)': the restore names the port and who holds it; that
+    the replaced workload is gone the restore step that evicted it says, once, naming it."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.eviction import EVICTED_PHRASE
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.restore import failed_after_eviction
     from coldsnap_activation.sequence import _port_taken_since_admission
 
     holder = socket.socket()
@@ -194,7 +196,9 @@ def test_a_port_taken_between_admission_and_criu_is_named_with_its_holder():
                     "Address already in use"
         with pytest.raises(AdmissionError, match=rf"127\.0\.0\.1:{port} is taken on this host by pid") as err:
             _port_taken_since_admission(criu_said, [("127.0.0.1", port)], "unit-0")
-        assert "no longer running" in str(err.value)
+        said = str(failed_after_eviction(err.value, [{"unit": "unit-0", "pid": 4242, "pids": [4242]}], host="gpu-a"))
+        assert f"127.0.0.1:{port} is taken" in said and said.count(EVICTED_PHRASE) == 1, said
+        assert "unit unit-0 (engine pid 4242)" in said and "restore onto another port" in said, said
         _port_taken_since_admission("CRIU restore failed: something else", [("127.0.0.1", port)], "unit-0")
     finally:
         holder.close()
