@@ -95,7 +95,7 @@ def test_an_unexpected_failure_and_an_odd_error_class_still_say_it(fake):
     assert "failed unexpectedly: KeyError" in str(err.value) and eviction.EVICTED_PHRASE in str(err.value)
     odd = FormatError([FormatIssue("$.x", "bad", "fix it")], document="spec")
     said = restore.failed_after_eviction(odd, EVICTED, host="gpu-a")
-    assert type(said) is ColdSnapError and "$.x: bad" in str(said) and eviction.EVICTED_PHRASE in str(said)
+    assert isinstance(said, ColdSnapError) and not isinstance(said, FormatError) and "$.x: bad" in str(said) and eviction.EVICTED_PHRASE in str(said)
 
 
 def test_with_nothing_evicted_the_failure_is_unchanged(fake):
