@@ -43,7 +43,6 @@ import contextlib
 import io
 import json
 import os
-import sys
 import tarfile
 import time
 from pathlib import Path
@@ -77,9 +76,6 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_units 
     container_evidence,
     docker_spec,
     write_spec,
-)
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import (
-    normalize_ownership,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
     UnitRuntime,
@@ -348,7 +344,7 @@ class DockerRuntime(DockerUnits, UnitRuntime):
         finally:
             for _spec, container, _ev in started:
                 docker_unit.remove_unit(container)
-            self._give_back(owned, client)
+            self._hand_back(owned, client, payloads=True)
 
     def restore(self, artifact: dict, specs: list[UnitSpec], *, timeout: float = 3600) -> list[dict]:
         """Restore every spec's unit in a fresh container from its capsule image, under the canonical name.
@@ -407,20 +403,7 @@ class DockerRuntime(DockerUnits, UnitRuntime):
                 docker_unit.remove_unit(container)
             raise
         finally:
-            self._give_back(owned, client)
-
-    def _give_back(self, owned: list, client: Any) -> None:
-        """Give the state paths back to the invoking user. When the operation itself failed, a failure
-        here must not replace its error (the engine's last log lines are in it): it is added to it."""
-        failing = sys.exc_info()[1]
-        try:
-            normalize_ownership(owned, state_root=self.state_root, owner=self.owner, client=client)
-        except Exception as exc:
-            if failing is None:
-                raise
-            if isinstance(failing, ColdSnapError):
-                failing.problem += f" (then giving the state back to the invoking user failed too: {exc})"
-                failing.args = (failing.problem if not failing.fix else f"{failing.problem}; {failing.fix}",)
+            self._hand_back(owned, client, payloads=True)
 
     def capture_running(self, specs: list[UnitSpec]) -> list[dict]:
         raise ColdSnapError("target-local overlays are captured from runtime 'host' units only: a docker unit's "

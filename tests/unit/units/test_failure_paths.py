@@ -80,22 +80,24 @@ def test_a_failed_docker_step_keeps_its_own_error_when_giving_the_state_back_fai
     back to the invoking user afterwards is added to it, never put in its place."""
     import pytest
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import docker_runtime
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import docker_runtime, docker_units
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import parse_owner
 
     def broken(*_a, **_k):
         raise RuntimeError("dockerd is not answering")
 
-    monkeypatch.setattr(docker_runtime, "normalize_ownership", broken)
+    monkeypatch.setattr(docker_units, "normalize_ownership", broken)
     rt = object.__new__(docker_runtime.DockerRuntime)
-    rt.state_root, rt.owner = Path("/nonexistent"), None
+    rt.state_root, rt.owner = Path("/nonexistent"), parse_owner("4242:4242")
+    owned = [Path("/nonexistent/captures/c1")]
     with pytest.raises(UnitError) as exc:
         try:
             raise UnitError("unit unit-0: the engine exited: CUDA out of memory", fix="read its log")
         finally:
-            rt._give_back([], None)
+            rt._hand_back(owned, None, payloads=True)
     assert "CUDA out of memory" in str(exc.value) and "dockerd is not answering" in str(exc.value)
     with pytest.raises(RuntimeError, match="dockerd"):
-        rt._give_back([], None)  # on its own, the failure is reported as it is
+        rt._hand_back(owned, None, payloads=True)  # on its own, the failure is reported as it is
 
 
 def test_a_failed_units_error_names_it_once_and_the_root_cause_comes_first():
