@@ -248,14 +248,21 @@ def test_a_stopped_workload_reads_stopped_and_cannot_sleep_or_wake(captured):
         assert "is stopped" in message and "restore the workload first" in message, message
 
 
-def test_an_engine_that_dies_as_criu_restores_it_is_named_and_status_says_stopped(captured, state_root, tmp_path):
-    wl, artifact, art = captured
-    pid = captured_worker(state_root, art)["pid"]
+def criu_that_kills_after_restore(tmp_path: Path, pid: int) -> Path:
+    """A CRIU (for COLDSNAP_CRIU) whose successful restore is followed by a SIGKILL of ``pid``: the restored
+    engine dies right as CRIU brings it back."""
     real = shutil.which("criu") or "/usr/local/sbin/criu"
     wrapper = tmp_path / "criu-whose-restore-dies"
     wrapper.write_text(f'#!/bin/sh\n{real} "$@"; rc=$?\n'
                        f'if [ "$1" = restore ] && [ $rc = 0 ]; then kill -9 {pid}; fi\nexit $rc\n')
     wrapper.chmod(0o755)
+    return wrapper
+
+
+def test_an_engine_that_dies_as_criu_restores_it_is_named_and_status_says_stopped(captured, state_root, tmp_path):
+    wl, artifact, art = captured
+    pid = captured_worker(state_root, art)["pid"]
+    wrapper = criu_that_kills_after_restore(tmp_path, pid)
     res = wl.run(wl.request("restore", artifact=artifact), envvars={"COLDSNAP_CRIU": str(wrapper)})
     assert not res.succeeded
     message = json.dumps(res.receipt["error"])
@@ -281,11 +288,7 @@ def test_a_restore_that_fails_after_eviction_says_the_previous_workload_was_evic
     running = wl.engines()
     assert running, "the workload must run before the failing restore"
     pid = captured_worker(state_root, art)["pid"]
-    real = shutil.which("criu") or "/usr/local/sbin/criu"
-    wrapper = tmp_path / "criu-whose-restore-dies"
-    wrapper.write_text(f'#!/bin/sh\n{real} "$@"; rc=$?\n'
-                       f'if [ "$1" = restore ] && [ $rc = 0 ]; then kill -9 {pid}; fi\nexit $rc\n')
-    wrapper.chmod(0o755)
+    wrapper = criu_that_kills_after_restore(tmp_path, pid)
     try:
         res = wl.run(wl.request("restore", artifact=artifact), envvars={"COLDSNAP_CRIU": str(wrapper)})
         err = failed(res, phase_word="activate")

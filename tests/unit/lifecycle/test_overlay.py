@@ -33,7 +33,8 @@ def recorded(state_root, tmp_path):
     return store, portable, restore, facts, Path(res["path"])
 
 
-def test_recording_the_same_overlay_again_changes_nothing(state_root, tmp_path):
+def _one_host_capture(state_root, tmp_path):
+    """A promoted one-host portable capture, its overlay artifact and the overlay's target binding."""
     req = make_request(hosts=("gpu-a",), gpus=True)
     store = ArtifactStore(state_root)
     portable = write_artifact(tmp_path / "out" / "cap-1", make_artifact(req, capture_id="cap-1"))
@@ -42,6 +43,11 @@ def test_recording_the_same_overlay_again_changes_nothing(state_root, tmp_path):
     ov = make_artifact(req, capture_id="cap-1.overlay", capsule="target-local")
     ov["parent"] = sha
     binding = overlay.target_binding(req, {"gpu-a": host_facts(uuid="GPU-a")}, portable_sha256=sha)
+    return store, portable, ov, binding
+
+
+def test_recording_the_same_overlay_again_changes_nothing(state_root, tmp_path):
+    store, portable, ov, binding = _one_host_capture(state_root, tmp_path)
 
     def record(art, **kw):
         return overlay.record_overlay(store, portable_path=portable, overlay_artifact=art, binding=binding, **kw)
@@ -205,14 +211,7 @@ def test_overlays_lookup_lists_what_the_restore_playbook_selects_from(recorded, 
 
 
 def test_a_recorded_overlay_is_private_whatever_the_umask(state_root, tmp_path):
-    req = make_request(hosts=("gpu-a",), gpus=True)
-    store = ArtifactStore(state_root)
-    portable = write_artifact(tmp_path / "out" / "cap-1", make_artifact(req, capture_id="cap-1"))
-    store.promote(portable, request=req)
-    sha = file_sha256(portable)
-    ov = make_artifact(req, capture_id="cap-1.overlay", capsule="target-local")
-    ov["parent"] = sha
-    binding = overlay.target_binding(req, {"gpu-a": host_facts(uuid="GPU-a")}, portable_sha256=sha)
+    store, portable, ov, binding = _one_host_capture(state_root, tmp_path)
     old = os.umask(0o022)
     try:
         res = overlay.record_overlay(store, portable_path=portable, overlay_artifact=ov, binding=binding)
