@@ -9,20 +9,30 @@ collection's playbooks through ansible-runner, CRIU of the whole process tree), 
 readiness figures, restore/cold ratios, the best restore's phases, capsule bytes vs
 model bytes. Needs the engine environment (``scripts/engine-env.sh vllm``).
 
-Usage: ``python bench/bench_vllm_cpu.py --preset tiny|1g [--restores 2] [--env KEY=VALUE]`` (``--env``
-adds to the server's environment under ColdSnap, e.g. ``COLDSNAP_HUGE_PAGES=off``).
+With ``--registry``, the artifact is then published (``coldsnap publish``: the capsule's layers go
+gzip-compressed) to Debian's ``docker-registry`` started on loopback for the run, the local capture
+and capsule are removed, and the published descriptor is restored (the capsule pulled, inflated and
+checked in prepare): the bytes on the wire against the model's, and that restore's figures.
+
+Usage: ``python bench/bench_vllm_cpu.py --preset tiny|1g [--restores 2] [--env KEY=VALUE] [--registry]``
+(``--env`` adds to the server's environment under ColdSnap, e.g. ``COLDSNAP_HUGE_PAGES=off``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -73,6 +83,31 @@ def cold_start(python: str, model_dir: Path, port: int, *, cache_root: Path, pro
         proc.wait()
 
 
+@contextlib.contextmanager
+def local_registry(root: Path) -> Iterator[str]:
+    """Debian's docker-registry on a free loopback port, storage under ``root``; yields host:port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root.mkdir(parents=True, exist_ok=True)
+    config = root / "config.yml"
+    config.write_text("version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n"
+                      f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
+                      f"http:\n  addr: 127.0.0.1:{port}\n  secret: coldsnap-bench-only\n")
+    proc = subprocess.Popen(["/usr/bin/docker-registry", "serve", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        for _attempt in range(150):
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1):
+                    break
+            time.sleep(0.1)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="tiny", choices=["tiny", "1g"])
@@ -82,6 +117,8 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="extra environment of the vLLM unit (repeatable)")
+    ap.add_argument("--registry", action="store_true",
+                    help="also publish to a local docker-registry and restore the published descriptor")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu_snapshot import env_arg
@@ -164,6 +201,10 @@ def main() -> int:
                          "next_request_first_token_s": round(next_first, 3),
                          "operation_s": rec["duration_seconds"]})
     stop()
+    published = None
+    if args.registry:
+        published = publish_and_restore(request, run, artifact=artifact, art=art, root=root, stamp=stamp)
+        stop()
     best = min((r for r in restores if r["mode"] == "native"), key=lambda r: r["readiness"]["ttft_s"])
     model_bytes = sum(w["model_bytes"] for w in art["weights"]["workers"])
     capsule_bytes = sum(c["bytes"] for c in art["capsule"]["units"])
@@ -177,11 +218,47 @@ def main() -> int:
         "restore_over_cold": {k: round(best["readiness"][k] / cold[k], 4) for k in ("ttr_http_ready_s", "ttft_s")},
         "recovery_over_native_ttft": round(restores[-1]["readiness"]["ttft_s"] / best["readiness"]["ttft_s"], 3),
     }
+    if published:
+        published["wire_over_model"] = round(published["wire_bytes"] / model_bytes, 3)
+        published["restore_over_cold_ttft"] = round(published["readiness"]["ttft_s"] / cold["ttft_s"], 4)
+        out["published"] = published
     text = json.dumps(out, indent=2)
     print(text)
     if args.out:
         Path(args.out).write_text(text)
     return 0
+
+
+def publish_and_restore(request, run, *, artifact: Path, art: dict, root: Path, stamp: str) -> dict:
+    """``coldsnap publish`` to a loopback registry, then a restore of the published descriptor on a host that
+    holds neither the capture nor the capsule (both removed): what went on the wire and what the pull cost."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import oci
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.publish import MANIFEST_ACCEPT
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import RegistryClient
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+
+    out_dir = root / "artifacts" / f"published-{stamp}"
+    with local_registry(root / f"registry-{stamp}") as addr:
+        req = request("restore", 90, artifact=artifact)
+        req["operation"] = "publish"
+        req["output"] = {"artifact_dir": str(out_dir)}
+        req["policy"].setdefault("capsule", {})["repository"] = f"{addr}/coldsnap/bench"
+        pub = run(validate_request(req))
+        doc = json.loads((out_dir / "artifact.json").read_text())
+        ref = doc["capsule"]["units"][0]["repository_digest"]
+        client = RegistryClient(ref.split("@")[0])
+        mbytes = client.get_manifest(ref.split("@")[1], MANIFEST_ACCEPT, what="published capsule")
+        manifest = json.loads(mbytes)
+        wire = len(mbytes) + manifest["config"]["size"] + sum(d["size"] for d in manifest["layers"])
+        shutil.rmtree(root / "captures" / art["capture_id"])
+        shutil.rmtree(root / "capsules")
+        rec = run(request("restore", 91, artifact=out_dir / "artifact.json"))
+    unit0 = next(u for u in rec["result"]["operation"]["units"] if u["unit"] == "unit-0")
+    return {"publish_operation_s": pub["duration_seconds"], "wire_bytes": wire,
+            "layer_media_types": sorted({d["mediaType"] for d in manifest["layers"]}),
+            "gzip_layers": all(d["mediaType"] == oci.MEDIA_LAYER_GZIP for d in manifest["layers"]),
+            "restore_operation_s": rec["duration_seconds"], "readiness": unit0["readiness"],
+            "reply_ok": unit0["reply"] == art["acceptance"]["reply"]}
 
 
 if __name__ == "__main__":

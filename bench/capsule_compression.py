@@ -6,8 +6,9 @@ for moving a capsule between hosts or through a registry: for every regular file
 capsule's OCI layout, a CRIU image directory, a unit's state), each codec's output size and its
 compress and decompress rates, against reading the same bytes from the page cache in the same run
 (the baseline). Codecs: gzip levels 1 and 6 (what ``docker push`` makes of a layer; Python's zlib,
-one thread) and zstd levels 1 and 3 (the ``zstd`` command, one thread and all cores) where
-``zstd`` is installed.
+one thread), what ``coldsnap publish`` pushes for an OCI capsule (gzip members compressed on all
+cores, ``capsule/wire.py``; inflated on all cores and hashed as a pull does), and zstd levels 1 and 3 (the
+``zstd`` command, one thread and all cores) where ``zstd`` is installed.
 
 Usage: ``python bench/capsule_compression.py PATH [--model-bytes N] [--json OUT]``.
 ``--model-bytes`` adds each codec's output as a fraction of the model's bytes (the capsule target of
@@ -68,6 +69,35 @@ def gzip_level(files: list[Path], level: int) -> tuple[int, float, float]:
     return out, t_comp, t_dec
 
 
+class _Sink:
+    """Counts what is written (a pull writes the layer to disk; here only the decompression is timed)."""
+
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def wire_gzip(files: list[Path]) -> tuple[int, float, float]:
+    """ColdSnap's publication path: ``wire.compress`` and ``wire.gunzip`` of the announced members (both on all
+    cores; each side hashed, as a publish and a pull do)."""
+    import io
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import wire
+
+    out, t_comp, t_dec = 0, 0.0, 0.0
+    for f in files:
+        buf = io.BytesIO()
+        t0 = time.perf_counter()
+        with open(f, "rb") as fh:
+            members = wire.compress(fh, buf).members
+        t_comp += time.perf_counter() - t0
+        out += buf.tell()
+        buf.seek(0)
+        t0 = time.perf_counter()
+        wire.gunzip(buf, _Sink(), limit=f.stat().st_size, what=str(f), members=members)
+        t_dec += time.perf_counter() - t0
+    return out, t_comp, t_dec
+
+
 def zstd_level(files: list[Path], level: int, threads: int, scratch: Path) -> tuple[int, float, float]:
     """The same with the ``zstd`` command (``-T threads``; 0 = all cores); output kept in ``scratch``."""
     out, t_comp, t_dec = 0, 0.0, 0.0
@@ -108,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
 
     for level in (1, 6):
         row(f"gzip -{level} (zlib, 1 thread)", *gzip_level(files, level))
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.wire import LEVEL
+
+    row(f"coldsnap publish/pull: gzip -{LEVEL} members, all cores, hashed", *wire_gzip(files))
     if shutil.which("zstd"):
         with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
             for level, threads in ((1, 1), (3, 1), (3, 0)):

@@ -310,9 +310,8 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
         config = {"architecture": _goarch(), "os": "linux", "config": {"Labels": labels},
                   "rootfs": {"type": "layers", "diff_ids": [layer.digest]}}
         cbytes = oci.json_bytes(config)
-        manifest = {"schemaVersion": 2, "mediaType": oci.MEDIA_MANIFEST,
-                    "config": oci.Descriptor(oci.MEDIA_CONFIG, oci.digest_bytes(cbytes), len(cbytes)).as_dict(),
-                    "layers": [layer.as_dict()]}
+        manifest = oci.image_manifest(oci.Descriptor(oci.MEDIA_CONFIG, oci.digest_bytes(cbytes), len(cbytes)),
+                                      [layer])
         return cbytes, oci.json_bytes(manifest)
 
     root = Path(os.path.abspath(root))

@@ -106,6 +106,13 @@ def json_bytes(value: Any) -> bytes:
     return canonical_json(value)
 
 
+def image_manifest(config: Descriptor, layers: list[Descriptor] | tuple[Descriptor, ...]) -> dict[str, Any]:
+    """The image manifest of a local capsule: its config and layers, nothing else (its bytes are the
+    capsule's id, so a pull that rebuilds it from compressed wire layers lands on the same digest)."""
+    return {"schemaVersion": 2, "mediaType": MEDIA_MANIFEST, "config": config.as_dict(),
+            "layers": [d.as_dict() for d in layers]}
+
+
 def digest_bytes(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
@@ -273,7 +280,8 @@ def _read_layout_json(layout: Path, name: str, *, what: str) -> Any:
                              fix=damaged) from None
 
 
-def _load_json_blob(layout: Path, desc: Descriptor, *, what: str) -> dict[str, Any]:
+def load_json_blob(layout: Path, desc: Descriptor, *, what: str) -> dict[str, Any]:
+    """A JSON-object blob (manifest, config) read whole and checked against its descriptor."""
     path = blob_path(layout, desc.digest)
     with open_blob(layout, desc, what=what) as fh:
         data = fh.read(desc.size + 1)
@@ -329,9 +337,9 @@ def open_layout(layout: Path, *, expected_manifest: str | None = None, verify_la
     if expected_manifest is not None and mdesc.digest != expected_manifest:
         raise IntegrityError(f"{what} at {layout} indexes manifest {mdesc.digest}, expected {expected_manifest}",
                              fix="the layout does not hold the recorded capsule; rebuild or re-pull it")
-    manifest = _load_json_blob(layout, mdesc, what=f"{what} manifest")
+    manifest = load_json_blob(layout, mdesc, what=f"{what} manifest")
     cdesc, layers = parse_manifest(manifest, what=f"{what} manifest")
-    config = _load_json_blob(layout, cdesc, what=f"{what} config")
+    config = load_json_blob(layout, cdesc, what=f"{what} config")
     diff_ids = (config.get("rootfs") or {}).get("diff_ids")
     if diff_ids != [d.digest for d in layers]:
         raise IntegrityError(f"{what} config diff_ids do not match its layers",

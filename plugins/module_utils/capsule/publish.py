@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import archive, oci
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import archive, oci, wire
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import (
     LABEL_CAPTURE,
     LABEL_KIND,
@@ -68,19 +68,25 @@ def _docker_auth(auth: dict[str, Any] | None) -> dict[str, Any] | None:
 # ----------------------------------------------------------------------------- push
 
 def push_capsule(ref: CapsuleRef, repository: str, *, auth: dict[str, Any] | None = None,
-                 progress: Progress | None = None, client: Any = None, insecure: bool | None = None) -> str:
+                 progress: Progress | None = None, client: Any = None, insecure: bool | None = None,
+                 compression: str = "gzip") -> str:
     """Push a verified local capsule; return ``repository@sha256:<manifest digest>``.
 
-    Raises PublishError (a registry refusal, with the registry's reason) or
-    IntegrityError (the local capsule is not the recorded one).
+    OCI-layout capsules travel with gzip layers unless ``compression`` is ``"none"`` (see
+    :mod:`.wire`); docker capsules as the daemon pushes them (gzip). Raises PublishError (a registry
+    refusal, with the registry's reason) or IntegrityError (the local capsule is not the recorded one).
     """
+    if compression not in wire.COMPRESSIONS:
+        raise ColdSnapError(f"capsule layer compression {compression!r} is unknown",
+                            fix=f"use one of {', '.join(wire.COMPRESSIONS)}")
     parse_repository(repository)
     details = inspect_capsule(ref, verify=True, client=client)
     tag = publish_tag(ref, details.get("capture_id"))
     if ref.layout == "docker":
         digest = _push_docker(ref, repository, tag, auth=auth, progress=progress, client=client, insecure=insecure)
     else:
-        digest = _push_oci(ref, repository, tag, auth=auth, progress=progress, insecure=insecure)
+        digest = _push_oci(ref, repository, tag, auth=auth, progress=progress, insecure=insecure,
+                           compression=compression)
     return f"{repository}@{digest}"
 
 
@@ -128,34 +134,58 @@ def _push_docker(ref: CapsuleRef, repository: str, tag: str, *, auth: dict[str, 
 
 
 def _push_oci(ref: CapsuleRef, repository: str, tag: str, *, auth: dict[str, Any] | None,
-              progress: Progress | None, insecure: bool | None) -> str:
+              progress: Progress | None, insecure: bool | None, compression: str) -> str:
     img = oci.open_layout(Path(ref.location), expected_manifest=ref.image_id, verify_layers=False,
                           what=f"capsule of unit {ref.unit!r}")
     reg = RegistryClient(repository, auth=auth, insecure=insecure)
     what = f"capsule of unit {ref.unit!r}"
-    for desc in (img.config_desc, *img.layers):
+
+    def upload(desc: oci.Descriptor, opener: Callable[[], Any]) -> None:
         if reg.blob_exists(desc.digest, desc.size):
             if progress:
                 progress({"unit": ref.unit, "status": "exists", "digest": desc.digest})
-            continue
-        path = oci.blob_path(img.layout, desc.digest)
-        reg.upload_blob(desc.digest, desc.size, lambda p=path: open(p, "rb"),
-                        what=f"blob {desc.digest} of {what}")
+            return
+        reg.upload_blob(desc.digest, desc.size, opener, what=f"blob {desc.digest} of {what}")
         if progress:
             progress({"unit": ref.unit, "status": "pushed", "digest": desc.digest, "bytes": desc.size})
-    mbytes = oci.blob_path(img.layout, ref.image_id).read_bytes()
-    got = reg.put_manifest(tag, mbytes, img.manifest_desc.media_type, what=what)
-    if got and got != ref.image_id:
-        raise PublishError(f"registry stored the manifest of {what} as {got}, expected {ref.image_id}",
+
+    upload(img.config_desc, lambda: oci.blob_path(img.layout, img.config_desc.digest).read_bytes())
+    if compression == "none":
+        for desc in img.layers:
+            upload(desc, lambda d=desc: oci.open_blob(img.layout, d, what=f"layer of {what}"))
+        mbytes, mtype = oci.blob_path(img.layout, ref.image_id).read_bytes(), img.manifest_desc.media_type
+    else:
+        pushed = []
+        for desc in img.layers:
+            def compressing(done: int, d: oci.Descriptor = desc) -> None:
+                if progress:
+                    progress({"unit": ref.unit, "status": "compressing", "id": f"{done >> 20}/{d.size >> 20} MiB"})
+
+            wdesc, spool = wire.compress_blob(img.layout, desc, spool_dir=img.layout.parent, progress=compressing)
+            with spool:
+                upload(wdesc, lambda f=spool: _rewound(f))
+            pushed.append(wdesc)
+        mbytes, mtype = wire.wire_manifest(img, pushed), oci.MEDIA_MANIFEST
+    digest = oci.digest_bytes(mbytes)
+    got = reg.put_manifest(tag, mbytes, mtype, what=what)
+    if got and got != digest:
+        raise PublishError(f"registry stored the manifest of {what} as {got}, expected {digest}",
                            fix="the registry rewrote the manifest; use another registry")
-    _verify_remote_manifest(repository, ref.image_id, auth=auth, what=what, insecure=insecure,
-                            blobs=[(d.digest, d.size) for d in (img.config_desc, *img.layers)])
-    return ref.image_id
+    _verify_remote_manifest(repository, digest, auth=auth, what=what, insecure=insecure,
+                            expected_config=img.config_desc.digest)
+    return digest
+
+
+def _rewound(spool: Any) -> Any:
+    """A new reader of an anonymous spool file from its start (an upload re-sent after an auth challenge
+    reads it again)."""
+    reader = os.fdopen(os.dup(spool.fileno()), "rb")
+    reader.seek(0)
+    return reader
 
 
 def _verify_remote_manifest(repository: str, digest: str, *, auth: dict[str, Any] | None, what: str,
-                            expected_config: str | None = None, blobs: list[tuple[str, int]] | None = None,
-                            insecure: bool | None = None) -> None:
+                            expected_config: str | None = None, insecure: bool | None = None) -> None:
     """GET the manifest back by digest, check its bytes, its config and that every blob is there."""
     reg = RegistryClient(repository, auth=auth, insecure=insecure)
     data = reg.get_manifest(digest, MANIFEST_ACCEPT, what=what)
@@ -168,7 +198,7 @@ def _verify_remote_manifest(repository: str, digest: str, *, auth: dict[str, Any
     if expected_config is not None and config.digest != expected_config:
         raise PublishError(f"published manifest of {what} names config {config.digest}, expected {expected_config}",
                            fix="the pushed image is not the recorded capsule; nothing was recorded")
-    for d in [config, *layers] if blobs is None else [oci.Descriptor("", dg, sz) for dg, sz in blobs]:
+    for d in (config, *layers):
         if not reg.blob_exists(d.digest, d.size):
             raise PublishError(f"registry {repository} lacks blob {d.digest} of {what} after the push",
                                fix="retry the publication; nothing was recorded")
@@ -187,14 +217,10 @@ def pull_capsule(repository_digest: str, *, expected_image_id: str, layout: str,
     repo, digest = split_repository_digest(repository_digest)
     ids.parse_digest(expected_image_id, what="expected capsule image id")
     if layout == "oci-layout":
-        if expected_image_id != digest:
-            raise IntegrityError(f"OCI capsule {repository_digest}: the recorded id {expected_image_id} is not its "
-                                 "manifest digest",
-                                 fix="the descriptor is inconsistent; re-publish the capture")
         if oci_root is None:
             raise ColdSnapError("pulling an OCI-layout capsule needs oci_root", fix="pass <state_root>/capsules")
-        return _pull_oci(repo, digest, Path(oci_root), auth=auth, unit=unit, insecure=insecure, progress=progress,
-                         repository_digest=repository_digest)
+        return _pull_oci(repo, digest, Path(oci_root), expected_image_id, auth=auth, unit=unit, insecure=insecure,
+                         progress=progress, repository_digest=repository_digest)
     if layout != "docker":
         raise ColdSnapError(f"capsule layout {layout!r} is unknown", fix="use 'docker' or 'oci-layout'")
     return _pull_docker(repository_digest, expected_image_id, auth=auth, unit=unit, client=client,
@@ -264,14 +290,16 @@ def _docker_has(client: Any, image_id: str) -> bool:
         return False
 
 
-def _pull_oci(repo: str, digest: str, root: Path, *, auth: dict[str, Any] | None, unit: str | None,
+def _pull_oci(repo: str, digest: str, root: Path, image_id: str, *, auth: dict[str, Any] | None, unit: str | None,
               insecure: bool | None, progress: Progress | None, repository_digest: str) -> CapsuleRef:
+    """Pull the wire manifest ``digest`` and land the local capsule ``image_id`` (the same digest when the
+    layers travelled uncompressed; rebuilt from gzip layers and checked otherwise)."""
     root = Path(os.path.abspath(root))
     what = f"capsule {repository_digest}"
-    final = oci.layout_dir(root, digest)
+    final = oci.layout_dir(root, image_id)
     if os.path.lexists(final):
-        with oci.layout_lock(root, digest):
-            img = _cached_layout(final, digest, what=what)
+        with oci.layout_lock(root, image_id):
+            img = _cached_layout(final, image_id, what=what)
         if img is not None:
             return _oci_ref(img, final, unit, repository_digest)
     reg = RegistryClient(repo, auth=auth, insecure=insecure)
@@ -284,30 +312,51 @@ def _pull_oci(repo: str, digest: str, root: Path, *, auth: dict[str, Any] | None
         manifest = json.loads(mbytes)
     except (ValueError, RecursionError) as exc:
         raise IntegrityError(f"manifest of {what} is not JSON", fix="re-publish the capture") from exc
-    config, layers = oci.parse_manifest(manifest, what=f"manifest of {what}")
+    if not isinstance(manifest, dict):
+        raise IntegrityError(f"manifest of {what} is not a JSON object", fix="re-publish the capture")
+    config, layers = oci.parse_manifest(manifest, what=f"manifest of {what}", compressed_ok=True)
+    compressed = any(d.media_type in oci.COMPRESSED_LAYER_TYPES for d in layers)
+    if not compressed and digest != image_id:
+        raise IntegrityError(f"OCI capsule {repository_digest}: the recorded id {image_id} is not its manifest digest",
+                             fix="the descriptor is inconsistent; re-publish the capture")
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = temp_path_for(root / "pull")
     os.mkdir(tmp, 0o700)  # a capsule holds process memory: private, like its blobs
     try:
-        for desc in (config, *layers):
-            _fetch_blob(reg, tmp, desc, what=what, progress=progress, unit=unit)
-        mtype = manifest.get("mediaType", oci.MEDIA_MANIFEST)
+        _fetch_blob(reg, tmp, config, what=what, progress=progress, unit=unit)
+        if compressed:
+            diff_ids = (oci.load_json_blob(tmp, config, what=f"config of {what}").get("rootfs") or {}).get(
+                "diff_ids")
+            if not isinstance(diff_ids, list) or len(diff_ids) != len(layers):
+                raise IntegrityError(f"config of {what} does not name one diff id per layer",
+                                     fix="this is not a ColdSnap capsule publication; re-publish the capture")
+            local = [_fetch_layer(reg, tmp, d, diff_ids[i], what=f"layer {i} of {what}", progress=progress, unit=unit)
+                     for i, d in enumerate(layers)]
+            mbytes, mtype = oci.json_bytes(oci.image_manifest(config, local)), oci.MEDIA_MANIFEST
+            if oci.digest_bytes(mbytes) != image_id:
+                raise IntegrityError(f"{what} unpacks to capsule {oci.digest_bytes(mbytes)}, the descriptor records "
+                                     f"{image_id}",
+                                     fix="the descriptor and the registry disagree; re-publish the capture")
+        else:
+            for desc in layers:
+                _fetch_blob(reg, tmp, desc, what=what, progress=progress, unit=unit)
+            mtype = manifest.get("mediaType", oci.MEDIA_MANIFEST)
         oci.write_blob_bytes(tmp, mbytes, mtype)
-        oci.write_layout_files(tmp, oci.Descriptor(mtype, digest, len(mbytes)))
-        img = oci.open_layout(tmp, expected_manifest=digest, verify_layers=False, what=what)
+        oci.write_layout_files(tmp, oci.Descriptor(mtype, image_id, len(mbytes)))
+        img = oci.open_layout(tmp, expected_manifest=image_id, verify_layers=False, what=what)
         labels = img.labels
         if labels.get(LABEL_KIND) != "capsule" or (unit is not None and labels.get(LABEL_UNIT) != unit):
             raise IntegrityError(f"{what} is not the capsule of unit {unit!r}",
                                  fix="pull only the capsule assigned to this unit")
-        with oci.layout_lock(root, digest):
+        with oci.layout_lock(root, image_id):
             # Another pull of the same capsule may have got there first: its layout is this one.
-            if _cached_layout(final, digest, what=what, verify_layers=False) is None:
+            if _cached_layout(final, image_id, what=what, verify_layers=False) is None:
                 os.rename(tmp, final)
                 fsync_dir(final.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    img = oci.open_layout(final, expected_manifest=digest, verify_layers=False, what=what)
+    img = oci.open_layout(final, expected_manifest=image_id, verify_layers=False, what=what)
     return _oci_ref(img, final, unit, repository_digest)
 
 
@@ -339,15 +388,69 @@ def _fetch_blob(reg: RegistryClient, layout: Path, desc: oci.Descriptor, *, what
                 out.write(chunk)
             out.flush()
             os.fsync(out.fileno())
-        if hashing.size != desc.size or hashing.digest != desc.digest:
-            raise IntegrityError(f"registry returned {hashing.size} bytes hashing to {hashing.digest} for blob "
-                                 f"{desc.digest} ({desc.size} bytes) of {what}",
-                                 fix="the registry (or something between) corrupts content; nothing was cached")
+        _check_wire(hashing, desc, what=f"blob {desc.digest} of {what}")
         os.replace(part, oci.blob_path(layout, desc.digest))
     finally:
         part.unlink(missing_ok=True)
     if progress:
         progress({"unit": unit, "status": "pulled", "digest": desc.digest, "bytes": desc.size})
+
+
+def _check_wire(hashing: archive.HashingReader, desc: oci.Descriptor, *, what: str) -> None:
+    """The bytes the registry returned are the descriptor's, or the pull fails saying so."""
+    if hashing.size != desc.size or hashing.digest != desc.digest:
+        raise IntegrityError(f"registry returned {hashing.size} bytes hashing to {hashing.digest} for {what} "
+                             f"({desc.digest}, {desc.size} bytes)",
+                             fix="the registry (or something between) corrupts content; nothing was cached")
+
+
+def _fetch_layer(reg: RegistryClient, layout: Path, desc: oci.Descriptor, diff_id: Any, *, what: str,
+                 progress: Progress | None, unit: str | None) -> oci.Descriptor:
+    """Download one gzip wire layer, checking the compressed bytes against ``desc`` and the decompressed
+    ones against ``diff_id``; store it uncompressed under its diff id; return its local descriptor."""
+    ids.parse_digest(diff_id, what=f"diff id of {what}")
+    limit = wire.announced_size(desc, what=what)
+    members = wire.announced_members(desc, what=what)
+    part = temp_path_for(oci.blob_dir(layout) / "blob")
+    reader = reg.open_blob(desc.digest, what=what)
+    try:
+        with reader, open(part, "xb") as out:
+            hashing = archive.HashingReader(_Bounded(reader, desc.size))
+            try:
+                got, size = wire.gunzip(hashing, out, limit=limit, what=what, members=members)
+            except IntegrityError:
+                hashing.drain()  # wrong bytes on the wire are the first thing to say
+                if hashing.size == desc.size and hashing.digest == desc.digest:
+                    raise
+                got, size = "", -1
+            hashing.drain()
+            out.flush()
+            os.fsync(out.fileno())
+        _check_wire(hashing, desc, what=what)
+        if got != diff_id or size != limit:
+            raise IntegrityError(f"{what} decompresses to {size} bytes hashing to {got}, the capsule's config "
+                                 f"records {diff_id} ({limit} bytes)",
+                                 fix="the registry holds other bytes than were published; re-publish the capture")
+        os.replace(part, oci.blob_path(layout, diff_id))
+    finally:
+        part.unlink(missing_ok=True)
+    if progress:
+        progress({"unit": unit, "status": "pulled", "digest": desc.digest, "bytes": desc.size})
+    return oci.Descriptor(oci.MEDIA_LAYER_TAR, diff_id, size)
+
+
+class _Bounded:
+    """Reads at most ``limit`` bytes and one more (so an over-long body is seen, never read without end)."""
+
+    def __init__(self, fh: Any, limit: int) -> None:
+        self.fh, self.left = fh, limit + 1
+
+    def read(self, n: int = -1) -> bytes:
+        if self.left <= 0:
+            return b""
+        data = self.fh.read(self.left if n < 0 else min(n, self.left))
+        self.left -= len(data)
+        return data
 
 
 def _oci_ref(img: oci.Image, final: Path, unit: str | None, repository_digest: str) -> CapsuleRef:
@@ -387,18 +490,43 @@ def published_docker_capsule(ref: CapsuleRef, repository: str, *, auth: dict[str
     publish tag (its manifest names the capsule's image id as config and every blob is there), else None.
     The local store keeps no repo digest for it (the publish tag is removed after a push), so this is how
     a second publish finds the first one instead of pushing again."""
-    tag = publish_tag(ref, capture_id_of(ref, client=client))
+    return _published_under_tag(ref, repository, publish_tag(ref, capture_id_of(ref, client=client)),
+                                expected_config=ref.image_id, auth=auth, insecure=insecure)
+
+
+def published_oci_capsule(ref: CapsuleRef, repository: str, *, auth: dict[str, Any] | None = None,
+                          insecure: bool | None = None) -> str | None:
+    """``repository@<manifest digest>`` when the registry already serves this OCI capsule: uncompressed
+    under its own manifest digest, or with gzip layers under its publish tag (a manifest naming this
+    capsule id, over the same config, every blob there); else None."""
+    plain = f"{repository}@{ref.image_id}"
+    if remote_has(plain, auth=auth, insecure=insecure):
+        return plain
+    img = oci.open_layout(Path(ref.location), expected_manifest=ref.image_id, verify_layers=False,
+                          what=f"capsule of unit {ref.unit!r}")
+    return _published_under_tag(ref, repository, publish_tag(ref, img.labels.get(LABEL_CAPTURE)),
+                                expected_config=img.config_desc.digest, image_id=ref.image_id, auth=auth,
+                                insecure=insecure)
+
+
+def _published_under_tag(ref: CapsuleRef, repository: str, tag: str, *, expected_config: str,
+                         image_id: str | None = None, auth: dict[str, Any] | None,
+                         insecure: bool | None) -> str | None:
+    what = f"capsule of unit {ref.unit!r}"
     try:
-        data = RegistryClient(repository, auth=auth, insecure=insecure).get_manifest(
-            tag, MANIFEST_ACCEPT, what=f"capsule of unit {ref.unit!r}")
+        data = RegistryClient(repository, auth=auth, insecure=insecure).get_manifest(tag, MANIFEST_ACCEPT, what=what)
         digest = oci.digest_bytes(data)
-        _verify_remote_manifest(repository, digest, auth=auth, what=f"capsule of unit {ref.unit!r}",
-                                expected_config=ref.image_id, insecure=insecure)
+        if image_id is not None:
+            named = json.loads(data).get("annotations") or {}
+            if not isinstance(named, dict) or named.get(wire.ANN_IMAGE_ID) != image_id:
+                return None  # another capsule under this tag: push this one
+        _verify_remote_manifest(repository, digest, auth=auth, what=what, expected_config=expected_config,
+                                insecure=insecure)
     except RegistryError as exc:
         if exc.status != 404:
             raise  # unreachable, credentials refused...: no answer to "is it there?"
         return None  # not there: push it
-    except (PublishError, IntegrityError, ValueError):
+    except (PublishError, IntegrityError, ValueError, AttributeError):
         return None  # not this capsule (or incomplete): push it
     return f"{repository}@{digest}"
 

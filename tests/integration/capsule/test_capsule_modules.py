@@ -57,9 +57,20 @@ def test_capsule_publish_module_push_pull_idempotent_and_no_secret_in_output(tmp
     pushed, out2 = run_module("capsule_publish", push, "-vvv")
     assert pushed["changed"] is True and pushed["actions"] == {"unit-0": "pushed"}
     digest = pushed["capsules"][0]["repository_digest"]
-    assert digest == f"{repo}@{capsule['image_id']}"
+    assert digest.startswith(f"{repo}@sha256:") and digest != f"{repo}@{capsule['image_id']}", \
+        "layers travel gzip: the pushed manifest is not the local one"
     again, out3 = run_module("capsule_publish", push, "-vvv")
     assert again["changed"] is False and again["actions"] == {"unit-0": "present"}
+    assert again["capsules"][0]["repository_digest"] == digest, "a second publish finds the first one"
+    # Whatever the layers travelled as, a capsule the registry serves is not pushed again.
+    assert run_module("capsule_publish", {**push, "layer_compression": "none"})[0]["actions"] == {"unit-0": "present"}
+    plain_repo = f"{registry}/coldsnap/module-capsules-plain"
+    plain, _unused = run_module("capsule_publish", {**push, "repository": plain_repo, "layer_compression": "none"})
+    assert plain["actions"] == {"unit-0": "pushed"}
+    assert plain["capsules"][0]["repository_digest"] == f"{plain_repo}@{capsule['image_id']}"
+    again_plain, _unused = run_module("capsule_publish", {**push, "repository": plain_repo})
+    assert again_plain["actions"] == {"unit-0": "present"}
+    assert again_plain["capsules"][0]["repository_digest"] == f"{plain_repo}@{capsule['image_id']}"
     for text in (out, out2, out3):
         assert SECRET not in text
 

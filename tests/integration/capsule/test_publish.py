@@ -7,22 +7,30 @@ proxy: those fail and leave nothing cached (FAULTS.md 11).
 
 from __future__ import annotations
 
+import gzip
+import json
 import os
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import oci, wire
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import (
     build_capsule,
     extract_capsule,
     inspect_capsule,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.publish import (
+    MANIFEST_ACCEPT,
     PublishError,
+    published_oci_capsule,
     pull_capsule,
     push_capsule,
     remote_has,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import RegistryError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import (
+    RegistryClient,
+    RegistryError,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
 from capsule_helpers import CorruptingProxy, make_state
 
@@ -51,18 +59,28 @@ def _leftovers(root: Path) -> list[str]:
 
 # ----------------------------------------------------------------------------- OCI layout
 
-def test_oci_capsule_round_trip(tmp_path, capture_id, registry, docker_client):
+@pytest.mark.parametrize("compression", ["gzip", "none"])
+def test_oci_capsule_round_trip(tmp_path, capture_id, registry, docker_client, compression):
     ref = _oci(tmp_path, capture_id)
-    repo = f"{registry}/coldsnap/capsules"
+    repo = f"{registry}/coldsnap/capsules-{compression}"
     events = []
-    published = push_capsule(ref, repo, progress=events.append)
-    assert published == f"{repo}@{ref.image_id}", "an OCI capsule's id is its manifest digest"
-    assert {e["status"] for e in events} == {"pushed"}
+    published = push_capsule(ref, repo, progress=events.append, compression=compression)
+    wire_manifest = json.loads(RegistryClient(repo).get_manifest(published.split("@")[1], MANIFEST_ACCEPT, what="t"))
+    if compression == "none":
+        assert published == f"{repo}@{ref.image_id}", "pushed as it is, an OCI capsule's id is its manifest digest"
+        assert [d["mediaType"] for d in wire_manifest["layers"]] == [oci.MEDIA_LAYER_TAR]
+    else:
+        assert published != f"{repo}@{ref.image_id}"
+        assert [d["mediaType"] for d in wire_manifest["layers"]] == [oci.MEDIA_LAYER_GZIP]
+        assert wire_manifest["annotations"][wire.ANN_IMAGE_ID] == ref.image_id
+        assert any(e["status"] == "compressing" for e in events), "compression shows progress"
+    assert {e["status"] for e in events} - {"compressing"} == {"pushed"}
     assert remote_has(published)
-    # Content-idempotent: a second push uploads nothing.
+    # Content-idempotent: a second push uploads nothing (the compressed bytes are the same).
     events.clear()
-    assert push_capsule(ref, repo, progress=events.append) == published
-    assert {e["status"] for e in events} == {"exists"}
+    assert push_capsule(ref, repo, progress=events.append, compression=compression) == published
+    assert {e["status"] for e in events} - {"compressing"} == {"exists"}
+    assert published_oci_capsule(ref, repo) == published
 
     elsewhere = tmp_path / "restore-host" / "capsules"
     pulled = pull_capsule(published, expected_image_id=ref.image_id, layout="oci-layout", oci_root=elsewhere,
@@ -105,8 +123,12 @@ def test_only_the_assigned_capsule_is_pulled(tmp_path, capture_id, registry):
     with pytest.raises(IntegrityError, match="not the capsule of unit 'unit-0'"):
         pull_capsule(pb, expected_image_id=b.image_id, layout="oci-layout", oci_root=tmp_path / "h2", unit="unit-0")
     assert _leftovers(tmp_path / "h2") == []
-    with pytest.raises(IntegrityError, match="not its manifest digest"):
+    with pytest.raises(IntegrityError, match=f"unpacks to capsule {b.image_id}, the descriptor records {a.image_id}"):
         pull_capsule(pb, expected_image_id=a.image_id, layout="oci-layout", oci_root=tmp_path / "h3")
+    assert _leftovers(tmp_path / "h3") == []
+    plain = push_capsule(b, repo, compression="none")
+    with pytest.raises(IntegrityError, match="not its manifest digest"):
+        pull_capsule(plain, expected_image_id=a.image_id, layout="oci-layout", oci_root=tmp_path / "h4")
 
 
 def test_pulls_of_one_capsule_at_once_all_end_with_it(tmp_path, capture_id, registry):
@@ -142,12 +164,13 @@ CORRUPTED = pytest.mark.parametrize("min_bytes", [0, 4096], ids=["config-blob", 
 
 
 @CORRUPTED
-def test_oci_pull_of_corrupted_bytes_fails_and_caches_nothing(tmp_path, capture_id, registry, min_bytes):
+@pytest.mark.parametrize("compression", ["gzip", "none"])
+def test_oci_pull_of_corrupted_bytes_fails_and_caches_nothing(tmp_path, capture_id, registry, min_bytes, compression):
     ref = _oci(tmp_path, capture_id)
-    push_capsule(ref, f"{registry}/coldsnap/capsules")
+    published = push_capsule(ref, f"{registry}/coldsnap/capsules", compression=compression)
     root = tmp_path / "restore-host"
     with CorruptingProxy(registry, min_bytes=min_bytes) as proxy:
-        via_proxy = f"{proxy.address}/coldsnap/capsules@{ref.image_id}"
+        via_proxy = f"{proxy.address}/coldsnap/capsules@{published.split('@')[1]}"
         with pytest.raises(IntegrityError, match="corrupts content"):
             pull_capsule(via_proxy, expected_image_id=ref.image_id, layout="oci-layout", oci_root=root)
         assert proxy.corrupted, "the proxy served at least one (corrupted) blob"
@@ -164,6 +187,50 @@ def test_a_corrupted_local_layout_is_refused_before_push(tmp_path, capture_id, r
     with pytest.raises(IntegrityError, match="corrupt"):
         push_capsule(ref, f"{registry}/coldsnap/capsules")
     assert not remote_has(f"{registry}/coldsnap/capsules@{ref.image_id}")
+
+
+def _publish_wire_layer(ref, repo: str, layer: bytes, annotations: dict) -> str:
+    """Publish ``ref``'s own config with ``layer`` as its gzip wire layer (a registry holding other bytes than
+    were pushed, self-consistent on the wire); return repo@digest."""
+    img = oci.open_layout(Path(ref.location))
+    reg = RegistryClient(repo)
+    config = oci.blob_path(img.layout, img.config_desc.digest).read_bytes()
+    reg.upload_blob(img.config_desc.digest, len(config), lambda: config, what="config")
+    desc = oci.Descriptor(oci.MEDIA_LAYER_GZIP, oci.digest_bytes(layer), len(layer), annotations)
+    reg.upload_blob(desc.digest, desc.size, lambda: layer, what="layer")
+    mbytes = wire.wire_manifest(img, [desc])
+    reg.put_manifest("crafted", mbytes, oci.MEDIA_MANIFEST, what="manifest")
+    return f"{repo}@{oci.digest_bytes(mbytes)}"
+
+
+@pytest.mark.parametrize("case", ["other-bytes", "bomb", "not-gzip", "truncated", "no-size", "members-lie"])
+def test_oci_pull_of_a_wire_layer_that_does_not_unpack_to_the_capsule_caches_nothing(
+        tmp_path, capture_id, registry, case):
+    ref = _oci(tmp_path, capture_id)
+    img = oci.open_layout(Path(ref.location))
+    raw = oci.blob_path(img.layout, img.layers[0].digest).read_bytes()
+    size = {wire.ANN_LAYER_SIZE: str(len(raw))}
+    other = bytearray(raw)
+    other[len(other) // 2] ^= 1
+    layer, annotations, expect = {
+        "other-bytes": (gzip.compress(bytes(other)), size, "decompresses to .* the capsule's config records"),
+        "bomb": (gzip.compress(bytes(64 << 20)), size, f"decompresses to more than the {len(raw)} bytes"),
+        "not-gzip": (b"this is not gzip" * 100, size, "not a valid gzip stream"),
+        "truncated": (gzip.compress(raw)[:-9], size, "truncated"),
+        "no-size": (gzip.compress(raw), {}, "does not announce its uncompressed size"),
+        "members-lie": (gzip.compress(raw) + gzip.compress(b"x"),
+                        {**size, wire.ANN_LAYER_MEMBERS: f"{len(gzip.compress(raw)) - 1},{len(gzip.compress(b'x')) + 1}"},
+                        "not a valid gzip stream"),
+    }[case]
+    published = _publish_wire_layer(ref, f"{registry}/coldsnap/crafted-{case}", layer, annotations)
+    root = tmp_path / "restore-host"
+    with pytest.raises(IntegrityError, match=expect):
+        pull_capsule(published, expected_image_id=ref.image_id, layout="oci-layout", oci_root=root)
+    assert _leftovers(root) == [], "no layout, no blob, no temporary directory may remain"
+    # The same bytes, honest: the pull lands the capsule (the crafting itself is not what failed).
+    honest = _publish_wire_layer(ref, f"{registry}/coldsnap/crafted-{case}", gzip.compress(raw), size)
+    assert pull_capsule(honest, expected_image_id=ref.image_id, layout="oci-layout", oci_root=root).image_id \
+        == ref.image_id
 
 
 # ----------------------------------------------------------------------------- docker

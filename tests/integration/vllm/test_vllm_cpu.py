@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import oci
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import RegistryClient
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.cpulist import format_cpus
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affinity
 from vllm_workload import VllmWorkload, hydration_attrs, openai_answers
@@ -214,6 +216,11 @@ def test_a_host_without_the_capture_restores_the_published_descriptor(captured, 
         published = json.loads((out / "artifact.json").read_text())
         ref = published["capsule"]["units"][0]["repository_digest"]
         assert ref.startswith(f"{addr}/coldsnap/vllm@sha256:")
+        # The capsule travelled with gzip layers (process memory: much smaller than on disk).
+        wire_manifest = json.loads(RegistryClient(ref.split("@")[0]).get_manifest(
+            ref.split("@")[1], (oci.MEDIA_MANIFEST,), what="published vLLM capsule"))
+        assert {d["mediaType"] for d in wire_manifest["layers"]} == {oci.MEDIA_LAYER_GZIP}
+        assert sum(d["size"] for d in wire_manifest["layers"]) < published["capsule"]["units"][0]["bytes"]
         shutil.rmtree(wl.state_root / "captures" / art["capture_id"])
         shutil.rmtree(wl.state_root / "capsules")
         res = wl.run(wl.request("restore", artifact=out / "artifact.json"))
