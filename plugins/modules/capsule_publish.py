@@ -78,6 +78,8 @@ options:
         decompression pass per pulling host, before anything is evicted; C(none) pushes the layers as they
         are on disk (a fast link where the CPU time matters more than the bytes).
       - Docker capsules always travel as the Docker daemon pushes them (gzip). A pull reads either form.
+      - Publication is content-idempotent whatever this says - a capsule the repository already serves, in
+        either form, is reported C(present) and not pushed again.
     type: str
     choices: [gzip, none]
     default: gzip

@@ -155,6 +155,12 @@ def _push_oci(ref: CapsuleRef, repository: str, tag: str, *, auth: dict[str, Any
             upload(desc, lambda d=desc: oci.open_blob(img.layout, d, what=f"layer of {what}"))
         mbytes, mtype = oci.blob_path(img.layout, ref.image_id).read_bytes(), img.manifest_desc.media_type
     else:
+        plain = [oci.Descriptor(oci.MEDIA_LAYER_TAR, d.digest, d.size) for d in img.layers]
+        if oci.digest_bytes(oci.json_bytes(oci.image_manifest(img.config_desc, plain))) != ref.image_id:
+            raise PublishError(f"{what} at {ref.location} is not a layout a pull can rebuild from gzip layers "
+                               "(its manifest is not ColdSnap's own)",
+                               fix="publish it with layer_compression: none (coldsnap_capsule_compression=none), "
+                                   "or capture again")
         pushed = []
         for desc in img.layers:
             def compressing(done: int, d: oci.Descriptor = desc) -> None:
@@ -162,8 +168,13 @@ def _push_oci(ref: CapsuleRef, repository: str, tag: str, *, auth: dict[str, Any
                     progress({"unit": ref.unit, "status": "compressing", "id": f"{done >> 20}/{d.size >> 20} MiB"})
 
             wdesc, spool = wire.compress_blob(img.layout, desc, spool_dir=img.layout.parent, progress=compressing)
+            readers: list[Any] = []
             with spool:
-                upload(wdesc, lambda f=spool: _rewound(f))
+                try:
+                    upload(wdesc, lambda f=spool, opened=readers: _rewound(f, opened))
+                finally:
+                    for reader in readers:
+                        reader.close()
             pushed.append(wdesc)
         mbytes, mtype = wire.wire_manifest(img, pushed), oci.MEDIA_MANIFEST
     digest = oci.digest_bytes(mbytes)
@@ -176,10 +187,11 @@ def _push_oci(ref: CapsuleRef, repository: str, tag: str, *, auth: dict[str, Any
     return digest
 
 
-def _rewound(spool: Any) -> Any:
+def _rewound(spool: Any, readers: list[Any]) -> Any:
     """A new reader of an anonymous spool file from its start (an upload re-sent after an auth challenge
-    reads it again)."""
+    reads it again), kept in ``readers`` for the caller to close."""
     reader = os.fdopen(os.dup(spool.fileno()), "rb")
+    readers.append(reader)
     reader.seek(0)
     return reader
 
@@ -327,16 +339,14 @@ def _pull_oci(repo: str, digest: str, root: Path, image_id: str, *, auth: dict[s
         if compressed:
             diff_ids = (oci.load_json_blob(tmp, config, what=f"config of {what}").get("rootfs") or {}).get(
                 "diff_ids")
-            if not isinstance(diff_ids, list) or len(diff_ids) != len(layers):
-                raise IntegrityError(f"config of {what} does not name one diff id per layer",
-                                     fix="this is not a ColdSnap capsule publication; re-publish the capture")
-            local = [_fetch_layer(reg, tmp, d, diff_ids[i], what=f"layer {i} of {what}", progress=progress, unit=unit)
-                     for i, d in enumerate(layers)]
-            mbytes, mtype = oci.json_bytes(oci.image_manifest(config, local)), oci.MEDIA_MANIFEST
+            # Checked before any layer is fetched: the sizes a pull inflates up to are the recorded capsule's.
+            mbytes, mtype = wire.rebuilt_manifest(config, diff_ids, layers, what=what), oci.MEDIA_MANIFEST
             if oci.digest_bytes(mbytes) != image_id:
                 raise IntegrityError(f"{what} unpacks to capsule {oci.digest_bytes(mbytes)}, the descriptor records "
                                      f"{image_id}",
                                      fix="the descriptor and the registry disagree; re-publish the capture")
+            for i, d in enumerate(layers):
+                _fetch_layer(reg, tmp, d, diff_ids[i], what=f"layer {i} of {what}", progress=progress, unit=unit)
         else:
             for desc in layers:
                 _fetch_blob(reg, tmp, desc, what=what, progress=progress, unit=unit)
@@ -504,22 +514,33 @@ def published_oci_capsule(ref: CapsuleRef, repository: str, *, auth: dict[str, A
         return plain
     img = oci.open_layout(Path(ref.location), expected_manifest=ref.image_id, verify_layers=False,
                           what=f"capsule of unit {ref.unit!r}")
+    diff_ids = (img.config.get("rootfs") or {}).get("diff_ids")
+
+    def is_this_capsule(manifest: dict[str, Any]) -> bool:
+        # The manifest under the (mutable) tag must name this capsule and rebuild it: same layer count, gzip,
+        # the announced sizes the capsule's own; a pull of it lands exactly this capsule.
+        named = manifest.get("annotations") or {}
+        if not isinstance(named, dict) or named.get(wire.ANN_IMAGE_ID) != ref.image_id:
+            return False
+        config, layers = oci.parse_manifest(manifest, what=f"capsule of unit {ref.unit!r}", compressed_ok=True)
+        rebuilt = wire.rebuilt_manifest(config, diff_ids, layers, what=f"capsule of unit {ref.unit!r}")
+        return oci.digest_bytes(rebuilt) == ref.image_id
+
     return _published_under_tag(ref, repository, publish_tag(ref, img.labels.get(LABEL_CAPTURE)),
-                                expected_config=img.config_desc.digest, image_id=ref.image_id, auth=auth,
+                                expected_config=img.config_desc.digest, check=is_this_capsule, auth=auth,
                                 insecure=insecure)
 
 
 def _published_under_tag(ref: CapsuleRef, repository: str, tag: str, *, expected_config: str,
-                         image_id: str | None = None, auth: dict[str, Any] | None,
+                         check: Callable[[dict[str, Any]], bool] | None = None, auth: dict[str, Any] | None,
                          insecure: bool | None) -> str | None:
     what = f"capsule of unit {ref.unit!r}"
     try:
         data = RegistryClient(repository, auth=auth, insecure=insecure).get_manifest(tag, MANIFEST_ACCEPT, what=what)
         digest = oci.digest_bytes(data)
-        if image_id is not None:
-            named = json.loads(data).get("annotations") or {}
-            if not isinstance(named, dict) or named.get(wire.ANN_IMAGE_ID) != image_id:
-                return None  # another capsule under this tag: push this one
+        manifest = json.loads(data)
+        if check is not None and not (isinstance(manifest, dict) and check(manifest)):
+            return None  # another capsule (or not one a pull rebuilds) under this tag: push this one
         _verify_remote_manifest(repository, digest, auth=auth, what=what, expected_config=expected_config,
                                 insecure=insecure)
     except RegistryError as exc:

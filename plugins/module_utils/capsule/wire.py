@@ -11,10 +11,12 @@ the local manifest digest (:data:`ANN_IMAGE_ID`), each layer its uncompressed si
 (:data:`ANN_LAYER_MEMBERS`), so that a pull inflates the members on every core too.
 
 A pull checks the compressed bytes against the wire digest as they arrive and the
-decompressed bytes against the config's diff id (never writing more than the
-announced size, never holding more than :data:`MEMBER` bytes of one member), then
-rebuilds the local manifest (:func:`oci.image_manifest`) and requires its digest to
-be the capsule id the descriptor records.
+decompressed bytes against the config's diff id. Before any layer is fetched, the
+local manifest is rebuilt from the config's diff ids and the announced sizes
+(:func:`rebuilt_manifest`) and its digest must be the capsule id the descriptor
+records: every size a pull writes up to is one that id vouches for. A member holds at
+most :data:`MEMBER` bytes inflated and :data:`MEMBER_WIRE_MAX` compressed; at most a
+few members per thread are in memory.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import oci
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import IntegrityError, space_error
 
 ANN_IMAGE_ID = "io.coldsnap.capsule.image-id"
 ANN_LAYER_SIZE = "io.coldsnap.layer.size"
@@ -42,9 +44,27 @@ MEMBER = 8 << 20  # bytes of tar per gzip member (one task for one core); no mem
 OUT_CHUNK = 4 << 20  # most bytes one decompression step may produce (bounds memory on a hostile stream)
 GZIP_WBITS = 31  # zlib's gzip container
 
+MAX_WORKERS = 8  # inflating 8 members at once outruns a disk; more would only hold more memory
+MEMBER_WIRE_MAX = MEMBER + (MEMBER >> 10) + 64  # a member of MEMBER bytes never deflates to more (zlib's bound)
 DAMAGED_FIX = "the registry holds other bytes than were published; publish the capture again"
 
 Progress = Callable[[int], None]
+
+
+def _workers(workers: int | None) -> int:
+    """Threads for compressing or inflating: the CPUs this process may run on (not the host's), at most
+    :data:`MAX_WORKERS`; at most ``workers + 2`` members are held at once."""
+    if workers:
+        return max(1, workers)
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        allowed = os.cpu_count() or 1
+    return max(1, min(allowed, MAX_WORKERS))
+
+
+def _digits(raw: Any) -> bool:
+    return isinstance(raw, str) and raw.isascii() and raw.isdigit() and 0 < len(raw) <= 18
 
 
 def _gzip_member(data: bytes, level: int) -> bytes:
@@ -69,7 +89,7 @@ def compress(src: IO[bytes], out: IO[bytes], *, level: int = LEVEL, workers: int
              progress: Progress | None = None) -> Compressed:
     """gzip ``src`` into ``out`` as independent members compressed in parallel, hashing both sides. The
     output depends only on the input, the level and zlib's version."""
-    workers = max(1, workers or os.cpu_count() or 1)
+    workers = _workers(workers)
     sha = hashlib.sha256()
     source = hashlib.sha256()
     members: list[int] = []
@@ -90,7 +110,7 @@ def compress(src: IO[bytes], out: IO[bytes], *, level: int = LEVEL, workers: int
             read += len(piece)
             pending.append(pool.submit(_gzip_member, piece, level))
             source.update(piece)  # while the workers deflate it
-            while len(pending) > 2 * workers:
+            while len(pending) > workers + 1:
                 emit()
                 if progress is not None:
                     progress(read)
@@ -111,7 +131,11 @@ def compress_blob(layout: Path, desc: oci.Descriptor, *, spool_dir: Path, level:
     spool = tempfile.TemporaryFile(dir=spool_dir)  # handed to the caller, who closes it
     try:
         with oci.open_blob(layout, desc, what=f"layer {desc.digest}") as src:
-            done = compress(src, spool, level=level, progress=progress)
+            try:
+                done = compress(src, spool, level=level, progress=progress)
+            except OSError as exc:  # the spool needs up to the layer's size free beside the capsules
+                raise space_error(exc, what=f"the compressed copy of layer {desc.digest}", path=spool_dir,
+                                  needed=desc.size) from exc
         if (done.source_digest, done.source_size) != (desc.digest, desc.size):
             raise IntegrityError(f"layer {desc.digest} of the capsule at {layout} changed while it was compressed "
                                  f"({done.source_size} bytes hashing to {done.source_digest})",
@@ -135,7 +159,7 @@ def wire_manifest(img: oci.Image, layers: list[oci.Descriptor]) -> bytes:
 def announced_size(desc: oci.Descriptor, *, what: str) -> int:
     """The uncompressed size a wire layer announces (the most a pull will write for it)."""
     raw = desc.annotations.get(ANN_LAYER_SIZE)
-    if not isinstance(raw, str) or not raw.isdigit() or len(raw) > 18:
+    if not _digits(raw):
         raise IntegrityError(f"{what} is compressed but does not announce its uncompressed size ({ANN_LAYER_SIZE})",
                              fix="this is not a ColdSnap capsule publication; publish the capture again with "
                                  "coldsnap publish")
@@ -149,11 +173,32 @@ def announced_members(desc: oci.Descriptor, *, what: str) -> list[int] | None:
     if raw is None:
         return None
     parts = raw.split(",") if isinstance(raw, str) else []
-    if not parts or len(parts) > desc.size // 18 + 1 or not all(p.isdigit() and len(p) <= 18 for p in parts) \
+    if not parts or len(parts) > desc.size // 18 + 1 or not all(map(_digits, parts)) \
             or sum(map(int, parts)) != desc.size:
         raise IntegrityError(f"{what} announces gzip members ({ANN_LAYER_MEMBERS}) that are not its {desc.size} bytes",
                              fix=DAMAGED_FIX)
-    return [int(p) for p in parts]
+    sizes = [int(p) for p in parts]
+    if max(sizes) > MEMBER_WIRE_MAX:
+        raise IntegrityError(f"{what} announces a gzip member of {max(sizes)} bytes, more than a member of "
+                             f"{MEMBER} bytes deflates to", fix=DAMAGED_FIX)
+    return sizes
+
+
+def rebuilt_manifest(config: oci.Descriptor, diff_ids: Any, layers: tuple[oci.Descriptor, ...] | list[oci.Descriptor],
+                     *, what: str) -> bytes:
+    """The local manifest a pull of these wire layers lands (config, then each layer as the uncompressed tar
+    its config's diff id and its announced size say): its digest must be the recorded capsule id before a
+    byte of a layer is fetched, so that every size a pull will write up to is one the id vouches for."""
+    if not isinstance(diff_ids, list) or len(diff_ids) != len(layers):
+        raise IntegrityError(f"the config of {what} does not name one diff id per layer",
+                             fix="this is not a ColdSnap capsule publication; publish the capture again")
+    local = []
+    for i, (diff_id, d) in enumerate(zip(diff_ids, layers, strict=True)):
+        if d.media_type not in oci.COMPRESSED_LAYER_TYPES:
+            raise IntegrityError(f"layer {i} of {what} is not gzip ({d.media_type!r}) among gzip layers",
+                                 fix="this is not a ColdSnap capsule publication; publish the capture again")
+        local.append(oci.Descriptor(oci.MEDIA_LAYER_TAR, diff_id, announced_size(d, what=f"layer {i} of {what}")))
+    return oci.json_bytes(oci.image_manifest(config, local))
 
 
 def _inflate_member(data: bytes) -> bytes:
@@ -228,7 +273,7 @@ def gunzip(src: IO[bytes], out: IO[bytes], *, limit: int, what: str, members: li
 
 def _gunzip_members(src: IO[bytes], out: IO[bytes], *, limit: int, what: str, members: list[int],
                     workers: int | None) -> tuple[str, int]:
-    workers = max(1, workers or os.cpu_count() or 1)
+    workers = _workers(workers)
     sink = _Sink(out, limit, what)
     pending: deque = deque()
 
@@ -248,7 +293,7 @@ def _gunzip_members(src: IO[bytes], out: IO[bytes], *, limit: int, what: str, me
                 if len(data) != n:
                     raise IntegrityError(f"{what} ends inside a gzip member (truncated)", fix=DAMAGED_FIX)
                 pending.append(pool.submit(_inflate_member, data))
-                while len(pending) > 2 * workers:
+                while len(pending) > workers + 1:
                     emit()
             while pending:
                 emit()

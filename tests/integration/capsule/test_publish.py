@@ -189,9 +189,9 @@ def test_a_corrupted_local_layout_is_refused_before_push(tmp_path, capture_id, r
     assert not remote_has(f"{registry}/coldsnap/capsules@{ref.image_id}")
 
 
-def _publish_wire_layer(ref, repo: str, layer: bytes, annotations: dict) -> str:
+def _publish_wire_layer(ref, repo: str, layer: bytes, annotations: dict, tag: str = "crafted") -> str:
     """Publish ``ref``'s own config with ``layer`` as its gzip wire layer (a registry holding other bytes than
-    were pushed, self-consistent on the wire); return repo@digest."""
+    were pushed, self-consistent on the wire) under ``tag``; return repo@digest."""
     img = oci.open_layout(Path(ref.location))
     reg = RegistryClient(repo)
     config = oci.blob_path(img.layout, img.config_desc.digest).read_bytes()
@@ -199,11 +199,12 @@ def _publish_wire_layer(ref, repo: str, layer: bytes, annotations: dict) -> str:
     desc = oci.Descriptor(oci.MEDIA_LAYER_GZIP, oci.digest_bytes(layer), len(layer), annotations)
     reg.upload_blob(desc.digest, desc.size, lambda: layer, what="layer")
     mbytes = wire.wire_manifest(img, [desc])
-    reg.put_manifest("crafted", mbytes, oci.MEDIA_MANIFEST, what="manifest")
+    reg.put_manifest(tag, mbytes, oci.MEDIA_MANIFEST, what="manifest")
     return f"{repo}@{oci.digest_bytes(mbytes)}"
 
 
-@pytest.mark.parametrize("case", ["other-bytes", "bomb", "not-gzip", "truncated", "no-size", "members-lie"])
+@pytest.mark.parametrize("case", ["other-bytes", "bomb", "not-gzip", "truncated", "no-size", "members-lie",
+                                  "size-lie"])
 def test_oci_pull_of_a_wire_layer_that_does_not_unpack_to_the_capsule_caches_nothing(
         tmp_path, capture_id, registry, case):
     ref = _oci(tmp_path, capture_id)
@@ -218,6 +219,9 @@ def test_oci_pull_of_a_wire_layer_that_does_not_unpack_to_the_capsule_caches_not
         "not-gzip": (b"this is not gzip" * 100, size, "not a valid gzip stream"),
         "truncated": (gzip.compress(raw)[:-9], size, "truncated"),
         "no-size": (gzip.compress(raw), {}, "does not announce its uncompressed size"),
+        # A size the recorded capsule id does not vouch for: refused before the layer is fetched.
+        "size-lie": (gzip.compress(bytes(64 << 20)), {wire.ANN_LAYER_SIZE: str(10 ** 17)},
+                     f"unpacks to capsule sha256:[0-9a-f]{{64}}, the descriptor records {ref.image_id}"),
         "members-lie": (gzip.compress(raw) + gzip.compress(b"x"),
                         {**size, wire.ANN_LAYER_MEMBERS: f"{len(gzip.compress(raw)) - 1},{len(gzip.compress(b'x')) + 1}"},
                         "not a valid gzip stream"),
@@ -231,6 +235,31 @@ def test_oci_pull_of_a_wire_layer_that_does_not_unpack_to_the_capsule_caches_not
     honest = _publish_wire_layer(ref, f"{registry}/coldsnap/crafted-{case}", gzip.compress(raw), size)
     assert pull_capsule(honest, expected_image_id=ref.image_id, layout="oci-layout", oci_root=root).image_id \
         == ref.image_id
+
+
+def test_a_second_publish_pushes_again_over_a_tag_that_does_not_rebuild_the_capsule(tmp_path, capture_id, registry):
+    """The publish tag is mutable: a manifest planted under it that names this capsule but announces other
+    layer sizes is not taken for the publication (a pull of it would fail); the capsule is pushed again."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.publish import (
+        capture_id_of,
+        publish_tag,
+    )
+
+    ref = _oci(tmp_path, capture_id)
+    repo = f"{registry}/coldsnap/planted"
+    tag = publish_tag(ref, capture_id_of(ref))
+    _publish_wire_layer(ref, repo, gzip.compress(bytes(1 << 20)), {wire.ANN_LAYER_SIZE: str(10 ** 12)}, tag=tag)
+    assert published_oci_capsule(ref, repo) is None
+    published = push_capsule(ref, repo)
+    assert published_oci_capsule(ref, repo) == published
+    root = tmp_path / "restore-host"
+    assert pull_capsule(published, expected_image_id=ref.image_id, layout="oci-layout", oci_root=root).image_id \
+        == ref.image_id
+    extracted = tmp_path / "out"
+    extract_capsule(pull_capsule(published, expected_image_id=ref.image_id, layout="oci-layout", oci_root=root),
+                    extracted, part="all")
+    assert any(p.read_bytes() == (tmp_path / "unit-0" / "state" / "criu" / "pages-1.img").read_bytes()
+               for p in extracted.rglob("pages-1.img"))
 
 
 # ----------------------------------------------------------------------------- docker

@@ -177,3 +177,37 @@ def test_a_layer_that_is_not_its_digest_is_refused_while_compressed(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="changed while it was compressed"):
         wire.compress_blob(layout, desc, spool_dir=tmp_path)
+
+
+def test_announcements_in_other_digits_or_beyond_a_member_are_refused_by_name():
+    gz = oci.Descriptor(oci.MEDIA_LAYER_GZIP, "sha256:" + "cd" * 32, 20, {wire.ANN_LAYER_SIZE: "\u00b2"})
+    with pytest.raises(IntegrityError, match="does not announce its uncompressed size"):
+        wire.announced_size(gz, what="l")
+    with pytest.raises(IntegrityError, match="announces gzip members"):
+        wire.announced_members(oci.Descriptor(gz.media_type, gz.digest, 20, {wire.ANN_LAYER_MEMBERS: "1\u00b2"}),
+                               what="l")
+    big = wire.MEMBER_WIRE_MAX + 1
+    with pytest.raises(IntegrityError, match="more than a member of"):
+        wire.announced_members(oci.Descriptor(gz.media_type, gz.digest, big, {wire.ANN_LAYER_MEMBERS: str(big)}),
+                               what="l")
+    # zlib's own bound for a member of MEMBER random bytes stays inside the limit.
+    assert len(wire._gzip_member(os.urandom(wire.MEMBER), 3)) <= wire.MEMBER_WIRE_MAX
+
+
+def test_the_rebuilt_manifest_follows_the_config_and_the_announced_sizes(tmp_path):
+    config = oci.write_blob_bytes(tmp_path, b'{"rootfs":{}}', oci.MEDIA_CONFIG)
+    diff = "sha256:" + "ab" * 32
+    gz = oci.Descriptor(oci.MEDIA_LAYER_GZIP, "sha256:" + "cd" * 32, 7, {wire.ANN_LAYER_SIZE: "10"})
+    local = oci.json_bytes(oci.image_manifest(config, [oci.Descriptor(oci.MEDIA_LAYER_TAR, diff, 10)]))
+    assert wire.rebuilt_manifest(config, [diff], [gz], what="c") == local
+    other = oci.Descriptor(gz.media_type, gz.digest, 7, {wire.ANN_LAYER_SIZE: "11"})
+    assert wire.rebuilt_manifest(config, [diff], [other], what="c") != local
+    with pytest.raises(IntegrityError, match="one diff id per layer"):
+        wire.rebuilt_manifest(config, [diff, diff], [gz], what="c")
+    with pytest.raises(IntegrityError, match="is not gzip"):
+        wire.rebuilt_manifest(config, [diff], [oci.Descriptor(oci.MEDIA_LAYER_TAR, diff, 10)], what="c")
+
+
+def test_threads_follow_the_cpus_this_process_may_use():
+    assert 1 <= wire._workers(None) <= min(len(os.sched_getaffinity(0)), wire.MAX_WORKERS)
+    assert wire._workers(3) == 3
