@@ -387,7 +387,7 @@ def _fetch_blob(reg: RegistryClient, layout: Path, desc: oci.Descriptor, *, what
     part = temp_path_for(oci.blob_dir(layout) / "blob")
     reader = reg.open_blob(desc.digest, what=f"blob {desc.digest} of {what}")
     try:
-        with reader, open(part, "xb") as out:
+        with reader, _private_file(part) as out:
             hashing = archive.HashingReader(reader)
             while True:
                 chunk = hashing.read(archive.CHUNK)
@@ -404,6 +404,11 @@ def _fetch_blob(reg: RegistryClient, layout: Path, desc: oci.Descriptor, *, what
         part.unlink(missing_ok=True)
     if progress:
         progress({"unit": unit, "status": "pulled", "digest": desc.digest, "bytes": desc.size})
+
+
+def _private_file(path: Path) -> Any:
+    """A new blob file only its owner may read (a capsule holds process memory), whatever the umask."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb")
 
 
 def _check_wire(hashing: archive.HashingReader, desc: oci.Descriptor, *, what: str) -> None:
@@ -424,7 +429,7 @@ def _fetch_layer(reg: RegistryClient, layout: Path, desc: oci.Descriptor, diff_i
     part = temp_path_for(oci.blob_dir(layout) / "blob")
     reader = reg.open_blob(desc.digest, what=what)
     try:
-        with reader, open(part, "xb") as out:
+        with reader, _private_file(part) as out:
             hashing = archive.HashingReader(_Bounded(reader, desc.size))
             try:
                 got, size = wire.gunzip(hashing, out, limit=limit, what=what, members=members)

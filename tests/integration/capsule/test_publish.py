@@ -120,6 +120,8 @@ def test_only_the_assigned_capsule_is_pulled(tmp_path, capture_id, registry):
     pulled = root / "sha256" / b.image_id.split(":")[1]
     for d in (root, pulled, pulled / "blobs", pulled / "blobs" / "sha256"):  # process memory: private
         assert d.stat().st_mode & 0o077 == 0, d
+    for blob in (pulled / "blobs" / "sha256").iterdir():
+        assert blob.stat().st_mode & 0o077 == 0, blob
     with pytest.raises(IntegrityError, match="not the capsule of unit 'unit-0'"):
         pull_capsule(pb, expected_image_id=b.image_id, layout="oci-layout", oci_root=tmp_path / "h2", unit="unit-0")
     assert _leftovers(tmp_path / "h2") == []
