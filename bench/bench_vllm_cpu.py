@@ -21,18 +21,14 @@ Usage: ``python bench/bench_vllm_cpu.py --preset tiny|1g [--restores 2] [--env K
 from __future__ import annotations
 
 import argparse
-import contextlib
 import http.client
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -81,31 +77,6 @@ def cold_start(python: str, model_dir: Path, port: int, *, cache_root: Path, pro
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-
-
-@contextlib.contextmanager
-def local_registry(root: Path) -> Iterator[str]:
-    """Debian's docker-registry on a free loopback port, storage under ``root``; yields host:port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root.mkdir(parents=True, exist_ok=True)
-    config = root / "config.yml"
-    config.write_text("version: 0.1\nlog:\n  level: error\n  accesslog:\n    disabled: true\n"
-                      f"storage:\n  filesystem:\n    rootdirectory: {root / 'data'}\n"
-                      f"http:\n  addr: 127.0.0.1:{port}\n  secret: coldsnap-bench-only\n")
-    proc = subprocess.Popen(["/usr/bin/docker-registry", "serve", str(config)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    try:
-        for _attempt in range(150):
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/", timeout=1):
-                    break
-            time.sleep(0.1)
-        yield f"127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def main() -> int:
@@ -237,8 +208,13 @@ def publish_and_restore(request, run, *, artifact: Path, art: dict, root: Path, 
     from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import RegistryClient
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 
+    repo = Path(__file__).resolve().parents[1]
+    for sub in ("tests", "tests/integration/capsule"):  # the tests' loopback docker-registry
+        sys.path.insert(0, str(repo / sub))
+    from capsule_helpers import docker_registry
+
     out_dir = root / "artifacts" / f"published-{stamp}"
-    with local_registry(root / f"registry-{stamp}") as addr:
+    with docker_registry(root / f"registry-{stamp}") as addr:
         req = request("restore", 90, artifact=artifact)
         req["operation"] = "publish"
         req["output"] = {"artifact_dir": str(out_dir)}

@@ -74,7 +74,7 @@ options:
   layer_compression:
     description:
       - How the layers of OCI-layout capsules travel with I(state=pushed). C(gzip) compresses each layer on
-        every core (process memory of Python heaps and allocator pools shrinks to about a fifth) and costs one
+        the CPUs the module may use, at most 8 (process memory of Python heaps and allocator pools shrinks to about a fifth) and costs one
         decompression pass per pulling host, before anything is evicted; C(none) pushes the layers as they
         are on disk (a fast link where the CPU time matters more than the bytes).
       - Docker capsules always travel as the Docker daemon pushes them (gzip). A pull reads either form.
@@ -146,6 +146,7 @@ from pathlib import Path
 from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import publish
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import CapsuleRef, inspect_capsule
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.wire import COMPRESSIONS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import (
     LEASE_ARG,
@@ -202,13 +203,16 @@ def run(module: AnsibleModule, session: ProgressSession | None = None) -> dict:
         elif p["state"] == "pushed":
             repo = p["repository"]
             known = entry.get("repository_digest")
-            if ref.layout == "oci-layout":
+            if ref.layout == "oci-layout":  # found and checked there, in either form
                 known = publish.published_oci_capsule(ref, repo, auth=auth, insecure=p["insecure_registry"])
-            elif not (known and known.startswith(repo + "@")):
-                known = _docker_repo_digest(ref, repo) or publish.published_docker_capsule(
-                    ref, repo, auth=auth, insecure=p["insecure_registry"])
+                present = known is not None
+            else:
+                if not (known and known.startswith(repo + "@")):
+                    known = _docker_repo_digest(ref, repo) or publish.published_docker_capsule(
+                        ref, repo, auth=auth, insecure=p["insecure_registry"])
+                present = bool(known) and publish.remote_has(known, auth=auth, insecure=p["insecure_registry"])
             inspect_capsule(ref, verify=True)
-            if known and publish.remote_has(known, auth=auth, insecure=p["insecure_registry"]):
+            if present:
                 entry["repository_digest"] = known
                 actions[ref.unit] = "present"
             elif module.check_mode:
@@ -290,7 +294,7 @@ def main() -> None:
             "units": {"type": "list", "elements": "str"},
             "repository": {"type": "str"},
             "oci_root": {"type": "path"},
-            "layer_compression": {"type": "str", "choices": ["gzip", "none"], "default": "gzip"},
+            "layer_compression": {"type": "str", "choices": list(COMPRESSIONS), "default": "gzip"},
             "registry_username": {"type": "str"},
             "registry_password": {"type": "str", "no_log": True},
             "registry_token": {"type": "str", "no_log": True},

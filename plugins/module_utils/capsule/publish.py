@@ -419,11 +419,10 @@ def _check_wire(hashing: archive.HashingReader, desc: oci.Descriptor, *, what: s
                              fix="the registry (or something between) corrupts content; nothing was cached")
 
 
-def _fetch_layer(reg: RegistryClient, layout: Path, desc: oci.Descriptor, diff_id: Any, *, what: str,
-                 progress: Progress | None, unit: str | None) -> oci.Descriptor:
+def _fetch_layer(reg: RegistryClient, layout: Path, desc: oci.Descriptor, diff_id: str, *, what: str,
+                 progress: Progress | None, unit: str | None) -> None:
     """Download one gzip wire layer, checking the compressed bytes against ``desc`` and the decompressed
-    ones against ``diff_id``; store it uncompressed under its diff id; return its local descriptor."""
-    ids.parse_digest(diff_id, what=f"diff id of {what}")
+    ones against ``diff_id``; store it uncompressed under its diff id."""
     limit = wire.announced_size(desc, what=what)
     members = wire.announced_members(desc, what=what)
     part = temp_path_for(oci.blob_dir(layout) / "blob")
@@ -434,10 +433,9 @@ def _fetch_layer(reg: RegistryClient, layout: Path, desc: oci.Descriptor, diff_i
             try:
                 got, size = wire.gunzip(hashing, out, limit=limit, what=what, members=members)
             except IntegrityError:
-                hashing.drain()  # wrong bytes on the wire are the first thing to say
-                if hashing.size == desc.size and hashing.digest == desc.digest:
-                    raise
-                got, size = "", -1
+                hashing.drain()
+                _check_wire(hashing, desc, what=what)  # wrong bytes on the wire are the first thing to say
+                raise
             hashing.drain()
             out.flush()
             os.fsync(out.fileno())
@@ -451,7 +449,6 @@ def _fetch_layer(reg: RegistryClient, layout: Path, desc: oci.Descriptor, diff_i
         part.unlink(missing_ok=True)
     if progress:
         progress({"unit": unit, "status": "pulled", "digest": desc.digest, "bytes": desc.size})
-    return oci.Descriptor(oci.MEDIA_LAYER_TAR, diff_id, size)
 
 
 class _Bounded:

@@ -96,3 +96,12 @@ def test_capsule_publish_module_reports_a_rejected_push(tmp_path, capture_id, re
     assert res.get("failed") is True and "405" in res["msg"] and "read-only" in res["msg"]
     assert "capsules" not in res or not any(c.get("repository_digest") for c in res["capsules"])
     assert os.path.isdir(built["capsule"]["location"]), "the local capsule is untouched"
+
+
+def test_capsule_publish_module_refuses_an_unknown_layer_compression(tmp_path, capture_id):
+    make_state(tmp_path)
+    built, _unused = run_module("capsule_build", _build_args(tmp_path, capture_id))
+    res, _unused = run_module("capsule_publish", {"capsules": [{**built["capsule"], "host": "localhost"}],
+                                                  "repository": "127.0.0.1:1/coldsnap/never",
+                                                  "layer_compression": "zstd"})
+    assert res.get("failed") is True and "layer_compression" in res["msg"] and "gzip" in res["msg"]

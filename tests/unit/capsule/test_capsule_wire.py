@@ -211,3 +211,13 @@ def test_the_rebuilt_manifest_follows_the_config_and_the_announced_sizes(tmp_pat
 def test_threads_follow_the_cpus_this_process_may_use():
     assert 1 <= wire._workers(None) <= min(len(os.sched_getaffinity(0)), wire.MAX_WORKERS)
     assert wire._workers(3) == 3
+
+
+def test_push_refuses_an_unknown_compression_before_anything_else():
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import CapsuleRef
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.publish import push_capsule
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+    ref = CapsuleRef("unit-0", "oci-layout", "sha256:" + "ab" * 32, "/nonexistent", 1)
+    with pytest.raises(ColdSnapError, match=r"compression 'zstd' is unknown.*use one of gzip, none"):
+        push_capsule(ref, "127.0.0.1:1/coldsnap/never", compression="zstd")
