@@ -20,7 +20,10 @@ description:
     and listening ports must be free, and the weight provider is chosen per worker
     (C(policy.weights.mode)).
   - O(phase=evict) stops this workload's running engines on the host. Playbooks run it only after
-    O(phase=prepare) passed on every host.
+    O(phase=prepare) passed on every host. Right before it stops anything it checks the captured pids and the
+    ports the units' listeners come back on again, as O(phase=prepare) did, since a stranger may have taken one
+    in between. When one is held by anyone but the workload being replaced it fails naming the holder and the
+    fix, and nothing is evicted.
   - O(phase=activate) restores the units - CRIU restore (stopped), CUDA restore, release, resume with
     fresh transport endpoints from the coordinator, hydration, zeroed KV - and validates the exact reply.
     O(warm=true) stops before hydration; a later wake finishes it.
@@ -94,7 +97,8 @@ options:
 attributes:
   check_mode:
     support: full
-    details: C(prepare) runs its checks read-only; C(evict) and C(activate) only report.
+    details: C(prepare) runs its checks read-only; C(evict) and C(activate) only report (C(evict) runs its pid and
+      port checks, read-only, and fails as a real run would).
   diff_mode:
     support: none
   idempotent:
@@ -214,7 +218,7 @@ def main() -> None:
                                        check_mode=module.check_mode, python=p["python"],
                                        staging_failures=p["staging_failures"], hub_token=p["hf_token"])
         if p["phase"] == "evict":
-            return ops.evict(req, host=p["host"], state_root=state_root, check_mode=module.check_mode)
+            return ops.evict(req, art, host=p["host"], state_root=state_root, check_mode=module.check_mode)
         with ProgressSession(None if module.check_mode else p["progress_dir"], lease_s=p["progress_lease"]) as session:
             return ops.restore_units(req, art, host=p["host"], state_root=state_root,
                                      activation_digest=p["activation_digest"],

@@ -13,18 +13,28 @@ pass through a symlink. Members are written under a temporary directory beside
 the destination that is renamed into place only when the whole archive (and its
 digest, when one is expected) checked out, so a refused archive leaves nothing
 behind, inside or outside.
+
+A layer in a local regular file (a capsule's blob) is read once, in file order, with
+``pread`` in large chunks: tarfile parses only the headers, every byte goes into the layer
+digest on this thread while each extracted file's own SHA-256 and its write run on a
+second one (two cores hash at once). A stream (Docker's archive API) goes through
+tarfile's streaming reader. Either way each extracted file's digest is reported, so a
+caller that checks the files against a sealed list need not read them again.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
+import io
 import os
 import posixpath
 import shutil
 import stat
 import tarfile
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -295,6 +305,154 @@ class HashingReader:
         return "sha256:" + self.sha.hexdigest()
 
 
+COPY_CHUNK = 4 << 20  # one pread of a local layer: large enough that Python's per-call cost vanishes
+COPY_AHEAD = 3  # chunks handed to the file thread and not yet written: bounds the memory to ~16 MiB
+
+
+def _is_local_file(fileobj: IO[bytes]) -> bool:
+    """True for a regular file opened at its start (a capsule blob): the fast path may read it by offset."""
+    try:
+        return stat.S_ISREG(os.fstat(fileobj.fileno()).st_mode) and fileobj.seekable() and fileobj.tell() == 0
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return False
+
+
+def _short(what: str, info: tarfile.TarInfo) -> ArchiveError:
+    return ArchiveError(f"{what} member {info.name!r} ends before its {info.size} bytes",
+                        fix="the stored bytes are truncated or corrupt; pull or rebuild the capsule")
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _hash_and_write(sha: Any, fd: int, data: bytes | memoryview) -> None:
+    sha.update(data)
+    _write_all(fd, data)
+
+
+class _StreamLayer:
+    """A layer read as a stream (tarfile's streaming reader over a hashing reader)."""
+
+    def __init__(self, fileobj: IO[bytes]) -> None:
+        self.reader = HashingReader(fileobj)
+        self.tar: tarfile.TarFile | None = None
+
+    def __enter__(self) -> _StreamLayer:
+        self.tar = tarfile.open(fileobj=self.reader, mode="r|")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.tar is not None:
+            self.tar.close()
+
+    def _open(self) -> tarfile.TarFile:
+        if self.tar is None:
+            raise AssertionError("a layer is read inside its with block")
+        return self.tar
+
+    def members(self) -> Iterator[tarfile.TarInfo]:
+        yield from self._open()
+
+    def copy(self, info: tarfile.TarInfo, fd: int, *, what: str) -> str:
+        """Write the member's bytes to ``fd``; return their digest."""
+        src = self._open().extractfile(info)
+        if src is None:  # a regular file member always has a reader
+            raise AssertionError(f"tar member {info.name} has no data reader")
+        sha = hashlib.sha256()
+        left = info.size
+        while left:
+            data = src.read(min(CHUNK, left))
+            if not data:
+                raise _short(what, info)
+            _hash_and_write(sha, fd, data)
+            left -= len(data)
+        return "sha256:" + sha.hexdigest()
+
+    def finish(self) -> str:
+        """Read to the end of the stream; return the layer's digest."""
+        self.reader.drain()
+        return self.reader.digest
+
+
+class _LocalLayer:
+    """A layer in a local regular file: tarfile parses the headers (random access, no data read);
+    every byte is read once, in file order, into the layer digest; a member's bytes are hashed and
+    written on a second thread while the next chunk is read and hashed here. The reads land in a
+    small ring of buffers allocated once (fresh memory for every chunk costs page faults)."""
+
+    def __init__(self, fileobj: IO[bytes]) -> None:
+        self.fileobj = fileobj
+        self.fd = fileobj.fileno()
+        self.size = os.fstat(self.fd).st_size
+        self.pos = 0
+        self.sha = hashlib.sha256()
+        self.tar: tarfile.TarFile | None = None
+        self.pool: ThreadPoolExecutor | None = None
+        # A chunk is handed to the file thread; before its buffer comes round again, at most
+        # COPY_AHEAD later chunks are pending, so COPY_AHEAD + 1 buffers never overlap a pending one.
+        self.ring = [memoryview(bytearray(COPY_CHUNK)) for _slot in range(COPY_AHEAD + 1)]
+        self.turn = 0
+
+    def __enter__(self) -> _LocalLayer:
+        self.tar = tarfile.open(fileobj=self.fileobj, mode="r:")
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coldsnap-extract")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        if self.tar is not None:
+            self.tar.close()
+
+    def members(self) -> Iterator[tarfile.TarInfo]:
+        if self.tar is None:
+            raise AssertionError("a layer is read inside its with block")
+        yield from self.tar
+
+    def _read(self, size: int) -> memoryview:
+        buf = self.ring[self.turn]
+        self.turn = (self.turn + 1) % len(self.ring)
+        n = os.preadv(self.fd, [buf[:size]], self.pos)
+        data = buf[:n]
+        self.sha.update(data)
+        self.pos += n
+        return data
+
+    def _hash_to(self, offset: int) -> None:
+        while self.pos < offset:
+            if not self._read(min(COPY_CHUNK, offset - self.pos)):
+                return  # the end of the file: the digest check names the damage
+
+    def copy(self, info: tarfile.TarInfo, fd: int, *, what: str) -> str:
+        if self.pool is None:
+            raise AssertionError("a layer is read inside its with block")
+        self._hash_to(info.offset_data)
+        if self.pos != info.offset_data:
+            raise _short(what, info)
+        sha = hashlib.sha256()
+        end = info.offset_data + info.size
+        pending: collections.deque[Future[None]] = collections.deque()
+        try:
+            while self.pos < end:
+                data = self._read(min(COPY_CHUNK, end - self.pos))
+                if not data:
+                    raise _short(what, info)
+                pending.append(self.pool.submit(_hash_and_write, sha, fd, data))
+                while len(pending) > COPY_AHEAD:
+                    pending.popleft().result()
+        finally:
+            for fut in pending:  # every write lands (or fails) before a buffer is reused or ``fd`` closed
+                fut.result()
+        return "sha256:" + sha.hexdigest()
+
+    def finish(self) -> str:
+        self._hash_to(self.size)
+        return "sha256:" + self.sha.hexdigest()
+
+
 def check_member(info: tarfile.TarInfo, seen_files: set[str], *, what: str) -> str:
     """Validate one member; return its normalized name. Raises ArchiveError when unsafe.
 
@@ -319,6 +477,9 @@ def check_member(info: tarfile.TarInfo, seen_files: set[str], *, what: str) -> s
     elif not (info.isreg() or info.isdir()):
         raise ArchiveError(f"{what} member {info.name!r} has unsupported type {info.type!r}",
                            fix="capsules hold regular files, directories and internal links only")
+    elif info.sparse is not None:  # its holes are tarfile's to fill; a layer read by offset would not
+        raise ArchiveError(f"{what} member {info.name!r} is a sparse file",
+                           fix="capsules hold plain regular files; rebuild the capsule")
     if not name and not info.isdir():
         raise ArchiveError(f"{what} member {info.name!r} names the root itself", fix="rebuild the archive")
     mtime = info.mtime
@@ -361,13 +522,15 @@ def _makedirs(root: Path, rel: str) -> None:
 
 def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None = None,
                  select: Callable[[str], str | None] | None = None, what: str = "archive",
-                 replace: bool = False) -> list[str]:
+                 replace: bool = False, digests: dict[str, str] | None = None) -> list[str]:
     """Extract a tar stream into ``dest`` atomically; return the written names.
 
     ``select(name)`` may map a member name to its name below ``dest`` or return
     None to skip the member. ``expected_digest`` checks the whole stream's
     SHA-256 (the layer digest) before the result is moved into place. ``dest``
     must not exist unless ``replace`` is true (then it is replaced as a whole).
+    ``digests``, when given, receives ``sha256:<hex>`` of every regular file written
+    (hard links included), by its name below ``dest``.
     """
     dest = Path(dest)
     if dest.exists() and not replace:
@@ -376,15 +539,15 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path_for(dest)
     os.mkdir(tmp, 0o700)
-    reader = HashingReader(fileobj)
+    source: _StreamLayer | _LocalLayer = _LocalLayer(fileobj) if _is_local_file(fileobj) else _StreamLayer(fileobj)
     written: list[str] = []
     files: set[str] = set()  # every regular member seen (hard-link validation)
     extracted: dict[str, str] = {}  # member name -> name below dest, for extracted regular files
     dir_modes: list[tuple[Path, int, int]] = []
     dir_members: set[str] = set()  # directory entries extracted so far (by their name below dest)
     try:
-        with tarfile.open(fileobj=reader, mode="r|") as tar:
-            for info in tar:
+        with source:
+            for info in source.members():
                 name = check_member(info, files, what=what)
                 if info.isreg() or info.islnk():
                     files.add(name)
@@ -437,21 +600,24 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
                                            fix="rebuild the archive")
                     os.link(src_path, path, follow_symlinks=False)
                     extracted[name] = target_name
+                    if digests is not None and extracted[link_src] in digests:
+                        digests[target_name] = digests[extracted[link_src]]
                 else:
-                    src = tar.extractfile(info)
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                    with os.fdopen(fd, "wb") as out:
-                        if src is None:  # a regular file member always has a reader
-                            raise AssertionError(f"tar member {info.name} has no data reader")
-                        shutil.copyfileobj(src, out, CHUNK)
+                    try:
+                        digest = source.copy(info, fd, what=what)
+                    finally:
+                        os.close(fd)
+                    if digests is not None:
+                        digests[target_name] = digest
                     os.chmod(path, info.mode & SAFE_MODE_MASK)
                     os.utime(path, (info.mtime, info.mtime), follow_symlinks=False)
                     extracted[name] = target_name
                 written.append(target_name)
-        reader.drain()
+            layer_digest = source.finish()
         _links_stay_inside(tmp, what)
-        if expected_digest is not None and reader.digest != expected_digest:
-            raise IntegrityError(f"{what} has digest {reader.digest}, expected {expected_digest}",
+        if expected_digest is not None and layer_digest != expected_digest:
+            raise IntegrityError(f"{what} has digest {layer_digest}, expected {expected_digest}",
                                  fix="the stored bytes are corrupt; pull or rebuild the capsule")
         os.chmod(tmp, 0o700)
         # Directory modes last: a read-only directory must not block its own members.

@@ -26,6 +26,8 @@ them together keeps what a build writes and what an extraction trusts side by si
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import fnmatch
 import json
@@ -51,6 +53,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
     first_link_below,
     fsync_dir,
     is_temp_name,
+    planted_by_another,
     temp_path_for,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
@@ -628,7 +631,7 @@ def inspect_capsule(ref: CapsuleRef | dict, *, verify: bool = True, client: Any 
 
 
 def extract_capsule(ref: CapsuleRef | dict, dest: Path, *, part: str = "state", replace: bool = False,
-                    client: Any = None) -> list[str]:
+                    client: Any = None, digests: dict[str, str] | None = None) -> list[str]:
     """Materialize a capsule's files on this host (runtime ``host`` restore), safely.
 
     ``part='state'`` writes the state directory's contents into ``dest``;
@@ -636,7 +639,8 @@ def extract_capsule(ref: CapsuleRef | dict, dest: Path, *, part: str = "state", 
     paths) below ``dest`` (OCI layouts only; a docker capsule's state is copied
     out of a created, never started, container). The layer's digest is checked while it streams and
     every member is checked before it is written (FAULTS.md 10): a bad capsule
-    leaves ``dest`` untouched. Returns the names written below ``dest``.
+    leaves ``dest`` untouched. Returns the names written below ``dest``; ``digests`` (optional)
+    receives each written file's SHA-256 (:func:`archive.safe_extract`).
     """
     if isinstance(ref, dict):
         ref = CapsuleRef.from_dict(ref)
@@ -646,7 +650,7 @@ def extract_capsule(ref: CapsuleRef | dict, dest: Path, *, part: str = "state", 
         if part != "state":
             raise ColdSnapError(f"docker capsule of unit {ref.unit!r}: only its state can be extracted",
                                 fix="run the capsule image to get its caches at their paths")
-        return _extract_docker_state(ref, Path(dest), replace=replace, client=client)
+        return _extract_docker_state(ref, Path(dest), replace=replace, client=client, digests=digests)
     img = oci.open_layout(Path(ref.location), expected_manifest=ref.image_id, verify_layers=False,
                           what=f"capsule of unit {ref.unit!r}")
     if len(img.layers) != 1:
@@ -669,7 +673,8 @@ def extract_capsule(ref: CapsuleRef | dict, dest: Path, *, part: str = "state", 
 
     with oci.open_blob(img.layout, layer, what=f"capsule of unit {ref.unit!r}") as fh:
         return archive.safe_extract(fh, Path(dest), expected_digest=layer.digest, select=select,
-                                    what=f"capsule layer {layer.digest} of unit {ref.unit!r}", replace=replace)
+                                    what=f"capsule layer {layer.digest} of unit {ref.unit!r}", replace=replace,
+                                    digests=digests)
 
 
 def restore_caches(ref: CapsuleRef | dict, cache_paths: list[str], scratch: Path) -> list[str]:
@@ -719,11 +724,43 @@ def restore_caches(ref: CapsuleRef | dict, cache_paths: list[str], scratch: Path
                     moves.append((os.path.join(dirpath, name), target))
             for source, target in moves:
                 os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
-                shutil.move(source, target)
-                added.append(target)
+                if _place(source, target):
+                    added.append(target)
     finally:
         archive._rmtree(scratch)
     return sorted(added)
+
+
+def _place(source: str, target: str) -> bool:
+    """Put the scratch file ``source`` at ``target``, never over anything there and never as a partial
+    file under ``target`` (an engine would map it): a hard link (or a new symlink) where the file systems
+    allow, else a copy to a temporary name beside ``target``, synced, then linked. False when ``target``
+    appeared meanwhile (another restore placed it: a cache is keyed by content)."""
+    try:
+        if os.path.islink(source):
+            os.symlink(os.readlink(source), target)
+        else:
+            try:
+                os.link(source, target)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                tmp = temp_path_for(Path(target))
+                try:
+                    shutil.copy2(source, tmp, follow_symlinks=False)
+                    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    os.link(tmp, target)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+    except FileExistsError:
+        return False
+    fsync_dir(Path(target).parent)
+    return True
 
 
 def _cache_root_of(target: str, prefixes: list[str]) -> str:
@@ -735,9 +772,11 @@ def _check_cache_placement(source: str, target: str, cache_root: str, unit: str)
     """Refuse a cache file whose placement would write outside its declared cache path.
 
     The capsule's symbolic links must point inside that path (``x -> ../../etc`` passes the
-    scratch tree's own check, as the layer is rooted at ``/``), and no directory between the
+    scratch tree's own check, as the layer is rooted at ``/``), no directory between the
     cache path and ``target`` may be a link on this host (an earlier capsule's link would make
-    ``makedirs`` and the move follow it out of the cache).
+    ``makedirs`` and the move follow it out of the cache), and no directory on the way (the
+    cache path itself included) may be another user's in a world-writable one (``/tmp/x`` made
+    by someone else, or a link of theirs there, would take root's files where they want).
     """
     if os.path.islink(source):
         dest = posixpath.normpath(posixpath.join(posixpath.dirname(target), os.readlink(source)))
@@ -745,6 +784,13 @@ def _check_cache_placement(source: str, target: str, cache_root: str, unit: str)
             raise IntegrityError(f"capsule of unit {unit!r}: the cache link {target} points outside "
                                  f"its cache path {cache_root} (to {dest})",
                                  fix="rebuild the capsule from a cache whose links stay inside it")
+    planted = planted_by_another(os.path.dirname(target))
+    if planted is not None:
+        where, shared, uid = planted
+        raise ColdSnapError(f"capsule of unit {unit!r}: {where} belongs to uid {uid} and lies in {shared}, which "
+                            f"anyone may write to; a cache file is not placed through it ({target})",
+                            fix=f"remove {where}, or declare a cache path outside world-writable directories "
+                                "(or one this user made there)")
     linked = first_link_below(cache_root, posixpath.relpath(target, cache_root))
     if linked is not None:
         raise ColdSnapError(f"capsule of unit {unit!r}: {linked} on this host is a symbolic link inside the "
@@ -753,7 +799,8 @@ def _check_cache_placement(source: str, target: str, cache_root: str, unit: str)
                                 f"{cache_root} from policy.cache.paths")
 
 
-def _extract_docker_state(ref: CapsuleRef, dest: Path, *, replace: bool, client: Any) -> list[str]:
+def _extract_docker_state(ref: CapsuleRef, dest: Path, *, replace: bool, client: Any,
+                          digests: dict[str, str] | None = None) -> list[str]:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import dockerapi
 
     details = inspect_capsule(ref, verify=False, client=client)
@@ -774,6 +821,7 @@ def _extract_docker_state(ref: CapsuleRef, dest: Path, *, replace: bool, client:
     try:
         stream, _stat = container.get_archive(target)
         return archive.safe_extract(archive.ChunkReader(stream), dest, select=select, replace=replace,
-                                    what=f"state of docker capsule {ref.image_id} (unit {ref.unit!r})")
+                                    what=f"state of docker capsule {ref.image_id} (unit {ref.unit!r})",
+                                    digests=digests)
     finally:
         container.remove(force=True)

@@ -94,14 +94,20 @@ def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
     return scheme.lower(), params
 
 
+def _origin(url: str) -> tuple[str, str]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), parts.netloc.lower()
+
+
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """Uploads must not be replayed elsewhere by urllib (a PUT body is a stream)."""
+    """Uploads must not be replayed elsewhere by urllib (a PUT body is a stream). A GET or HEAD follows
+    its redirect, with the credentials only to the same scheme, host and port: never to object
+    storage (signed URLs) nor over plain http from https on the same host."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: PLR0917 - urllib's signature
         if req.get_method() in ("GET", "HEAD"):
             new = super().redirect_request(req, fp, code, msg, headers, newurl)
-            if new is not None and urllib.parse.urlsplit(newurl).netloc != urllib.parse.urlsplit(req.full_url).netloc:
-                # Storage redirects (signed URLs) must not receive the registry's credentials.
+            if new is not None and _origin(newurl) != _origin(req.full_url):
                 new.remove_header("Authorization")
             return new
         return None
@@ -199,7 +205,7 @@ class RegistryClient:
                 "grant_type": "refresh_token", "refresh_token": self._auth["identitytoken"],
                 "service": query["service"], "scope": wanted, "client_id": "coldsnap"}).encode())
         try:
-            # No redirects: urllib would carry the credentials to wherever the realm points (stdlib only).
+            # A redirect of the realm keeps the credentials only within its scheme, host and port (_NoRedirect).
             with self._opener.open(req, timeout=self.timeout) as resp:
                 doc = json.loads(resp.read(1 << 20))
         except (urllib.error.URLError, OSError, ValueError):

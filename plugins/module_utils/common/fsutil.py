@@ -164,6 +164,47 @@ def check_private(path: Path) -> None:
         )
 
 
+def planted_by_another(path: Path | str) -> tuple[Path, Path, int] | None:
+    """The first component of ``path`` (of the path as given, then as resolved: a link, a directory, the
+    path itself or any directory above it) that a user other than this one and root owns in a directory
+    anyone may write to (``/tmp``, ``/var/tmp``): ``(component, that directory, its owner)``, else None.
+    Such a component is its owner's to redirect: this user would write and chmod through their links."""
+    me = os.geteuid()
+    given = Path(path).absolute()
+    for candidate in (given, Path(os.path.realpath(given))):
+        cur = Path(candidate.anchor)
+        for part in candidate.parts[1:]:
+            parent, cur = cur, cur / part
+            try:
+                st = os.lstat(cur)
+            except FileNotFoundError:
+                break
+            if st.st_uid not in (me, 0) and os.stat(parent).st_mode & stat.S_IWOTH:
+                return cur, parent, st.st_uid
+            if stat.S_ISLNK(st.st_mode):
+                break  # where it leads is checked on the resolved path
+    return None
+
+
+def own_directory(path: Path | str, *, what: str, fix: str) -> Path:
+    """``path`` as a directory that only this user can change: made 0700 when missing; an existing one
+    must be a real directory (no link) of this user that group and others cannot write. A directory that
+    another user could have made first in ``/tmp`` (and so fill with code this user then loads) is
+    refused with ColdSnapError naming it and ``fix``."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+    path = Path(path)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory" if not stat.S_ISDIR(
+            st.st_mode) else f"owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"
+        raise ColdSnapError(f"{what} {path} is {kind}: another user could place what this user runs there "
+                            f"(this user is uid {os.geteuid()})", fix=fix)
+    return path
+
+
 def chown_tree(root: Path, uid: int, gid: int) -> None:
     """Give ``root`` and everything below it to uid/gid without touching mode bits."""
     root = Path(root)

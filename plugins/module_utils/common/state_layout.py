@@ -23,11 +23,11 @@ Modules, the controller, the activation runtime and (through the
 from __future__ import annotations
 
 import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import planted_by_another
 
 DEFAULT_STATE_ROOT = "/var/lib/coldsnap"
 STATE_ROOT_ENV = "COLDSNAP_STATE_ROOT"
@@ -195,25 +195,15 @@ class StateLayout:
         to (``/tmp``, ``/var/tmp``) is theirs to redirect: ColdSnap would write and chmod through their
         links and trust their files. Refused; a root owned by another user elsewhere (a user's own state
         root that root works in for them) is fine."""
-        me = os.geteuid()
-        given = self.root.absolute()
-        for path in (given, Path(os.path.realpath(given))):
-            cur = Path(path.anchor)
-            for part in path.parts[1:]:
-                parent, cur = cur, cur / part
-                try:
-                    st = os.lstat(cur)
-                except FileNotFoundError:
-                    break
-                if st.st_uid not in (me, 0) and os.stat(parent).st_mode & stat.S_IWOTH:
-                    raise ColdSnapError(
-                        f"state root {self.root}: {cur} belongs to uid {st.st_uid}, not to this user (uid {me}), "
-                        f"and lies in {parent}, which anyone may write to: another user could redirect ColdSnap's "
-                        "files through it",
-                        fix="use a state root this user owns outside world-writable directories (the default), or "
-                            "remove that one")
-                if stat.S_ISLNK(st.st_mode):
-                    break  # where it leads is checked on the resolved path
+        planted = planted_by_another(self.root)
+        if planted is not None:
+            cur, parent, uid = planted
+            raise ColdSnapError(
+                f"state root {self.root}: {cur} belongs to uid {uid}, not to this user (uid {os.geteuid()}), "
+                f"and lies in {parent}, which anyone may write to: another user could redirect ColdSnap's "
+                "files through it",
+                fix="use a state root this user owns outside world-writable directories (the default), or "
+                    "remove that one")
 
     def path(self, name: str, *parts: str) -> Path:
         """A named location (``payloads``, ``payload_objects``, ``captures``, ``workloads`` ...) with

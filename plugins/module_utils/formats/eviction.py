@@ -35,7 +35,8 @@ EVICTED_PHRASE = "was evicted and is not running"
 UNTOUCHED_PHRASE = "nothing was evicted"
 SERVE_AGAIN = ("to serve again, fix the cause (below) and restore again (the same request), restore another "
                "generation (an earlier artifact of the workload), or restore in recovery mode "
-               "(policy.weights.mode: recovery, from the pinned safetensors); `coldsnap status` shows what runs")
+               "(policy.weights.mode: recovery, from the pinned safetensors); `coldsnap status` shows what runs, "
+               "and the evicted engine's log is kept as target.log.previous in the unit's workload directory")
 
 
 def describe(stopped: Sequence[Mapping[str, Any]]) -> str:

@@ -49,6 +49,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema impo
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets import (
     UNIT_SECRET_FIX,
+    holds_url_password,
     is_credential_name,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
@@ -432,9 +433,12 @@ def launch_issues(launch: dict, *, op: str | None = None) -> list[FormatIssue]:
                 "list units in index order with indexes 0..n-1")
         if len(set(unit["devices"])) != len(unit["devices"]):
             add(f"{p}.devices", "a device ordinal appears twice", "list each GPU once")
-        for name in sorted(unit.get("environment", {})):
+        for name, value in sorted(unit.get("environment", {}).items()):
             if is_credential_name(name):
                 add(f"{p}.environment.{name}", f"{name} looks like a credential", UNIT_SECRET_FIX)
+            elif isinstance(value, str) and holds_url_password(value):
+                add(f"{p}.environment.{name}", "the value is a URL with a password in it (user:password@)",
+                    UNIT_SECRET_FIX)
         for j, arg in enumerate(unit["command"]):
             if arg == "--":
                 break  # what follows are operands, not flags

@@ -33,9 +33,23 @@ CREDENTIAL_WORDS = frozenset({"TOKEN", "TOKENS", "PASSWORD", "PASSWD", "PASSPHRA
                               "KEY", "APIKEY", "CREDENTIAL", "CREDENTIALS", "PRIVATE", "COOKIE", "AUTH", "PAT"})
 
 
+# Words that end a credential's name when glued to a prefix (PGPASSWORD, GHTOKEN), and the short form
+# some clients read (MYSQL_PWD; ``PWD`` alone is the shell's working directory, not a secret).
+_CREDENTIAL_ENDINGS = ("PASSWORD", "PASSWD", "PASSPHRASE", "TOKEN", "SECRET", "APIKEY")
+# A URL that carries a password (``scheme://user:password@host``): a credential whatever the name.
+_URL_WITH_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s@:]*:[^/\s@]+@")
+
+
 def is_credential_name(name: str) -> bool:
     """True when an environment variable called ``name`` names a credential."""
-    return any(word in CREDENTIAL_WORDS for word in name.upper().split("_"))
+    words = name.upper().split("_")
+    return (any(word in CREDENTIAL_WORDS or word.endswith(_CREDENTIAL_ENDINGS) for word in words)
+            or (len(words) > 1 and "PWD" in words))
+
+
+def holds_url_password(value: str) -> bool:
+    """True when ``value`` holds a URL with a password in it (``https://user:pw@proxy``, a database URL)."""
+    return bool(_URL_WITH_PASSWORD.search(value))
 
 
 def without_credentials(env: Mapping[str, str]) -> dict[str, str]:

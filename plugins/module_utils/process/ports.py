@@ -1,7 +1,8 @@
 """Pre-restore checks that a captured process can come back here: its listening
 ports and its pids must be free. Both fail before anything is evicted (at once, but
 for a port held only by TIME_WAIT connections, which is waited for up to a minute, and
-one that only outgoing connections hold, waited for a few seconds)."""
+one that only outgoing connections hold, waited for a few seconds): in prepare, and
+again in the evict step right before its kill (:func:`require_restorable`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import errno
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
@@ -216,3 +218,31 @@ def require_pids_free(pids: list[int], *, unit: str) -> None:
                 fix="CRIU restores processes with their captured pids; stop that process, or use the docker "
                     "runtime (a fresh pid namespace per unit)",
             )
+
+
+# Said by the evict step's check: a stranger took a pid or port after prepare passed, and nothing was evicted.
+TAKEN_AFTER_PREPARE = ("taken after prepare passed; the evict step refused before stopping anything: nothing was "
+                       "evicted, the workload that ran before keeps running")
+
+
+def require_restorable(workers: list[dict], *, unit: str, served: Callable[[dict], list[tuple[str, int]]],
+                       replaced: set[int] | frozenset[int] = frozenset(), what: str = "captured listening port",
+                       pids: bool = True, at_evict: bool = False) -> None:
+    """The captured ``workers`` (a unit's capture evidence) can come back on this host: nobody but the
+    workload this restore replaces (``replaced``: its pids and thread ids) holds one of their captured pids
+    or thread ids (``pids``; a docker unit has a pid namespace of its own) or a port their listeners come
+    back on (``served(worker)``: captured, or moved by the restore's placement).
+
+    Prepare runs it before anything is evicted; the evict step runs it again (``at_evict``) right before
+    its kill, since prepare may have passed minutes earlier (other hosts preparing, weights downloaded) and
+    a stranger that took a pid or port since would make the restore fail with the workload already gone.
+    Refused with the holder and the fix named (``at_evict``: saying that nothing was evicted)."""
+    try:
+        for w in workers:
+            if pids:
+                require_pids_free([p for p in [w["pid"], *w["tids"]] if p not in replaced], unit=unit)
+            require_ports_free(served(w), unit=unit, replaced=replaced, what=what)
+    except AdmissionError as exc:
+        if not at_evict:
+            raise
+        raise AdmissionError(f"{exc.problem} ({TAKEN_AFTER_PREPARE})", fix=exc.fix, details=exc.details) from None

@@ -151,11 +151,15 @@ def _load_record(unit_dir: Path, seal_sha: str) -> dict:
     return files if isinstance(files, dict) else {}
 
 
-def verify(unit_dir: Path | str, recorded: dict | None, *, unit: str, write_record: bool = True) -> dict:
+def verify(unit_dir: Path | str, recorded: dict | None, *, unit: str, write_record: bool = True,
+           written: dict[str, str] | None = None) -> dict:
     """Check the unit's captured state against what the artifact recorded (``capsule.units[].state``).
 
-    Raises IntegrityError naming the first file that differs; returns
-    ``{"files", "bytes", "rehashed_files", "rehashed_bytes"}``.
+    ``written`` maps names below ``unit_dir`` to the SHA-256 of the bytes this process has just
+    written there (an extraction from a capsule whose layer digest it checked): those files are not
+    read again. Raises IntegrityError naming the first file that differs; returns
+    ``{"files", "bytes", "rehashed_files", "rehashed_bytes"}`` (files hashed while written count as
+    rehashed).
     """
     unit_dir = Path(unit_dir)
     if not recorded:
@@ -200,7 +204,7 @@ def verify(unit_dir: Path | str, recorded: dict | None, *, unit: str, write_reco
             fresh[rel] = seen
             continue
         observed = time.time_ns()
-        got, _n = _sha256_file(path)
+        got = (written or {}).get(rel) or _sha256_file(path)[0]
         rehashed += 1
         rehashed_bytes += st.st_size
         if got != want["sha256"]:

@@ -447,13 +447,36 @@ class DockerRuntime(DockerUnits, UnitRuntime):
             # Only the canonical container this restore replaces may hold a captured port.
             replaced = _container_pids(running) if running is not None and running.status == "running" else set()
             served, what = listeners_served(artifact, self.request, u["id"])
-            for w in captured["workers"]:
-                ports.require_ports_free(served(w), unit=u["id"], replaced=replaced, what=what)
+            # The unit's pid namespace is its container's own: only its ports can be taken.
+            ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced, what=what,
+                                     pids=False)
             plans.append({"unit": u["id"], "admission": {**adm, "criu": criu["version"]}, "image": image.id,
                           "state_target": target, "container": running.name if running is not None else None,
                           "state": state, "listeners": [list(x) for w in captured["workers"] for x in served(w)]})
         moves.admit(self.host)
         return plans, False
+
+    def require_restorable(self, artifact: dict, *, check_mode: bool) -> None:
+        """The restore's evict step, right before it removes the canonical containers: prepare's check of the
+        ports the units' listeners come back on, again (prepare may have passed minutes ago, and a stranger
+        that took one since would make the restore fail after the running containers were removed). Only
+        the processes of this workload's running canonical containers on this host may hold them; refused,
+        naming the holder and the fix, with nothing evicted. Read-only (a created, never started, container
+        reads the capture evidence, as prepare does), check mode included."""
+        del check_mode  # the capsule image prepare checked is here in check mode too
+        client = self.client
+        units = units_on_host(self.request, self.host)
+        replaced: set[int] = set()
+        for u in units:
+            running = canonical_container(self.request, u["id"], client=client)
+            if running is not None and running.status == "running":
+                replaced |= _container_pids(running)
+        for u in units:
+            image, target = capsule_image(artifact, u["id"], client=client)
+            captured = captured_evidence(image.id, target, client=client)
+            served, what = listeners_served(artifact, self.request, u["id"])
+            ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced, what=what,
+                                     pids=False, at_evict=True)
 
 
 def _owned_paths(request: dict, specs: list[UnitSpec], *, state_root: Path, run_dir: Path,

@@ -7,7 +7,6 @@ pinned by ``environment_digest`` (the installed Python environment).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
@@ -41,7 +40,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission imp
     admit_unit,
     with_criu_check,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import HostUnits
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import HostUnits, tree_ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
     UnitRuntime,
     listeners_served,
@@ -86,22 +85,25 @@ class HostRuntime(HostUnits, UnitRuntime):
             python = environment.unit_python(u["command"], self.python or sys.executable, u.get("environment"))
             environment.require(u["environment_digest"], python, unit=u["id"], host=self.host)
 
-    def ensure_unit_state(self, artifact: dict, unit_id: str, *, check_mode: bool) -> tuple[Path, bool]:
-        """Make the unit's captured state available (extract its capsule when needed)."""
+    def ensure_unit_state(self, artifact: dict, unit_id: str, *, check_mode: bool) -> tuple[Path, dict | None]:
+        """Make the unit's captured state available (extract its capsule when needed). Returns the unit
+        directory and, when it was just extracted, the SHA-256 of every file written (taken from the bytes
+        as they were written, so the check against the seal need not read them again); else None."""
         path = self.unit_dir(artifact, unit_id)
         if (path / EVIDENCE_FILE).exists():
-            return path, False
+            return path, None
         cap = next(c for c in artifact["capsule"]["units"] if c["unit"] == unit_id)
         if check_mode:
-            return path, True
+            return path, {}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        extract_capsule(CapsuleRef.from_dict(cap), tmp, replace=True)
+        digests: dict[str, str] = {}
+        extract_capsule(CapsuleRef.from_dict(cap), tmp, replace=True, digests=digests)
         if not (tmp / EVIDENCE_FILE).exists():
             raise ColdSnapError(f"capsule {cap['image_id']} of unit {unit_id} holds no captured state",
                                 fix="recapture; the capsule is not a ColdSnap unit capsule")
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.rename(tmp, path)
-        return path, True
+        return path, digests
 
     def prepare(self, artifact: dict, *, facts: dict, check_mode: bool) -> tuple[list[dict], bool]:
         units = units_on_host(self.request, self.host)
@@ -114,20 +116,19 @@ class HostRuntime(HostUnits, UnitRuntime):
         for u in units:
             adm = admit_unit(artifact=artifact, unit_id=u["id"], facts=facts, devices=u["devices"], host=self.host,
                              policy=self.request["policy"].get("compatibility"))
-            path, extracted = self.ensure_unit_state(artifact, u["id"], check_mode=check_mode)
-            changed |= extracted
+            path, written = self.ensure_unit_state(artifact, u["id"], check_mode=check_mode)
+            changed |= written is not None
             plan = {"unit": u["id"], "admission": adm, "unit_dir": str(path)}
             if not check_mode:
-                plan["state"] = verify_unit_state(path, artifact, u["id"])
+                plan["state"] = verify_unit_state(path, artifact, u["id"], written=written)
                 captured = load_evidence(path / EVIDENCE_FILE)
                 moves.add(u, captured, captured_units[u["id"]])
                 # The workload being replaced is evicted only after prepare passed everywhere: its own
                 # pids and ports do not count, anyone else's do.
                 replaced = self.replaced_pids(u["id"])
                 served, what = listeners_served(artifact, self.request, u["id"])
-                for w in captured["workers"]:
-                    ports.require_pids_free([p for p in [w["pid"], *w["tids"]] if p not in replaced], unit=u["id"])
-                    ports.require_ports_free(served(w), unit=u["id"], replaced=replaced, what=what)
+                ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced,
+                                         what=what)
                 self.require_same_control_files(path, captured, u["id"])
                 plan["listeners"] = [list(x) for w in captured["workers"] for x in served(w)]
                 plan["caches_added"] = self.require_files(artifact, u["id"], captured, path)
@@ -183,20 +184,15 @@ class HostRuntime(HostUnits, UnitRuntime):
 
     def replaced_pids(self, unit_id: str) -> set[int]:
         """Every process and thread id of this workload's running unit (empty when none runs)."""
-        out: set[int] = set()
-        for pid in self.running_pids(unit_id):
-            for p in ports.process_tree(pid):
-                out.add(p)
-                with contextlib.suppress(OSError):
-                    out.update(ports.tids_of(p))
-        return out
+        return tree_ids(self.running_pids(unit_id))
 
 
-def verify_unit_state(path: Path, artifact: dict, unit_id: str) -> dict:
+def verify_unit_state(path: Path, artifact: dict, unit_id: str, *, written: dict[str, str] | None = None) -> dict:
     """The unit's captured state is what the capture sealed, and its workers' payload files are the ones
-    the artifact records (checked before anything is evicted)."""
+    the artifact records (checked before anything is evicted). ``written``: digests of files this prepare
+    has just extracted (:meth:`HostRuntime.ensure_unit_state`)."""
     cap = next(c for c in artifact["capsule"]["units"] if c["unit"] == unit_id)
-    stats = capture_state.verify(path, cap.get("state"), unit=unit_id)
+    stats = capture_state.verify(path, cap.get("state"), unit=unit_id, written=written)
     listed = capture_state.listed_files(path)
     for w in artifact["weights"]["workers"]:
         if w["unit"] != unit_id:

@@ -16,7 +16,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    AdmissionError,
+    ColdSnapError,
+    UnitError,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import (
     marked_root,
@@ -25,7 +29,12 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets import without_credentials
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UnitSpec, new_evidence
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (
+    EVIDENCE_FILE,
+    UnitSpec,
+    load_evidence,
+    new_evidence,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_client import (
     ControlCallError,
@@ -37,10 +46,22 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_clie
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
     RunningUnits,
+    listeners_served,
     raise_failures,
     read_evidence,
     run_concurrently,
 )
+
+
+def tree_ids(pids: list[int]) -> set[int]:
+    """The process and thread ids of every process in the trees rooted at ``pids``."""
+    out: set[int] = set()
+    for pid in pids:
+        for p in ports.process_tree(pid):
+            out.add(p)
+            with contextlib.suppress(OSError):
+                out.update(ports.tids_of(p))
+    return out
 
 
 class HostUnits(RunningUnits):
@@ -92,6 +113,34 @@ class HostUnits(RunningUnits):
             if engine_answers(info) or (not answering_only and started_for(info.pid, f)):
                 pids.append(marked_root(info.pid, ec.ENV_CONTROL_FILE))
         return pids
+
+    def evicted_ids(self) -> set[int]:
+        """Every process and thread id the evict step ends on this host: each engine of this workload's units
+        here (answering or not) with its whole process tree."""
+        return tree_ids([pid for u in units_on_host(self.request, self.host) for pid in self.engine_pids(u["id"])])
+
+    def require_restorable(self, artifact: dict, *, check_mode: bool) -> None:
+        """The restore's evict step, right before its kill: prepare's check of the captured pids and of the
+        ports the units' listeners come back on (:func:`~..process.ports.require_restorable`), again. Prepare
+        may have passed minutes ago; a stranger that took one since would make the restore fail after the
+        workload was killed. Only what the eviction ends (:meth:`evicted_ids`) may hold them; refused,
+        naming the holder and the fix, with nothing evicted. Read-only: check mode runs it too, but for a
+        unit whose captured state a check-mode prepare did not make available (not extracted)."""
+        replaced = self.evicted_ids()
+        for u in units_on_host(self.request, self.host):
+            path = self.unit_dir(artifact, u["id"]) / EVIDENCE_FILE
+            try:
+                captured = load_evidence(path)
+            except (OSError, ValueError) as exc:
+                if check_mode:
+                    continue
+                raise AdmissionError(f"unit {u['id']}: its captured state cannot be read at {path} ({exc}), so its "
+                                     "pids and ports cannot be checked before eviction; nothing was evicted",
+                                     fix="run the whole restore again (its prepare step makes the captured state "
+                                         "available on this host)") from None
+            served, what = listeners_served(artifact, self.request, u["id"])
+            ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced, what=what,
+                                     at_evict=True)
 
     def evict(self, *, check_mode: bool) -> list[dict]:
         """SIGKILL this workload's engines (each whole process tree; one that stopped answering too), wait

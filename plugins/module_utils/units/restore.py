@@ -22,6 +22,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.weights import (
     plan_weights,
     read_packs_ahead,
+    require_materialize_space,
 )
 
 
@@ -43,18 +44,24 @@ def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, st
     # A Hugging Face recovery source is downloaded now, never after eviction (check mode downloads nothing).
     weights = plan_weights(request, artifact, host=host, state_root=state_root, staging_failures=staging_failures,
                            worker_dirs=worker_dirs, contact_hub=True, hub_token=hub_token, dry_run=check_mode) if plans else {}
+    if weights:
+        require_materialize_space(weights, artifact, state_root=state_root)
     if weights and not check_mode:
         read_packs_ahead(weights)
     return {"changed": changed, "units": plans, "weights": weights}
 
 
-def evict(request: dict, *, host: str, state_root: Path, check_mode: bool) -> dict:
+def evict(request: dict, artifact: dict, *, host: str, state_root: Path, check_mode: bool) -> dict:
     """Stop the running engines of this workload on this host (after prepare passed everywhere).
 
-    The result names what was stopped under ``coldsnap_evicted`` too (the controller's record of the
-    eviction); a failure part way says the step may have stopped some of them."""
+    Prepare found the captured pids and ports free, maybe minutes ago; one a stranger took since would
+    fail the restore after the kill, so they are checked again right before it, and a refusal evicts
+    nothing. The result names what was stopped under ``coldsnap_evicted`` too (the controller's record
+    of the eviction); a failure part way says the step may have stopped some of them."""
+    runtime = runtime_for(request, host=host, state_root=state_root)
+    runtime.require_restorable(artifact, check_mode=check_mode)
     try:
-        stopped = runtime_for(request, host=host, state_root=state_root).evict(check_mode=check_mode)
+        stopped = runtime.evict(check_mode=check_mode)
     except ColdSnapError as exc:
         raise _same_kind(exc)(f"{exc.problem} (the evict step failed part way: the workload that ran before may be "
                               "stopped in part; `coldsnap status` shows what runs)", fix=exc.fix,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
@@ -73,6 +74,30 @@ def plan_weights(request: dict, artifact: dict, *, host: str, state_root: Path,
                 raise ColdSnapError(f"worker {wid} would be filled from the pinned safetensors, which fail here: "
                                     f"{exc.problem}", fix=exc.fix) from None
     return plan
+
+
+def require_materialize_space(plan: dict, artifact: dict, *, state_root: Path) -> None:
+    """``policy.weights.native.materialize: required``: a recovery restore writes each recovered worker's pack
+    into the node cache before its engine serves, so a file system without room for them would fail the
+    restore after the running workload was evicted. Checked in prepare (read-only), naming the bytes."""
+    if plan.get("materialize") != "required":
+        return
+    sizes = {w["worker"]: int((w.get("payload") or {}).get("size") or 0) for w in artifact["weights"]["workers"]}
+    need = sum(sizes.get(wid, 0) for wid, e in plan.get("workers", {}).items() if e.get("provider") == "recovery")
+    if not need:
+        return
+    where = NodeCache(state_root).objects
+    while not where.exists() and where.parent != where:
+        where = where.parent  # the cache is made on first use: its file system is its nearest existing parent's
+    st = os.statvfs(where)
+    free = st.f_bavail * st.f_frsize
+    if free < need:
+        raise ColdSnapError(
+            f"policy.weights.native.materialize is required: this recovery restore writes {need} bytes of model "
+            f"payload into the node cache, and the file system of {where} has {free} bytes free",
+            fix="free space there, point coldsnap_state_root at a larger file system, or set "
+                "policy.weights.native.materialize to async (written in the background; a failure does not stop "
+                "the restore) or off")
 
 
 def read_packs_ahead(plan: dict) -> list[str]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import secrets
 import shutil
 import signal
@@ -28,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common import proctree
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsutil, proctree
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_json
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import ProgressWriter
@@ -61,6 +62,8 @@ from coldsnap_activation.probes import (
 )
 from coldsnap_activation.sync import Phases
 
+PREVIOUS_LOG_SUFFIX = ".previous"  # the evicted engine's log, kept beside the restored one's
+
 
 def is_template(spec: UnitSpec) -> bool:
     """Snapshot driver n580 with an engine that can stop as a context-free template: the capture
@@ -90,6 +93,8 @@ def _engine_env(spec: UnitSpec, worker: dict) -> dict[str, str]:
         env[ec.ENV_COORDINATOR] = spec.coordinator["endpoint_file"]
     if is_template(spec):
         env[ec.ENV_TEMPLATE] = "1"
+    if "TORCHINDUCTOR_CACHE_DIR" not in env:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(_inductor_cache(env))
     devices = spec.unit.get("devices", [])
     if worker.get("device_slot") is not None and devices:
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # ordinals as NVML and host_facts number them
@@ -97,6 +102,31 @@ def _engine_env(spec: UnitSpec, worker: dict) -> dict[str, str]:
     elif not devices:
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
     return env
+
+
+def _inductor_cache(env: dict[str, str]) -> Path:
+    """TorchInductor's default cache (``<tmp>/torchinductor_<user>``), where an engine that compiles
+    writes the code it then loads, made this user's own first: in ``/tmp`` another user could have
+    made it before and would run code as this one."""
+    tmp = env.get("TMPDIR") or "/tmp"
+    try:
+        user = pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:  # a uid without a passwd entry (in a container)
+        user = str(os.geteuid())
+    return fsutil.own_directory(
+        Path(tmp) / f"torchinductor_{user}", what="TorchInductor's cache directory",
+        fix="remove it (a directory another user made), or set TORCHINDUCTOR_CACHE_DIR in the unit's environment "
+            "to a directory of this user's")
+
+
+def _fresh_log(log: Path) -> None:
+    """An empty engine log for the restored tree (CRIU re-opens it where the capture left it: empty). The
+    log of whatever ran there before (the workload this restore evicted: its last lines say why it was
+    what it was) is kept beside it as ``<log>.previous``, replacing an older one."""
+    with contextlib.suppress(FileNotFoundError):
+        if log.stat().st_size:
+            os.replace(log, log.with_name(log.name + PREVIOUS_LOG_SUFFIX))
+    log.write_bytes(b"")
 
 
 def gpu_placement(spec: UnitSpec, worker: dict) -> tuple[list[str], list[str]]:
@@ -684,7 +714,7 @@ class Activation:
                     ports.require_pids_free([cw["pid"], *cw["tids"]], unit=spec.unit_id)
                     affinity.records(cw.get("affinity"), where=f"unit {spec.unit_id} {h.worker['id']} affinity")
             self.workload_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            (self.workload_dir / ec.LOG_FILE_NAME).write_bytes(b"")
+            _fresh_log(self.workload_dir / ec.LOG_FILE_NAME)
             if spec.service:
                 probe = PortProbe(spec.service["address"], spec.service["port"], self.t0).start()
             with self.rec.span("unit.criu.restore", huge_pages=huge) as sp:

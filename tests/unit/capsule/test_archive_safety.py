@@ -2,17 +2,22 @@
 
 Every case builds a real tar with the standard library, extracts it with
 ``safe_extract`` into ``tmp/dest`` and checks that nothing was written: not the
-destination, not a temporary directory, and not the outside sentinel.
+destination, not a temporary directory, and not the outside sentinel. Cases run on
+both readers: a stream (Docker's archive API) and a local file (a capsule's blob,
+read by offset).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import stat
 import tarfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import archive
@@ -59,6 +64,28 @@ def _special(name: str, kind: bytes) -> tuple[tarfile.TarInfo, None]:
     return info, None
 
 
+READERS = ["stream", "file"]
+
+
+@pytest.fixture
+def opened(tmp_path: Path) -> Iterator[Callable[[bytes, str], IO[bytes]]]:
+    """``opened(data, how)``: ``data`` as the reader ``how`` names, "stream" (no file descriptor: Docker's
+    archive API) or "file" (a regular file, as a capsule blob is read); closed after the test."""
+    with contextlib.ExitStack() as stack:
+        def make(data: bytes, how: str) -> IO[bytes]:
+            if how == "stream":
+                return io.BytesIO(data)
+            path = tmp_path / f"layer-{hashlib.sha256(data).hexdigest()[:12]}.tar"
+            path.write_bytes(data)
+            return stack.enter_context(open(path, "rb"))
+
+        yield make
+
+
+def _sha(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
 @pytest.fixture
 def sandbox(tmp_path: Path) -> Path:
     """tmp/work is the extraction parent; tmp/outside.txt is a sentinel that must never change."""
@@ -70,7 +97,7 @@ def sandbox(tmp_path: Path) -> Path:
 def _assert_nothing_written(sandbox: Path) -> None:
     assert sorted(os.listdir(sandbox / "work")) == [], "no destination and no temporary directory may remain"
     assert (sandbox / "outside.txt").read_text() == "untouched"
-    assert sorted(os.listdir(sandbox)) == ["outside.txt", "work"]
+    assert sorted(n for n in os.listdir(sandbox) if not n.startswith("layer-")) == ["outside.txt", "work"]
 
 
 UNSAFE = {
@@ -92,24 +119,29 @@ UNSAFE = {
 }
 
 
+@pytest.mark.parametrize("how", READERS)
 @pytest.mark.parametrize("case", sorted(UNSAFE))
-def test_unsafe_archive_is_refused_and_nothing_is_written(sandbox: Path, case: str) -> None:
+def test_unsafe_archive_is_refused_and_nothing_is_written(sandbox: Path, opened, case: str, how: str) -> None:
     data = _tar(UNSAFE[case])
     with pytest.raises(ArchiveError) as err:
-        safe_extract(io.BytesIO(data), sandbox / "work" / "dest", what="test layer")
+        safe_extract(opened(data, how), sandbox / "work" / "dest", what="test layer")
     assert "test layer" in str(err.value)
     assert "fix" not in str(err.value) or ";" in str(err.value)
     _assert_nothing_written(sandbox)
     assert not Path("/tmp/coldsnap-test-absolute-member").exists()
 
 
-def test_a_good_archive_extracts_with_modes_links_and_setuid(sandbox: Path) -> None:
+@pytest.mark.parametrize("how", READERS)
+def test_a_good_archive_extracts_with_modes_links_and_setuid(sandbox: Path, opened, how: str) -> None:
     data = _tar([_dir("img", 0o750), _file("img/pages-1.img", b"pages", 0o600), _file("tool", b"#!", 0o4755),
                  _link("img/latest", "pages-1.img"), _link("img/hard", "img/pages-1.img", hard=True),
                  _link("up-and-in", "img/../tool")])
     dest = sandbox / "work" / "dest"
-    written = safe_extract(io.BytesIO(data), dest, expected_digest="sha256:" + hashlib.sha256(data).hexdigest())
+    digests: dict[str, str] = {}
+    written = safe_extract(opened(data, how), dest, expected_digest=_sha(data), digests=digests)
     assert "img/pages-1.img" in written
+    # Every regular file's digest, hard links included, taken from the bytes as they were written.
+    assert digests == {"img/pages-1.img": _sha(b"pages"), "tool": _sha(b"#!"), "img/hard": _sha(b"pages")}
     assert (dest / "img" / "pages-1.img").read_bytes() == b"pages"
     assert stat.S_IMODE(os.stat(dest / "img").st_mode) == 0o750
     assert stat.S_IMODE(os.stat(dest / "img" / "pages-1.img").st_mode) == 0o600
@@ -126,18 +158,74 @@ def test_a_directory_listed_after_its_members_is_one_entry(sandbox: Path) -> Non
     assert stat.S_IMODE(os.stat(sandbox / "work" / "dest" / "d").st_mode) == 0o750
 
 
-def test_digest_mismatch_leaves_nothing(sandbox: Path) -> None:
+@pytest.mark.parametrize("how", READERS)
+def test_digest_mismatch_leaves_nothing(sandbox: Path, opened, how: str) -> None:
     data = _tar([_file("a.txt", b"hello")])
     with pytest.raises(IntegrityError, match="expected sha256:0000"):
-        safe_extract(io.BytesIO(data), sandbox / "work" / "dest", expected_digest="sha256:" + "0" * 64)
+        safe_extract(opened(data, how), sandbox / "work" / "dest", expected_digest="sha256:" + "0" * 64)
     _assert_nothing_written(sandbox)
 
 
-def test_truncated_archive_is_refused(sandbox: Path) -> None:
+@pytest.mark.parametrize("where", ["data", "header", "padding", "end-of-archive"])
+@pytest.mark.parametrize("how", READERS)
+def test_one_corrupted_byte_anywhere_in_the_layer_is_caught(sandbox: Path, opened, how: str, where: str) -> None:
+    """The layer digest covers every byte: file data, headers, the padding between members and the
+    zero blocks after the last one (a reader that skips what it does not extract still hashes it)."""
+    data = bytearray(_tar([_file("a.txt", b"a" * 700), _file("b.txt", b"b" * 100)]))
+    digest = _sha(bytes(data))
+    with tarfile.open(fileobj=io.BytesIO(bytes(data)), mode="r:") as tar:
+        a, b = tar.getmembers()
+    at = {"data": b.offset_data + 10, "header": b.offset + 100, "padding": a.offset_data + 700 + 5,
+          "end-of-archive": len(data) - 3}[where]
+    data[at] ^= 0x01
+    with pytest.raises((IntegrityError, ArchiveError)):
+        safe_extract(opened(bytes(data), how), sandbox / "work" / "dest", expected_digest=digest)
+    _assert_nothing_written(sandbox)
+
+
+@pytest.mark.parametrize("how", READERS)
+def test_truncated_archive_is_refused(sandbox: Path, opened, how: str) -> None:
     data = _tar([_file("a.txt", b"x" * 5000)])
-    with pytest.raises(ArchiveError, match="not a readable tar"):
-        safe_extract(io.BytesIO(data[:1500]), sandbox / "work" / "dest")
+    with pytest.raises(ArchiveError, match=r"not a readable tar|ends before its 5000 bytes"):
+        safe_extract(opened(data[:1500], how), sandbox / "work" / "dest")
     _assert_nothing_written(sandbox)
+
+
+@pytest.mark.parametrize("how", READERS)
+def test_a_sparse_member_is_refused(sandbox: Path, opened, how: str) -> None:
+    """A sparse member's holes would be filled by tarfile's reader but not by a read by offset: refused."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        info = tarfile.TarInfo("pages.img")
+        info.type = tarfile.GNUTYPE_SPARSE
+        tar.addfile(info)
+    with pytest.raises(ArchiveError, match="sparse file"):
+        safe_extract(opened(buf.getvalue(), how), sandbox / "work" / "dest", what="test layer")
+    _assert_nothing_written(sandbox)
+
+
+def test_a_local_layer_is_read_in_chunks_through_its_buffer_ring(sandbox: Path, opened, monkeypatch) -> None:
+    """Files larger than a chunk, gaps between them and a skipped member: the same files and digests
+    from both readers, with tiny chunks so every buffer of the ring is reused many times."""
+    monkeypatch.setattr(archive, "COPY_CHUNK", 4096)
+    big = os.urandom(4096 * 9 + 123)
+    other = os.urandom(70_000)
+    data = _tar([_dir("s"), _file("s/big.img", big), _file("skip/me", os.urandom(10_000)), _file("s/other", other),
+                 _file("s/empty", b"")])
+
+    def select(name: str) -> str | None:
+        return None if name.startswith("skip") else name
+
+    results = []
+    for how in READERS:
+        digests: dict[str, str] = {}
+        dest = sandbox / "work" / how
+        safe_extract(opened(data, how), dest, expected_digest=_sha(data), select=select, digests=digests)
+        assert (dest / "s" / "big.img").read_bytes() == big
+        assert (dest / "s" / "other").read_bytes() == other
+        assert not (dest / "skip").exists()
+        results.append(digests)
+    assert results[0] == results[1] == {"s/big.img": _sha(big), "s/other": _sha(other), "s/empty": _sha(b"")}
 
 
 def test_existing_destination_is_not_overwritten_unless_asked(sandbox: Path) -> None:

@@ -451,3 +451,73 @@ def test_a_built_capsule_is_private_whatever_the_umask(state: Path, tmp_path: Pa
         assert st.S_IMODE(d.stat().st_mode) == 0o700, d
     files = [p for p in final.rglob("*") if p.is_file()]
     assert files and all(st.S_IMODE(p.stat().st_mode) & 0o077 == 0 for p in files), files
+
+
+def test_restore_caches_never_places_through_a_directory_another_user_made_in_tmp(tmp_path: Path) -> None:
+    """A cache path in a world-writable directory that another user made first (or a link of theirs there)
+    would take root's files wherever they point: refused before anything is placed; the same path made by
+    this user is fine."""
+    if os.geteuid() != 0:
+        pytest.skip("making a directory owned by another user needs root")
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    cache = shared / "torchinductor_root"
+    p = str(cache).strip("/")
+    d, reg = tarfile.DIRTYPE, tarfile.REGTYPE
+    ref = _cache_capsule(tmp_path / "a", [(p, d, "", b""), (p + "/k", d, "", b""), (p + "/k/a.so", reg, "", b"a")])
+    cache.symlink_to(victim)
+    os.lchown(cache, 65534, 65534)
+    with pytest.raises(ColdSnapError, match=r"belongs to uid 65534 .*anyone may write to"):
+        restore_caches(ref, [str(cache)], tmp_path / "scratch")
+    assert os.listdir(victim) == [] and not (tmp_path / "scratch").exists()
+    cache.unlink()
+    cache.mkdir()
+    os.chown(cache, 65534, 65534)
+    with pytest.raises(ColdSnapError, match=r"belongs to uid 65534"):
+        restore_caches(ref, [str(cache)], tmp_path / "scratch")
+    assert os.listdir(cache) == []
+    cache.rmdir()
+    assert restore_caches(ref, [str(cache)], tmp_path / "scratch") == [str(cache / "k" / "a.so")]
+
+
+def test_a_cache_file_on_another_file_system_is_never_seen_half_written(tmp_path: Path, monkeypatch) -> None:
+    """Across file systems a placement is a copy: it goes to a temporary name, is synced and linked, so a
+    kill never leaves a partial kernel under the name an engine maps; a file that appeared meanwhile is
+    kept, not replaced."""
+    import errno as errno_mod
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import build
+
+    cache = tmp_path / "cache"
+    p = str(cache).strip("/")
+    d, reg = tarfile.DIRTYPE, tarfile.REGTYPE
+    ref = _cache_capsule(tmp_path / "a", [(p, d, "", b""), (p + "/a.so", reg, "", b"a" * 5000),
+                                          (p + "/b.so", reg, "", b"b")])
+    real_link, seen = os.link, []
+
+    def cross_device(src, dst, **kw):
+        if "scratch" in str(src):  # scratch -> cache: as if on two file systems
+            raise OSError(errno_mod.EXDEV, "Invalid cross-device link")
+        seen.append((os.path.basename(src), os.path.basename(dst), os.path.getsize(src)))
+        return real_link(src, dst, **kw)
+
+    monkeypatch.setattr(build.os, "link", cross_device)
+    added = restore_caches(ref, [str(cache)], tmp_path / "scratch")
+    assert added == [str(cache / "a.so"), str(cache / "b.so")]
+    assert (cache / "a.so").read_bytes() == b"a" * 5000
+    assert [s[1] for s in seen] == ["a.so", "b.so"] and seen[0][2] == 5000, "linked whole from a temporary name"
+    assert sorted(os.listdir(cache)) == ["a.so", "b.so"], "no temporary name is left"
+    (cache / "b.so").unlink()
+
+    def another_restore_first(src, dst, **kw):
+        if os.path.basename(dst) == "b.so":
+            (cache / "b.so").write_bytes(b"placed by another restore")
+        return cross_device(src, dst, **kw)
+
+    monkeypatch.setattr(build.os, "link", another_restore_first)
+    assert restore_caches(ref, [str(cache)], tmp_path / "scratch") == []
+    assert (cache / "b.so").read_bytes() == b"placed by another restore"
+    assert sorted(os.listdir(cache)) == ["a.so", "b.so"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -187,3 +188,24 @@ def test_registry_credentials_never_reach_another_host() -> None:
     finally:
         other.shutdown()
         registry.shutdown()
+
+
+@pytest.mark.parametrize(("old", "new", "kept"), [
+    ("https://reg.example/v2/x/blobs/a", "https://reg.example/v2/x/blobs/b", True),
+    ("https://reg.example/v2/x/blobs/a", "http://reg.example/v2/x/blobs/a", False),  # a downgrade, same host
+    ("https://reg.example/v2/x/blobs/a", "https://reg.example:8443/v2/x/blobs/a", False),
+    ("https://reg.example/token", "https://storage.example/signed?sig=1", False),
+    ("https://REG.example/token", "https://reg.example/token/", True),
+])
+def test_a_redirect_keeps_the_credentials_only_within_scheme_host_and_port(old: str, new: str, kept: bool) -> None:
+    from email.message import Message
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import _NoRedirect
+
+    req = urllib.request.Request(old)
+    req.add_header("Authorization", "Bearer S3cret")
+    followed = _NoRedirect().redirect_request(req, None, 302, "Found", Message(), new)
+    assert followed is not None and followed.full_url == new
+    assert followed.has_header("Authorization") is kept
+    upload = urllib.request.Request(old, method="PUT", data=b"x")
+    assert _NoRedirect().redirect_request(upload, None, 307, "Temporary Redirect", Message(), new) is None

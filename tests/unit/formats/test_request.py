@@ -248,7 +248,8 @@ def test_n580_on_gpu_units_needs_a_template_capture(base, monkeypatch):
     assert not engine_issues(validate_request(base))
 
 
-@pytest.mark.parametrize("name", ["HF_TOKEN", "API_PASSWORD", "OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY"])
+@pytest.mark.parametrize("name", ["HF_TOKEN", "API_PASSWORD", "OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY",
+                                  "PGPASSWORD", "MYSQL_PWD", "GHTOKEN"])
 def test_secrets_in_a_unit_environment_are_refused_with_the_way_to_pass_them(base, name):
     base["launch"]["units"][0]["environment"][name] = "hunter2"
     p = problems(base)
@@ -257,9 +258,22 @@ def test_secrets_in_a_unit_environment_are_refused_with_the_way_to_pass_them(bas
     assert "hunter2" not in json.dumps(p), "the value itself is never echoed"
 
 
-@pytest.mark.parametrize("name", ["TOKENIZERS_PARALLELISM", "KEYBOARD_LAYOUT", "OMP_NUM_THREADS", "PASSTHROUGH_MODE"])
+@pytest.mark.parametrize("name", ["TOKENIZERS_PARALLELISM", "KEYBOARD_LAYOUT", "OMP_NUM_THREADS", "PASSTHROUGH_MODE",
+                                  "PWD"])
 def test_ordinary_names_that_contain_credential_words_are_accepted(base, name):
     base["launch"]["units"][0]["environment"][name] = "1"
+    validate_request(base)
+
+
+@pytest.mark.parametrize("value", ["http://alice:hunter2@proxy.internal:3128", "postgres://app:hunter2@db/app",
+                                   "redis://:hunter2@cache:6379/0"])
+def test_a_url_with_a_password_in_a_unit_environment_is_refused_whatever_its_name(base, value):
+    base["launch"]["units"][0]["environment"]["HTTPS_PROXY"] = value
+    p = problems(base)
+    where = "$.launch.units[0].environment.HTTPS_PROXY"
+    assert "password" in p[where] and "--secret-env" in p[where]
+    assert "hunter2" not in json.dumps(p), "the value itself is never echoed"
+    base["launch"]["units"][0]["environment"]["HTTPS_PROXY"] = "http://alice@proxy.internal:3128"
     validate_request(base)
 
 

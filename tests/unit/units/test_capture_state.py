@@ -113,3 +113,27 @@ def test_a_capture_stopped_between_a_units_end_and_its_seal_is_not_complete(tmp_
     (udir / EVIDENCE_FILE).write_text("{}")
     with pytest.raises(ColdSnapError, match=r"never sealed.*remove"):
         capture._existing(layout, "cap-9", [{"id": "unit-0"}])
+
+
+def test_files_hashed_while_extracted_are_not_read_again_and_still_checked(unit_dir: Path, monkeypatch):
+    """A prepare that has just extracted the state from a capsule passes the digests it took from the
+    bytes as it wrote them: those files are not read again, and a digest that is not the sealed one is
+    still a refusal naming the file."""
+    seal = capture_state.seal(unit_dir).to_json()
+    listed = capture_state.listed_files(unit_dir)
+    written = {rel: f["sha256"] for rel, f in listed.items()}
+    real_sha = capture_state._sha256_file
+    read_again: list[str] = []
+    monkeypatch.setattr(capture_state, "_sha256_file",
+                        lambda p: read_again.append(str(p)) or real_sha(p))
+    stats = capture_state.verify(unit_dir, seal, unit="unit-0", written=written)
+    assert stats["files"] == 5
+    assert not [p for p in read_again if not p.endswith("evidence.json")], "an extracted file was hashed again"
+    os.unlink(unit_dir / capture_state.RECORD_FILE)
+    wrong = dict(written, **{"workers/worker-0/weights.blob": "sha256:" + "1" * 64})
+    with pytest.raises(IntegrityError, match=r"weights\.blob"):
+        capture_state.verify(unit_dir, seal, unit="unit-0", written=wrong)
+    partial = {k: v for k, v in written.items() if k != "control/worker-0.json"}
+    read_again.clear()
+    capture_state.verify(unit_dir, seal, unit="unit-0", written=partial)
+    assert any(p.endswith("control/worker-0.json") for p in read_again), "a file not extracted now is hashed"

@@ -213,3 +213,59 @@ def test_a_state_root_another_user_planted_in_a_shared_directory_is_refused(tmp_
     users_own.mkdir(parents=True)
     os.chown(users_own, 65534, 65534)
     assert StateLayout(users_own).ensure_private_root() == users_own
+
+
+def test_an_engine_never_compiles_into_a_cache_directory_another_user_made(tmp_path):
+    """TorchInductor writes the code it compiles to ``<tmp>/torchinductor_<user>`` and loads it from there:
+    a directory another user made first in a shared /tmp (or a link there) would let them run code as
+    root. The launcher makes it this user's own 0700 directory, or refuses naming it."""
+    import pwd
+
+    sys.path.insert(0, str(REPO / "runtime_image" / "activation"))
+    from coldsnap_activation.sequence import _inductor_cache
+
+    if os.geteuid() != 0:
+        pytest.skip("making a directory owned by another user needs root")
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    env = {"TMPDIR": str(shared)}
+    planted = shared / f"torchinductor_{pwd.getpwuid(0).pw_name}"
+    planted.mkdir()
+    os.chown(planted, 65534, 65534)
+    with pytest.raises(ColdSnapError, match=r"owned by uid 65534") as err:
+        _inductor_cache(env)
+    assert "TORCHINDUCTOR_CACHE_DIR" in err.value.fix
+    planted.rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    planted.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ColdSnapError, match="symbolic link"):
+        _inductor_cache(env)
+    planted.unlink()
+    made = _inductor_cache(env)
+    assert made == planted and oct(made.stat().st_mode & 0o777) == "0o700" and made.stat().st_uid == 0
+    assert _inductor_cache(env) == planted, "the user's own directory is used again"
+    made.chmod(0o777)
+    with pytest.raises(ColdSnapError, match="mode 0777"):
+        _inductor_cache(env)
+
+
+def test_a_restore_keeps_the_evicted_engines_log_beside_its_fresh_one(tmp_path):
+    """The restored tree gets an empty log (CRIU re-opens it as the capture left it); the log of the
+    engine the restore replaced is kept as ``target.log.previous`` (its last lines say what it was doing),
+    replacing an older one; an empty or missing log leaves no ``.previous``."""
+    sys.path.insert(0, str(REPO / "runtime_image" / "activation"))
+    from coldsnap_activation.sequence import PREVIOUS_LOG_SUFFIX, _fresh_log
+
+    log = tmp_path / "target.log"
+    _fresh_log(log)
+    assert log.read_bytes() == b"" and not (tmp_path / f"target.log{PREVIOUS_LOG_SUFFIX}").exists()
+    _fresh_log(log)
+    assert sorted(os.listdir(tmp_path)) == ["target.log"]
+    log.write_bytes(b"engine of generation 2 served\n")
+    _fresh_log(log)
+    assert log.read_bytes() == b""
+    assert (tmp_path / "target.log.previous").read_bytes() == b"engine of generation 2 served\n"
+    log.write_bytes(b"generation 3\n")
+    _fresh_log(log)
+    assert (tmp_path / "target.log.previous").read_bytes() == b"generation 3\n"

@@ -37,6 +37,9 @@ class FakeRuntime:
         raise_failures([{"ok": False, "unit": "unit-0",
                          "error": "unit unit-0: the engine (pid 4242) died right after CRIU restored it"}])
 
+    def require_restorable(self, _artifact, *, check_mode):
+        self.checked = check_mode
+
     def evict(self, *, check_mode):
         if isinstance(self.fail, ColdSnapError):
             raise self.fail
@@ -109,13 +112,13 @@ def test_with_nothing_evicted_the_failure_is_unchanged(fake):
 
 def test_the_evict_step_and_a_restored_host_report_for_the_receipt(fake, monkeypatch):
     fake(FakeRuntime(stopped=EVICTED))
-    out = restore.evict({}, host="gpu-a", state_root=Path("/nonexistent"), check_mode=False)
+    out = restore.evict({}, {}, host="gpu-a", state_root=Path("/nonexistent"), check_mode=False)
     assert out["stopped"] == EVICTED
     assert out[eviction.RESULT_EVICTED_KEY] == {"host": "gpu-a", "units": EVICTED}
-    assert eviction.RESULT_EVICTED_KEY not in restore.evict({}, host="gpu-a", state_root=Path("/x"), check_mode=True)
+    assert eviction.RESULT_EVICTED_KEY not in restore.evict({}, {}, host="gpu-a", state_root=Path("/x"), check_mode=True)
     fake(FakeRuntime(ColdSnapError("unit unit-0: engine pids [4242] were killed but not reaped", fix="reap")))
     with pytest.raises(ColdSnapError) as err:
-        restore.evict({}, host="gpu-a", state_root=Path("/nonexistent"), check_mode=False)
+        restore.evict({}, {}, host="gpu-a", state_root=Path("/nonexistent"), check_mode=False)
     assert "failed part way" in str(err.value) and str(err.value).endswith("; reap")
     assert err.value.details[eviction.RESULT_EVICTED_KEY] == {"host": "gpu-a", "units": None}
 

@@ -1,0 +1,192 @@
+"""The restore's evict step checks again, right before it kills, what prepare checked: the captured pids and
+the ports the listeners come back on. Only what the eviction ends may hold them; a stranger that took one
+after prepare passed is refused, naming it and the fix, with nothing evicted. Real processes and sockets;
+runtime docker with its container lookups stood in for."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import new_evidence
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import docker_runtime, host_units
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_runtime import HostRuntime
+
+# A stand-in engine: the control API the real ones serve (GET answers its pid), started as the activation
+# runtime starts engines (its control file's path in COLDSNAP_CONTROL_FILE), listening on its serving port.
+ENGINE = r"""
+import http.server, json, os, socket, sys
+ctl, port = sys.argv[1], int(sys.argv[2])
+serving = socket.socket(); serving.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+serving.bind(("127.0.0.1", port)); serving.listen()
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"ok": True, "pid": os.getpid(), "state": "ready"}).encode()
+        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *a):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+tmp = ctl + ".tmp"
+json.dump({"port": srv.server_address[1], "token": "t" * 64, "pid": os.getpid()}, open(tmp, "w"))
+os.rename(tmp, ctl)
+srv.serve_forever()
+"""
+
+STRANGER = ("import socket,sys,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+            "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); print('up', flush=True); time.sleep(120)")
+
+REQUEST = {"id": "op1", "workload": {"recipe": "demo"}, "launch": {"units": [{"id": "u0", "host": "h1"}]}}
+ARTIFACT = {"capture_id": "cap1", "capsule": {"units": [{"unit": "u0", "image_id": "sha256:" + "ab" * 32}]}}
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _i in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def stranger(port: int) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", STRANGER, str(port)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "up"
+    return p
+
+
+def captured(pid: int, listeners: list[tuple[str, int]], tids: list[int] | None = None) -> dict:
+    ev = new_evidence(operation="capture", operation_id="cap1", capture_id="cap1", unit="u0", host="h1",
+                      workers=[{"worker": "w0", "pid": pid, "tids": tids or [pid], "listeners": listeners}],
+                      readiness=None, reply=None, reply_sha256=None, logprobs=None, logprobs_check=None,
+                      timing={"spans": [], "marks": [], "t0_ns": 0}, ok=True)
+    return ev
+
+
+def served(worker: dict) -> list[tuple[str, int]]:
+    """Where a worker's listeners come back: where they were captured."""
+    return [(str(a), int(p)) for a, p in worker["listeners"]]
+
+
+@pytest.fixture
+def unmoved(monkeypatch):
+    """Listeners come back where they were captured (the placement itself is tested elsewhere)."""
+    def unmoved_listeners(_artifact, _request, _unit):
+        return served, "captured listening port"
+    monkeypatch.setattr(host_units, "listeners_served", unmoved_listeners)
+    monkeypatch.setattr(docker_runtime, "listeners_served", unmoved_listeners)
+
+
+@pytest.fixture
+def engine(tmp_path):
+    """A running engine of workload 'demo' unit u0 serving on a port; (state root, its process, its port)."""
+    state = tmp_path / "state"
+    wdir = state / "workloads" / "demo" / "u0"
+    wdir.mkdir(parents=True)
+    control = wdir / ec.CONTROL_FILE_NAME.format(worker="w0")
+    port = free_ports(1)[0]
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(control), str(port)],
+                            env={**os.environ, ec.ENV_CONTROL_FILE: str(control)}, stderr=subprocess.DEVNULL)
+    threading.Thread(target=proc.wait, daemon=True).start()  # reaped, as the unit keeper reaps engines
+    deadline = time.monotonic() + 30
+    while not control.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert control.exists()
+    try:
+        yield state, proc, port
+    finally:
+        proc.kill()
+
+
+def write_evidence(state: Path, ev: dict) -> None:
+    unit_dir = state / "captures" / "cap1" / "units" / "u0"
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    (unit_dir / "evidence.json").write_text(json.dumps(ev))
+
+
+def test_the_shared_check_lets_the_replaced_workload_hold_what_it_frees_and_names_a_stranger():
+    port, = free_ports(1)
+    holder = stranger(port)
+    try:
+        workers = [{"worker": "w0", "pid": holder.pid, "tids": [holder.pid], "listeners": [["127.0.0.1", port]]}]
+        ports.require_restorable(workers, unit="u0", served=served, replaced={holder.pid})  # the one evicted
+        with pytest.raises(AdmissionError) as err:  # in prepare: as before
+            ports.require_restorable(workers, unit="u0", served=served, pids=False)
+        assert f"127.0.0.1:{port} is taken on this host by pid {holder.pid}" in err.value.problem
+        assert ports.TAKEN_AFTER_PREPARE not in err.value.problem and err.value.fix == ports.RESTORE_PORT_FIX
+        with pytest.raises(AdmissionError) as err:  # in the evict step: saying that nothing was evicted
+            ports.require_restorable(workers, unit="u0", served=lambda _w: [], at_evict=True)
+        assert f"captured pid {holder.pid} is in use" in err.value.problem, err.value.problem
+        assert err.value.problem.endswith(f"({ports.TAKEN_AFTER_PREPARE})") and "docker runtime" in err.value.fix
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_host_evict_step_refuses_a_stranger_that_took_a_port_or_pid_after_prepare(engine, unmoved):
+    state, proc, serving = engine
+    other, = free_ports(1)
+    rt = HostRuntime(REQUEST, host="h1", state_root=state)
+    # The running engine holds the captured pid and serving port: it is what the eviction ends.
+    write_evidence(state, captured(proc.pid, [("127.0.0.1", serving), ("127.0.0.1", other)]))
+    rt.require_restorable(ARTIFACT, check_mode=False)
+    holder = stranger(other)  # a stranger binds a captured port after prepare passed
+    try:
+        for check_mode in (False, True):
+            with pytest.raises(AdmissionError) as err:
+                rt.require_restorable(ARTIFACT, check_mode=check_mode)
+            assert f"127.0.0.1:{other} is taken on this host by pid {holder.pid}" in err.value.problem
+            assert "nothing was evicted" in err.value.problem and "restore onto another port" in err.value.fix
+        # ... or a captured thread id
+        write_evidence(state, captured(proc.pid, [("127.0.0.1", serving)], tids=[proc.pid, holder.pid]))
+        with pytest.raises(AdmissionError, match=rf"captured pid {holder.pid} is in use .*nothing was evicted"):
+            rt.require_restorable(ARTIFACT, check_mode=False)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert proc.poll() is None, "a refusal kills nothing"
+    assert rt.engine_pids("u0") == [proc.pid]
+
+
+def test_the_host_evict_step_without_the_captured_state_refuses_but_in_check_mode(engine, unmoved):
+    state, proc, _serving = engine
+    rt = HostRuntime(REQUEST, host="h1", state_root=state)
+    rt.require_restorable(ARTIFACT, check_mode=True)  # a check-mode prepare extracted nothing: not checked
+    with pytest.raises(AdmissionError, match=r"captured state cannot be read .*nothing was evicted"):
+        rt.require_restorable(ARTIFACT, check_mode=False)
+    assert proc.poll() is None
+
+
+def test_the_docker_evict_step_refuses_a_stranger_on_a_port_but_not_the_replaced_container(monkeypatch, unmoved):
+    port, = free_ports(1)
+    holder = stranger(port)
+    in_container: set[int] = set()
+    ev = captured(os.getpid(), [("127.0.0.1", port)])  # a live pid: a docker unit has its own pid namespace
+    monkeypatch.setattr(docker_runtime, "canonical_container", lambda *_a, **_k: SimpleNamespace(status="running"))
+    monkeypatch.setattr(docker_runtime, "_container_pids", lambda _c: set(in_container))
+    monkeypatch.setattr(docker_runtime, "capsule_image", lambda *_a, **_k: (SimpleNamespace(id="sha256:img"), "/s"))
+    monkeypatch.setattr(docker_runtime, "captured_evidence", lambda *_a, **_k: ev)
+    rt = docker_runtime.DockerRuntime(REQUEST, host="h1", state_root="/nonexistent", client=object())
+    try:
+        with pytest.raises(AdmissionError) as err:
+            rt.require_restorable(ARTIFACT, check_mode=True)
+        assert f"127.0.0.1:{port} is taken on this host by pid {holder.pid}" in err.value.problem
+        assert "nothing was evicted" in err.value.problem
+        in_container.add(holder.pid)  # the running unit container holds it: its removal frees it
+        rt.require_restorable(ARTIFACT, check_mode=False)
+    finally:
+        holder.kill()
+        holder.wait()
