@@ -34,6 +34,7 @@ import shutil
 import stat
 import tarfile
 from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -410,7 +411,14 @@ class _LocalLayer:
     def members(self) -> Iterator[tarfile.TarInfo]:
         if self.tar is None:
             raise AssertionError("a layer is read inside its with block")
-        yield from self.tar
+        end = 0  # where the previous member's data ended: headers only ever move forward
+        for info in self.tar:
+            if info.size < 0 or info.offset < end or info.offset_data + info.size > self.size:
+                raise ArchiveError(f"layer member {info.name!r} claims {info.size} bytes at offset "
+                                   f"{info.offset_data}, outside the {self.size}-byte layer or before the "
+                                   "previous member", fix="the stored bytes are corrupt; pull or rebuild the capsule")
+            end = info.offset_data + info.size
+            yield info
 
     def _read(self, size: int) -> memoryview:
         buf = self.ring[self.turn]
@@ -434,6 +442,12 @@ class _LocalLayer:
             raise _short(what, info)
         sha = hashlib.sha256()
         end = info.offset_data + info.size
+        if info.size <= COPY_CHUNK:  # one chunk: handing it to the thread costs more than it saves
+            data = self._read(info.size)
+            if len(data) != info.size:
+                raise _short(what, info)
+            _hash_and_write(sha, fd, data)
+            return "sha256:" + sha.hexdigest()
         pending: collections.deque[Future[None]] = collections.deque()
         try:
             while self.pos < end:
@@ -444,7 +458,10 @@ class _LocalLayer:
                 while len(pending) > COPY_AHEAD:
                     pending.popleft().result()
         finally:
-            for fut in pending:  # every write lands (or fails) before a buffer is reused or ``fd`` closed
+            # Every queued write ends (lands or fails) before a buffer is reused or ``fd`` closed, the
+            # failed ones too: only then is the first failure raised.
+            futures.wait(pending)
+            for fut in pending:
                 fut.result()
         return "sha256:" + sha.hexdigest()
 
@@ -477,6 +494,9 @@ def check_member(info: tarfile.TarInfo, seen_files: set[str], *, what: str) -> s
     elif not (info.isreg() or info.isdir()):
         raise ArchiveError(f"{what} member {info.name!r} has unsupported type {info.type!r}",
                            fix="capsules hold regular files, directories and internal links only")
+    elif info.size < 0:
+        raise ArchiveError(f"{what} member {info.name!r} has a negative size ({info.size})",
+                           fix="this archive is malformed; rebuild the capsule")
     elif info.sparse is not None:  # its holes are tarfile's to fill; a layer read by offset would not
         raise ArchiveError(f"{what} member {info.name!r} is a sparse file",
                            fix="capsules hold plain regular files; rebuild the capsule")
@@ -537,9 +557,9 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
         raise ArchiveError(f"extraction destination {dest} already exists",
                            fix="remove it or extract into a new directory")
     dest.parent.mkdir(parents=True, exist_ok=True)
+    source: _StreamLayer | _LocalLayer = _LocalLayer(fileobj) if _is_local_file(fileobj) else _StreamLayer(fileobj)
     tmp = temp_path_for(dest)
     os.mkdir(tmp, 0o700)
-    source: _StreamLayer | _LocalLayer = _LocalLayer(fileobj) if _is_local_file(fileobj) else _StreamLayer(fileobj)
     written: list[str] = []
     files: set[str] = set()  # every regular member seen (hard-link validation)
     extracted: dict[str, str] = {}  # member name -> name below dest, for extracted regular files
@@ -628,16 +648,16 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
             old = temp_path_for(dest)
             os.rename(dest, old)
             os.rename(tmp, dest)
-            _rmtree(old)
+            rmtree(old)
         else:
             os.rename(tmp, dest)
         fsync_dir(dest.parent)
     except tarfile.TarError as exc:
-        _rmtree(tmp)
+        rmtree(tmp)
         raise ArchiveError(f"{what} is not a readable tar archive: {exc}",
                            fix="the stored bytes are corrupt; pull or rebuild the capsule") from exc
     except BaseException:
-        _rmtree(tmp)
+        rmtree(tmp)
         raise
     return written
 
@@ -671,8 +691,9 @@ def _links_stay_inside(root: Path, what: str) -> None:
                                        "not a directory of the archive (a link, or missing)", fix=fix)
 
 
-def _rmtree(path: Path) -> None:
-    """Remove a tree even when extraction left read-only directories in it (a link or a file: itself)."""
+def rmtree(path: Path) -> None:
+    """Remove a tree even when extraction left read-only directories in it (a link or a file: itself;
+    nothing when nothing is there)."""
     def onerror(func, p, _exc):
         with contextlib.suppress(OSError):
             os.chmod(os.path.dirname(p), 0o700)

@@ -354,11 +354,11 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
             changed = not _layout_intact(final, mdesc.digest)
             if changed:
                 if os.path.lexists(final):
-                    archive._rmtree(final)  # a damaged copy under the final name: replaced by the fresh build
+                    archive.rmtree(final)  # a damaged copy under the final name: replaced by the fresh build
                 os.rename(tmp, final)
                 fsync_dir(final.parent)
     finally:
-        archive._rmtree(tmp)
+        archive.rmtree(tmp)
         os.close(held)
     ref = CapsuleRef(unit, "oci-layout", mdesc.digest, str(final), len(mbytes) + len(cbytes) + layer.size)
     return CapsuleBuild(ref, changed, tuple(excluded), tuple(absent), key, False, labels)
@@ -380,7 +380,7 @@ def _remove_abandoned_builds(root: Path) -> None:
             continue  # a live build
         finally:
             os.close(fd)
-        archive._rmtree(Path(entry.path))
+        archive.rmtree(Path(entry.path))
 
 
 def _layout_intact(final: Path, manifest_digest: str) -> bool:
@@ -631,7 +631,8 @@ def inspect_capsule(ref: CapsuleRef | dict, *, verify: bool = True, client: Any 
 
 
 def extract_capsule(ref: CapsuleRef | dict, dest: Path, *, part: str = "state", replace: bool = False,
-                    client: Any = None, digests: dict[str, str] | None = None) -> list[str]:
+                    client: Any = None, digests: dict[str, str] | None = None,
+                    caches_to: tuple[list[str], Path] | None = None) -> list[str]:
     """Materialize a capsule's files on this host (runtime ``host`` restore), safely.
 
     ``part='state'`` writes the state directory's contents into ``dest``;
@@ -640,7 +641,9 @@ def extract_capsule(ref: CapsuleRef | dict, dest: Path, *, part: str = "state", 
     out of a created, never started, container). The layer's digest is checked while it streams and
     every member is checked before it is written (FAULTS.md 10): a bad capsule
     leaves ``dest`` untouched. Returns the names written below ``dest``; ``digests`` (optional)
-    receives each written file's SHA-256 (:func:`archive.safe_extract`).
+    receives each written file's SHA-256 (:func:`archive.safe_extract`). ``caches_to`` (cache paths,
+    scratch; OCI, part 'state'): the files of those derived caches come out in the same pass over the
+    layer, below the scratch directory at their absolute paths, for :func:`place_caches`.
     """
     if isinstance(ref, dict):
         ref = CapsuleRef.from_dict(ref)
@@ -671,10 +674,52 @@ def extract_capsule(ref: CapsuleRef | dict, dest: Path, *, part: str = "state", 
                 return name[len(prefix) + 1:]
             return None
 
-    with oci.open_blob(img.layout, layer, what=f"capsule of unit {ref.unit!r}") as fh:
-        return archive.safe_extract(fh, Path(dest), expected_digest=layer.digest, select=select,
-                                    what=f"capsule layer {layer.digest} of unit {ref.unit!r}", replace=replace,
-                                    digests=digests)
+    what = f"capsule layer {layer.digest} of unit {ref.unit!r}"
+    caches = [c.strip("/") for c in caches_to[0] if c.strip("/")] if caches_to and part == "state" else []
+    if not caches:
+        with oci.open_blob(img.layout, layer, what=f"capsule of unit {ref.unit!r}") as fh:
+            return archive.safe_extract(fh, Path(dest), expected_digest=layer.digest, select=select, what=what,
+                                        replace=replace, digests=digests)
+    return _extract_state_and_caches(img, layer, Path(dest), Path(caches_to[1]), state_select=select,
+                                     caches=caches, replace=replace, digests=digests, what=what)
+
+
+def _extract_state_and_caches(img: oci.Image, layer: oci.Descriptor, dest: Path, scratch: Path, *,
+                              state_select: Any, caches: list[str], replace: bool, digests: dict[str, str] | None,
+                              what: str) -> list[str]:
+    """One pass over the layer: the state into ``dest`` (0700, as :func:`archive.safe_extract` makes a root)
+    and the files of ``caches`` below ``scratch`` at their absolute paths; both checked as one archive."""
+    if os.path.lexists(dest) and not replace:
+        raise ArchiveError(f"extraction destination {dest} already exists",
+                           fix="remove it or extract into a new directory")
+
+    def select(name: str) -> str | None:
+        below = state_select(name)
+        if below is not None:
+            return "state/" + below if below else "state"
+        return "caches/" + name if _in_caches(name, caches) else None
+
+    root = temp_path_for(dest)
+    got: dict[str, str] = {}
+    with oci.open_blob(img.layout, layer, what=what) as fh:
+        names = archive.safe_extract(fh, root, expected_digest=layer.digest, select=select, what=what, digests=got)
+    try:
+        state = root / "state"
+        if not state.is_dir() or state.is_symlink():
+            os.mkdir(state, 0o700)  # no state in this capsule: the caller finds no evidence and says so
+        os.chmod(state, 0o700)
+        archive.rmtree(scratch)
+        if (root / "caches").is_dir():
+            os.rename(root / "caches", scratch)
+        if os.path.lexists(dest):
+            archive.rmtree(dest)
+        os.rename(state, dest)
+        fsync_dir(dest.parent)
+    finally:
+        archive.rmtree(root)
+    if digests is not None:
+        digests.update({n[len("state/"):]: d for n, d in got.items() if n.startswith("state/")})
+    return [n[len("state/"):] for n in names if n.startswith("state/")]
 
 
 def restore_caches(ref: CapsuleRef | dict, cache_paths: list[str], scratch: Path) -> list[str]:
@@ -689,21 +734,14 @@ def restore_caches(ref: CapsuleRef | dict, cache_paths: list[str], scratch: Path
     """
     if isinstance(ref, dict):
         ref = CapsuleRef.from_dict(ref)
-    for i, problem, fix in cache_path_problems(cache_paths, []):
-        raise ColdSnapError(f"artifact policy.cache.paths[{i}]: {problem}", fix=fix)
-    for c in cache_paths:
-        if any(paths_overlap(c, d) for d in NO_HOST_CACHE_UNDER):
-            raise ColdSnapError(f"artifact policy.cache.paths: {c!r} lies in a system directory this host "
-                                "does not let a restore write into",
-                                fix="keep derived caches under /root/.cache, /var/cache or the engine's own cache root")
-    prefixes = [c.strip("/") for c in cache_paths if c.strip("/")]
+    prefixes = _cache_prefixes(cache_paths)
     if not prefixes or ref.layout != "oci-layout":
         return []
     img = oci.open_layout(Path(ref.location), expected_manifest=ref.image_id, verify_layers=False,
                           what=f"capsule of unit {ref.unit!r}")
 
     def select(name: str) -> str | None:
-        return name if any(name == p or name.startswith(p + "/") for p in prefixes) else None
+        return name if _in_caches(name, prefixes) else None
 
     added: list[str] = []
     try:
@@ -711,35 +749,90 @@ def restore_caches(ref: CapsuleRef | dict, cache_paths: list[str], scratch: Path
             with oci.open_blob(img.layout, layer, what=f"capsule of unit {ref.unit!r}") as fh:
                 archive.safe_extract(fh, scratch, expected_digest=layer.digest, select=select,
                                      what=f"capsule layer {layer.digest} of unit {ref.unit!r}", replace=True)
-            moves: list[tuple[str, str]] = []  # every placement is checked before the first one is made
-            for dirpath, dirnames, filenames in os.walk(scratch):
-                rel = os.path.relpath(dirpath, scratch)
-                target_dir = "/" + ("" if rel == "." else rel)
-                for name in [*filenames, *(d for d in dirnames if os.path.islink(os.path.join(dirpath, d)))]:
-                    target = os.path.join(target_dir, name)
-                    if os.path.lexists(target):
-                        continue
-                    _check_cache_placement(os.path.join(dirpath, name), target, _cache_root_of(target, prefixes),
-                                           ref.unit)
-                    moves.append((os.path.join(dirpath, name), target))
-            for source, target in moves:
-                os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
-                if _place(source, target):
-                    added.append(target)
+            added += _place_tree(scratch, prefixes, ref.unit)
     finally:
-        archive._rmtree(scratch)
+        archive.rmtree(scratch)
     return sorted(added)
+
+
+def place_caches(unit: str, cache_paths: list[str], scratch: Path) -> list[str]:
+    """:func:`restore_caches` for cache files an extraction already left below ``scratch`` at their
+    absolute paths (:func:`extract_capsule` with ``caches_to``): the same checks and placement, and
+    ``scratch`` removed afterwards. Returns the paths added."""
+    try:
+        prefixes = _cache_prefixes(cache_paths)
+        return sorted(_place_tree(scratch, prefixes, unit)) if prefixes and os.path.isdir(scratch) else []
+    finally:
+        archive.rmtree(scratch)
+
+
+def _cache_prefixes(cache_paths: list[str]) -> list[str]:
+    """The declared cache paths as layer member prefixes, after the checks a placement on this host needs."""
+    for i, problem, fix in cache_path_problems(cache_paths, []):
+        raise ColdSnapError(f"artifact policy.cache.paths[{i}]: {problem}", fix=fix)
+    for c in cache_paths:
+        if any(paths_overlap(c, d) for d in NO_HOST_CACHE_UNDER):
+            raise ColdSnapError(f"artifact policy.cache.paths: {c!r} lies in a system directory this host "
+                                "does not let a restore write into",
+                                fix="keep derived caches under /root/.cache, /var/cache or the engine's own cache root")
+    return [c.strip("/") for c in cache_paths if c.strip("/")]
+
+
+def _in_caches(name: str, prefixes: list[str]) -> bool:
+    return any(name == p or name.startswith(p + "/") for p in prefixes)
+
+
+def _place_tree(scratch: Path, prefixes: list[str], unit: str) -> list[str]:
+    """Place the files of the caches ``prefixes`` that ``scratch`` holds (at their absolute paths below
+    it) where this host lacks them; every placement is checked before the first one is made."""
+    moves: dict[str, str] = {}  # target -> source (nested cache paths are walked once)
+    for p in prefixes:
+        top = os.path.join(scratch, p)
+        if os.path.islink(top):
+            entries = [(os.path.dirname(top), [], [os.path.basename(top)])]
+        elif os.path.isdir(top):
+            entries = list(os.walk(top))
+        else:
+            continue
+        for dirpath, dirnames, filenames in entries:
+            rel = os.path.relpath(dirpath, scratch)
+            target_dir = "/" + ("" if rel == "." else rel)
+            for name in [*filenames, *(d for d in dirnames if os.path.islink(os.path.join(dirpath, d)))]:
+                target = os.path.join(target_dir, name)
+                if target in moves or os.path.lexists(target):
+                    continue
+                _check_cache_placement(os.path.join(dirpath, name), target, _cache_root_of(target, prefixes), unit)
+                moves[target] = os.path.join(dirpath, name)
+    added = []
+    for target, source in moves.items():
+        os.makedirs(os.path.dirname(target), mode=0o755, exist_ok=True)
+        # Again, now that the directories exist: one another user made in the meantime (a missing cache path
+        # in /tmp) would be theirs to swap what is placed in it. Once root's own, nobody else can replace it.
+        _refuse_planted(os.path.dirname(target), target, unit)
+        if _place(source, target):
+            added.append(target)
+    return added
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _place(source: str, target: str) -> bool:
     """Put the scratch file ``source`` at ``target``, never over anything there and never as a partial
     file under ``target`` (an engine would map it): a hard link (or a new symlink) where the file systems
-    allow, else a copy to a temporary name beside ``target``, synced, then linked. False when ``target``
+    allow (the file synced first), else a copy to a temporary name beside ``target``, synced, then linked.
+    False when ``target``
     appeared meanwhile (another restore placed it: a cache is keyed by content)."""
     try:
         if os.path.islink(source):
             os.symlink(os.readlink(source), target)
         else:
+            _fsync_file(source)  # the extraction wrote it without a sync: its bytes land before its new name
             try:
                 os.link(source, target)
             except OSError as exc:
@@ -748,11 +841,7 @@ def _place(source: str, target: str) -> bool:
                 tmp = temp_path_for(Path(target))
                 try:
                     shutil.copy2(source, tmp, follow_symlinks=False)
-                    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
+                    _fsync_file(str(tmp))
                     os.link(tmp, target)
                 finally:
                     with contextlib.suppress(FileNotFoundError):
@@ -784,19 +873,23 @@ def _check_cache_placement(source: str, target: str, cache_root: str, unit: str)
             raise IntegrityError(f"capsule of unit {unit!r}: the cache link {target} points outside "
                                  f"its cache path {cache_root} (to {dest})",
                                  fix="rebuild the capsule from a cache whose links stay inside it")
-    planted = planted_by_another(os.path.dirname(target))
-    if planted is not None:
-        where, shared, uid = planted
-        raise ColdSnapError(f"capsule of unit {unit!r}: {where} belongs to uid {uid} and lies in {shared}, which "
-                            f"anyone may write to; a cache file is not placed through it ({target})",
-                            fix=f"remove {where}, or declare a cache path outside world-writable directories "
-                                "(or one this user made there)")
+    _refuse_planted(os.path.dirname(target), target, unit)
     linked = first_link_below(cache_root, posixpath.relpath(target, cache_root))
     if linked is not None:
         raise ColdSnapError(f"capsule of unit {unit!r}: {linked} on this host is a symbolic link inside the "
                             f"cache path {cache_root}; a cache file is not placed through it ({target})",
                             fix=f"remove the link {linked} (the capsule adds the directory), or drop "
                                 f"{cache_root} from policy.cache.paths")
+
+
+def _refuse_planted(directory: str, target: str, unit: str) -> None:
+    planted = planted_by_another(directory)
+    if planted is not None:
+        where, shared, uid = planted
+        raise ColdSnapError(f"capsule of unit {unit!r}: {where} belongs to uid {uid} and lies in {shared}, which "
+                            f"anyone may write to; a cache file is not placed through it ({target})",
+                            fix=f"remove {where}, or declare a cache path outside world-writable directories "
+                                "(or one this user made there)")
 
 
 def _extract_docker_state(ref: CapsuleRef, dest: Path, *, replace: bool, client: Any,

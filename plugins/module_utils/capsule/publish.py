@@ -378,7 +378,7 @@ def _cached_layout(final: Path, digest: str, *, what: str, verify_layers: bool =
     try:
         return oci.open_layout(final, expected_manifest=digest, verify_layers=verify_layers, what=what)
     except ColdSnapError:
-        archive._rmtree(final)
+        archive.rmtree(final)
         return None
 
 

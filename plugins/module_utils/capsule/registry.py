@@ -94,9 +94,15 @@ def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
     return scheme.lower(), params
 
 
-def _origin(url: str) -> tuple[str, str]:
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """Scheme, host and port (the scheme's default when none is written) of ``url``."""
     parts = urllib.parse.urlsplit(url)
-    return parts.scheme.lower(), parts.netloc.lower()
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:  # not a port: compares unlike any real origin
+        port = -1
+    return scheme, (parts.hostname or "").lower(), port
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):

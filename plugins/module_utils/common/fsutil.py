@@ -188,7 +188,7 @@ def planted_by_another(path: Path | str) -> tuple[Path, Path, int] | None:
 
 def own_directory(path: Path | str, *, what: str, fix: str) -> Path:
     """``path`` as a directory that only this user can change: made 0700 when missing; an existing one
-    must be a real directory (no link) of this user that group and others cannot write. A directory that
+    must be a real directory (no link) of this user (group and others lose write access to it). A directory that
     another user could have made first in ``/tmp`` (and so fill with code this user then loads) is
     refused with ColdSnapError naming it and ``fix``."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
@@ -197,6 +197,9 @@ def own_directory(path: Path | str, *, what: str, fix: str) -> Path:
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
     st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o022:
+        os.chmod(path, stat.S_IMODE(st.st_mode) & ~0o022)  # this user's own (umask 002): closed, not refused
+        st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
         kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory" if not stat.S_ISDIR(
             st.st_mode) else f"owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}"

@@ -12,9 +12,11 @@ import os
 import sys
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import archive
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import (
     CapsuleRef,
     extract_capsule,
+    place_caches,
     restore_caches,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
@@ -97,12 +99,19 @@ class HostRuntime(HostUnits, UnitRuntime):
             return path, {}
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         digests: dict[str, str] = {}
-        extract_capsule(CapsuleRef.from_dict(cap), tmp, replace=True, digests=digests)
-        if not (tmp / EVIDENCE_FILE).exists():
-            raise ColdSnapError(f"capsule {cap['image_id']} of unit {unit_id} holds no captured state",
-                                fix="recapture; the capsule is not a ColdSnap unit capsule")
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.rename(tmp, path)
+        # The derived caches come out in the same pass (placed by require_files where this host lacks them).
+        caches = artifact["policy"]["cache"]["paths"]
+        try:
+            extract_capsule(CapsuleRef.from_dict(cap), tmp, replace=True, digests=digests,
+                            caches_to=(caches, _cache_scratch(path)) if caches else None)
+            if not (tmp / EVIDENCE_FILE).exists():
+                raise ColdSnapError(f"capsule {cap['image_id']} of unit {unit_id} holds no captured state",
+                                    fix="recapture; the capsule is not a ColdSnap unit capsule")
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.rename(tmp, path)
+        except BaseException:
+            archive.rmtree(tmp)  # nothing half-extracted stays under a name a later prepare would look at
+            raise
         return path, digests
 
     def prepare(self, artifact: dict, *, facts: dict, check_mode: bool) -> tuple[list[dict], bool]:
@@ -116,25 +125,35 @@ class HostRuntime(HostUnits, UnitRuntime):
         for u in units:
             adm = admit_unit(artifact=artifact, unit_id=u["id"], facts=facts, devices=u["devices"], host=self.host,
                              policy=self.request["policy"].get("compatibility"))
-            path, written = self.ensure_unit_state(artifact, u["id"], check_mode=check_mode)
-            changed |= written is not None
-            plan = {"unit": u["id"], "admission": adm, "unit_dir": str(path)}
-            if not check_mode:
-                plan["state"] = verify_unit_state(path, artifact, u["id"], written=written)
-                captured = load_evidence(path / EVIDENCE_FILE)
-                moves.add(u, captured, captured_units[u["id"]])
-                # The workload being replaced is evicted only after prepare passed everywhere: its own
-                # pids and ports do not count, anyone else's do.
-                replaced = self.replaced_pids(u["id"])
-                served, what = listeners_served(artifact, self.request, u["id"])
-                ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced,
-                                         what=what)
-                self.require_same_control_files(path, captured, u["id"])
-                plan["listeners"] = [list(x) for w in captured["workers"] for x in served(w)]
-                plan["caches_added"] = self.require_files(artifact, u["id"], captured, path)
+            path = self.unit_dir(artifact, u["id"])
+            try:
+                path, written = self.ensure_unit_state(artifact, u["id"], check_mode=check_mode)
+                changed |= written is not None
+                plan = {"unit": u["id"], "admission": adm, "unit_dir": str(path)}
+                if not check_mode:
+                    plan.update(self._prepare_unit(artifact, u, path, written=written, moves=moves,
+                                                   captured_unit=captured_units[u["id"]]))
+            finally:
+                archive.rmtree(_cache_scratch(path))  # caches extracted with the state and not placed
             plans.append(plan)
         moves.admit(self.host)
         return plans, changed
+
+    def _prepare_unit(self, artifact: dict, u: dict, path: Path, *, written: dict | None, moves: GpuMoves,
+                      captured_unit: dict) -> dict:
+        """Prepare's checks of one unit whose state is here: what its plan records."""
+        plan = {"state": verify_unit_state(path, artifact, u["id"], written=written)}
+        captured = load_evidence(path / EVIDENCE_FILE)
+        moves.add(u, captured, captured_unit)
+        # The workload being replaced is evicted only after prepare passed everywhere: its own
+        # pids and ports do not count, anyone else's do.
+        replaced = self.replaced_pids(u["id"])
+        served, what = listeners_served(artifact, self.request, u["id"])
+        ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced, what=what)
+        self.require_same_control_files(path, captured, u["id"])
+        plan["listeners"] = [list(x) for w in captured["workers"] for x in served(w)]
+        plan["caches_added"] = self.require_files(artifact, u["id"], captured, path)
+        return plan
 
     def require_same_control_files(self, unit_dir: Path, captured: dict, unit_id: str) -> None:
         """A restored engine reads its control token from the control file named in its (restored)
@@ -167,9 +186,12 @@ class HostRuntime(HostUnits, UnitRuntime):
         added = 0
         caches = [c for c in artifact["policy"]["cache"]["paths"]
                   if any(files.under(path, c) for path, _why in problems)]
-        if caches:
+        scratch = _cache_scratch(unit_dir)
+        if caches and scratch.is_dir():  # this prepare has just extracted them with the state
+            added = len(place_caches(unit_id, caches, scratch))
+            problems = files.file_problems(recorded)
+        elif caches:
             cap = next(c for c in artifact["capsule"]["units"] if c["unit"] == unit_id)
-            scratch = unit_dir.with_name(f".{unit_dir.name}.caches-{os.getpid()}")
             added = len(restore_caches(CapsuleRef.from_dict(cap), caches, scratch))
             problems = files.file_problems(recorded)
         if problems:
@@ -185,6 +207,11 @@ class HostRuntime(HostUnits, UnitRuntime):
     def replaced_pids(self, unit_id: str) -> set[int]:
         """Every process and thread id of this workload's running unit (empty when none runs)."""
         return tree_ids(self.running_pids(unit_id))
+
+
+def _cache_scratch(unit_dir: Path) -> Path:
+    """Where this prepare keeps the derived-cache files it extracted with a unit's state, until placed."""
+    return unit_dir.with_name(f".{unit_dir.name}.caches-{os.getpid()}")
 
 
 def verify_unit_state(path: Path, artifact: dict, unit_id: str, *, written: dict[str, str] | None = None) -> dict:

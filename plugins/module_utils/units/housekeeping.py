@@ -1,7 +1,8 @@
 """What a killed operation leaves on a host, removed by the next one.
 
 A run killed at the wrong instant (``kill -9`` of the controller, a host reboot) can leave
-temporary names behind: a capsule extraction in progress (``capsules/extracted/.<hex>.tmp-<pid>``),
+temporary names behind: a capsule extraction in progress (``capsules/extracted/.<hex>.tmp-<pid>``,
+``captures/<id>/units/.<unit>.tmp-<pid>`` and its ``.caches-<pid>``),
 a staged runtime copy (``activation-runtime/sha256/.<hex>.tmp-<pid>``) or a payload copied from
 another host but never staged (``model-payloads/incoming/<hex>.pack``). Nothing ever reads them
 under those names; the next operation on the host removes the ones whose writer is gone.
@@ -21,7 +22,7 @@ from pathlib import Path
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import is_temp_name
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 
-_PID_TEMP = re.compile(r"^\..+\.(?:tmp|old)-(\d+)$")
+_PID_TEMP = re.compile(r"^\..+\.(?:tmp|old|caches)-(\d+)$")
 # A payload being copied in by a live operation is written continuously; one untouched this long
 # belongs to an operation that is gone.
 INCOMING_MAX_AGE_S = 3600.0
@@ -49,7 +50,10 @@ def clean_stale_temps(state_root: Path | str, *, check_mode: bool = False) -> li
     """Remove leftovers of killed operations below ``state_root``; return what was (or would be) removed."""
     layout = StateLayout(state_root)
     removed: list[str] = []
-    for parent in (layout.capsules_extracted, layout.activation_runtimes, layout.captures):
+    # A unit's state extracted from its capsule in prepare (``captures/<id>/units/.<unit>.tmp-<pid>``) and
+    # the derived-cache files extracted with it (``.<unit>.caches-<pid>``) sit one level further down.
+    unit_dirs = sorted(layout.captures.glob("*/units")) if layout.captures.is_dir() else []
+    for parent in (layout.capsules_extracted, layout.activation_runtimes, layout.captures, *unit_dirs):
         if not parent.is_dir():
             continue
         for entry in parent.iterdir():

@@ -82,8 +82,11 @@ def require_materialize_space(plan: dict, artifact: dict, *, state_root: Path) -
     restore after the running workload was evicted. Checked in prepare (read-only), naming the bytes."""
     if plan.get("materialize") != "required":
         return
-    sizes = {w["worker"]: int((w.get("payload") or {}).get("size") or 0) for w in artifact["weights"]["workers"]}
-    need = sum(sizes.get(wid, 0) for wid, e in plan.get("workers", {}).items() if e.get("provider") == "recovery")
+    payloads = {w["worker"]: w.get("payload") or {} for w in artifact["weights"]["workers"]}
+    # One object per digest: workers whose packs are the same bytes write it once.
+    packs = {payloads[wid].get("sha256"): int(payloads[wid].get("size") or 0)
+             for wid, e in plan.get("workers", {}).items() if e.get("provider") == "recovery" and wid in payloads}
+    need = sum(packs.values())
     if not need:
         return
     where = NodeCache(state_root).objects

@@ -108,7 +108,9 @@ def _inductor_cache(env: dict[str, str]) -> Path:
     """TorchInductor's default cache (``<tmp>/torchinductor_<user>``), where an engine that compiles
     writes the code it then loads, made this user's own first: in ``/tmp`` another user could have
     made it before and would run code as this one."""
-    tmp = env.get("TMPDIR") or "/tmp"
+    tmp = env.get("TMPDIR") or ""
+    if not os.path.isdir(tmp):
+        tmp = "/tmp"  # where Python's tempfile (and so torch) falls back to
     try:
         user = pwd.getpwuid(os.geteuid()).pw_name
     except KeyError:  # a uid without a passwd entry (in a container)

@@ -186,8 +186,45 @@ def test_one_corrupted_byte_anywhere_in_the_layer_is_caught(sandbox: Path, opene
 @pytest.mark.parametrize("how", READERS)
 def test_truncated_archive_is_refused(sandbox: Path, opened, how: str) -> None:
     data = _tar([_file("a.txt", b"x" * 5000)])
-    with pytest.raises(ArchiveError, match=r"not a readable tar|ends before its 5000 bytes"):
+    with pytest.raises(ArchiveError, match=r"not a readable tar|ends before its 5000 bytes|outside the 1500-byte layer"):
         safe_extract(opened(data[:1500], how), sandbox / "work" / "dest")
+    _assert_nothing_written(sandbox)
+
+
+@pytest.mark.parametrize("how", READERS)
+@pytest.mark.parametrize("extracted", [True, False])
+def test_a_member_with_a_negative_size_is_refused_not_looped_on(sandbox: Path, opened, how: str,
+                                                                extracted: bool) -> None:
+    """A negative size field (base-256) sends tarfile's offset back onto the same header: refused, whether
+    the member is extracted or skipped (a reader by offset would otherwise read that header for ever)."""
+    good = _tar([_file("a.txt", b"a"), _file("skip/b.txt", b"b" * 600), _file("c.txt", b"c")])
+    with tarfile.open(fileobj=io.BytesIO(good), mode="r:") as tar:
+        b = tar.getmember("skip/b.txt")
+    data = bytearray(good)
+    field = b.offset + 124  # ustar size field: 12 bytes; 0xff... is base-256 for a negative number
+    data[field:field + 12] = b"\xff" * 12
+    chksum = sum(data[b.offset:b.offset + 148]) + 8 * 32 + sum(data[b.offset + 156:b.offset + 512])
+    data[b.offset + 148:b.offset + 156] = b"%06o\0 " % chksum
+
+    def select(name: str) -> str | None:
+        return name if extracted or not name.startswith("skip") else None
+
+    with pytest.raises(ArchiveError):
+        safe_extract(opened(bytes(data), how), sandbox / "work" / "dest", select=select, what="test layer")
+    _assert_nothing_written(sandbox)
+
+
+def test_a_local_member_that_claims_bytes_past_the_end_is_refused(sandbox: Path, opened) -> None:
+    good = _tar([_file("a.txt", b"a"), _file("skip/b.txt", b"b" * 600)])
+    with tarfile.open(fileobj=io.BytesIO(good), mode="r:") as tar:
+        b = tar.getmember("skip/b.txt")
+    data = bytearray(good)
+    data[b.offset + 124:b.offset + 136] = b"%011o\0" % (1 << 32)
+    chksum = sum(data[b.offset:b.offset + 148]) + 8 * 32 + sum(data[b.offset + 156:b.offset + 512])
+    data[b.offset + 148:b.offset + 156] = b"%06o\0 " % chksum
+    with pytest.raises(ArchiveError, match="outside the"):
+        safe_extract(opened(bytes(data), "file"), sandbox / "work" / "dest",
+                     select=lambda n: None if n.startswith("skip") else n, what="test layer")
     _assert_nothing_written(sandbox)
 
 

@@ -19,6 +19,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build impor
     build_capsule_detailed,
     extract_capsule,
     inspect_capsule,
+    place_caches,
     restore_caches,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
@@ -158,6 +159,51 @@ def test_restore_caches_adds_only_the_files_this_host_lacks(state: Path, tmp_pat
     assert (host_cache / "ab12" / "other.so").read_bytes() == b"host copy"
     assert not scratch.exists()
     assert restore_caches(res.ref, [str(host_cache)], scratch) == []
+
+
+def test_the_state_and_its_caches_come_out_of_one_pass_over_the_layer(state: Path, tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    """A host without the capture extracts the state and the derived caches in one read of the layer: the
+    state as a private directory with each file's digest, the caches in a scratch tree at their absolute
+    paths, placed where this host lacks them; a damaged layer leaves neither (nor a temporary name)."""
+    import hashlib
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import build
+
+    staged = tmp_path / "staged"
+    (staged / "ab12").mkdir(parents=True)
+    (staged / "ab12" / "kernel.so").write_bytes(b"compiled")
+    host_cache = tmp_path / "host" / "torch_compile_cache"
+    res = _build(state, tmp_path / "c", cache_paths=[str(host_cache)], cache_sources={str(host_cache): staged})
+    reads = []
+    real_safe_extract = build.archive.safe_extract
+    monkeypatch.setattr(build.archive, "safe_extract", lambda *a, **k: reads.append(1) or real_safe_extract(*a, **k))
+    digests: dict[str, str] = {}
+    dest, scratch = tmp_path / "units" / "unit-0", tmp_path / "units" / ".unit-0.caches-1"
+    dest.parent.mkdir()
+    names = extract_capsule(res.ref, dest, digests=digests, caches_to=([str(host_cache)], scratch))
+    monkeypatch.undo()
+    assert reads == [1], "one pass over the layer"
+    assert (dest / "criu" / "pages-1.img").read_bytes() == (state / "criu" / "pages-1.img").read_bytes()
+    assert stat.S_IMODE(os.stat(dest).st_mode) == 0o700 and "criu/pages-1.img" in names
+    assert digests["criu/pages-1.img"] == "sha256:" + hashlib.sha256((state / "criu" / "pages-1.img").read_bytes()).hexdigest()
+    assert not any(n.startswith(("state", "caches")) for n in [*names, *digests])
+    cached = scratch / str(host_cache).lstrip("/") / "ab12" / "kernel.so"
+    assert cached.read_bytes() == b"compiled"
+    assert sorted(os.listdir(dest.parent)) == [".unit-0.caches-1", "unit-0"], "no temporary name is left"
+    assert place_caches("unit-0", [str(host_cache)], scratch) == [str(host_cache / "ab12" / "kernel.so")]
+    assert (host_cache / "ab12" / "kernel.so").read_bytes() == b"compiled" and not scratch.exists()
+
+    blob = oci.blob_path(Path(res.ref.location), oci.open_layout(Path(res.ref.location)).layers[0].digest)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 3] ^= 1
+    os.chmod(blob, 0o600)
+    blob.write_bytes(bytes(data))
+    again = tmp_path / "again"
+    again.mkdir()
+    with pytest.raises((IntegrityError, ArchiveError)):
+        extract_capsule(res.ref, again / "unit-0", caches_to=([str(host_cache)], again / ".unit-0.caches-1"))
+    assert os.listdir(again) == [], "neither the state nor the caches nor a temporary name"
 
 
 @pytest.mark.parametrize("cache_path", ["/etc/cron.d", "/usr/lib/x", "/root/.cache/huggingface"])

@@ -196,6 +196,7 @@ def test_registry_credentials_never_reach_another_host() -> None:
     ("https://reg.example/v2/x/blobs/a", "https://reg.example:8443/v2/x/blobs/a", False),
     ("https://reg.example/token", "https://storage.example/signed?sig=1", False),
     ("https://REG.example/token", "https://reg.example/token/", True),
+    ("https://reg.example/v2/x", "https://reg.example:443/v2/x", True),  # the default port, written out
 ])
 def test_a_redirect_keeps_the_credentials_only_within_scheme_host_and_port(old: str, new: str, kept: bool) -> None:
     from email.message import Message

@@ -13,8 +13,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units import weight
 
 GIB = 1 << 30
 ARTIFACT = {"weights": {"workers": [
-    {"worker": "worker-0", "unit": "unit-0", "payload": {"size": 3 * GIB}},
-    {"worker": "worker-1", "unit": "unit-0", "payload": {"size": 2 * GIB}},
+    {"worker": "worker-0", "unit": "unit-0", "payload": {"size": 3 * GIB, "sha256": "sha256:" + "0" * 64}},
+    {"worker": "worker-1", "unit": "unit-0", "payload": {"size": 2 * GIB, "sha256": "sha256:" + "1" * 64}},
 ]}}
 
 
@@ -63,3 +63,16 @@ def test_only_the_recovered_workers_packs_count(tmp_path, free_bytes) -> None:
     free_bytes[0] = 2 * GIB
     plan = _plan("required", {"worker-0": "native", "worker-1": "recovery"})
     weights.require_materialize_space(plan, ARTIFACT, state_root=tmp_path / "state")
+
+
+def test_workers_that_share_a_pack_write_it_once(tmp_path, free_bytes) -> None:
+    """The node cache holds one object per digest: two workers with the same pack need its size once."""
+    shared = {"weights": {"workers": [
+        {"worker": "worker-0", "unit": "unit-0", "payload": {"size": 3 * GIB, "sha256": "sha256:" + "a" * 64}},
+        {"worker": "worker-1", "unit": "unit-0", "payload": {"size": 3 * GIB, "sha256": "sha256:" + "a" * 64}},
+    ]}}
+    free_bytes[0] = 4 * GIB
+    plan = _plan("required", {"worker-0": "recovery", "worker-1": "recovery"})
+    weights.require_materialize_space(plan, shared, state_root=tmp_path / "state")
+    with pytest.raises(ColdSnapError):
+        weights.require_materialize_space(plan, ARTIFACT, state_root=tmp_path / "state")
