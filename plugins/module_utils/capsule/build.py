@@ -50,8 +50,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
     TEMP_MARKER,
+    exclusive_commit,
     first_link_below,
     fsync_dir,
+    fsync_file,
     is_temp_name,
     planted_by_another,
     temp_path_for,
@@ -814,41 +816,32 @@ def _place_tree(scratch: Path, prefixes: list[str], unit: str) -> list[str]:
     return added
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _place(source: str, target: str) -> bool:
     """Put the scratch file ``source`` at ``target``, never over anything there and never as a partial
-    file under ``target`` (an engine would map it): a hard link (or a new symlink) where the file systems
-    allow (the file synced first), else a copy to a temporary name beside ``target``, synced, then linked.
-    False when ``target``
-    appeared meanwhile (another restore placed it: a cache is keyed by content)."""
+    file under ``target`` (an engine would map it): synced, then linked (``exclusive_commit``), or across
+    file systems copied to a temporary name beside ``target``, synced and linked; a symlink is made anew.
+    False when ``target`` appeared meanwhile (another restore placed it: a cache is keyed by content)."""
     try:
         if os.path.islink(source):
             os.symlink(os.readlink(source), target)
-        else:
-            _fsync_file(source)  # the extraction wrote it without a sync: its bytes land before its new name
+            fsync_dir(Path(target).parent)
+            return True
+        fsync_file(source)  # the extraction wrote it without a sync: its bytes land before its new name
+        try:
+            exclusive_commit(Path(source), Path(target))
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            tmp = temp_path_for(Path(target))
             try:
-                os.link(source, target)
-            except OSError as exc:
-                if exc.errno != errno.EXDEV:
-                    raise
-                tmp = temp_path_for(Path(target))
-                try:
-                    shutil.copy2(source, tmp, follow_symlinks=False)
-                    _fsync_file(str(tmp))
-                    os.link(tmp, target)
-                finally:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(tmp)
+                shutil.copy2(source, tmp, follow_symlinks=False)
+                fsync_file(tmp)
+                exclusive_commit(tmp, Path(target))
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
     except FileExistsError:
         return False
-    fsync_dir(Path(target).parent)
     return True
 
 

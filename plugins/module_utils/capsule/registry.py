@@ -176,8 +176,7 @@ class RegistryClient:
                             fix="check the registry credentials (they are never logged)")
 
     def _same_origin(self, url: str) -> bool:
-        a, b = urllib.parse.urlsplit(url), urllib.parse.urlsplit(self.base)
-        return (a.scheme, a.netloc) == (b.scheme, b.netloc)
+        return _origin(url) == _origin(self.base)
 
     def _answer_challenge(self, headers: Any, scope: str) -> bool:
         challenge = headers.get("WWW-Authenticate") if headers else None

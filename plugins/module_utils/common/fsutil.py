@@ -42,6 +42,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_file(path: Path | str) -> None:
+    """Flush a file's bytes to disk (before it gets a name that readers trust)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def atomic_writer(final: Path, *, mode: int = 0o600, binary: bool = True) -> Iterator[IO[Any]]:
     """Write ``final`` atomically. On any exception the temp file is removed. Whatever is at ``final`` is

@@ -22,27 +22,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import docker_runtime, host_units
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_runtime import HostRuntime
-
-# A stand-in engine: the control API the real ones serve (GET answers its pid), started as the activation
-# runtime starts engines (its control file's path in COLDSNAP_CONTROL_FILE), listening on its serving port.
-ENGINE = r"""
-import http.server, json, os, socket, sys
-ctl, port = sys.argv[1], int(sys.argv[2])
-serving = socket.socket(); serving.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-serving.bind(("127.0.0.1", port)); serving.listen()
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        body = json.dumps({"ok": True, "pid": os.getpid(), "state": "ready"}).encode()
-        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a):
-        pass
-srv = http.server.HTTPServer(("127.0.0.1", 0), H)
-tmp = ctl + ".tmp"
-json.dump({"port": srv.server_address[1], "token": "t" * 64, "pid": os.getpid()}, open(tmp, "w"))
-os.rename(tmp, ctl)
-srv.serve_forever()
-"""
+from standin_engine import ENGINE
 
 STRANGER = ("import socket,sys,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
             "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); print('up', flush=True); time.sleep(120)")
@@ -98,7 +78,7 @@ def engine(tmp_path):
     wdir.mkdir(parents=True)
     control = wdir / ec.CONTROL_FILE_NAME.format(worker="w0")
     port = free_ports(1)[0]
-    proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(control), str(port)],
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(control), "", str(port)],
                             env={**os.environ, ec.ENV_CONTROL_FILE: str(control)}, stderr=subprocess.DEVNULL)
     threading.Thread(target=proc.wait, daemon=True).start()  # reaped, as the unit keeper reaps engines
     deadline = time.monotonic() + 30

@@ -17,28 +17,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_runtime import HostRuntime
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import raise_failures
-
-# A stand-in engine: the control API the real ones serve (GET /status answers its pid), started as the
-# activation runtime starts engines (the control file's path in COLDSNAP_CONTROL_FILE); a flag file
-# makes its API stall, as a busy or hung engine's does.
-ENGINE = r"""
-import http.server, json, os, sys, time
-ctl, stall = sys.argv[1], sys.argv[2]
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        if os.path.exists(stall):
-            time.sleep(60)
-        body = json.dumps({"ok": True, "pid": os.getpid(), "state": "ready"}).encode()
-        self.send_response(200); self.send_header("Content-Length", str(len(body))); self.end_headers()
-        self.wfile.write(body)
-    def log_message(self, *a):
-        pass
-srv = http.server.HTTPServer(("127.0.0.1", 0), H)
-tmp = ctl + ".tmp"
-json.dump({"port": srv.server_address[1], "token": "t" * 64, "pid": os.getpid()}, open(tmp, "w"))
-os.rename(tmp, ctl)
-srv.serve_forever()
-"""
+from standin_engine import ENGINE
 
 
 def test_an_engine_whose_control_api_stalls_is_evicted_with_the_others(tmp_path: Path) -> None:
@@ -49,7 +28,7 @@ def test_an_engine_whose_control_api_stalls_is_evicted_with_the_others(tmp_path:
     procs = {}
     for w in ("w0", "w1"):
         control = wdir / ec.CONTROL_FILE_NAME.format(worker=w)
-        procs[w] = subprocess.Popen([sys.executable, "-c", ENGINE, str(control), str(tmp_path / f"stall-{w}")],
+        procs[w] = subprocess.Popen([sys.executable, "-c", ENGINE, str(control), str(tmp_path / f"stall-{w}"), "0"],
                                     env={**os.environ, ec.ENV_CONTROL_FILE: str(control)},
                                     stderr=subprocess.DEVNULL)
     for p in procs.values():
