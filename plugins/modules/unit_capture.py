@@ -19,6 +19,9 @@ description:
     checkpoint when the unit uses a GPU, and dumps the process with CRIU.
   - Units of one activation meet at coordinator phases, so every host's task must run at the same time
     (one play over all unit hosts). Any unit can fail the whole capture; the others stop at their next phase.
+  - One operation at a time per workload on each host - while this step runs it holds the host's claim on
+    the workload (a lock under C(<state_root>/locks/)), and a step of another operation (another controller,
+    another AWX job) fails at once naming the holder's operation, step and pid, having changed nothing.
   - The evidence (readiness timings, validation reply, payload identities, CRIU image size) is written to
     C(<state_root>/captures/<capture_id>/units/<unit>/evidence.json) and returned.
 extends_documentation_fragment:

@@ -19,6 +19,10 @@ description:
     finishes a warm restore. O(state=stopped) ends the unit's engines (each whole process tree, or the
     unit container) and keeps everything on disk - captures, artifacts, payloads, the model cache - so
     the workload can be restored again. O(state=status) only reports.
+  - One operation at a time per workload on each host - while this step runs it holds the host's claim on
+    the workload (a lock under C(<state_root>/locks/)), and a step of another operation (another controller,
+    another AWX job) fails at once naming the holder's operation, step and pid, having changed nothing. O(state=status)
+    takes no claim.
   - Convergent - a unit already in the wanted state is left alone and reports no change.
 extends_documentation_fragment:
   - coldsnap.fleet.attributes

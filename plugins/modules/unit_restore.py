@@ -27,6 +27,10 @@ description:
   - O(phase=activate) restores the units - CRIU restore (stopped), CUDA restore, release, resume with
     fresh transport endpoints from the coordinator, hydration, zeroed KV - and validates the exact reply.
     O(warm=true) stops before hydration; a later wake finishes it.
+  - One operation at a time per workload on each host - while this step runs it holds the host's claim on
+    the workload (a lock under C(<state_root>/locks/)), and a step of another operation (another controller,
+    another AWX job) fails at once naming the holder's operation, step and pid, having changed nothing. O(phase=evict) hands
+    the claim to the same operation's O(phase=activate) (for two minutes at most).
   - A failure of O(phase=activate) comes after the eviction. Given O(evicted), its message says once that the
     workload that ran before was evicted and is not running, names its units and pids (or containers), and
     how to serve again; C(details.previous_workload) is C(evicted) and C(details.evicted) lists them.

@@ -31,6 +31,15 @@ def parent_pid(pid: int) -> int | None:
         return None
 
 
+def start_time(pid: int) -> str | None:
+    """When ``pid`` started (clock ticks since boot, /proc's field 22; None when it is gone): with the pid,
+    what tells one process from a later one that reuses its number."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def environment_value(pid: int, name: str) -> bytes | None:
     """The value of environment variable ``name`` in ``pid``'s initial environment (None if unset or unreadable)."""
     try:

@@ -177,6 +177,11 @@ class StateLayout:
         """The lock every operation on workload ``recipe`` holds (one at a time per state root)."""
         return self.locks / f"workload-{recipe}.lock"
 
+    def host_claim(self, recipe: str) -> Path:
+        """The claim a step that changes workload ``recipe`` on this host holds (``units/claim.py``): one
+        operation at a time per host, whichever controller started it."""
+        return self.locks / f"host-workload-{recipe}.claim"
+
     # ---------------------------------------------------------- privacy
     def ensure_private_root(self) -> Path:
         """Create the state root 0700 (and make an existing one 0700): everything below is private

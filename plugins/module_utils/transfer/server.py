@@ -43,6 +43,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
     file_sha256,
     first_link_below,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import start_time
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import private_dir
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import auth
@@ -304,14 +305,6 @@ def serve(server: PeerServer, *, idle_timeout: float, lifetime: float) -> str:
 
 # -- the detached server -----------------------------------------------------------------------
 
-def _start_time(pid: int) -> str | None:
-    try:
-        stat_line = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat_line.rsplit(")", 1)[1].split()[19]
-
-
 def start_server(root: Path | str, *, token: str, address: str, run_file: Path | str, port: int = 0,
                  include: list[str] | None = None, idle_timeout: float = 300.0,
                  lifetime: float = 14400.0, check_mode: bool = False) -> dict[str, Any]:
@@ -358,7 +351,7 @@ def start_server(root: Path | str, *, token: str, address: str, run_file: Path |
         server_pid = int(line)
     except ValueError:
         raise ColdSnapError(f"the transfer server did not start (see {log_path})", fix="read its log") from None
-    record = {"pid": server_pid, "start_time": _start_time(server_pid), "address": bound[0], "port": bound[1],
+    record = {"pid": server_pid, "start_time": start_time(server_pid), "address": bound[0], "port": bound[1],
               "fingerprint": fingerprint, "started_unix": time.time()}
     atomic_write_bytes(run_file, json.dumps(record).encode(), mode=0o600)
     return {**info, "changed": True, "address": bound[0], "port": bound[1], "pid": server_pid}
@@ -443,7 +436,7 @@ def _running_server(run_file: Path) -> tuple[int, Any] | None:
         pid, start = int(record["pid"]), record.get("start_time")
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return (pid, start) if start is not None and _start_time(pid) == start else None
+    return (pid, start) if start is not None and start_time(pid) == start else None
 
 
 def stop_server(run_file: Path | str, *, timeout: float = 10.0, check_mode: bool = False) -> bool:
@@ -459,9 +452,9 @@ def stop_server(run_file: Path | str, *, timeout: float = 10.0, check_mode: bool
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _start_time(pid) == start and time.monotonic() < deadline:
+        while start_time(pid) == start and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _start_time(pid) == start:
+        if start_time(pid) == start:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(OSError):

@@ -14,6 +14,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.status impo
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state, host_facts
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import admit_capture
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.claim import claimed
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import (
@@ -86,16 +87,18 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
     nvidia = host_facts.gpus()[1] if any(u["devices"] for u in units) else None
     admit_capture(request, host=host, units=units, nvidia_driver=nvidia)
     if check_mode:
-        return {"changed": True, "units": [], "msg": f"would capture {len(units)} unit(s) on {host}"}
+        with claimed(state_root, request, host=host, step="capture", check_mode=True):
+            return {"changed": True, "units": [], "msg": f"would capture {len(units)} unit(s) on {host}"}
     runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
                           python=python, owner=owner)
-    runtime.check_environment(units)
-    runtime.check_capture_free(units)
-    _require_service_ports_free(request, units)
-    specs = build_specs(request, host=host, operation="capture", capture_id=capture_id, state_root=state_root,
-                        python=python, coordinator_endpoint=coordinator_endpoint, timeouts=timeouts,
-                        progress_dir=progress_dir)
-    evidence = _sealed(layout, capture_id, runtime.capture(specs))
+    with claimed(state_root, request, host=host, step="capture"):
+        runtime.check_environment(units)
+        runtime.check_capture_free(units)
+        _require_service_ports_free(request, units)
+        specs = build_specs(request, host=host, operation="capture", capture_id=capture_id, state_root=state_root,
+                            python=python, coordinator_endpoint=coordinator_endpoint, timeouts=timeouts,
+                            progress_dir=progress_dir)
+        evidence = _sealed(layout, capture_id, runtime.capture(specs))
     return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence)}
 
 
@@ -151,6 +154,7 @@ def capture_running_units(request: dict, artifact: dict, *, host: str, capture_i
     specs = build_specs(request, host=host, operation="capture-running", capture_id=capture_id,
                         state_root=state_root, python=python, coordinator_endpoint=coordinator_endpoint,
                         weights=plan, validation=validation, timeouts=timeouts)
-    evidence = _sealed(layout, capture_id, runtime.capture_running(specs))
+    with claimed(state_root, request, host=host, step="overlay-capture"):
+        evidence = _sealed(layout, capture_id, runtime.capture_running(specs))
     return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence),
             "capture_id": capture_id}

@@ -9,6 +9,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.claim import claimed
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_units import DockerUnits
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import HostUnits
@@ -50,6 +51,19 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
     units = units_on_host(request, host)
     if not units:
         return {"changed": False, "units": []}
+    if action == "status":  # only reads: beside anything
+        return _lifecycle(request, artifact, units, host=host, action=action, state_root=state_root,
+                          activation_digest=activation_digest, python=python, check_mode=check_mode,
+                          activation_required=activation_required, owner=owner)
+    with claimed(state_root, request, host=host, step=action, check_mode=check_mode):
+        return _lifecycle(request, artifact, units, host=host, action=action, state_root=state_root,
+                          activation_digest=activation_digest, python=python, check_mode=check_mode,
+                          activation_required=activation_required, owner=owner)
+
+
+def _lifecycle(request: dict, artifact: dict | None, units: list[dict], *, host: str, action: str,
+               state_root: Path, activation_digest: str, python: str | None, check_mode: bool,
+               activation_required: bool, owner: Any) -> dict:
     runs_activation = action in ("sleep", "wake", "finish-warm") and not check_mode
     if not activation_required and runs_activation and \
             not activation_stage.staged_path(state_root, activation_digest).is_dir():

@@ -13,6 +13,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import eviction
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import placement
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.claim import claimed
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtimes import runtime_for
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import (
@@ -35,7 +36,15 @@ def placements_of(request: dict, artifact: dict, host: str) -> dict[str, dict]:
 def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, state_root: Path,
                     check_mode: bool, python: str | None = None, staging_failures: dict | None = None,
                     hub_token: str | None = None) -> dict:
-    """Everything restore needs on this host, checked without touching the running workload."""
+    """Everything restore needs on this host, checked without touching the running workload (while this
+    host's claim on the workload is held: another operation's step running here is refused, naming it)."""
+    with claimed(state_root, request, host=host, step="prepare", check_mode=check_mode):
+        return _prepare(request, artifact, host=host, facts=facts, state_root=state_root, check_mode=check_mode,
+                        python=python, staging_failures=staging_failures, hub_token=hub_token)
+
+
+def _prepare(request: dict, artifact: dict, *, host: str, facts: dict, state_root: Path, check_mode: bool,
+             python: str | None, staging_failures: dict | None, hub_token: str | None) -> dict:
     runtime = runtime_for(request, host=host, state_root=state_root, python=python)
     plans, changed = runtime.prepare(artifact, facts=facts, check_mode=check_mode)
     # Host runtime: the captured state is on disk here (docker: inside the capsule image, checked in hydration).
@@ -57,16 +66,19 @@ def evict(request: dict, artifact: dict, *, host: str, state_root: Path, check_m
     Prepare found the captured pids and ports free, maybe minutes ago; one a stranger took since would
     fail the restore after the kill, so they are checked again right before it, and a refusal evicts
     nothing. The result names what was stopped under ``coldsnap_evicted`` too (the controller's record
-    of the eviction); a failure part way says the step may have stopped some of them."""
-    runtime = runtime_for(request, host=host, state_root=state_root)
-    runtime.require_restorable(artifact, check_mode=check_mode)
-    try:
-        stopped = runtime.evict(check_mode=check_mode)
-    except ColdSnapError as exc:
-        raise _same_kind(exc)(f"{exc.problem} (the evict step failed part way: the workload that ran before may be "
-                              "stopped in part; `coldsnap status` shows what runs)", fix=exc.fix,
-                              details={**exc.details, eviction.RESULT_EVICTED_KEY: {"host": host, "units": None}}) \
-            from exc
+    of the eviction); a failure part way says the step may have stopped some of them. The host's claim on
+    the workload is handed over to this restore's activate step (``units/claim.py``)."""
+    with claimed(state_root, request, host=host, step="evict", check_mode=check_mode) as claim:
+        runtime = runtime_for(request, host=host, state_root=state_root)
+        runtime.require_restorable(artifact, check_mode=check_mode)
+        try:
+            stopped = runtime.evict(check_mode=check_mode)
+        except ColdSnapError as exc:
+            raise _same_kind(exc)(f"{exc.problem} (the evict step failed part way: the workload that ran before may "
+                                  "be stopped in part; `coldsnap status` shows what runs)", fix=exc.fix,
+                                  details={**exc.details, eviction.RESULT_EVICTED_KEY: {"host": host, "units": None}}) \
+                from exc
+        claim.hand_over()
     out = {"changed": bool(stopped), "stopped": stopped}
     if not check_mode:
         out[eviction.RESULT_EVICTED_KEY] = {"host": host, "units": stopped}
@@ -87,21 +99,30 @@ def restore_units(request: dict, artifact: dict, *, host: str, state_root: Path,
     if check_mode:
         return {"changed": True, "units": [], "msg": f"would restore {len(units)} unit(s) on {host}"}
     try:
-        runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
-                              python=python, owner=owner)
-        unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units}
-        specs = build_specs(request, host=host, operation="warm" if warm else "restore",
-                            capture_id=artifact["capture_id"], state_root=state_root, python=python,
-                            coordinator_endpoint=coordinator_endpoint,
-                            weights=plan_weights(request, artifact, host=host, state_root=state_root),
-                            validation=accepted_validation(request, artifact), unit_dirs=unit_dirs, warm=warm,
-                            timeouts=timeouts, placements=placements_of(request, artifact, host),
-                            progress_dir=progress_dir)
-        evidence = runtime.restore(artifact, specs)
+        with claimed(state_root, request, host=host, step="activate"):
+            return _activate(request, artifact, units, host=host, state_root=state_root,
+                             activation_digest=activation_digest, coordinator_endpoint=coordinator_endpoint,
+                             python=python, warm=warm, timeouts=timeouts, owner=owner, progress_dir=progress_dir)
     except Exception as exc:
         if not evicted:
             raise
         raise failed_after_eviction(exc, evicted, host=host) from exc
+
+
+def _activate(request: dict, artifact: dict, units: list[dict], *, host: str, state_root: Path,
+              activation_digest: str, coordinator_endpoint: str | None, python: str | None, warm: bool,
+              timeouts: dict | None, owner: dict | str | None, progress_dir: str | None) -> dict:
+    runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
+                          python=python, owner=owner)
+    unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units}
+    specs = build_specs(request, host=host, operation="warm" if warm else "restore",
+                        capture_id=artifact["capture_id"], state_root=state_root, python=python,
+                        coordinator_endpoint=coordinator_endpoint,
+                        weights=plan_weights(request, artifact, host=host, state_root=state_root),
+                        validation=accepted_validation(request, artifact), unit_dirs=unit_dirs, warm=warm,
+                        timeouts=timeouts, placements=placements_of(request, artifact, host),
+                        progress_dir=progress_dir)
+    evidence = runtime.restore(artifact, specs)
     return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence),
             eviction.RESULT_EVICTED_KEY: {"host": host, "restored": True}}
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import start_time
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process.engine_client import (
     ControlCallError,
@@ -35,6 +36,7 @@ class EngineHandle:
         self.exit_record: Path | None = None
         self.proc: subprocess.Popen | None = None
         self.pid: int | None = None
+        self._started: str | None = None  # an adopted pid's start time: a later process with its number is not it
         self._control: ec.ControlInfo | None = None
 
     # ----------------------------------------------------------- processes
@@ -64,13 +66,22 @@ class EngineHandle:
         """Take over a restored process (not our child unless restored as a sibling); ``exit_record``: where
         the unit keeper that reaps it records how it ended."""
         self.pid = pid
+        self._started = start_time(pid)
         self._control = control if isinstance(control, ec.ControlInfo) else ec.ControlInfo.from_json(control)
         self.exit_record = exit_record
 
     def alive(self) -> bool:
         if self.proc is not None:
             return self.proc.poll() is None
-        return self.pid is not None and pid_alive(self.pid)
+        return self._is_ours() and pid_alive(self.pid)
+
+    def _is_ours(self) -> bool:
+        """The pid still names the process this handle started or adopted: our child stays ours until it is
+        reaped; an adopted pid must still carry the start time it had when adopted (once it is gone and
+        reaped, the number may be another process's); one already gone when adopted never is."""
+        if self.pid is None:
+            return False
+        return self.proc is not None or (self._started is not None and start_time(self.pid) == self._started)
 
     def reap(self, timeout: float = 30) -> int | None:
         """Wait for our child to finish (CRIU dump kills it; the parent must reap)."""
@@ -83,8 +94,8 @@ class EngineHandle:
 
     def kill(self) -> None:
         """SIGKILL the engine and every process it started (a multi-process engine's whole tree)."""
-        if self.pid is None:
-            return
+        if not self._is_ours():
+            return  # gone: its number may be a stranger's now
         tree = process_tree(self.pid) if self.alive() else {self.pid}
         for pid in sorted(tree):
             with contextlib.suppress(ProcessLookupError):

@@ -176,3 +176,32 @@ def test_a_restore_whose_moved_port_a_stranger_takes_after_prepare_keeps_the_wor
     wl.port = target
     assert units_of(again.receipt)[0]["served"]["port"] == target
     assert wl.complete() == art["acceptance"]["reply"]
+
+
+
+def test_a_second_controllers_steps_are_refused_between_this_restores_eviction_and_activation(running, state_root):
+    """Two controllers (two AWX job templates, two operators) share no controller lock: the host's claim
+    on the workload refuses the other one's steps once this restore evicted, until its activation (and
+    while any of its steps runs: tests/unit/units/test_host_claim.py), naming it; this restore then
+    completes, and the other one may go on afterwards."""
+    wl, _captured_port, arts = running
+    path, art = arts[0]
+    req = wl.request("restore", artifact=path, mutate=on_port(wl.port))
+    other = wl.request("restore", artifact=path, mutate=on_port(wl.port))  # another controller's restore
+    prepared(wl, req)
+    out = evict_step(wl, req, art)
+    assert not out.get("failed") and out["stopped"], out
+    refusals = [evict_step(wl, other, art), evict_step(wl, other, art, "--check"),
+                run_module("unit_lifecycle", {"state": "stopped", "request": other, "host": "localhost",
+                                              "activation_digest": "sha256:" + "0" * 64,
+                                              "state_root": str(wl.state_root)})]
+    for out in refusals:
+        assert out.get("failed"), out
+        assert f"is being changed by another operation: restore {req['id']}" in out["msg"], out["msg"]
+        assert "its activation comes next" in out["msg"] and "changed nothing" in out["msg"], out["msg"]
+    res = wl.run(req)  # the same restore goes on: its own steps take the hand-over
+    assert res.succeeded, res.receipt["error"]
+    assert wl.complete() == art["acceptance"]["reply"]
+    pids = wl.engines()
+    out = evict_step(wl, other, art, "--check")  # and once it ended, the other one may go on
+    assert not out.get("failed") and [s["pids"] for s in out["stopped"]] == [pids], out

@@ -4,6 +4,7 @@ for the receipt. A failure before the evict step says nothing was evicted."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import eviction
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import restore
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.claim import Claim
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import raise_failures
 
 EVICTED = [{"unit": "unit-0", "pid": 4242, "pids": [4242, 4250], "processes": 9}]
@@ -55,6 +57,8 @@ def fake(monkeypatch):
         monkeypatch.setattr(restore, "plan_weights", lambda *_a, **_k: {})
         monkeypatch.setattr(restore, "accepted_validation", lambda *_a, **_k: None)
         monkeypatch.setattr(restore, "placements_of", lambda *_a, **_k: {})
+        # the host's claim on the workload (tests/unit/units/test_host_claim.py): free here
+        monkeypatch.setattr(restore, "claimed", lambda *_a, **_k: contextlib.nullcontext(Claim(None, {})))
     return use
 
 

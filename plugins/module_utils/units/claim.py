@@ -1,0 +1,157 @@
+"""One operation at a time per workload on each host, whichever controller started it.
+
+The controller lets one operation of a workload run at a time per state root (its workload lock), but
+two controllers — two AWX job templates, two operators' ``coldsnap`` or ``ansible-playbook`` runs —
+share no lock there. Without one on the host, a second restore could evict the engines the first one
+was restoring, or CRIU-restore a second copy onto the same pids and ports.
+
+So every step that changes a workload's engines on a host (a restore's prepare, evict and activate; a
+capture; sleep, wake, stop) holds this host's *claim* on the workload for as long as it runs: an
+exclusive ``flock`` on ``<state_root>/locks/host-workload-<recipe>.claim``, which the kernel drops when
+the step's process ends, however it ends. The file holds the holder's record (operation, id, step, pid,
+since) so a refusal can name it. A step of another operation finds the claim held and is refused at once,
+naming the holder, before it changes anything. A step of the same operation that finds it held (two
+inventory hosts that share one state root) goes on beside it.
+
+One gap remains between two steps of one restore: the eviction has stopped the workload and the
+activation has not started yet (a few seconds, the coordinator's start in between). The evict step
+leaves a *hand-over* in the record — the workload is this operation's until ``pending_until``
+(:data:`HANDOVER_S` later) — which every other operation honours and the same operation's activate step
+takes over. A controller that died in that gap holds the workload no longer than that.
+
+Check mode only looks (nothing is written); ``status`` never claims.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import file_lock, lock_held
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+
+HANDOVER_S = 120.0  # how long an evicted workload waits for its own restore's activate step
+_RECORD_MAX = 4096
+
+
+class WorkloadBusy(ColdSnapError):
+    """Another operation holds (or was handed) this host's claim on the workload."""
+
+
+class Claim:
+    """A held claim: :meth:`hand_over` keeps the workload this operation's after the step ends."""
+
+    def __init__(self, fd: int | None, record: dict) -> None:
+        self._fd = fd
+        self.record = record
+
+    def hand_over(self, seconds: float = HANDOVER_S) -> None:
+        """The workload stays this operation's for ``seconds`` after this step (its next step takes it)."""
+        if self._fd is None:
+            return
+        self.record = {**self.record, "pending_until": time.time() + seconds}
+        _write(self._fd, self.record)
+
+
+@contextlib.contextmanager
+def claimed(state_root: Path, request: dict, *, host: str, step: str, check_mode: bool = False) -> Iterator[Claim]:
+    """Hold this host's claim on ``request``'s workload for a step that changes it (module doc).
+
+    Refused with :class:`WorkloadBusy`, naming the holder, while a step of another operation holds it or
+    was handed it. Check mode checks the same and writes nothing."""
+    recipe = request["workload"]["recipe"]
+    mine = {"operation": request.get("operation"), "id": str(request.get("id")), "step": step}
+    path = StateLayout(state_root).host_claim(recipe)
+    if check_mode:
+        if path.is_file() and lock_held(path, exclusive=True):
+            raise _busy(_peek(path), recipe=recipe, host=host, mine=mine, held=True)
+        _refuse_handover(_peek(path), recipe=recipe, host=host, mine=mine)
+        yield Claim(None, mine)
+        return
+    lock = file_lock(path, timeout=0)
+    try:
+        fd = lock.__enter__()
+    except TimeoutError:
+        holder = _peek(path)
+        if holder is not None and holder.get("id") == mine["id"]:
+            # The same operation's step for another inventory host that shares this state root: not a rival.
+            yield Claim(None, mine)
+            return
+        raise _busy(holder, recipe=recipe, host=host, mine=mine, held=True) from None
+    try:
+        _refuse_handover(_read(fd), recipe=recipe, host=host, mine=mine)
+        claim = Claim(fd, {**mine, "pid": os.getpid(), "since": time.time(), "pending_until": None})
+        _write(fd, claim.record)
+        yield claim
+    finally:
+        lock.__exit__(None, None, None)
+
+
+def _refuse_handover(record: dict | None, *, recipe: str, host: str, mine: dict) -> None:
+    """Refuse while another operation's eviction waits for its own activation (module doc)."""
+    if not record or record.get("id") == mine["id"]:
+        return
+    until = record.get("pending_until")
+    if isinstance(until, (int, float)) and not isinstance(until, bool) and time.time() < until:
+        raise _busy(record, recipe=recipe, host=host, mine=mine, held=False)
+
+
+def _busy(record: dict | None, *, recipe: str, host: str, mine: dict, held: bool) -> WorkloadBusy:
+    rec = record or {}
+    who = f"{rec.get('operation') or 'an operation'} {rec.get('id') or '(id unknown)'}"
+    if held:
+        what = f"its {rec.get('step') or 'step'} step is running (pid {rec.get('pid', '?')}, since {_clock(rec.get('since'))})"
+        fix = (f"wait for {rec.get('id') or 'it'} to end (`coldsnap runs show {rec.get('id')}` on the controller "
+               "that started it), then run again; operations on one workload run one at a time on each host")
+    else:
+        what = (f"it evicted the workload at {_clock(rec.get('since'))} and its activation comes next (the "
+                f"workload is its own until {_clock(rec.get('pending_until'))})")
+        fix = (f"wait for {rec.get('id') or 'it'} to end, then run again; if its controller is gone, run again "
+               f"after {_clock(rec.get('pending_until'))}")
+    return WorkloadBusy(f"workload {recipe!r} on {host} is being changed by another operation: {who}: {what}; this "
+                        f"{mine.get('operation') or 'operation'} ({mine['id']}, step {mine['step']}) changed nothing",
+                        fix=fix, details={"holder": {k: rec.get(k) for k in ("operation", "id", "step", "pid")}})
+
+
+def _clock(t) -> str:
+    if not isinstance(t, (int, float)) or isinstance(t, bool):
+        return "?"
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def _read(fd: int) -> dict | None:
+    try:
+        doc = json.loads(os.pread(fd, _RECORD_MAX, 0) or b"null")
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _peek(path: Path) -> dict | None:
+    """The record without the lock (its holder may be rewriting it: then read again, once)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP):
+            return None
+        raise
+    try:
+        record = _read(fd)
+        if record is None:
+            time.sleep(0.05)
+            record = _read(fd)
+        return record
+    finally:
+        os.close(fd)
+
+
+def _write(fd: int, record: dict) -> None:
+    data = json.dumps(record, sort_keys=True).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)

@@ -1,0 +1,160 @@
+"""One operation at a time per workload on each host, whichever controller started it: a step of another
+operation (a second AWX job, another operator's controller) is refused while one runs or while a restore's
+eviction waits for its own activation, naming the holder, before it changes anything. Real processes hold
+the claim; the kernel drops it with them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import claim as claim_mod
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import restore as restore_ops
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.claim import WorkloadBusy, claimed
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.lifecycle import lifecycle_units
+from standin_engine import ENGINE
+
+
+def request(op_id: str, operation: str = "restore") -> dict:
+    return {"id": op_id, "operation": operation, "workload": {"recipe": "demo"},
+            "launch": {"runtime": "host", "units": [{"id": "u0", "host": "h1"}]}}
+
+
+HOLDER = r"""
+import json, sys, time
+from pathlib import Path
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.claim import claimed
+state, op_id, step = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+req = {"id": op_id, "operation": "restore", "workload": {"recipe": "demo"}}
+with claimed(state, req, host="h1", step=step) as c:
+    if step == "evict":
+        c.hand_over()
+    print("held", flush=True)
+    if step != "evict":
+        sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+def hold(state: Path, op_id: str, step: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(state), op_id, step], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+@pytest.fixture
+def engine(tmp_path):
+    """A running engine of workload 'demo' unit u0 (the stand-in's control API); (state root, process)."""
+    state = tmp_path / "state"
+    wdir = state / "workloads" / "demo" / "u0"
+    wdir.mkdir(parents=True)
+    control = wdir / ec.CONTROL_FILE_NAME.format(worker="w0")
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(control), "", "0"],
+                            env={**os.environ, ec.ENV_CONTROL_FILE: str(control)}, stderr=subprocess.DEVNULL)
+    threading.Thread(target=proc.wait, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not control.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert control.exists()
+    try:
+        yield state, proc
+    finally:
+        proc.kill()
+
+
+def test_a_running_step_of_another_operation_refuses_every_changing_step_and_names_it(engine):
+    state, proc = engine
+    holder = hold(state, "op-a", "activate")
+    try:
+        for check_mode in (False, True):
+            with pytest.raises(WorkloadBusy) as err:
+                lifecycle_units(request("op-b", "stop"), None, host="h1", action="stop", state_root=state,
+                                activation_digest="sha256:" + "0" * 64, python=None, check_mode=check_mode)
+            msg = err.value.problem
+            assert "restore op-a" in msg and f"pid {holder.pid}" in msg and "activate step is running" in msg
+            assert "changed nothing" in msg and "coldsnap runs show op-a" in err.value.fix
+        with pytest.raises(WorkloadBusy, match="op-a"):
+            restore_ops.evict(request("op-b"), {}, host="h1", state_root=state, check_mode=False)
+        assert proc.poll() is None, "a refused step stops nothing"
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    # the holder is gone: the kernel dropped its claim, the other operation goes on
+    out = lifecycle_units(request("op-b", "stop"), None, host="h1", action="stop", state_root=state,
+                          activation_digest="sha256:" + "0" * 64, python=None, check_mode=False)
+    assert out["changed"] and out["units"][0]["stopped"]["pid"] == proc.pid
+
+
+def test_an_eviction_hands_the_workload_to_its_own_activation_only(tmp_path):
+    state = tmp_path / "state"
+    evict = hold(state, "op-a", "evict")  # evicts, hands over, exits
+    assert evict.wait() == 0
+    with pytest.raises(WorkloadBusy) as err:
+        with claimed(state, request("op-b"), host="h1", step="prepare"):
+            pass
+    assert "evicted the workload" in err.value.problem and "its activation comes next" in err.value.problem
+    assert "if its controller is gone, run again after" in err.value.fix
+    with pytest.raises(WorkloadBusy):  # check mode says the same, writing nothing
+        with claimed(state, request("op-b"), host="h1", step="prepare", check_mode=True):
+            pass
+    with claimed(state, request("op-a"), host="h1", step="activate"):  # its own activation takes it over
+        record = json.loads(StateLayout(state).host_claim("demo").read_text())
+        assert record["step"] == "activate" and record["pending_until"] is None
+    with claimed(state, request("op-b"), host="h1", step="prepare"):  # and once done, it is free
+        pass
+
+
+def test_a_hand_over_lasts_only_so_long(tmp_path, monkeypatch):
+    state = tmp_path / "state"
+    with claimed(state, request("op-a"), host="h1", step="evict") as c:
+        c.hand_over(seconds=0.2)
+    with pytest.raises(WorkloadBusy):
+        with claimed(state, request("op-b"), host="h1", step="prepare"):
+            pass
+    time.sleep(0.3)  # its controller died between evict and activate: the workload is free again
+    with claimed(state, request("op-b"), host="h1", step="prepare"):
+        pass
+
+
+def test_check_mode_writes_nothing_and_a_link_is_never_followed(tmp_path):
+    state = tmp_path / "state"
+    with claimed(state, request("op-a"), host="h1", step="stop", check_mode=True):
+        pass
+    assert not StateLayout(state).host_claim("demo").exists()
+    target = tmp_path / "elsewhere"
+    target.write_text("keep")
+    StateLayout(state).locks.mkdir(parents=True)
+    StateLayout(state).host_claim("demo").symlink_to(target)
+    with pytest.raises(Exception, match="symbolic link"):
+        with claimed(state, request("op-a"), host="h1", step="stop"):
+            pass
+    assert target.read_text() == "keep"
+
+
+def test_the_claim_file_is_private_and_names_the_holder(tmp_path):
+    state = tmp_path / "state"
+    with claimed(state, request("op-a"), host="h1", step="capture"):
+        path = StateLayout(state).host_claim("demo")
+        assert path.stat().st_mode & 0o777 == 0o600
+        record = json.loads(path.read_text())
+        assert record["id"] == "op-a" and record["step"] == "capture" and record["pid"] == os.getpid()
+    assert claim_mod.HANDOVER_S >= 60
+
+
+def test_the_same_operations_step_for_another_host_sharing_the_state_root_goes_on(tmp_path):
+    state = tmp_path / "state"
+    holder = hold(state, "op-a", "activate")
+    try:
+        with claimed(state, {**request("op-a"), "launch": {}}, host="h2", step="activate"):
+            pass
+    finally:
+        holder.stdin.close()
+        holder.wait()
