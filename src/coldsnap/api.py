@@ -194,7 +194,7 @@ def run(operation: str, request: RequestSource, *, prepare_only: bool = False, i
         event_handler: EventHandler | None = None, status_handler: StatusHandler | None = None,
         timing_sink: TimingTarget = None, progress: bool | None = False, progress_stream: IO[str] | None = None,
         cancel_event: threading.Event | None = None, envvars: Mapping[str, str] | None = None,
-        verbosity: int = 0) -> Receipt:
+        verbosity: int = 0, rollback: bool = True) -> Receipt:
     """Run ``operation`` on ``request``; the per-operation functions call this.
 
     ``prepare_only`` (restore and warm): admission, staging and verification, the running
@@ -208,7 +208,9 @@ def run(operation: str, request: RequestSource, *, prepare_only: bool = False, i
     callbacks, given what the artifacts store (known secrets redacted); an exception they raise
     becomes a warning in the receipt. ``timing_sink``: see :mod:`coldsnap.runner.timing_stream`;
     ``progress``: progress lines on ``progress_stream`` (stderr), None = when it is a terminal;
-    ``cancel_event``: set it to stop the run (the receipt is still written).
+    ``cancel_event``: set it to stop the run (the receipt is still written). ``rollback`` (restore and
+    warm): a failure after the evict step restores the workload that ran before, when this state root's
+    controller restored it (:mod:`coldsnap.runner.rollback`; the receipt's ``result.rollback``).
     """
     check_prepare_only(operation, prepare_only)  # an argument error comes before the request's
     reserved = sorted((set(extravars or {}) | set(secrets or {})) & set(RESERVED_EXTRAVARS))
@@ -234,7 +236,7 @@ def run(operation: str, request: RequestSource, *, prepare_only: bool = False, i
         state_root=resolve_state_root(state_root),
         prepare_only=prepare_only, timing_sink=timing_sink, progress=progress, progress_stream=progress_stream,
         cancel_event=cancel_event, envvars=envvars, verbosity=verbosity, event_handler=event_handler,
-        status_handler=status_handler, notes=notes or None)
+        status_handler=status_handler, notes=notes or None, rollback=rollback)
     return Receipt.from_dict(result.receipt, path=result.receipt_path)
 
 

@@ -14,7 +14,8 @@
         workloads/<recipe>/<unit>/         the running workload: target.log, control files
         runs/<operation id>/               ansible-runner private data dir, unit specs, receipt
         artifacts/                         committed descriptors (the artifact store)
-        locks/                             per-workload and per-artifact operation locks
+        locks/                             per-workload and per-artifact operation locks, hosts' workload claims
+        serving/<recipe>.json              the controller's record of the restore a workload runs from (rollback)
 
 Modules, the controller, the activation runtime and (through the
 ``coldsnap.fleet`` filters) the playbooks all derive paths here.
@@ -176,6 +177,11 @@ class StateLayout:
     def workload_lock(self, recipe: str) -> Path:
         """The lock every operation on workload ``recipe`` holds (one at a time per state root)."""
         return self.locks / f"workload-{recipe}.lock"
+
+    def serving(self, recipe: str) -> Path:
+        """The controller's record of the last successful restore of workload ``recipe`` (what a failed
+        restore rolls back to)."""
+        return self.root / "serving" / f"{recipe}.json"
 
     def host_claim(self, recipe: str) -> Path:
         """The claim a step that changes workload ``recipe`` on this host holds (``units/claim.py``): one

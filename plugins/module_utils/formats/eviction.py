@@ -28,7 +28,12 @@ NONE_RUNNING = "none-running"  # the evict step ran and found nothing of the wor
 REPLACED = "replaced"  # it was evicted and the restore succeeded: the restored workload runs in its place
 EVICTED = "evicted"  # it was evicted and the restore failed after that: it is not running
 UNKNOWN = "unknown"  # the evict step failed or was cut off part way: see `coldsnap status`
-PREVIOUS_WORKLOAD_STATES = (UNTOUCHED, NONE_RUNNING, REPLACED, EVICTED, UNKNOWN)
+ROLLED_BACK = "rolled-back"  # evicted, the restore failed, and the controller's rollback restored it again
+PREVIOUS_WORKLOAD_STATES = (UNTOUCHED, NONE_RUNNING, REPLACED, EVICTED, UNKNOWN, ROLLED_BACK)
+
+# The operation id of the rollback of a restore that failed after eviction (the controller's; the host's
+# claim on the workload, handed to the failed restore's activation, passes on to it).
+ROLLBACK_SUFFIX = "-rollback"
 
 # Said once in a failure after eviction; a message that holds it is not told again.
 EVICTED_PHRASE = "was evicted and is not running"
@@ -70,6 +75,28 @@ def after_eviction(problem: str, stopped: Sequence[Mapping[str, Any]] | None, *,
     if not stopped or EVICTED_PHRASE in problem:
         return problem
     return f"{evicted_note(stopped, host=host)}. The cause: {problem}"
+
+
+def rollback_id(operation_id: str) -> str:
+    """The operation id of ``operation_id``'s rollback."""
+    return f"{operation_id}{ROLLBACK_SUFFIX}"
+
+
+def succeeds(holder_id: str, operation_id: str) -> bool:
+    """True when ``operation_id`` is ``holder_id`` itself or its rollback."""
+    return operation_id in (holder_id, rollback_id(holder_id))
+
+
+ROLLED_BACK_PHRASE = "the workload that ran before was restored again"
+
+
+def rolled_back(message: str, *, rollback_id: str, captures: Sequence[str]) -> str:
+    """A failure after eviction whose rollback succeeded: said first that the workload serves as before,
+    then the cause (the eviction's sentence, which says it is not running, is dropped)."""
+    cause = message.split(". The cause: ", 1)[1] if ". The cause: " in message else message
+    of = f" (capture {', '.join(captures)})" if captures else ""
+    return (f"restore failed after eviction and was rolled back: {ROLLED_BACK_PHRASE}{of} by restore {rollback_id} "
+            f"and serves as it did. The cause: {cause}")
 
 
 def before_eviction(problem: str) -> str:

@@ -17,7 +17,8 @@ One gap remains between two steps of one restore: the eviction has stopped the w
 activation has not started yet (a few seconds, the coordinator's start in between). The evict step
 leaves a *hand-over* in the record — the workload is this operation's until ``pending_until``
 (:data:`HANDOVER_S` later) — which every other operation honours and the same operation's activate step
-takes over. A controller that died in that gap holds the workload no longer than that.
+takes over (or its rollback, ``<id>-rollback``, when the restore failed before its activation could). A
+controller that died in that gap holds the workload no longer than that.
 
 Check mode only looks (nothing is written); ``status`` never claims.
 """
@@ -35,6 +36,7 @@ from pathlib import Path
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import file_lock, lock_held
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.eviction import succeeds
 
 HANDOVER_S = 120.0  # how long an evicted workload waits for its own restore's activate step
 _RECORD_MAX = 4096
@@ -95,8 +97,8 @@ def claimed(state_root: Path, request: dict, *, host: str, step: str, check_mode
 
 def _refuse_handover(record: dict | None, *, recipe: str, host: str, mine: dict) -> None:
     """Refuse while another operation's eviction waits for its own activation (module doc)."""
-    if not record or record.get("id") == mine["id"]:
-        return
+    if not record or succeeds(str(record.get("id")), mine["id"]):
+        return  # its own hand-over, or its rollback's (the controller's, after its activation failed)
     until = record.get("pending_until")
     if isinstance(until, (int, float)) and not isinstance(until, bool) and time.time() < until:
         raise _busy(record, recipe=recipe, host=host, mine=mine, held=False)

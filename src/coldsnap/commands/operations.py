@@ -45,6 +45,10 @@ def register(sub) -> None:
         p.add_argument("--prepare-only", action="store_true",
                        help="admission, staging and verification only; the running workload is untouched"
                             + ("" if verb in PREPARE_ONLY_OPERATIONS else " (restore and warm only)"))
+        p.add_argument("--no-rollback", dest="rollback", action="store_false",
+                       help="a restore that fails after evicting the running workload leaves it evicted (by default "
+                            "the controller restores what ran before, when it restored that itself)"
+                            + ("" if verb in PREPARE_ONLY_OPERATIONS else " (restore and warm only)"))
         p.add_argument("--receipt-json", metavar="PATH", help="write the receipt here instead of stdout")
         p.add_argument("--timing-ndjson", metavar="PATH|-", help="stream timing events (NDJSON) live to a file or stdout")
         p.add_argument("--inventory", metavar="PATH", help="Ansible inventory (default: built from the request)")
@@ -134,7 +138,7 @@ def run(args) -> int:
         receipt = api.run(args.operation, args.request_json, prepare_only=args.prepare_only,
                           inventory=args.inventory, state_root=args.state_root, extravars=extra, secrets=secrets,
                           playbook=args.playbook, timing_sink=args.timing_ndjson, progress=progress,
-                          cancel_event=cancel, verbosity=args.verbose)
+                          cancel_event=cancel, verbosity=args.verbose, rollback=args.rollback)
     code = receipt.exit_code
     receipt_file = args.receipt_json
     if receipt_file:

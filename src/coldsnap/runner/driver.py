@@ -68,6 +68,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
 
 from coldsnap.receipts import build_receipt, write_receipt
+from coldsnap.runner import rollback as rollback_mod
 from coldsnap.runner.contract import (
     EXTRAVAR_LIVE_PROGRESS,
     EXTRAVAR_REQUEST,
@@ -389,7 +390,7 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
                  verbosity: int = 0, keep_artifacts: int = 10,
                  progress_stream: IO[str] | None = None, event_handler: EventHandler | None = None,
                  status_handler: StatusHandler | None = None,
-                 notes: Mapping[str, Any] | None = None) -> OperationResult:
+                 notes: Mapping[str, Any] | None = None, rollback: bool = True) -> OperationResult:
     """Run ``playbook`` for ``operation`` and write receipt format 2 (also when it fails or is cancelled).
 
     ``playbook``: FQCN (``coldsnap.fleet.capture``), an absolute path or a path
@@ -410,7 +411,8 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
     (``result.controller_warnings``), never a failed run. Errors a user can fix before
     anything runs (unknown playbook, busy operation, a unit host missing from the
     inventory) raise ColdSnapError. ``notes``: the controller's findings before the run (e.g.
-    ``snapshot_driver_selection``), added to the receipt's ``result``.
+    ``snapshot_driver_selection``), added to the receipt's ``result``. ``rollback`` (restore and warm): a
+    failure after the evict step restores the workload that ran before (:mod:`coldsnap.runner.rollback`).
     """
     try:
         import ansible_runner
@@ -424,6 +426,36 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
                              inventory=inventory, state_root=state_root, prepare_only=prepare_only, envvars=envvars,
                              secret_extravars=secret_extravars, verbosity=verbosity, keep_artifacts=keep_artifacts,
                              notes=notes)
+
+    def play(cfg: RunConfig) -> OperationResult:
+        return PlaybookRun(cfg, ansible_runner=ansible_runner, timing_sink=timing_sink, progress=progress,
+                           cancel_event=cancel_event, progress_stream=progress_stream,
+                           event_handler=event_handler, status_handler=status_handler).run()
+
+    with _run_lock(config):
+        with _workload_lock(config):
+            result = play(config)
+            if config.operation in eviction.RESTORE_OPERATIONS:
+                # a success is remembered; a failure after eviction brings back what ran (rollback.py)
+                def run_rollback(cfg: RunConfig) -> OperationResult:
+                    with _run_lock(cfg):
+                        return play(cfg)
+
+                def say(line: str) -> None:
+                    if watched:
+                        print(f"coldsnap: {line}", file=stream, flush=True)
+
+                result = rollback_mod.after_restore(config, result, enabled=rollback, build=RunConfig.build,
+                                                    run=run_rollback, say=say)
+            elif config.operation == "stop" and result.succeeded:
+                rollback_mod.forget(config.state_root, ((config.request or {}).get("workload") or {}).get("recipe"))
+            return result
+
+
+@contextlib.contextmanager
+def _run_lock(config: RunConfig):
+    """The run directory of ``config``'s operation, created, locked for the run (one run per id) and checked
+    for an orphaned playbook of an earlier run with this id."""
     try:
         StateLayout(config.state_root).ensure_private_root()
         run_dir = _private_dir(_private_dir(config.state_root / "runs") / config.operation_id)
@@ -440,10 +472,7 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
                             fix="wait for it to finish, or give this request a new id") from None
     try:
         _require_no_orphan(run_dir, config.operation_id)
-        with _workload_lock(config):
-            return PlaybookRun(config, ansible_runner=ansible_runner, timing_sink=timing_sink, progress=progress,
-                               cancel_event=cancel_event, progress_stream=progress_stream,
-                               event_handler=event_handler, status_handler=status_handler).run()
+        yield run_dir
     finally:
         lock.__exit__(None, None, None)
 

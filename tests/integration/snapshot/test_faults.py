@@ -248,13 +248,15 @@ def test_a_stopped_workload_reads_stopped_and_cannot_sleep_or_wake(captured):
         assert "is stopped" in message and "restore the workload first" in message, message
 
 
-def criu_that_kills_after_restore(tmp_path: Path, pid: int) -> Path:
+def criu_that_kills_after_restore(tmp_path: Path, pid: int, *, once: bool = False) -> Path:
     """A CRIU (for COLDSNAP_CRIU) whose successful restore is followed by a SIGKILL of ``pid``: the restored
-    engine dies right as CRIU brings it back."""
+    engine dies right as CRIU brings it back (``once``: only the first time)."""
     real = shutil.which("criu") or "/usr/local/sbin/criu"
     wrapper = tmp_path / "criu-whose-restore-dies"
+    flag = tmp_path / "criu-killed-once"
+    guard = f'[ ! -e {flag} ] && touch {flag} && ' if once else ""
     wrapper.write_text(f'#!/bin/sh\n{real} "$@"; rc=$?\n'
-                       f'if [ "$1" = restore ] && [ $rc = 0 ]; then kill -9 {pid}; fi\nexit $rc\n')
+                       f'if [ "$1" = restore ] && [ $rc = 0 ]; then {guard}kill -9 {pid}; fi\nexit $rc\n')
     wrapper.chmod(0o755)
     return wrapper
 
@@ -302,6 +304,12 @@ def test_a_restore_that_fails_after_eviction_says_the_previous_workload_was_evic
         assert record["previous_workload"] == "evicted" and record["evicted"] is True, record
         assert [(u["host"], u["unit"], u["pids"], u["restored"]) for u in record["units"]] == \
             [("localhost", "unit-0", running, False)], record
+        # The controller tried to bring back what ran (its own restore) and failed the same way.
+        rollback = res.receipt["result"]["rollback"]
+        assert rollback["attempted"] and rollback["state"] == "failed", rollback
+        assert rollback["operation_id"] == res.receipt["operation_id"] + "-rollback"
+        assert rollback["from_operation"] == ok.receipt["operation_id"], rollback
+        assert f"The rollback (restore {rollback['operation_id']}" in message and "failed too" in message, message
         assert not engines_after(wl, 10)
         assert unit_state(wl.run(wl.request("status", artifact=artifact))) == "stopped", \
             "the evicted workload does not run after the failed restore"
@@ -312,6 +320,41 @@ def test_a_restore_that_fails_after_eviction_says_the_previous_workload_was_evic
         assert again.succeeded, again.receipt["error"]
         assert again.receipt["result"]["eviction"]["previous_workload"] == "none-running"
         assert wl.complete() == art["acceptance"]["reply"]
+    finally:
+        wl.stop()
+
+
+def test_a_restore_that_fails_after_eviction_rolls_back_to_what_ran(captured, state_root, tmp_path):
+    """A workload this controller restored runs; a restore evicts it and its engine dies as CRIU restores it
+    (once). The controller restores what ran before again (a full restore of the recorded request, as
+    <id>-rollback): it serves the same reply, status says ready, and the failed restore's receipt says it
+    was rolled back (it still failed). A workload stopped since has nothing to roll back to."""
+    wl, artifact, art = captured
+    ok = wl.run(wl.request("restore", artifact=artifact))
+    assert ok.succeeded, ok.receipt["error"]
+    running = wl.engines()
+    wrapper = criu_that_kills_after_restore(tmp_path, captured_worker(state_root, art)["pid"], once=True)
+    try:
+        res = wl.run(wl.request("restore", artifact=artifact), envvars={"COLDSNAP_CRIU": str(wrapper)})
+        err = failed(res, phase_word="activate")
+        message = err["message"]
+        assert message.startswith("restore failed after eviction and was rolled back: the workload that ran "
+                                  f"before was restored again (capture {art['capture_id']}) by restore "
+                                  f"{res.receipt['operation_id']}-rollback"), message
+        assert "The cause: " in message and "died" in message and "was evicted and is not running" not in message
+        record = res.receipt["result"]["eviction"]
+        assert record["previous_workload"] == "rolled-back" and record["evicted"] is True, record
+        assert [u["pids"] for u in record["units"]] == [running]
+        rollback = res.receipt["result"]["rollback"]
+        assert rollback["attempted"] and rollback["state"] == "succeeded", rollback
+        assert rollback["from_operation"] == ok.receipt["operation_id"]
+        assert json.loads(Path(rollback["receipt"]).read_text())["state"] == "succeeded"
+        assert wl.engines(), "what ran before runs again"
+        assert wl.complete() == art["acceptance"]["reply"]
+        assert unit_state(wl.run(wl.request("status", artifact=artifact))) == "ready"
+        # stopped: nothing serves, nothing to roll back to (the controller forgot it)
+        assert wl.run(wl.request("stop", artifact=artifact)).succeeded
+        assert not (state_root / "serving" / f"{wl.name}.json").exists()
     finally:
         wl.stop()
 

@@ -158,3 +158,15 @@ def test_the_same_operations_step_for_another_host_sharing_the_state_root_goes_o
     finally:
         holder.stdin.close()
         holder.wait()
+
+
+def test_a_hand_over_passes_to_the_restores_rollback_only(tmp_path):
+    """The controller rolls a restore back (as ``<id>-rollback``) when it failed after its eviction, maybe
+    before its activation took the hand-over: the rollback may take it, nobody else."""
+    state = tmp_path / "state"
+    assert hold(state, "op-a", "evict").wait() == 0
+    with pytest.raises(WorkloadBusy):
+        with claimed(state, request("op-a-rollback-2"), host="h1", step="prepare"):
+            pass
+    with claimed(state, request("op-a-rollback"), host="h1", step="prepare"):
+        pass

@@ -1,0 +1,174 @@
+"""A restore that fails after it evicted the running workload brings that workload back.
+
+Every engine of a workload that runs under ColdSnap was restored (a capture leaves its workload
+stopped), so what a restore evicts is the workload of an earlier restore or warm restore. The controller
+remembers, per workload, the last one of those it ran that succeeded: ``<state_root>/serving/<recipe>.json``
+(0600; the normalized request, and the hosts, units and engine pids it restored). A ``stop`` of the
+workload forgets it.
+
+When a restore or warm restore fails after its evict step stopped something (``result.eviction`` says
+``evicted``), the controller — still holding the workload's lock — checks that what was evicted is what
+that record restored (the same hosts and units, and for runtime ``host`` the same engine pids; a
+workload another controller restored since is not taken for it) and runs a full restore of the recorded
+request again, under the operation id ``<id>-rollback``, with the same inventory, variables and
+environment. The failed run's receipt then records ``result.rollback`` (whether it was tried, why not,
+the rollback's id, state and receipt) and its error message says whether the workload that ran before
+serves again (``result.eviction.previous_workload``: ``rolled-back``); the failed run still fails.
+
+``--no-rollback`` (``rollback=False``) leaves the workload evicted, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_bytes
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import eviction
+
+from coldsnap.receipts import write_receipt
+from coldsnap.runner.contract import RESERVED_EXTRAVARS
+
+RECORD_KIND = "coldsnap-serving"
+_MAX_CAUSE = 2000  # characters of the rollback's own error quoted in the failed run's message
+
+
+def serving_path(state_root: Path, recipe: str) -> Path:
+    return StateLayout(state_root).serving(recipe)
+
+
+def _recipe(request: Mapping[str, Any] | None) -> str | None:
+    return ((request or {}).get("workload") or {}).get("recipe")
+
+
+def remember(state_root: Path, request: Mapping[str, Any], receipt: Mapping[str, Any]) -> None:
+    """Record the workload a successful restore (or warm restore) left running."""
+    units = []
+    for u in ((receipt.get("result") or {}).get("operation") or {}).get("units") or []:
+        if isinstance(u, Mapping):
+            units.append({"host": u.get("host"), "unit": u.get("unit"), "capture_id": u.get("capture_id"),
+                          "pids": sorted(int(w["pid"]) for w in u.get("workers") or []
+                                         if isinstance(w, Mapping) and isinstance(w.get("pid"), int))})
+    record = {"format": 1, "kind": RECORD_KIND, "operation_id": str(request["id"]),
+              "operation": receipt.get("operation"), "request": dict(request), "units": units}
+    path = serving_path(state_root, str(_recipe(request)))
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    atomic_write_bytes(path, json.dumps(record, indent=1, sort_keys=True).encode(), mode=0o600)
+
+
+def forget(state_root: Path, recipe: str | None) -> None:
+    """The workload was stopped: nothing of it serves, there is nothing to roll back to."""
+    if recipe:
+        serving_path(state_root, recipe).unlink(missing_ok=True)
+
+
+def recorded(state_root: Path, recipe: str) -> dict | None:
+    try:
+        doc = json.loads(serving_path(state_root, recipe).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(doc, dict) and doc.get("kind") == RECORD_KIND and isinstance(doc.get("request"), dict)
+    return doc if ok else None
+
+
+def same_workload(record: Mapping[str, Any], evicted: list[Mapping[str, Any]]) -> str | None:
+    """None when ``evicted`` (the failed restore's ``result.eviction.units``) is what ``record`` restored;
+    else why not."""
+    mine = {(u.get("host"), u.get("unit")): u for u in record.get("units") or []}
+    for e in evicted:
+        key = (e.get("host"), e.get("unit"))
+        if key not in mine:
+            return (f"unit {e.get('unit')} on {e.get('host')} was not part of the workload operation "
+                    f"{record.get('operation_id')} restored")
+        pids = sorted(int(p) for p in e.get("pids") or [])
+        if pids and mine[key].get("pids") and not set(pids) & set(mine[key]["pids"]):
+            return (f"unit {e.get('unit')} on {e.get('host')} ran engine pids {pids}, not the ones operation "
+                    f"{record.get('operation_id')} restored ({mine[key]['pids']}): another controller restored it since")
+    return None
+
+
+def rollback_request(record: Mapping[str, Any], failed_id: str) -> dict:
+    """The recorded request again, as a full restore under the failed run's id + ``-rollback``."""
+    return {**record["request"], "id": eviction.rollback_id(failed_id), "operation": "restore"}
+
+
+def _without_contract(variables: Mapping[str, Any]) -> dict:
+    return {k: v for k, v in variables.items() if k not in RESERVED_EXTRAVARS}
+
+
+def after_restore(config: Any, result: Any, *, enabled: bool, build: Callable[..., Any],
+                  run: Callable[[Any], Any], say: Callable[[str], None]) -> Any:
+    """What follows a restore or warm restore's run (``config``/``result``: its RunConfig and
+    OperationResult): remember a success; roll back a failure after eviction (module doc). ``build``
+    makes the rollback's RunConfig (``RunConfig.build``), ``run`` runs it under its own run lock, ``say``
+    writes one progress line. Returns the result, its receipt updated when a rollback was considered."""
+    request = config.request or {}
+    if result.succeeded:
+        if not config.prepare_only and _recipe(request):
+            remember(config.state_root, request, result.receipt)
+        return result
+    outcome = result.receipt.get("result") or {}
+    record = outcome.get("eviction") or {}
+    if config.prepare_only or record.get("previous_workload") != eviction.EVICTED or result.cancelled:
+        return result
+    evicted = [u for u in record.get("units") or [] if isinstance(u, Mapping)]
+    previous = recorded(config.state_root, str(_recipe(request)))
+    why = None
+    if not enabled:
+        why = "not asked for (--no-rollback)"
+    elif previous is None:
+        why = ("this controller has no record of the workload that ran (restored by another controller, or "
+               "stopped and restored elsewhere)")
+    else:
+        why = same_workload(previous, evicted)
+    if why is not None:
+        return _annotated(result, {"attempted": False, "why": why}, rolled_back=False, previous=previous)
+    rb_request = rollback_request(previous, config.operation_id)
+    say(f"restore {config.operation_id} failed after evicting the workload: rolling back to what ran before "
+        f"(operation {previous['operation_id']}) as {rb_request['id']}")
+    try:
+        rb_config = build(operation="restore", request=rb_request, playbook=None,
+                          extravars=_without_contract(config.public_vars), inventory=config.inventory,
+                          state_root=config.state_root, envvars=config.caller_env,
+                          secret_extravars=_without_contract(config.secret_vars), verbosity=config.verbosity,
+                          keep_artifacts=config.keep_artifacts)
+        rb = run(rb_config)
+    except ColdSnapError as exc:
+        return _annotated(result, {"attempted": True, "operation_id": rb_request["id"], "state": "failed",
+                                   "from_operation": previous["operation_id"], "why": str(exc)},
+                          rolled_back=False, previous=previous)
+    if rb.succeeded:
+        remember(config.state_root, rb_request, rb.receipt)
+    rb_error = (rb.receipt.get("error") or {}).get("message") or ""
+    info = {"attempted": True, "operation_id": rb_request["id"], "state": rb.receipt["state"],
+            "from_operation": previous["operation_id"], "receipt": str(rb.receipt_path),
+            "duration_seconds": rb.receipt.get("duration_seconds")}
+    if not rb.succeeded:
+        info["why"] = rb_error[:_MAX_CAUSE]
+    return _annotated(result, info, rolled_back=rb.succeeded, previous=previous)
+
+
+def _annotated(result: Any, info: dict, *, rolled_back: bool, previous: Mapping[str, Any] | None) -> Any:
+    """The failed run's receipt with ``result.rollback`` and its message saying what became of the workload."""
+    receipt = json.loads(json.dumps(result.receipt))
+    receipt["result"]["rollback"] = info
+    error = receipt.get("error") or {}
+    if rolled_back:
+        receipt["result"]["eviction"]["previous_workload"] = eviction.ROLLED_BACK
+        captures = sorted({str(u.get("capture_id")) for u in (previous or {}).get("units") or [] if u.get("capture_id")})
+        error["message"] = eviction.rolled_back(error.get("message") or "", rollback_id=info["operation_id"],
+                                                captures=captures)
+    elif info.get("attempted"):
+        error["message"] = (f"{error.get('message') or ''} The rollback (restore {info['operation_id']}, to what "
+                            f"operation {info.get('from_operation')} restored) failed too: {info.get('why')}")
+    else:
+        error["message"] = f"{error.get('message') or ''} No rollback: {info['why']}."
+    receipt["error"] = error
+    for path in {Path(result.receipt_path), Path(result.artifact_dir) / "receipt.json"}:
+        write_receipt(path, receipt, mode=0o600)
+    return dataclasses.replace(result, receipt=receipt)

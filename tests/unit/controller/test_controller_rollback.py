@@ -1,0 +1,162 @@
+"""The controller's rollback of a restore that failed after eviction (coldsnap.runner.rollback), without
+Ansible: when it is tried (only for what this state root's controller restored, the same hosts, units and
+engine pids), what the failed run's receipt then says, and what is remembered and forgotten. The whole
+path with real CRIU: tests/integration/snapshot/test_faults.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+from pathlib import Path
+
+import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
+
+from coldsnap.receipts import write_receipt
+from coldsnap.runner import rollback
+from coldsnap.runner.driver import OperationResult
+
+
+def request(op_id: str) -> dict:
+    return {"id": op_id, "operation": "restore", "workload": {"recipe": "demo"}}
+
+
+@dataclasses.dataclass
+class Config:
+    state_root: Path
+    request: dict
+    operation_id: str
+    prepare_only: bool = False
+    public_vars: dict = dataclasses.field(default_factory=lambda: {"coldsnap_request": {}, "mine": 1})
+    secret_vars: dict = dataclasses.field(default_factory=lambda: {"registry_password": "s3cret"})
+    inventory: dict | None = None
+    caller_env: dict = dataclasses.field(default_factory=dict)
+    verbosity: int = 0
+    keep_artifacts: int = 10
+
+
+def result_of(tmp_path: Path, op_id: str, *, succeeded: bool, units=None, eviction=None, message="boom") -> OperationResult:
+    run_dir = tmp_path / "runs" / op_id
+    (run_dir / "artifacts").mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.UTC)
+    res = {"operation": {"units": units or []}}
+    if eviction is not None:
+        res["eviction"] = eviction
+    receipt = {"format": 2, "kind": "coldsnap-operation-receipt", "operation_id": op_id, "operation": "restore",
+               "prepare_only": False, "state": "succeeded" if succeeded else "failed", "request_sha256": None,
+               "engine": None, "snapshot_driver": None, "replay_semantics": "reconcile-replace",
+               "started_at": now.isoformat().replace("+00:00", "Z"),
+               "completed_at": now.isoformat().replace("+00:00", "Z"), "duration_seconds": 1.0,
+               "timing": SpanRecorder("controller").finish(op_id), "result": res,
+               "error": None if succeeded else {"message": message, "host": "h1", "task": "t", "phase": "p"}}
+    path = write_receipt(run_dir / "receipt.json", receipt)  # validates the format
+    return OperationResult(operation_id=op_id, operation="restore", succeeded=succeeded, cancelled=False,
+                           receipt=receipt, receipt_path=path, run_dir=run_dir, artifact_dir=run_dir / "artifacts",
+                           runner_status="successful" if succeeded else "failed", rc=0 if succeeded else 2)
+
+
+RUNNING = [{"host": "h1", "unit": "u0", "capture_id": "cap-1", "workers": [{"worker": "w0", "pid": 4242}]}]
+EVICTED = {"previous_workload": "evicted", "evicted": True, "hosts": ["h1"],
+           "units": [{"host": "h1", "unit": "u0", "pid": 4242, "pids": [4242], "processes": 3, "restored": False}]}
+
+
+def after(tmp_path, config, result, *, enabled=True, outcome=None, raises=None):
+    calls = []
+
+    def build(**kw):
+        calls.append(kw)
+        if raises:
+            raise raises
+        return kw
+
+    def run(cfg):
+        return outcome
+
+    lines: list[str] = []
+    out = rollback.after_restore(config, result, enabled=enabled, build=build, run=run, say=lines.append)
+    return out, calls, lines
+
+
+def test_a_success_is_remembered_privately_and_a_stop_forgets_it(tmp_path):
+    cfg = Config(tmp_path, request("op-1"), "op-1")
+    rollback.after_restore(cfg, result_of(tmp_path, "op-1", succeeded=True, units=RUNNING), enabled=True,
+                           build=None, run=None, say=print)
+    path = rollback.serving_path(tmp_path, "demo")
+    assert path.stat().st_mode & 0o777 == 0o600
+    rec = json.loads(path.read_text())
+    assert rec["operation_id"] == "op-1" and rec["units"] == [{"host": "h1", "unit": "u0", "capture_id": "cap-1",
+                                                             "pids": [4242]}]
+    rollback.forget(tmp_path, "demo")
+    assert not path.exists()
+
+
+def test_a_failure_after_eviction_restores_the_recorded_request_as_its_rollback(tmp_path):
+    rollback.remember(tmp_path, request("op-1"), result_of(tmp_path, "op-1", succeeded=True, units=RUNNING).receipt)
+    failed = result_of(tmp_path, "op-2", succeeded=False, eviction=EVICTED,
+                       message="restore failed after eviction: the workload that ran before was evicted and is not "
+                               "running: unit u0. The cause: unit u0: the engine died")
+    rb = result_of(tmp_path, "op-2-rollback", succeeded=True, units=RUNNING)
+    out, calls, lines = after(tmp_path, Config(tmp_path, request("op-2"), "op-2"), failed, outcome=rb)
+    kw = calls[0]
+    assert kw["operation"] == "restore" and kw["request"]["id"] == "op-2-rollback"
+    assert kw["request"]["workload"] == {"recipe": "demo"}
+    assert "coldsnap_request" not in kw["extravars"] and kw["extravars"]["mine"] == 1, "contract vars set anew"
+    assert kw["secret_extravars"] == {"registry_password": "s3cret"}, "the same credentials, as secrets"
+    assert lines and "rolling back" in lines[0]
+    msg = out.receipt["error"]["message"]
+    assert msg == ("restore failed after eviction and was rolled back: the workload that ran before was restored "
+                   "again (capture cap-1) by restore op-2-rollback and serves as it did. The cause: unit u0: the "
+                   "engine died"), msg
+    assert out.receipt["result"]["eviction"]["previous_workload"] == "rolled-back"
+    assert out.receipt["result"]["rollback"]["state"] == "succeeded" and not out.succeeded
+    on_disk = json.loads(out.receipt_path.read_text())
+    assert on_disk == out.receipt, "the failed run's receipt file says it too"
+    assert json.loads(rollback.serving_path(tmp_path, "demo").read_text())["operation_id"] == "op-2-rollback"
+
+
+@pytest.mark.parametrize("case", ["disabled", "no record", "other pids", "other unit"])
+def test_no_rollback_without_a_record_of_exactly_what_was_evicted(tmp_path, case):
+    if case != "no record":
+        units = RUNNING if case != "other unit" else [{**RUNNING[0], "unit": "u9"}]
+        rollback.remember(tmp_path, request("op-1"), result_of(tmp_path, "op-1", succeeded=True, units=units).receipt)
+    evicted = json.loads(json.dumps(EVICTED))
+    if case == "other pids":  # another controller restored the workload since
+        evicted["units"][0]["pids"] = [777]
+    failed = result_of(tmp_path, "op-2", succeeded=False, eviction=evicted)
+    out, calls, _ = after(tmp_path, Config(tmp_path, request("op-2"), "op-2"), failed, enabled=case != "disabled")
+    assert not calls
+    info = out.receipt["result"]["rollback"]
+    assert info["attempted"] is False
+    assert {"disabled": "--no-rollback", "no record": "no record", "other pids": "another controller",
+            "other unit": "was not part of"}[case] in info["why"], info
+    assert out.receipt["result"]["eviction"]["previous_workload"] == "evicted"
+    assert out.receipt["error"]["message"].endswith(f"No rollback: {info['why']}.")
+
+
+def test_nothing_to_do_before_eviction_or_for_prepare_only(tmp_path):
+    rollback.remember(tmp_path, request("op-1"), result_of(tmp_path, "op-1", succeeded=True, units=RUNNING).receipt)
+    untouched = result_of(tmp_path, "op-2", succeeded=False, eviction={**EVICTED, "previous_workload": "untouched"})
+    out, calls, _ = after(tmp_path, Config(tmp_path, request("op-2"), "op-2"), untouched)
+    assert not calls and "rollback" not in out.receipt["result"]
+    failed = result_of(tmp_path, "op-3", succeeded=False, eviction=EVICTED)
+    out, calls, _ = after(tmp_path, Config(tmp_path, request("op-3"), "op-3", prepare_only=True), failed)
+    assert not calls and "rollback" not in out.receipt["result"]
+
+
+def test_a_rollback_that_cannot_start_or_fails_says_so(tmp_path):
+    rollback.remember(tmp_path, request("op-1"), result_of(tmp_path, "op-1", succeeded=True, units=RUNNING).receipt)
+    failed = result_of(tmp_path, "op-2", succeeded=False, eviction=EVICTED)
+    gone = ColdSnapError("$.artifact.path: /x/artifact.json does not exist on this controller", fix="capture first")
+    out, _calls, _ = after(tmp_path, Config(tmp_path, request("op-2"), "op-2"), failed, raises=gone)
+    info = out.receipt["result"]["rollback"]
+    assert info["attempted"] and info["state"] == "failed" and "does not exist" in info["why"]
+    assert "The rollback (restore op-2-rollback, to what operation op-1 restored) failed too" in \
+        out.receipt["error"]["message"]
+    failed = result_of(tmp_path, "op-3", succeeded=False, eviction=EVICTED)
+    rb = result_of(tmp_path, "op-3-rollback", succeeded=False, eviction=EVICTED, message="the engine died again")
+    out, _calls, _ = after(tmp_path, Config(tmp_path, request("op-3"), "op-3"), failed, outcome=rb)
+    assert out.receipt["result"]["rollback"]["why"] == "the engine died again"
+    assert out.receipt["result"]["eviction"]["previous_workload"] == "evicted"
+    assert json.loads(rollback.serving_path(tmp_path, "demo").read_text())["operation_id"] == "op-1"
