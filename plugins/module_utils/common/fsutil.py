@@ -92,10 +92,26 @@ def write_output(path: Path | str, data: bytes, *, mode: int = 0o600) -> None:
     except OSError:
         st = None
     if st is not None and not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+        require_not_planted_output(path)
         with open(os.open(path, os.O_WRONLY | os.O_CLOEXEC), "wb") as fh:
             fh.write(data)
         return
     atomic_write_bytes(Path(path), data, mode=mode)
+
+
+def require_not_planted_output(path: Path | str) -> None:
+    """An output path that is written to in place (a FIFO, socket or device) must not be one another user put
+    in a directory anyone may write to (``/tmp/receipt.json`` made a named pipe by someone else would read
+    this user's receipt, or hang the command): ColdSnapError naming it. A regular file there is replaced,
+    never written through, so it needs no check."""
+    planted = planted_by_another(path)
+    if planted is not None:
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+
+        cur, parent, uid = planted
+        raise ColdSnapError(f"{path}: {cur} belongs to uid {uid} in {parent}, which anyone may write to; this "
+                            "user would write its output into what that user made (a named pipe they read)",
+                            fix="write the output to a directory of your own, or remove it first")
 
 
 def atomic_write_json(final: Path, obj: Any, *, mode: int = 0o600) -> None:

@@ -23,7 +23,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import write_output
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
+    require_not_planted_output,
+    write_output,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import OPERATIONS
 
 from coldsnap import api
@@ -188,6 +191,7 @@ def _check_output_file(path: Path, flag: str) -> None:
     or socket this user may write to, such as /dev/stdout: written to, never replaced)."""
     with contextlib.suppress(OSError):
         if not stat.S_ISREG(mode := os.stat(path).st_mode) and not stat.S_ISDIR(mode) and os.access(path, os.W_OK):
+            require_not_planted_output(path)
             return
     if path.is_dir():
         raise ColdSnapError(f"{flag} {path} is a directory", fix=f"give {flag} a file name (e.g. {path}/receipt.json)")

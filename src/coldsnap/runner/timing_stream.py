@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import require_not_planted_output
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import ndjson_line
 
 TimingTarget = str | Path | IO[str] | Callable[[dict], None] | None
@@ -51,6 +52,8 @@ class TimingStream:
             self._writers.append(("stdout", self._line_writer(sys.stdout)))
         else:
             path = Path(target)
+            # written in place: a file or pipe another user made in /tmp would read the stream
+            require_not_planted_output(path)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 # Never through a link (one planted in /tmp would aim the write at another file); a FIFO

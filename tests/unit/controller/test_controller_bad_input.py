@@ -353,3 +353,34 @@ def test_a_receipt_file_that_is_a_device_is_written_to_never_replaced(tmp_path, 
                          "--receipt-json", str(null))
     assert rc == 0, err
     assert stat.S_ISCHR(os.lstat(null).st_mode) and os.listdir(tmp_path) == ["null"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file another user's needs root")
+def test_output_another_user_made_in_a_shared_directory_is_never_written_into(tmp_path, capsys) -> None:
+    """``--receipt-json`` / ``--timing-ndjson`` naming a named pipe (or, for the stream, a file) that another
+    user made in a directory anyone may write to (/tmp): refused before anything runs, nothing written
+    into it (the other user would read the receipt, or the command would hang on the pipe)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import write_output
+
+    from coldsnap.runner.timing_stream import TimingStream
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    pipe, plain = shared / "receipt.json", shared / "timing.ndjson"
+    os.mkfifo(pipe)
+    plain.write_text("theirs")
+    for f in (pipe, plain):
+        os.chown(f, 65534, 65534)
+    rc, _out, err = _run(capsys, "status", "--request-json", str(EXAMPLES / "status.json"),
+                         "--receipt-json", str(pipe), "--state-root", str(tmp_path / "state"))
+    assert rc == 2 and f"{pipe} belongs to uid 65534" in err and "Traceback" not in err, err
+    with pytest.raises(ColdSnapError, match="belongs to uid 65534"):
+        write_output(pipe, b"{}")  # never opened: opening a pipe without a reader would hang
+    with pytest.raises(ColdSnapError, match="belongs to uid 65534"):
+        TimingStream(str(plain))
+    assert plain.read_text() == "theirs"
+    mine = shared / "mine.ndjson"  # this user's own file there is fine
+    stream = TimingStream(str(mine))
+    stream.close()
