@@ -76,6 +76,7 @@ def claimed(state_root: Path, request: dict, *, host: str, step: str, check_mode
         _refuse_handover(_peek(path), recipe=recipe, host=host, mine=mine)
         yield Claim(None, mine)
         return
+    _state_roots_own(path.parent, state_root)
     lock = file_lock(path, timeout=0)
     try:
         fd = lock.__enter__()
@@ -87,12 +88,34 @@ def claimed(state_root: Path, request: dict, *, host: str, step: str, check_mode
             return
         raise _busy(holder, recipe=recipe, host=host, mine=mine, held=True) from None
     try:
+        _state_roots_own(path, state_root, fd=fd)
         _refuse_handover(_read(fd), recipe=recipe, host=host, mine=mine)
         claim = Claim(fd, {**mine, "pid": os.getpid(), "since": time.time(), "pending_until": None})
         _write(fd, claim.record)
         yield claim
     finally:
         lock.__exit__(None, None, None)
+
+
+def _state_roots_own(path: Path, state_root: Path, *, fd: int | None = None) -> None:
+    """Root working in a user's state root (``become``) leaves the locks directory and the claim file that
+    user's, as the state root is: a later step that runs as the user must still open them."""
+    if os.geteuid() != 0:
+        return
+    if fd is None:
+        with contextlib.suppress(FileExistsError):
+            os.makedirs(path, mode=0o700)
+    try:
+        owner = os.stat(state_root)
+        st = os.fstat(fd) if fd is not None else os.lstat(path)
+    except OSError:
+        return
+    if (st.st_uid, st.st_gid) != (owner.st_uid, owner.st_gid) and (fd is not None or os.path.isdir(path)) \
+            and not os.path.islink(path):
+        if fd is not None:
+            os.fchown(fd, owner.st_uid, owner.st_gid)
+        else:
+            os.chown(path, owner.st_uid, owner.st_gid, follow_symlinks=False)
 
 
 def _refuse_handover(record: dict | None, *, recipe: str, host: str, mine: dict) -> None:

@@ -170,3 +170,16 @@ def test_a_hand_over_passes_to_the_restores_rollback_only(tmp_path):
             pass
     with claimed(state, request("op-a-rollback"), host="h1", step="prepare"):
         pass
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="root working in another user's state root")
+def test_root_leaves_the_claim_the_state_roots_owners(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    os.chown(state, 65534, 65534)
+    with claimed(state, request("op-a"), host="h1", step="stop"):
+        pass
+    path = StateLayout(state).host_claim("demo")
+    for p in (path, path.parent):
+        st = p.stat()
+        assert (st.st_uid, st.st_gid) == (65534, 65534), p
