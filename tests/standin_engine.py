@@ -24,3 +24,28 @@ json.dump({"port": srv.server_address[1], "token": "t" * 64, "pid": os.getpid()}
 os.rename(tmp, ctl)
 srv.serve_forever()
 """
+
+
+def start_engine(workload_dir, worker: str = "w0", *, port: int = 0, stall: str = ""):
+    """Start the stand-in as worker ``worker`` of the workload directory (its control file there, named in
+    its environment as the activation runtime names it), reaped in the background as the unit keeper
+    reaps engines; returns the process once its control file exists."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+
+    control = workload_dir / ec.CONTROL_FILE_NAME.format(worker=worker)
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(control), stall, str(port)],
+                            env={**os.environ, ec.ENV_CONTROL_FILE: str(control)}, stderr=subprocess.DEVNULL)
+    threading.Thread(target=proc.wait, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not control.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not control.exists():
+        proc.kill()
+        raise AssertionError(f"the stand-in engine wrote no control file {control}")
+    return proc

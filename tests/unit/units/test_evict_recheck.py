@@ -10,19 +10,16 @@ import os
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import new_evidence
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import docker_runtime, host_units
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_runtime import HostRuntime
-from standin_engine import ENGINE
+from standin_engine import start_engine
 
 STRANGER = ("import socket,sys,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
             "s.bind(('127.0.0.1', int(sys.argv[1]))); s.listen(); print('up', flush=True); time.sleep(120)")
@@ -76,15 +73,8 @@ def engine(tmp_path):
     state = tmp_path / "state"
     wdir = state / "workloads" / "demo" / "u0"
     wdir.mkdir(parents=True)
-    control = wdir / ec.CONTROL_FILE_NAME.format(worker="w0")
     port = free_ports(1)[0]
-    proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(control), "", str(port)],
-                            env={**os.environ, ec.ENV_CONTROL_FILE: str(control)}, stderr=subprocess.DEVNULL)
-    threading.Thread(target=proc.wait, daemon=True).start()  # reaped, as the unit keeper reaps engines
-    deadline = time.monotonic() + 30
-    while not control.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert control.exists()
+    proc = start_engine(wdir, port=port)
     try:
         yield state, proc, port
     finally:

@@ -6,10 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +13,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_runtime import HostRuntime
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import raise_failures
-from standin_engine import ENGINE
+from standin_engine import start_engine
 
 
 def test_an_engine_whose_control_api_stalls_is_evicted_with_the_others(tmp_path: Path) -> None:
@@ -25,17 +21,7 @@ def test_an_engine_whose_control_api_stalls_is_evicted_with_the_others(tmp_path:
     wdir = state / "workloads" / "demo" / "u0"
     wdir.mkdir(parents=True)
     request = {"id": "op1", "workload": {"recipe": "demo"}, "launch": {"units": [{"id": "u0", "host": "h1"}]}}
-    procs = {}
-    for w in ("w0", "w1"):
-        control = wdir / ec.CONTROL_FILE_NAME.format(worker=w)
-        procs[w] = subprocess.Popen([sys.executable, "-c", ENGINE, str(control), str(tmp_path / f"stall-{w}"), "0"],
-                                    env={**os.environ, ec.ENV_CONTROL_FILE: str(control)},
-                                    stderr=subprocess.DEVNULL)
-    for p in procs.values():
-        threading.Thread(target=p.wait, daemon=True).start()  # reaped, as the unit keeper reaps engines
-    deadline = time.monotonic() + 30
-    while len(list(wdir.glob("control-*.json"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    procs = {w: start_engine(wdir, w, stall=str(tmp_path / f"stall-{w}")) for w in ("w0", "w1")}
     stranger = wdir / ec.CONTROL_FILE_NAME.format(worker="w9")  # a stale file whose pid is someone else's
     stranger.write_text(json.dumps({"port": 1, "token": "t" * 64, "pid": os.getpid()}))
     try:

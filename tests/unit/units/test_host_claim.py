@@ -9,18 +9,16 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import claim as claim_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import restore as restore_ops
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.claim import WorkloadBusy, claimed
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.lifecycle import lifecycle_units
-from standin_engine import ENGINE
+from standin_engine import start_engine
 
 
 def request(op_id: str, operation: str = "restore") -> dict:
@@ -56,14 +54,7 @@ def engine(tmp_path):
     state = tmp_path / "state"
     wdir = state / "workloads" / "demo" / "u0"
     wdir.mkdir(parents=True)
-    control = wdir / ec.CONTROL_FILE_NAME.format(worker="w0")
-    proc = subprocess.Popen([sys.executable, "-c", ENGINE, str(control), "", "0"],
-                            env={**os.environ, ec.ENV_CONTROL_FILE: str(control)}, stderr=subprocess.DEVNULL)
-    threading.Thread(target=proc.wait, daemon=True).start()
-    deadline = time.monotonic() + 30
-    while not control.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert control.exists()
+    proc = start_engine(wdir)
     try:
         yield state, proc
     finally:
