@@ -89,6 +89,37 @@ def admit_unit(*, artifact: dict, unit_id: str, facts: dict, devices: list[int],
     return record
 
 
+def require_gpu_memory(unit: dict, captured: dict, *, host: str, replaced: set[int],
+                       memory: dict[int, dict] | None) -> dict | None:
+    """A unit's GPUs must have room for what its workers held serving (the evidence's
+    ``memory_serving.gpu_used_mib``, measured after quiesce and before the weights were released; an older
+    capture's ``memory_at_checkpoint``, a lower bound): the memory free on its devices now plus what the
+    workload being replaced holds there (the eviction frees it). Otherwise the CUDA restore or the
+    weights' re-creation would fail after the eviction: refused here, naming the GPUs, the figures and who
+    else holds the memory. ``memory``: this host's :func:`~.host_facts.gpu_memory` (None or {}: not known,
+    nothing checked). Returns the figures checked."""
+    needed = sum(max(int((w.get(k) or {}).get("gpu_used_mib") or 0) for k in ("memory_serving", "memory_at_checkpoint"))
+                 for w in captured.get("workers", []) if w.get("cuda"))
+    devices = unit.get("devices") or []
+    if not needed or not devices or not memory or any(d not in memory for d in devices):
+        return None
+    free = sum(memory[d]["free_mib"] for d in devices)
+    freed = sum(mib for d in devices for pid, mib in memory[d]["apps"].items() if pid in replaced)
+    figures = {"needed_mib": needed, "free_mib": free, "freed_by_eviction_mib": freed}
+    if needed <= free + freed:
+        return figures
+    others = sorted({(pid, mib) for d in devices for pid, mib in memory[d]["apps"].items() if pid not in replaced},
+                    key=lambda x: -x[1])
+    holders = ", ".join(f"pid {pid} ({mib} MiB)" for pid, mib in others[:8]) or "nobody listed by nvidia-smi"
+    raise AdmissionError(
+        f"unit {unit['id']} on {host}: GPU{'s' if len(devices) > 1 else ''} {', '.join(map(str, devices))} "
+        f"{'have' if len(devices) > 1 else 'has'} {free} MiB free ({freed} MiB more once the workload being "
+        f"replaced is evicted); its workers held {needed} MiB of GPU memory serving at capture, so the restore "
+        f"would fail after the eviction; nothing was evicted. Other users of that memory: {holders}",
+        fix="free that GPU memory (stop those processes), or restore onto other GPUs (launch.units[].devices) or "
+            "another host")
+
+
 # NCCL's intra-node transports (P2P over NVLink/PCIe, SHM through host memory) fail after the
 # CUDA driver restored a rank onto another GPU than it was checkpointed on: the process
 # still reports its captured GPU (PCI bus id) while its memory lives on the new one, and

@@ -65,9 +65,13 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, UnitSpec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state, host_facts
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuMoves, admit_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import (
+    GpuMoves,
+    admit_unit,
+    require_gpu_memory,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_units import (
     DOCKER_PYTHON,
     DockerUnits,
@@ -450,9 +454,13 @@ class DockerRuntime(DockerUnits, UnitRuntime):
             # The unit's pid namespace is its container's own: only its ports can be taken.
             ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced, what=what,
                                      pids=False)
+            # nvidia-smi names host pids: the replaced container's processes free what they hold
+            gpu = require_gpu_memory(u, captured, host=self.host, replaced=replaced,
+                                     memory=host_facts.gpu_memory() if u.get("devices") else None)
             plans.append({"unit": u["id"], "admission": {**adm, "criu": criu["version"]}, "image": image.id,
                           "state_target": target, "container": running.name if running is not None else None,
-                          "state": state, "listeners": [list(x) for w in captured["workers"] for x in served(w)]})
+                          "state": state, "listeners": [list(x) for w in captured["workers"] for x in served(w)],
+                          **({"gpu_memory": gpu} if gpu else {})})
         moves.admit(self.host)
         return plans, False
 

@@ -97,6 +97,44 @@ def gpus() -> tuple[list[dict], str | None, str]:
     return [], None, "none"
 
 
+def parse_gpu_memory(gpus_csv: str, apps_csv: str) -> dict[int, dict]:
+    """Per GPU ordinal ``{"uuid", "free_mib", "apps": {pid: MiB}}`` from ``nvidia-smi
+    --query-gpu=index,uuid,memory.free`` and ``--query-compute-apps=gpu_uuid,pid,used_memory`` (both
+    ``--format=csv,noheader,nounits``). A GPU that reports no free figure (unified memory) is left out."""
+    out: dict[int, dict] = {}
+    by_uuid: dict[str, dict] = {}
+    for line in gpus_csv.strip().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) != 3 or not parts[0].isdigit():
+            continue
+        free = _number(parts[2])
+        if free is None:
+            continue
+        out[int(parts[0])] = by_uuid[parts[1]] = {"uuid": parts[1], "free_mib": int(free), "apps": {}}
+    for line in apps_csv.strip().splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        used = _number(parts[2]) if len(parts) == 3 else None
+        if used is None or parts[0] not in by_uuid or not parts[1].isdigit():
+            continue
+        apps = by_uuid[parts[0]]["apps"]
+        apps[int(parts[1])] = apps.get(int(parts[1]), 0) + int(used)
+    return out
+
+
+def gpu_memory() -> dict[int, dict]:
+    """This host's GPUs' free memory and who uses it now (:func:`parse_gpu_memory`); {} without nvidia-smi
+    or when it fails."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return {}
+    runs = [subprocess.run([smi, query, "--format=csv,noheader,nounits"], check=False, capture_output=True,
+                           text=True, timeout=60)
+            for query in ("--query-gpu=index,uuid,memory.free", "--query-compute-apps=gpu_uuid,pid,used_memory")]
+    if any(r.returncode != 0 for r in runs):
+        return {}
+    return parse_gpu_memory(runs[0].stdout, runs[1].stdout)
+
+
 def gather(*, check_criu: bool = True, criu_binary: str | None = None) -> dict:
     """Everything admission needs about this host, as plain JSON."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError

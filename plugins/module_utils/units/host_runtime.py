@@ -36,10 +36,12 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.process import file
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import (
     capture_state,
     environment,
+    host_facts,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import (
     GpuMoves,
     admit_unit,
+    require_gpu_memory,
     with_criu_check,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import HostUnits, tree_ids
@@ -150,6 +152,11 @@ class HostRuntime(HostUnits, UnitRuntime):
         replaced = self.replaced_pids(u["id"])
         served, what = listeners_served(artifact, self.request, u["id"])
         ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced, what=what)
+        # GPU memory: what every engine the eviction ends holds is freed (hung ones too)
+        gpu = require_gpu_memory(u, captured, host=self.host, replaced=self.evicted_ids() if u.get("devices") else set(),
+                                 memory=host_facts.gpu_memory() if u.get("devices") else None)
+        if gpu:
+            plan["gpu_memory"] = gpu
         self.require_same_control_files(path, captured, u["id"])
         plan["listeners"] = [list(x) for w in captured["workers"] for x in served(w)]
         plan["caches_added"] = self.require_files(artifact, u["id"], captured, path)

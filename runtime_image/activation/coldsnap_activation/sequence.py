@@ -570,6 +570,8 @@ class Activation:
         engine, export its payload, release its weights, checkpoint its CUDA state, dump it."""
         spec = self.spec
         self._validate_and_quiesce(probe)
+        # What the engine holds serving (weights included): what a restore's host must have room for.
+        serving = {h.worker["id"]: process_memory(h.pid) for h in self.handles}
         payloads = self._export_and_release(self.handles, export_pack=bool(spec.weights.get("export_pack", True)))
         self.phases.wait("capture/released", spec.timeout("phase", 600))
         memory = {h.worker["id"]: process_memory(h.pid) for h in self.handles}
@@ -579,8 +581,8 @@ class Activation:
         workers = []
         for h in self.handles:
             wid = h.worker["id"]
-            workers.append(self._dump(h, criu, cuda=cuda_used[wid], memory=memory[wid], payload=payloads[wid],
-                                      leave_running=False))
+            workers.append({**self._dump(h, criu, cuda=cuda_used[wid], memory=memory[wid], payload=payloads[wid],
+                                         leave_running=False), "memory_serving": serving[wid]})
             h.reap(60)
         keeper.reap_orphans(10)  # an engine's own children (e.g. its engine core), dumped with it
         self.phases.wait("capture/dumped", spec.timeout("phase", 600))
