@@ -29,6 +29,7 @@ extends_documentation_fragment:
   - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
+  - coldsnap.fleet.state.CLAIM
   - coldsnap.fleet.progress
 options:
   host:
@@ -132,6 +133,7 @@ def main() -> None:
             owner=dict(type="raw"),
             progress_dir=dict(PROGRESS_DIR_ARG),
             progress_lease=dict(LEASE_ARG),
+            run_token=dict(type="str"),
         ),
         supports_check_mode=True,
     )
@@ -144,7 +146,7 @@ def main() -> None:
                                  state_root=Path(p["state_root"]), activation_digest=p["activation_digest"],
                                  coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
                                  check_mode=module.check_mode, timeouts=p["timeouts"], owner=p["owner"],
-                                 progress_dir=session.directory)
+                                 progress_dir=session.directory, run_token=p["run_token"])
 
     run_guarded(module, run, what="unit_capture")
 

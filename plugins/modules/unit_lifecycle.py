@@ -29,6 +29,7 @@ extends_documentation_fragment:
   - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
+  - coldsnap.fleet.state.CLAIM
 options:
   state:
     description: Wanted state of the units.
@@ -150,6 +151,7 @@ def main() -> None:
             python=dict(type="path"),
             owner=dict(type="raw"),
             state_root=dict(STATE_ROOT_ARG),
+            run_token=dict(type="str"),
         ),
         required_if=[("state", "running", ["artifact"])],
         supports_check_mode=True,
@@ -162,7 +164,7 @@ def main() -> None:
         out = lifecycle_units(req, art, host=p["host"], action=ACTIONS[p["state"]], state_root=Path(p["state_root"]),
                               activation_digest=p["activation_digest"], python=p["python"],
                               check_mode=module.check_mode, activation_required=p["activation_required"],
-                              owner=p["owner"])
+                              owner=p["owner"], run_token=p["run_token"])
         return {"activation_staged": True, **out}
 
     run_guarded(module, run, what="lifecycle")

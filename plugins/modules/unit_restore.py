@@ -31,6 +31,9 @@ description:
     the workload (a lock under C(<state_root>/locks/)), and a step of another operation (another controller,
     another AWX job) fails at once naming the holder's operation, step and pid, having changed nothing. O(phase=evict) hands
     the claim to the same operation's O(phase=activate) (for two minutes at most).
+  - O(phase=release) gives the workload back on this host when this run's O(phase=evict) handed it to an
+    O(phase=activate) that never ran (the restore stopped in between); the restore playbook runs it in an
+    C(always) section. Nothing else changes.
   - A failure of O(phase=activate) comes after the eviction. Given O(evicted), its message says once that the
     workload that ran before was evicted and is not running, names its units and pids (or containers), and
     how to serve again; C(details.previous_workload) is C(evicted) and C(details.evicted) lists them.
@@ -39,12 +42,13 @@ extends_documentation_fragment:
   - coldsnap.fleet.attributes.ACTION_GROUP
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
+  - coldsnap.fleet.state.CLAIM
   - coldsnap.fleet.progress
 options:
   phase:
     description: Which step to run.
     type: str
-    choices: [prepare, evict, activate]
+    choices: [prepare, evict, activate, release]
     required: true
   artifact:
     description: The committed artifact descriptor (format 9), validated again on the host.
@@ -162,6 +166,10 @@ coldsnap_evicted:
   returned: when phase is evict or activate, not in check mode
   type: dict
   sample: {host: gpu-a, units: [{unit: unit-0, pid: 4242, pids: [4242], processes: 2}]}
+released:
+  description: O(phase=release) gave back a hand-over this run's evict step had left on the host.
+  returned: when phase is release
+  type: bool
 coldsnap_timing:
   description: Unit-clock spans of the activation (activate).
   returned: when phase is activate and this host has units to restore, not in check mode
@@ -189,7 +197,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units import restor
 def main() -> None:
     module = AnsibleModule(
         argument_spec=dict(
-            phase=dict(type="str", required=True, choices=["prepare", "evict", "activate"]),
+            phase=dict(type="str", required=True, choices=["prepare", "evict", "activate", "release"]),
             request=dict(type="dict", required=True),
             artifact=dict(type="dict", required=True),
             host=dict(type="str", required=True),
@@ -206,6 +214,7 @@ def main() -> None:
             evicted=dict(type="list", elements="dict"),
             progress_dir=dict(PROGRESS_DIR_ARG),
             progress_lease=dict(LEASE_ARG),
+            run_token=dict(type="str"),
         ),
         required_if=[("phase", "prepare", ["facts"]), ("phase", "activate", ["activation_digest"])],
         supports_check_mode=True,
@@ -220,15 +229,22 @@ def main() -> None:
         if p["phase"] == "prepare":
             return ops.prepare_restore(req, art, host=p["host"], facts=p["facts"], state_root=state_root,
                                        check_mode=module.check_mode, python=p["python"],
-                                       staging_failures=p["staging_failures"], hub_token=p["hf_token"])
+                                       staging_failures=p["staging_failures"], hub_token=p["hf_token"],
+                                       run_token=p["run_token"])
         if p["phase"] == "evict":
-            return ops.evict(req, art, host=p["host"], state_root=state_root, check_mode=module.check_mode)
+            return ops.evict(req, art, host=p["host"], state_root=state_root, check_mode=module.check_mode,
+                             run_token=p["run_token"])
+        if p["phase"] == "release":
+            if module.check_mode:
+                return {"changed": False, "released": False}
+            return ops.release(req, host=p["host"], state_root=state_root, run_token=p["run_token"])
         with ProgressSession(None if module.check_mode else p["progress_dir"], lease_s=p["progress_lease"]) as session:
             return ops.restore_units(req, art, host=p["host"], state_root=state_root,
                                      activation_digest=p["activation_digest"],
                                      coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
                                      warm=p["warm"], check_mode=module.check_mode, timeouts=p["timeouts"],
-                                     owner=p["owner"], progress_dir=session.directory, evicted=p["evicted"])
+                                     owner=p["owner"], progress_dir=session.directory, evicted=p["evicted"],
+                                     run_token=p["run_token"])
 
     run_guarded(module, run, what="unit_restore")
 

@@ -23,7 +23,9 @@ Modules, the controller, the activation runtime and (through the
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -183,10 +185,12 @@ class StateLayout:
         restore rolls back to)."""
         return self.root / "serving" / f"{recipe}.json"
 
-    def host_claim(self, recipe: str) -> Path:
-        """The claim a step that changes workload ``recipe`` on this host holds (``units/claim.py``): one
-        operation at a time per host, whichever controller started it."""
-        return self.locks / f"host-workload-{recipe}.claim"
+    def host_claim(self, recipe: str, host: str) -> Path:
+        """The claim a step that changes workload ``recipe`` on inventory host ``host`` holds
+        (``units/claim.py``): one operation at a time per host, whichever controller started it."""
+        name = host if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", host) else \
+            "h-" + hashlib.sha256(host.encode()).hexdigest()[:32]
+        return self.locks / f"host-workload-{recipe}@{name}.claim"
 
     # ---------------------------------------------------------- privacy
     def ensure_private_root(self) -> Path:

@@ -96,7 +96,7 @@ def rolled_back(message: str, *, rollback_id: str, captures: Sequence[str]) -> s
     cause = message.split(". The cause: ", 1)[1] if ". The cause: " in message else message
     of = f" (capture {', '.join(captures)})" if captures else ""
     return (f"restore failed after eviction and was rolled back: {ROLLED_BACK_PHRASE}{of} by restore {rollback_id} "
-            f"and serves as it did. The cause: {cause}")
+            f"and serves. The cause: {cause}")
 
 
 def before_eviction(problem: str) -> str:

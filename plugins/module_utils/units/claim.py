@@ -7,18 +7,24 @@ was restoring, or CRIU-restore a second copy onto the same pids and ports.
 
 So every step that changes a workload's engines on a host (a restore's prepare, evict and activate; a
 capture; sleep, wake, stop) holds this host's *claim* on the workload for as long as it runs: an
-exclusive ``flock`` on ``<state_root>/locks/host-workload-<recipe>.claim``, which the kernel drops when
-the step's process ends, however it ends. The file holds the holder's record (operation, id, step, pid,
-since) so a refusal can name it. A step of another operation finds the claim held and is refused at once,
-naming the holder, before it changes anything. A step of the same operation that finds it held (two
-inventory hosts that share one state root) goes on beside it.
+exclusive ``flock`` on ``<state_root>/locks/host-workload-<recipe>@<host>.claim`` (one per inventory
+host, so two hosts of one operation that share a state root never wait for each other), which the kernel
+drops when the step's process ends, however it ends. A step that finds it held waits up to
+:data:`ACQUIRE_S` (a rival's refused attempt or a check-mode probe holds it for a moment) and is then
+refused, naming the holder from the file's record (operation, id, step, pid, since), before it changes
+anything. A step never runs without holding it.
+
+An operation is its request id *and* its run token (the playbooks draw one per run, the controller passes
+its own; ``coldsnap_run_token``): two runs of one request — an AWX job launched twice, one request file
+in two templates — are two operations. A module run without a token is known by its id alone.
 
 One gap remains between two steps of one restore: the eviction has stopped the workload and the
 activation has not started yet (a few seconds, the coordinator's start in between). The evict step
 leaves a *hand-over* in the record — the workload is this operation's until ``pending_until``
 (:data:`HANDOVER_S` later) — which every other operation honours and the same operation's activate step
-takes over (or its rollback, ``<id>-rollback``, when the restore failed before its activation could). A
-controller that died in that gap holds the workload no longer than that.
+takes over (or the controller's rollback of it, ``<id>-rollback`` with the same token). A restore that
+stops between the two steps (another host failed) hands the workload back in its playbook's ``always``
+(:func:`release_handover`); a controller that died in the gap holds it no longer than :data:`HANDOVER_S`.
 
 Check mode only looks (nothing is written); ``status`` never claims.
 """
@@ -39,6 +45,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.eviction import succeeds
 
 HANDOVER_S = 120.0  # how long an evicted workload waits for its own restore's activate step
+ACQUIRE_S = 2.0  # how long a step waits for a claim held for a moment (a refused rival, a probe)
 _RECORD_MAX = 4096
 
 
@@ -62,31 +69,28 @@ class Claim:
 
 
 @contextlib.contextmanager
-def claimed(state_root: Path, request: dict, *, host: str, step: str, check_mode: bool = False) -> Iterator[Claim]:
-    """Hold this host's claim on ``request``'s workload for a step that changes it (module doc).
+def claimed(state_root: Path, request: dict, *, host: str, step: str, check_mode: bool = False,
+            run: str | None = None) -> Iterator[Claim]:
+    """Hold this host's claim on ``request``'s workload for a step that changes it (module doc); ``run``:
+    the run token.
 
     Refused with :class:`WorkloadBusy`, naming the holder, while a step of another operation holds it or
     was handed it. Check mode checks the same and writes nothing."""
     recipe = request["workload"]["recipe"]
-    mine = {"operation": request.get("operation"), "id": str(request.get("id")), "step": step}
-    path = StateLayout(state_root).host_claim(recipe)
+    mine = {"operation": request.get("operation"), "id": str(request.get("id")), "run": run or None, "step": step}
+    path = StateLayout(state_root).host_claim(recipe, host)
     if check_mode:
-        if path.is_file() and lock_held(path, exclusive=True):
+        if path.is_file() and _held_a_while(path):
             raise _busy(_peek(path), recipe=recipe, host=host, mine=mine, held=True)
         _refuse_handover(_peek(path), recipe=recipe, host=host, mine=mine)
         yield Claim(None, mine)
         return
     _state_roots_own(path.parent, state_root)
-    lock = file_lock(path, timeout=0)
+    lock = file_lock(path, timeout=ACQUIRE_S)
     try:
         fd = lock.__enter__()
     except TimeoutError:
-        holder = _peek(path)
-        if holder is not None and holder.get("id") == mine["id"]:
-            # The same operation's step for another inventory host that shares this state root: not a rival.
-            yield Claim(None, mine)
-            return
-        raise _busy(holder, recipe=recipe, host=host, mine=mine, held=True) from None
+        raise _busy(_peek(path), recipe=recipe, host=host, mine=mine, held=True) from None
     try:
         _state_roots_own(path, state_root, fd=fd)
         _refuse_handover(_read(fd), recipe=recipe, host=host, mine=mine)
@@ -95,6 +99,45 @@ def claimed(state_root: Path, request: dict, *, host: str, step: str, check_mode
         yield claim
     finally:
         lock.__exit__(None, None, None)
+
+
+def release_handover(state_root: Path, request: dict, *, host: str, run: str | None = None) -> bool:
+    """Give back a hand-over this operation's evict step left on ``host`` and its activate step never took
+    (the restore stopped in between: another host failed). True when one was given back."""
+    recipe = request["workload"]["recipe"]
+    mine = {"id": str(request.get("id")), "run": run or None}
+    path = StateLayout(state_root).host_claim(recipe, host)
+    if not path.is_file():
+        return False
+    try:
+        with file_lock(path, timeout=ACQUIRE_S) as fd:
+            record = _read(fd)
+            if not record or not _same(record, mine) or not record.get("pending_until"):
+                return False
+            _write(fd, {**record, "pending_until": None})
+            return True
+    except TimeoutError:
+        return False  # a step holds it: whatever it is, the hand-over is not this restore's to give back
+
+
+def _same(record: dict, mine: dict) -> bool:
+    """``record`` (a claim's holder) is the operation ``mine``: its id, and its run token where both have one."""
+    return str(record.get("id")) == mine["id"] and _same_run(record, mine)
+
+
+def _same_run(record: dict, mine: dict) -> bool:
+    return not (record.get("run") and mine.get("run")) or record.get("run") == mine.get("run")
+
+
+def _held_a_while(path: Path) -> bool:
+    """Check mode's look at the lock: held now and still after a moment (a probe like this one holds it
+    for an instant)."""
+    deadline = time.monotonic() + ACQUIRE_S
+    while lock_held(path, exclusive=True):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def _state_roots_own(path: Path, state_root: Path, *, fd: int | None = None) -> None:
@@ -120,7 +163,7 @@ def _state_roots_own(path: Path, state_root: Path, *, fd: int | None = None) -> 
 
 def _refuse_handover(record: dict | None, *, recipe: str, host: str, mine: dict) -> None:
     """Refuse while another operation's eviction waits for its own activation (module doc)."""
-    if not record or succeeds(str(record.get("id")), mine["id"]):
+    if not record or (succeeds(str(record.get("id")), mine["id"]) and _same_run(record, mine)):
         return  # its own hand-over, or its rollback's (the controller's, after its activation failed)
     until = record.get("pending_until")
     if isinstance(until, (int, float)) and not isinstance(until, bool) and time.time() < until:
@@ -139,8 +182,10 @@ def _busy(record: dict | None, *, recipe: str, host: str, mine: dict, held: bool
                 f"workload is its own until {_clock(rec.get('pending_until'))})")
         fix = (f"wait for {rec.get('id') or 'it'} to end, then run again; if its controller is gone, run again "
                f"after {_clock(rec.get('pending_until'))}")
+    # an activate step comes after its own eviction: what that changed, the restore's failure says
+    outcome = "did not start" if mine["step"] == "activate" else "changed nothing"
     return WorkloadBusy(f"workload {recipe!r} on {host} is being changed by another operation: {who}: {what}; this "
-                        f"{mine.get('operation') or 'operation'} ({mine['id']}, step {mine['step']}) changed nothing",
+                        f"{mine.get('operation') or 'operation'} ({mine['id']}, step {mine['step']}) {outcome}",
                         fix=fix, details={"holder": {k: rec.get(k) for k in ("operation", "id", "step", "pid")}})
 
 

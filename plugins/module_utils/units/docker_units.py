@@ -203,7 +203,8 @@ class DockerUnits(RunningUnits):
         for u in units_on_host(self.request, self.host):
             c = canonical_container(self.request, u["id"], client=client)
             if c is not None:
-                stopped.append({"unit": u["id"], "container": c.name, "status": c.status})
+                stopped.append({"unit": u["id"], "container": c.name, "status": c.status,
+                                "image": c.attrs.get("Image")})
             if check_mode:
                 continue
             if c is not None:

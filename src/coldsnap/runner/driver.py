@@ -72,6 +72,7 @@ from coldsnap.runner import rollback as rollback_mod
 from coldsnap.runner.contract import (
     EXTRAVAR_LIVE_PROGRESS,
     EXTRAVAR_REQUEST,
+    EXTRAVAR_RUN_TOKEN,
     check_prepare_only,
     collection_dir,
     operation_extravars,
@@ -421,7 +422,8 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
                             fix="pip install ansible-runner (it is a dependency of the coldsnap package)") from None
     stream = progress_stream if progress_stream is not None else sys.stderr
     watched = progress if progress is not None else bool(getattr(stream, "isatty", lambda: False)())
-    extravars = {EXTRAVAR_LIVE_PROGRESS: bool(watched), **dict(extravars)}
+    # the run's token: the hosts' claims on the workload tell this run from another run of the same request
+    extravars = {EXTRAVAR_LIVE_PROGRESS: bool(watched), EXTRAVAR_RUN_TOKEN: pysecrets.token_hex(16), **dict(extravars)}
     config = RunConfig.build(operation=operation, request=request, playbook=playbook, extravars=extravars,
                              inventory=inventory, state_root=state_root, prepare_only=prepare_only, envvars=envvars,
                              secret_extravars=secret_extravars, verbosity=verbosity, keep_artifacts=keep_artifacts,
@@ -445,8 +447,9 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
                     if watched:
                         print(f"coldsnap: {line}", file=stream, flush=True)
 
-                result = rollback_mod.after_restore(config, result, enabled=rollback, build=RunConfig.build,
-                                                    run=run_rollback, say=say)
+                result = rollback_mod.after_restore(
+                    config, result, enabled=rollback, build=RunConfig.build, run=run_rollback, say=say,
+                    cancelled=lambda: cancel_event is not None and cancel_event.is_set())
             elif config.operation == "stop" and result.succeeded:
                 rollback_mod.forget(config.state_root, ((config.request or {}).get("workload") or {}).get("recipe"))
             return result

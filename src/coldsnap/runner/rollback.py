@@ -20,8 +20,11 @@ serves again (``result.eviction.previous_workload``: ``rolled-back``); the faile
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -46,19 +49,37 @@ def _recipe(request: Mapping[str, Any] | None) -> str | None:
     return ((request or {}).get("workload") or {}).get("recipe")
 
 
-def remember(state_root: Path, request: Mapping[str, Any], receipt: Mapping[str, Any]) -> None:
-    """Record the workload a successful restore (or warm restore) left running."""
-    units = []
-    for u in ((receipt.get("result") or {}).get("operation") or {}).get("units") or []:
-        if isinstance(u, Mapping):
-            units.append({"host": u.get("host"), "unit": u.get("unit"), "capture_id": u.get("capture_id"),
-                          "pids": sorted(int(w["pid"]) for w in u.get("workers") or []
-                                         if isinstance(w, Mapping) and isinstance(w.get("pid"), int))})
-    record = {"format": 1, "kind": RECORD_KIND, "operation_id": str(request["id"]),
-              "operation": receipt.get("operation"), "request": dict(request), "units": units}
-    path = serving_path(state_root, str(_recipe(request)))
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    atomic_write_bytes(path, json.dumps(record, indent=1, sort_keys=True).encode(), mode=0o600)
+def remember(state_root: Path, request: Mapping[str, Any], receipt: Mapping[str, Any]) -> str | None:
+    """Record the workload a successful restore (or warm restore) left running, its descriptor pinned: the
+    artifact path resolved (a ``current`` link moves with the next capture) and its digest. Returns why
+    nothing could be recorded (a warning; the record is then removed: no rollback to a guess), else None."""
+    recipe = str(_recipe(request))
+    try:
+        path = Path(os.path.realpath(request["artifact"]["path"]))
+        data = path.read_bytes()
+        artifact = json.loads(data)
+        units = []
+        images = {c.get("unit"): c.get("image_id") for c in (artifact.get("capsule") or {}).get("units") or []
+                  if isinstance(c, Mapping)}
+        for u in ((receipt.get("result") or {}).get("operation") or {}).get("units") or []:
+            if isinstance(u, Mapping):
+                units.append({"host": u.get("host"), "unit": u.get("unit"), "image": images.get(u.get("unit")),
+                              "pids": sorted(int(w["pid"]) for w in u.get("workers") or []
+                                             if isinstance(w, Mapping) and isinstance(w.get("pid"), int))})
+        pinned = {**request, "artifact": {**request["artifact"], "path": str(path),
+                                          "sha256": "sha256:" + hashlib.sha256(data).hexdigest()}}
+        record = {"format": 1, "kind": RECORD_KIND, "operation_id": str(request["id"]),
+                  "operation": receipt.get("operation"), "capture_id": artifact.get("capture_id"),
+                  "request": pinned, "units": units}
+        target = serving_path(state_root, recipe)
+        target.parent.mkdir(mode=0o700, exist_ok=True)
+        atomic_write_bytes(target, json.dumps(record, indent=1, sort_keys=True).encode(), mode=0o600)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        with contextlib.suppress(OSError):
+            forget(state_root, recipe)
+        return (f"the controller could not record what workload {recipe!r} runs from "
+                f"({type(exc).__name__}: {exc}): a restore that fails after eviction will not roll back to it")
+    return None
 
 
 def forget(state_root: Path, recipe: str | None) -> None:
@@ -77,18 +98,25 @@ def recorded(state_root: Path, recipe: str) -> dict | None:
 
 
 def same_workload(record: Mapping[str, Any], evicted: list[Mapping[str, Any]]) -> str | None:
-    """None when ``evicted`` (the failed restore's ``result.eviction.units``) is what ``record`` restored;
-    else why not."""
+    """None when ``evicted`` (the failed restore's ``result.eviction.units``) is what ``record`` restored:
+    the same hosts and units, each running the recorded capture — for runtime ``host`` its engine pids
+    (CRIU restores a capture's engines at the pids it captured), for ``docker`` its container's image (the
+    capture's capsule). Else why not."""
     mine = {(u.get("host"), u.get("unit")): u for u in record.get("units") or []}
     for e in evicted:
         key = (e.get("host"), e.get("unit"))
+        where = f"unit {e.get('unit')} on {e.get('host')}"
         if key not in mine:
-            return (f"unit {e.get('unit')} on {e.get('host')} was not part of the workload operation "
-                    f"{record.get('operation_id')} restored")
+            return f"{where} was not part of the workload operation {record.get('operation_id')} restored"
         pids = sorted(int(p) for p in e.get("pids") or [])
-        if pids and mine[key].get("pids") and not set(pids) & set(mine[key]["pids"]):
-            return (f"unit {e.get('unit')} on {e.get('host')} ran engine pids {pids}, not the ones operation "
-                    f"{record.get('operation_id')} restored ({mine[key]['pids']}): another controller restored it since")
+        if pids:
+            if not set(pids) & set(mine[key].get("pids") or []):
+                return (f"{where} ran engine pids {pids}, not those of the capture operation "
+                        f"{record.get('operation_id')} restored ({mine[key].get('pids')}): another capture was "
+                        "restored since (by another controller or AWX job)")
+        elif not e.get("image") or e.get("image") != mine[key].get("image"):
+            return (f"{where} ran container image {e.get('image') or '(not known)'}, not the capsule operation "
+                    f"{record.get('operation_id')} restored ({mine[key].get('image')})")
     return None
 
 
@@ -97,29 +125,40 @@ def rollback_request(record: Mapping[str, Any], failed_id: str) -> dict:
     return {**record["request"], "id": eviction.rollback_id(failed_id), "operation": "restore"}
 
 
+# Variables of the failed run the rollback does not repeat: the contract's (set anew from its request) and
+# the overlay capture a restore may add (a rollback only brings back what ran).
+_NOT_REPEATED = (*RESERVED_EXTRAVARS, "coldsnap_capture_overlay")
+
+
 def _without_contract(variables: Mapping[str, Any]) -> dict:
-    return {k: v for k, v in variables.items() if k not in RESERVED_EXTRAVARS}
+    return {k: v for k, v in variables.items() if k not in _NOT_REPEATED}
 
 
 def after_restore(config: Any, result: Any, *, enabled: bool, build: Callable[..., Any],
-                  run: Callable[[Any], Any], say: Callable[[str], None]) -> Any:
+                  run: Callable[[Any], Any], say: Callable[[str], None],
+                  cancelled: Callable[[], bool] = lambda: False) -> Any:
     """What follows a restore or warm restore's run (``config``/``result``: its RunConfig and
     OperationResult): remember a success; roll back a failure after eviction (module doc). ``build``
     makes the rollback's RunConfig (``RunConfig.build``), ``run`` runs it under its own run lock, ``say``
-    writes one progress line. Returns the result, its receipt updated when a rollback was considered."""
+    writes one progress line, ``cancelled`` says whether the user asked to stop. Returns the result, its
+    receipt updated when a rollback was considered (or a success could not be recorded)."""
     request = config.request or {}
     if result.succeeded:
         if not config.prepare_only and _recipe(request):
-            remember(config.state_root, request, result.receipt)
+            problem = remember(config.state_root, request, result.receipt)
+            if problem:
+                return _warned(result, problem)
         return result
     outcome = result.receipt.get("result") or {}
     record = outcome.get("eviction") or {}
-    if config.prepare_only or record.get("previous_workload") != eviction.EVICTED or result.cancelled:
+    if config.prepare_only or record.get("previous_workload") != eviction.EVICTED:
         return result
     evicted = [u for u in record.get("units") or [] if isinstance(u, Mapping)]
     previous = recorded(config.state_root, str(_recipe(request)))
     why = None
-    if not enabled:
+    if result.cancelled or cancelled():
+        why = "the restore was cancelled"
+    elif not enabled:
         why = "not asked for (--no-rollback)"
     elif previous is None:
         why = ("this controller has no record of the workload that ran (restored by another controller, or "
@@ -145,12 +184,14 @@ def after_restore(config: Any, result: Any, *, enabled: bool, build: Callable[..
     if rb.succeeded:
         remember(config.state_root, rb_request, rb.receipt)
     rb_error = (rb.receipt.get("error") or {}).get("message") or ""
-    info = {"attempted": True, "operation_id": rb_request["id"], "state": rb.receipt["state"],
+    info = {"attempted": True, "operation_id": rb_request["id"],
+            "state": "cancelled" if rb.cancelled else rb.receipt["state"],
             "from_operation": previous["operation_id"], "receipt": str(rb.receipt_path),
             "duration_seconds": rb.receipt.get("duration_seconds")}
     if not rb.succeeded:
-        info["why"] = rb_error[:_MAX_CAUSE]
-    return _annotated(result, info, rolled_back=rb.succeeded, previous=previous)
+        info["why"] = "it was cancelled" if rb.cancelled else rb_error[:_MAX_CAUSE]
+    out = _annotated(result, info, rolled_back=rb.succeeded, previous=previous)
+    return dataclasses.replace(out, cancelled=True) if rb.cancelled else out
 
 
 def _annotated(result: Any, info: dict, *, rolled_back: bool, previous: Mapping[str, Any] | None) -> Any:
@@ -160,7 +201,7 @@ def _annotated(result: Any, info: dict, *, rolled_back: bool, previous: Mapping[
     error = receipt.get("error") or {}
     if rolled_back:
         receipt["result"]["eviction"]["previous_workload"] = eviction.ROLLED_BACK
-        captures = sorted({str(u.get("capture_id")) for u in (previous or {}).get("units") or [] if u.get("capture_id")})
+        captures = [str(previous["capture_id"])] if (previous or {}).get("capture_id") else []
         error["message"] = eviction.rolled_back(error.get("message") or "", rollback_id=info["operation_id"],
                                                 captures=captures)
     elif info.get("attempted"):
@@ -169,6 +210,16 @@ def _annotated(result: Any, info: dict, *, rolled_back: bool, previous: Mapping[
     else:
         error["message"] = f"{error.get('message') or ''} No rollback: {info['why']}."
     receipt["error"] = error
+    return _rewritten(result, receipt)
+
+
+def _warned(result: Any, problem: str) -> Any:
+    receipt = json.loads(json.dumps(result.receipt))
+    receipt["result"].setdefault("controller_warnings", []).append(problem)
+    return _rewritten(result, receipt)
+
+
+def _rewritten(result: Any, receipt: dict) -> Any:
     for path in {Path(result.receipt_path), Path(result.artifact_dir) / "receipt.json"}:
         write_receipt(path, receipt, mode=0o600)
     return dataclasses.replace(result, receipt=receipt)

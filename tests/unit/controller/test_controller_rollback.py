@@ -18,9 +18,27 @@ from coldsnap.receipts import write_receipt
 from coldsnap.runner import rollback
 from coldsnap.runner.driver import OperationResult
 
+ARTIFACTS: dict[str, Path] = {}
+
+
+@pytest.fixture(autouse=True)
+def generations(tmp_path):
+    """Two committed generations of the workload and a ``current`` link at the second, as the store has."""
+    store = tmp_path / "artifacts" / "abc"
+    for n, cap in ((1, "cap-1"), (2, "cap-2")):
+        d = store / f"00000{n}"
+        d.mkdir(parents=True)
+        (d / "artifact.json").write_text(json.dumps({"capture_id": cap, "capsule": {"units": [
+            {"unit": "u0", "image_id": f"sha256:{n}" + "0" * 63}]}}))
+    (store / "current").symlink_to("000001")
+    ARTIFACTS["current"] = store / "current" / "artifact.json"
+    ARTIFACTS["store"] = store
+    yield
+
 
 def request(op_id: str) -> dict:
-    return {"id": op_id, "operation": "restore", "workload": {"recipe": "demo"}}
+    return {"id": op_id, "operation": "restore", "workload": {"recipe": "demo"},
+            "artifact": {"path": str(ARTIFACTS["current"])}}
 
 
 @dataclasses.dataclass
@@ -86,8 +104,12 @@ def test_a_success_is_remembered_privately_and_a_stop_forgets_it(tmp_path):
     path = rollback.serving_path(tmp_path, "demo")
     assert path.stat().st_mode & 0o777 == 0o600
     rec = json.loads(path.read_text())
-    assert rec["operation_id"] == "op-1" and rec["units"] == [{"host": "h1", "unit": "u0", "capture_id": "cap-1",
-                                                             "pids": [4242]}]
+    assert rec["operation_id"] == "op-1" and rec["capture_id"] == "cap-1"
+    assert rec["units"] == [{"host": "h1", "unit": "u0", "pids": [4242], "image": "sha256:1" + "0" * 63}]
+    # the descriptor is pinned: a capture moves `current` on, the record still names what runs
+    pinned = rec["request"]["artifact"]
+    assert pinned["path"] == str(ARTIFACTS["store"] / "000001" / "artifact.json")
+    assert pinned["sha256"].startswith("sha256:") and len(pinned["sha256"]) == 71
     rollback.forget(tmp_path, "demo")
     assert not path.exists()
 
@@ -98,16 +120,20 @@ def test_a_failure_after_eviction_restores_the_recorded_request_as_its_rollback(
                        message="restore failed after eviction: the workload that ran before was evicted and is not "
                                "running: unit u0. The cause: unit u0: the engine died")
     rb = result_of(tmp_path, "op-2-rollback", succeeded=True, units=RUNNING)
+    (ARTIFACTS["store"] / "current").unlink()
+    (ARTIFACTS["store"] / "current").symlink_to("000002")  # a capture since: `current` is generation 2
     out, calls, lines = after(tmp_path, Config(tmp_path, request("op-2"), "op-2"), failed, outcome=rb)
     kw = calls[0]
     assert kw["operation"] == "restore" and kw["request"]["id"] == "op-2-rollback"
+    assert kw["request"]["artifact"]["path"] == str(ARTIFACTS["store"] / "000001" / "artifact.json"), \
+        "what ran (generation 1), not what `current` names now"
     assert kw["request"]["workload"] == {"recipe": "demo"}
     assert "coldsnap_request" not in kw["extravars"] and kw["extravars"]["mine"] == 1, "contract vars set anew"
     assert kw["secret_extravars"] == {"registry_password": "s3cret"}, "the same credentials, as secrets"
     assert lines and "rolling back" in lines[0]
     msg = out.receipt["error"]["message"]
     assert msg == ("restore failed after eviction and was rolled back: the workload that ran before was restored "
-                   "again (capture cap-1) by restore op-2-rollback and serves as it did. The cause: unit u0: the "
+                   "again (capture cap-1) by restore op-2-rollback and serves. The cause: unit u0: the "
                    "engine died"), msg
     assert out.receipt["result"]["eviction"]["previous_workload"] == "rolled-back"
     assert out.receipt["result"]["rollback"]["state"] == "succeeded" and not out.succeeded
@@ -160,3 +186,33 @@ def test_a_rollback_that_cannot_start_or_fails_says_so(tmp_path):
     assert out.receipt["result"]["rollback"]["why"] == "the engine died again"
     assert out.receipt["result"]["eviction"]["previous_workload"] == "evicted"
     assert json.loads(rollback.serving_path(tmp_path, "demo").read_text())["operation_id"] == "op-1"
+
+
+def test_docker_units_roll_back_only_to_the_capsule_that_ran(tmp_path):
+    rollback.remember(tmp_path, request("op-1"), result_of(tmp_path, "op-1", succeeded=True, units=RUNNING).receipt)
+    record = rollback.recorded(tmp_path, "demo")
+    ran = {"host": "h1", "unit": "u0", "container": "cs-demo-u0", "status": "running"}
+    assert rollback.same_workload(record, [{**ran, "image": "sha256:1" + "0" * 63}]) is None
+    assert "not the capsule" in rollback.same_workload(record, [{**ran, "image": "sha256:2" + "0" * 63}])
+    assert "not known" in rollback.same_workload(record, [ran])
+
+
+def test_a_success_that_cannot_be_recorded_is_a_warning_and_no_rollback_target(tmp_path):
+    rollback.remember(tmp_path, request("op-1"), result_of(tmp_path, "op-1", succeeded=True, units=RUNNING).receipt)
+    gone = {**request("op-2"), "artifact": {"path": str(tmp_path / "nowhere" / "artifact.json")}}
+    ok = result_of(tmp_path, "op-2", succeeded=True, units=RUNNING)
+    out = rollback.after_restore(Config(tmp_path, gone, "op-2"), ok, enabled=True, build=None, run=None, say=print)
+    assert out.succeeded and "could not record" in out.receipt["result"]["controller_warnings"][-1]
+    assert rollback.recorded(tmp_path, "demo") is None, "no rollback to a guess"
+
+
+def test_a_cancelled_restore_or_rollback_says_so(tmp_path):
+    rollback.remember(tmp_path, request("op-1"), result_of(tmp_path, "op-1", succeeded=True, units=RUNNING).receipt)
+    failed = result_of(tmp_path, "op-2", succeeded=False, eviction=EVICTED)
+    out = rollback.after_restore(Config(tmp_path, request("op-2"), "op-2"), failed, enabled=True,
+                                 build=lambda **kw: kw, run=None, say=print, cancelled=lambda: True)
+    assert out.receipt["result"]["rollback"] == {"attempted": False, "why": "the restore was cancelled"}
+    failed = result_of(tmp_path, "op-3", succeeded=False, eviction=EVICTED)
+    rb = dataclasses.replace(result_of(tmp_path, "op-3-rollback", succeeded=False, eviction=EVICTED), cancelled=True)
+    out, _calls, _ = after(tmp_path, Config(tmp_path, request("op-3"), "op-3"), failed, outcome=rb)
+    assert out.receipt["result"]["rollback"]["state"] == "cancelled" and out.cancelled and out.exit_code == 130

@@ -16,7 +16,11 @@ import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import claim as claim_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import restore as restore_ops
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.claim import WorkloadBusy, claimed
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.claim import (
+    WorkloadBusy,
+    claimed,
+    release_handover,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.lifecycle import lifecycle_units
 from standin_engine import start_engine
 
@@ -97,7 +101,7 @@ def test_an_eviction_hands_the_workload_to_its_own_activation_only(tmp_path):
         with claimed(state, request("op-b"), host="h1", step="prepare", check_mode=True):
             pass
     with claimed(state, request("op-a"), host="h1", step="activate"):  # its own activation takes it over
-        record = json.loads(StateLayout(state).host_claim("demo").read_text())
+        record = json.loads(StateLayout(state).host_claim("demo", "h1").read_text())
         assert record["step"] == "activate" and record["pending_until"] is None
     with claimed(state, request("op-b"), host="h1", step="prepare"):  # and once done, it is free
         pass
@@ -119,11 +123,11 @@ def test_check_mode_writes_nothing_and_a_link_is_never_followed(tmp_path):
     state = tmp_path / "state"
     with claimed(state, request("op-a"), host="h1", step="stop", check_mode=True):
         pass
-    assert not StateLayout(state).host_claim("demo").exists()
+    assert not StateLayout(state).host_claim("demo", "h1").exists()
     target = tmp_path / "elsewhere"
     target.write_text("keep")
     StateLayout(state).locks.mkdir(parents=True)
-    StateLayout(state).host_claim("demo").symlink_to(target)
+    StateLayout(state).host_claim("demo", "h1").symlink_to(target)
     with pytest.raises(Exception, match="symbolic link"):
         with claimed(state, request("op-a"), host="h1", step="stop"):
             pass
@@ -133,22 +137,70 @@ def test_check_mode_writes_nothing_and_a_link_is_never_followed(tmp_path):
 def test_the_claim_file_is_private_and_names_the_holder(tmp_path):
     state = tmp_path / "state"
     with claimed(state, request("op-a"), host="h1", step="capture"):
-        path = StateLayout(state).host_claim("demo")
+        path = StateLayout(state).host_claim("demo", "h1")
         assert path.stat().st_mode & 0o777 == 0o600
         record = json.loads(path.read_text())
         assert record["id"] == "op-a" and record["step"] == "capture" and record["pid"] == os.getpid()
     assert claim_mod.HANDOVER_S >= 60
 
 
-def test_the_same_operations_step_for_another_host_sharing_the_state_root_goes_on(tmp_path):
+def test_two_hosts_of_one_operation_sharing_a_state_root_never_wait_for_each_other(tmp_path):
     state = tmp_path / "state"
-    holder = hold(state, "op-a", "activate")
+    holder = hold(state, "op-a", "activate")  # host h1's step
     try:
-        with claimed(state, {**request("op-a"), "launch": {}}, host="h2", step="activate"):
+        with claimed(state, request("op-a"), host="h2", step="activate"):
             pass
+        with pytest.raises(WorkloadBusy):  # and h1's claim is still held against anyone else
+            with claimed(state, request("op-b"), host="h1", step="prepare"):
+                pass
     finally:
         holder.stdin.close()
         holder.wait()
+
+
+def test_two_runs_of_one_request_are_two_operations(tmp_path):
+    """An AWX job launched twice, or one request file in two templates: the same id, two run tokens."""
+    state = tmp_path / "state"
+    with claimed(state, request("op-a"), host="h1", step="evict", run="run-1") as c:
+        c.hand_over()
+    with pytest.raises(WorkloadBusy, match="its activation comes next"):
+        with claimed(state, request("op-a"), host="h1", step="activate", run="run-2"):
+            pass
+    with pytest.raises(WorkloadBusy):  # nor its "rollback"
+        with claimed(state, request("op-a-rollback"), host="h1", step="prepare", run="run-2"):
+            pass
+    with claimed(state, request("op-a-rollback"), host="h1", step="prepare", run="run-1"):
+        pass
+
+
+def test_a_hand_over_whose_activation_never_ran_is_given_back(tmp_path):
+    state = tmp_path / "state"
+    with claimed(state, request("op-a"), host="h1", step="evict", run="r1") as c:
+        c.hand_over()
+    assert not release_handover(state, request("op-b"), host="h1", run="r9"), "only by the run that left it"
+    assert not release_handover(state, request("op-a"), host="h1", run="r9")
+    assert release_handover(state, request("op-a"), host="h1", run="r1")
+    with claimed(state, request("op-b"), host="h1", step="prepare"):
+        pass
+    assert not release_handover(state, request("op-a"), host="h1", run="r1"), "nothing left to give back"
+
+
+def test_a_moment_held_claim_is_waited_for_not_refused(tmp_path):
+    """A rival's refused attempt or a check-mode probe holds the lock for an instant: a real step waits."""
+    state = tmp_path / "state"
+    with claimed(state, request("op-a"), host="h1", step="stop"):
+        pass
+    path = StateLayout(state).host_claim("demo", "h1")
+    blip = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                             "fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                             "print('held', flush=True); time.sleep(0.5)", str(path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert blip.stdout.readline().strip() == "held"
+        with claimed(state, request("op-b"), host="h1", step="stop"):
+            pass
+    finally:
+        blip.wait()
 
 
 def test_a_hand_over_passes_to_the_restores_rollback_only(tmp_path):
@@ -170,7 +222,7 @@ def test_root_leaves_the_claim_the_state_roots_owners(tmp_path):
     os.chown(state, 65534, 65534)
     with claimed(state, request("op-a"), host="h1", step="stop"):
         pass
-    path = StateLayout(state).host_claim("demo")
+    path = StateLayout(state).host_claim("demo", "h1")
     for p in (path, path.parent):
         st = p.stat()
         assert (st.st_uid, st.st_gid) == (65534, 65534), p
