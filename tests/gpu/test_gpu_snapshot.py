@@ -134,7 +134,15 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, driver, 
 
 FILLER = r"""
 import sys, time, torch
-x = torch.empty(int(sys.argv[1]) << 20, dtype=torch.uint8, device="cuda")
+leave, held = int(sys.argv[1]) << 20, []
+while True:  # fill the GPU until at most `leave` bytes are free (its own context takes some too)
+    free, _total = torch.cuda.mem_get_info()
+    if free <= leave:
+        break
+    try:
+        held.append(torch.empty(max(min(free - leave, 1 << 30), 1 << 20), dtype=torch.uint8, device="cuda"))
+    except torch.OutOfMemoryError:
+        break
 print("up", flush=True)
 time.sleep(600)
 """
@@ -152,8 +160,7 @@ def _refused_while_another_process_fills_the_gpu(cap: dict) -> None:
     unit = {"id": "unit-0", "devices": [0]}
     fits = require_gpu_memory(unit, cap, host="localhost", replaced=set(), memory=gpu_memory())
     assert fits and fits["needed_mib"] == cap["workers"][0]["memory_serving"]["gpu_used_mib"], fits
-    leave = fits["needed_mib"] // 2
-    filler = subprocess.Popen([sys.executable, "-c", FILLER, str(fits["free_mib"] - leave)], stdout=subprocess.PIPE,
+    filler = subprocess.Popen([sys.executable, "-c", FILLER, str(fits["needed_mib"] // 4)], stdout=subprocess.PIPE,
                               text=True)
     try:
         assert filler.stdout.readline().strip() == "up"
