@@ -49,11 +49,11 @@ options:
 
     CLAIM = r"""
 options:
-  run_token:
+  run_id:
     description:
-      - This run's token (the playbooks pass C(coldsnap_run_token), drawn once per run; the C(coldsnap)
+      - This run's id (the playbooks pass C(coldsnap_run_id), drawn once per run; the C(coldsnap)
         controller passes its own). Each step that changes the workload holds the host's claim on it, and
-        the claim tells an operation by its request id and this token, so two runs of one request (an AWX
+        the claim tells an operation by its request id and this run id, so two runs of one request (an AWX
         job launched twice) are two operations. Omitted, the request id alone names the operation.
     type: str
 """

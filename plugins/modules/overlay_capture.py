@@ -122,7 +122,7 @@ def main() -> None:
             python=dict(type="path"),
             payload_wait=dict(type="float", default=600.0),
             timeouts=dict(type="dict", default={}),
-            run_token=dict(type="str"),
+            run_id=dict(type="str"),
         ),
         supports_check_mode=True,
     )
@@ -135,7 +135,7 @@ def main() -> None:
                                      state_root=Path(p["state_root"]), activation_digest=p["activation_digest"],
                                      coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
                                      check_mode=module.check_mode, payload_wait=p["payload_wait"],
-                                     timeouts=p["timeouts"], run_token=p["run_token"])
+                                     timeouts=p["timeouts"], run_id=p["run_id"])
 
     run_guarded(module, run, what="overlay_capture")
 

@@ -133,7 +133,7 @@ def main() -> None:
             owner=dict(type="raw"),
             progress_dir=dict(PROGRESS_DIR_ARG),
             progress_lease=dict(LEASE_ARG),
-            run_token=dict(type="str"),
+            run_id=dict(type="str"),
         ),
         supports_check_mode=True,
     )
@@ -146,7 +146,7 @@ def main() -> None:
                                  state_root=Path(p["state_root"]), activation_digest=p["activation_digest"],
                                  coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
                                  check_mode=module.check_mode, timeouts=p["timeouts"], owner=p["owner"],
-                                 progress_dir=session.directory, run_token=p["run_token"])
+                                 progress_dir=session.directory, run_id=p["run_id"])
 
     run_guarded(module, run, what="unit_capture")
 

@@ -151,7 +151,7 @@ def main() -> None:
             python=dict(type="path"),
             owner=dict(type="raw"),
             state_root=dict(STATE_ROOT_ARG),
-            run_token=dict(type="str"),
+            run_id=dict(type="str"),
         ),
         required_if=[("state", "running", ["artifact"])],
         supports_check_mode=True,
@@ -164,7 +164,7 @@ def main() -> None:
         out = lifecycle_units(req, art, host=p["host"], action=ACTIONS[p["state"]], state_root=Path(p["state_root"]),
                               activation_digest=p["activation_digest"], python=p["python"],
                               check_mode=module.check_mode, activation_required=p["activation_required"],
-                              owner=p["owner"], run_token=p["run_token"])
+                              owner=p["owner"], run_id=p["run_id"])
         return {"activation_staged": True, **out}
 
     run_guarded(module, run, what="lifecycle")

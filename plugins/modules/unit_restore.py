@@ -214,7 +214,7 @@ def main() -> None:
             evicted=dict(type="list", elements="dict"),
             progress_dir=dict(PROGRESS_DIR_ARG),
             progress_lease=dict(LEASE_ARG),
-            run_token=dict(type="str"),
+            run_id=dict(type="str"),
         ),
         required_if=[("phase", "prepare", ["facts"]), ("phase", "activate", ["activation_digest"])],
         supports_check_mode=True,
@@ -230,21 +230,21 @@ def main() -> None:
             return ops.prepare_restore(req, art, host=p["host"], facts=p["facts"], state_root=state_root,
                                        check_mode=module.check_mode, python=p["python"],
                                        staging_failures=p["staging_failures"], hub_token=p["hf_token"],
-                                       run_token=p["run_token"])
+                                       run_id=p["run_id"])
         if p["phase"] == "evict":
             return ops.evict(req, art, host=p["host"], state_root=state_root, check_mode=module.check_mode,
-                             run_token=p["run_token"])
+                             run_id=p["run_id"])
         if p["phase"] == "release":
             if module.check_mode:
                 return {"changed": False, "released": False}
-            return ops.release(req, host=p["host"], state_root=state_root, run_token=p["run_token"])
+            return ops.release(req, host=p["host"], state_root=state_root, run_id=p["run_id"])
         with ProgressSession(None if module.check_mode else p["progress_dir"], lease_s=p["progress_lease"]) as session:
             return ops.restore_units(req, art, host=p["host"], state_root=state_root,
                                      activation_digest=p["activation_digest"],
                                      coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
                                      warm=p["warm"], check_mode=module.check_mode, timeouts=p["timeouts"],
                                      owner=p["owner"], progress_dir=session.directory, evicted=p["evicted"],
-                                     run_token=p["run_token"])
+                                     run_id=p["run_id"])
 
     run_guarded(module, run, what="unit_restore")
 

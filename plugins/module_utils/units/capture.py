@@ -67,7 +67,7 @@ def _require_service_ports_free(request: dict, units: list[dict]) -> None:
 def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path, activation_digest: str,
                   coordinator_endpoint: str | None, python: str | None, check_mode: bool,
                   timeouts: dict | None = None, owner: dict | str | None = None,
-                  progress_dir: str | None = None, run_token: str | None = None) -> dict:
+                  progress_dir: str | None = None, run_id: str | None = None) -> dict:
     """Capture every unit of ``request`` placed on ``host``; idempotent per capture id.
 
     ``progress_dir``: where the units write live progress (phases, export bytes)."""
@@ -87,11 +87,11 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
     nvidia = host_facts.gpus()[1] if any(u["devices"] for u in units) else None
     admit_capture(request, host=host, units=units, nvidia_driver=nvidia)
     if check_mode:
-        with claimed(state_root, request, host=host, step="capture", check_mode=True, run=run_token):
+        with claimed(state_root, request, host=host, step="capture", check_mode=True, run=run_id):
             return {"changed": True, "units": [], "msg": f"would capture {len(units)} unit(s) on {host}"}
     runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
                           python=python, owner=owner)
-    with claimed(state_root, request, host=host, step="capture", run=run_token):
+    with claimed(state_root, request, host=host, step="capture", run=run_id):
         runtime.check_environment(units)
         runtime.check_capture_free(units)
         _require_service_ports_free(request, units)
@@ -105,7 +105,7 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
 def capture_running_units(request: dict, artifact: dict, *, host: str, capture_id: str, state_root: Path,
                           activation_digest: str, coordinator_endpoint: str | None, python: str | None,
                           check_mode: bool, payload_wait: float = 600.0, timeouts: dict | None = None,
-                          run_token: str | None = None) -> dict:
+                          run_id: str | None = None) -> dict:
     """Capture this host's running (restored) units in place, for a target-local overlay.
 
     Every worker's model payload must be in this host's node cache with a
@@ -155,7 +155,7 @@ def capture_running_units(request: dict, artifact: dict, *, host: str, capture_i
     specs = build_specs(request, host=host, operation="capture-running", capture_id=capture_id,
                         state_root=state_root, python=python, coordinator_endpoint=coordinator_endpoint,
                         weights=plan, validation=validation, timeouts=timeouts)
-    with claimed(state_root, request, host=host, step="overlay-capture", run=run_token):
+    with claimed(state_root, request, host=host, step="overlay-capture", run=run_id):
         evidence = _sealed(layout, capture_id, runtime.capture_running(specs))
     return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence),
             "capture_id": capture_id}

@@ -14,15 +14,15 @@ drops when the step's process ends, however it ends. A step that finds it held w
 refused, naming the holder from the file's record (operation, id, step, pid, since), before it changes
 anything. A step never runs without holding it.
 
-An operation is its request id *and* its run token (the playbooks draw one per run, the controller passes
-its own; ``coldsnap_run_token``): two runs of one request — an AWX job launched twice, one request file
-in two templates — are two operations. A module run without a token is known by its id alone.
+An operation is its request id *and* its run id (the playbooks draw one per run, the controller passes
+its own; ``coldsnap_run_id``): two runs of one request — an AWX job launched twice, one request file
+in two templates — are two operations. A module run without a run id is known by its request id alone.
 
 One gap remains between two steps of one restore: the eviction has stopped the workload and the
 activation has not started yet (a few seconds, the coordinator's start in between). The evict step
 leaves a *hand-over* in the record — the workload is this operation's until ``pending_until``
 (:data:`HANDOVER_S` later) — which every other operation honours and the same operation's activate step
-takes over (or the controller's rollback of it, ``<id>-rollback`` with the same token). A restore that
+takes over (or the controller's rollback of it, ``<id>-rollback`` with the same run id). A restore that
 stops between the two steps (another host failed) hands the workload back in its playbook's ``always``
 (:func:`release_handover`); a controller that died in the gap holds it no longer than :data:`HANDOVER_S`.
 
@@ -72,7 +72,7 @@ class Claim:
 def claimed(state_root: Path, request: dict, *, host: str, step: str, check_mode: bool = False,
             run: str | None = None) -> Iterator[Claim]:
     """Hold this host's claim on ``request``'s workload for a step that changes it (module doc); ``run``:
-    the run token.
+    the run id.
 
     Refused with :class:`WorkloadBusy`, naming the holder, while a step of another operation holds it or
     was handed it. Check mode checks the same and writes nothing."""
@@ -121,7 +121,7 @@ def release_handover(state_root: Path, request: dict, *, host: str, run: str | N
 
 
 def _same(record: dict, mine: dict) -> bool:
-    """``record`` (a claim's holder) is the operation ``mine``: its id, and its run token where both have one."""
+    """``record`` (a claim's holder) is the operation ``mine``: its id, and its run id where both have one."""
     return str(record.get("id")) == mine["id"] and _same_run(record, mine)
 
 

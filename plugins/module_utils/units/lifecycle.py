@@ -34,7 +34,7 @@ def _would_change(action: str, state: str | None) -> bool:
 
 def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: str, state_root: Path,
                     activation_digest: str, python: str | None, check_mode: bool,
-                    activation_required: bool = True, owner: Any = None, run_token: str | None = None) -> dict:
+                    activation_required: bool = True, owner: Any = None, run_id: str | None = None) -> dict:
     """status / sleep / wake / finish-warm / stop of this host's running units (convergent).
 
     With ``activation_required`` false, a host where the activation runtime ``activation_digest``
@@ -55,7 +55,7 @@ def lifecycle_units(request: dict, artifact: dict | None, *, host: str, action: 
         return _lifecycle(request, artifact, units, host=host, action=action, state_root=state_root,
                           activation_digest=activation_digest, python=python, check_mode=check_mode,
                           activation_required=activation_required, owner=owner)
-    with claimed(state_root, request, host=host, step=action, check_mode=check_mode, run=run_token):
+    with claimed(state_root, request, host=host, step=action, check_mode=check_mode, run=run_id):
         return _lifecycle(request, artifact, units, host=host, action=action, state_root=state_root,
                           activation_digest=activation_digest, python=python, check_mode=check_mode,
                           activation_required=activation_required, owner=owner)

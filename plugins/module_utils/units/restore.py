@@ -35,10 +35,10 @@ def placements_of(request: dict, artifact: dict, host: str) -> dict[str, dict]:
 
 def prepare_restore(request: dict, artifact: dict, *, host: str, facts: dict, state_root: Path,
                     check_mode: bool, python: str | None = None, staging_failures: dict | None = None,
-                    hub_token: str | None = None, run_token: str | None = None) -> dict:
+                    hub_token: str | None = None, run_id: str | None = None) -> dict:
     """Everything restore needs on this host, checked without touching the running workload (while this
     host's claim on the workload is held: another operation's step running here is refused, naming it)."""
-    with claimed(state_root, request, host=host, step="prepare", check_mode=check_mode, run=run_token):
+    with claimed(state_root, request, host=host, step="prepare", check_mode=check_mode, run=run_id):
         return _prepare(request, artifact, host=host, facts=facts, state_root=state_root, check_mode=check_mode,
                         python=python, staging_failures=staging_failures, hub_token=hub_token)
 
@@ -61,7 +61,7 @@ def _prepare(request: dict, artifact: dict, *, host: str, facts: dict, state_roo
 
 
 def evict(request: dict, artifact: dict, *, host: str, state_root: Path, check_mode: bool,
-          run_token: str | None = None) -> dict:
+          run_id: str | None = None) -> dict:
     """Stop the running engines of this workload on this host (after prepare passed everywhere).
 
     Prepare found the captured pids and ports free, maybe minutes ago; one a stranger took since would
@@ -69,7 +69,7 @@ def evict(request: dict, artifact: dict, *, host: str, state_root: Path, check_m
     nothing. The result names what was stopped under ``coldsnap_evicted`` too (the controller's record
     of the eviction); a failure part way says the step may have stopped some of them. The host's claim on
     the workload is handed over to this restore's activate step (``units/claim.py``)."""
-    with claimed(state_root, request, host=host, step="evict", check_mode=check_mode, run=run_token) as claim:
+    with claimed(state_root, request, host=host, step="evict", check_mode=check_mode, run=run_id) as claim:
         runtime = runtime_for(request, host=host, state_root=state_root)
         runtime.require_restorable(artifact, check_mode=check_mode)
         try:
@@ -90,7 +90,7 @@ def restore_units(request: dict, artifact: dict, *, host: str, state_root: Path,
                   coordinator_endpoint: str | None, python: str | None, warm: bool,
                   check_mode: bool, timeouts: dict | None = None, owner: dict | str | None = None,
                   progress_dir: str | None = None, evicted: list[dict] | None = None,
-                  run_token: str | None = None) -> dict:
+                  run_id: str | None = None) -> dict:
     """Activate this host's units from their captured state (``progress_dir``: their live progress).
 
     ``evicted``: what the evict step stopped on this host (its ``stopped``; None when not known). A
@@ -101,7 +101,7 @@ def restore_units(request: dict, artifact: dict, *, host: str, state_root: Path,
     if check_mode:
         return {"changed": True, "units": [], "msg": f"would restore {len(units)} unit(s) on {host}"}
     try:
-        with claimed(state_root, request, host=host, step="activate", run=run_token):
+        with claimed(state_root, request, host=host, step="activate", run=run_id):
             return _activate(request, artifact, units, host=host, state_root=state_root,
                              activation_digest=activation_digest, coordinator_endpoint=coordinator_endpoint,
                              python=python, warm=warm, timeouts=timeouts, owner=owner, progress_dir=progress_dir)
@@ -129,10 +129,10 @@ def _activate(request: dict, artifact: dict, units: list[dict], *, host: str, st
             eviction.RESULT_EVICTED_KEY: {"host": host, "restored": True}}
 
 
-def release(request: dict, *, host: str, state_root: Path, run_token: str | None = None) -> dict:
+def release(request: dict, *, host: str, state_root: Path, run_id: str | None = None) -> dict:
     """Hand the workload back on this host when this restore's evict step handed it to an activate step that
     never ran (the restore stopped in between: another host failed); see ``units/claim.py``."""
-    released = release_handover(state_root, request, host=host, run=run_token)
+    released = release_handover(state_root, request, host=host, run=run_id)
     return {"changed": released, "released": released}
 
 

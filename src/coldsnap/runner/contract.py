@@ -34,8 +34,8 @@ RESERVED_EXTRAVARS = (EXTRAVAR_REQUEST, EXTRAVAR_PREPARE_ONLY, EXTRAVAR_STATE_RO
 # it false when nobody watches (no terminal, --quiet): the steps then run in the foreground, without the
 # launch and the looks that live progress costs. A caller's own -e value wins.
 EXTRAVAR_LIVE_PROGRESS = "coldsnap_live_progress"
-# This run's token (units/claim.py): drawn by the controller, else by the playbooks' first play.
-EXTRAVAR_RUN_TOKEN = "coldsnap_run_token"
+# This run's id (units/claim.py): drawn by the controller, else by the playbooks' first play.
+EXTRAVAR_RUN_ID = "coldsnap_run_id"
 
 STATS_RESULT_KEY = "coldsnap_result"
 RESULT_TIMING_KEY = "coldsnap_timing"

@@ -72,7 +72,7 @@ from coldsnap.runner import rollback as rollback_mod
 from coldsnap.runner.contract import (
     EXTRAVAR_LIVE_PROGRESS,
     EXTRAVAR_REQUEST,
-    EXTRAVAR_RUN_TOKEN,
+    EXTRAVAR_RUN_ID,
     check_prepare_only,
     collection_dir,
     operation_extravars,
@@ -422,8 +422,8 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
                             fix="pip install ansible-runner (it is a dependency of the coldsnap package)") from None
     stream = progress_stream if progress_stream is not None else sys.stderr
     watched = progress if progress is not None else bool(getattr(stream, "isatty", lambda: False)())
-    # the run's token: the hosts' claims on the workload tell this run from another run of the same request
-    extravars = {EXTRAVAR_LIVE_PROGRESS: bool(watched), EXTRAVAR_RUN_TOKEN: pysecrets.token_hex(16), **dict(extravars)}
+    # the run's id: the hosts' claims on the workload tell this run from another run of the same request
+    extravars = {EXTRAVAR_LIVE_PROGRESS: bool(watched), EXTRAVAR_RUN_ID: pysecrets.token_hex(16), **dict(extravars)}
     config = RunConfig.build(operation=operation, request=request, playbook=playbook, extravars=extravars,
                              inventory=inventory, state_root=state_root, prepare_only=prepare_only, envvars=envvars,
                              secret_extravars=secret_extravars, verbosity=verbosity, keep_artifacts=keep_artifacts,

@@ -220,6 +220,6 @@ def _warned(result: Any, problem: str) -> Any:
 
 
 def _rewritten(result: Any, receipt: dict) -> Any:
-    for path in {Path(result.receipt_path), Path(result.artifact_dir) / "receipt.json"}:
+    for path in dict.fromkeys((Path(result.receipt_path), Path(result.artifact_dir) / "receipt.json")):
         write_receipt(path, receipt, mode=0o600)
     return dataclasses.replace(result, receipt=receipt)

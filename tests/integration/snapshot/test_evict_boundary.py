@@ -178,7 +178,6 @@ def test_a_restore_whose_moved_port_a_stranger_takes_after_prepare_keeps_the_wor
     assert wl.complete() == art["acceptance"]["reply"]
 
 
-
 def test_a_second_controllers_steps_are_refused_between_this_restores_eviction_and_activation(running, state_root):
     """Two controllers (two AWX job templates, two operators) share no controller lock: the host's claim
     on the workload refuses the other one's steps once this restore evicted, until its activation (and

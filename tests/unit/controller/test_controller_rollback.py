@@ -151,7 +151,7 @@ def test_no_rollback_without_a_record_of_exactly_what_was_evicted(tmp_path, case
     if case == "other pids":  # another controller restored the workload since
         evicted["units"][0]["pids"] = [777]
     failed = result_of(tmp_path, "op-2", succeeded=False, eviction=evicted)
-    out, calls, _ = after(tmp_path, Config(tmp_path, request("op-2"), "op-2"), failed, enabled=case != "disabled")
+    out, calls, _lines = after(tmp_path, Config(tmp_path, request("op-2"), "op-2"), failed, enabled=case != "disabled")
     assert not calls
     info = out.receipt["result"]["rollback"]
     assert info["attempted"] is False
@@ -164,10 +164,10 @@ def test_no_rollback_without_a_record_of_exactly_what_was_evicted(tmp_path, case
 def test_nothing_to_do_before_eviction_or_for_prepare_only(tmp_path):
     rollback.remember(tmp_path, request("op-1"), result_of(tmp_path, "op-1", succeeded=True, units=RUNNING).receipt)
     untouched = result_of(tmp_path, "op-2", succeeded=False, eviction={**EVICTED, "previous_workload": "untouched"})
-    out, calls, _ = after(tmp_path, Config(tmp_path, request("op-2"), "op-2"), untouched)
+    out, calls, _lines = after(tmp_path, Config(tmp_path, request("op-2"), "op-2"), untouched)
     assert not calls and "rollback" not in out.receipt["result"]
     failed = result_of(tmp_path, "op-3", succeeded=False, eviction=EVICTED)
-    out, calls, _ = after(tmp_path, Config(tmp_path, request("op-3"), "op-3", prepare_only=True), failed)
+    out, calls, _lines = after(tmp_path, Config(tmp_path, request("op-3"), "op-3", prepare_only=True), failed)
     assert not calls and "rollback" not in out.receipt["result"]
 
 
@@ -175,14 +175,14 @@ def test_a_rollback_that_cannot_start_or_fails_says_so(tmp_path):
     rollback.remember(tmp_path, request("op-1"), result_of(tmp_path, "op-1", succeeded=True, units=RUNNING).receipt)
     failed = result_of(tmp_path, "op-2", succeeded=False, eviction=EVICTED)
     gone = ColdSnapError("$.artifact.path: /x/artifact.json does not exist on this controller", fix="capture first")
-    out, _calls, _ = after(tmp_path, Config(tmp_path, request("op-2"), "op-2"), failed, raises=gone)
+    out, _calls, _lines = after(tmp_path, Config(tmp_path, request("op-2"), "op-2"), failed, raises=gone)
     info = out.receipt["result"]["rollback"]
     assert info["attempted"] and info["state"] == "failed" and "does not exist" in info["why"]
     assert "The rollback (restore op-2-rollback, to what operation op-1 restored) failed too" in \
         out.receipt["error"]["message"]
     failed = result_of(tmp_path, "op-3", succeeded=False, eviction=EVICTED)
     rb = result_of(tmp_path, "op-3-rollback", succeeded=False, eviction=EVICTED, message="the engine died again")
-    out, _calls, _ = after(tmp_path, Config(tmp_path, request("op-3"), "op-3"), failed, outcome=rb)
+    out, _calls, _lines = after(tmp_path, Config(tmp_path, request("op-3"), "op-3"), failed, outcome=rb)
     assert out.receipt["result"]["rollback"]["why"] == "the engine died again"
     assert out.receipt["result"]["eviction"]["previous_workload"] == "evicted"
     assert json.loads(rollback.serving_path(tmp_path, "demo").read_text())["operation_id"] == "op-1"
@@ -214,5 +214,5 @@ def test_a_cancelled_restore_or_rollback_says_so(tmp_path):
     assert out.receipt["result"]["rollback"] == {"attempted": False, "why": "the restore was cancelled"}
     failed = result_of(tmp_path, "op-3", succeeded=False, eviction=EVICTED)
     rb = dataclasses.replace(result_of(tmp_path, "op-3-rollback", succeeded=False, eviction=EVICTED), cancelled=True)
-    out, _calls, _ = after(tmp_path, Config(tmp_path, request("op-3"), "op-3"), failed, outcome=rb)
+    out, _calls, _lines = after(tmp_path, Config(tmp_path, request("op-3"), "op-3"), failed, outcome=rb)
     assert out.receipt["result"]["rollback"]["state"] == "cancelled" and out.cancelled and out.exit_code == 130

@@ -159,7 +159,7 @@ def test_two_hosts_of_one_operation_sharing_a_state_root_never_wait_for_each_oth
 
 
 def test_two_runs_of_one_request_are_two_operations(tmp_path):
-    """An AWX job launched twice, or one request file in two templates: the same id, two run tokens."""
+    """An AWX job launched twice, or one request file in two templates: the same id, two run ids."""
     state = tmp_path / "state"
     with claimed(state, request("op-a"), host="h1", step="evict", run="run-1") as c:
         c.hand_over()
