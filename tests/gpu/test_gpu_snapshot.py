@@ -96,7 +96,7 @@ def test_gpu_capture_restore(tmp_path, provider, compiled, engine_core, driver, 
         assert w["memory_at_checkpoint"]["gpu_used_mib"] * (1 << 20) < 2 * (1 << 30)
         assert w["memory_serving"]["gpu_used_mib"] > w["memory_at_checkpoint"]["gpu_used_mib"], w
         if provider == "native" and not compiled and not engine_core:
-            _refused_while_another_process_fills_the_gpu(cap)
+            _refused_while_another_process_fills_the_gpu(req, cap)
     pack = w["payload"]["pack"]
     weights = {"model_dir": str(model_dir), "materialize": "off", "workers": {"worker-0": {
         "provider": provider,
@@ -148,35 +148,38 @@ time.sleep(600)
 """
 
 
-def _refused_while_another_process_fills_the_gpu(cap: dict) -> None:
+def _refused_while_another_process_fills_the_gpu(req: dict, cap: dict) -> None:
     """Prepare's GPU-memory admission with nvidia-smi's real figures: a process that leaves less free than
     the capture held serving is named, and the unit fits again once it is gone."""
     import subprocess
 
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import require_gpu_memory
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuRoom
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_facts import gpu_memory
 
-    unit = {"id": "unit-0", "devices": [0]}
-    fits = require_gpu_memory(unit, cap, host="localhost", replaced=set(), memory=gpu_memory())
-    assert fits and fits["needed_mib"] == cap["workers"][0]["memory_serving"]["gpu_used_mib"], fits
-    filler = subprocess.Popen([sys.executable, "-c", FILLER, str(fits["needed_mib"] // 4)], stdout=subprocess.PIPE,
-                              text=True)
+    def admit(replaced: set[int]) -> list[dict]:
+        room = GpuRoom(req, gpu_memory())
+        room.add({"id": "unit-0", "devices": [0]}, cap)
+        return room.admit("localhost", replaced=replaced)
+
+    fits = admit(set())
+    assert fits and fits[0]["needed_mib"] == cap["workers"][0]["memory_serving"]["gpu_used_mib"], fits
+    filler = subprocess.Popen([sys.executable, "-c", FILLER, str(fits[0]["needed_mib"] // 4)],
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert filler.stdout.readline().strip() == "up"
         with pytest.raises(AdmissionError) as err:
-            require_gpu_memory(unit, cap, host="localhost", replaced=set(), memory=gpu_memory())
+            admit(set())
         assert f"pid {filler.pid} (" in err.value.problem and "nothing was evicted" in err.value.problem, \
             err.value.problem
-        # what the workload being replaced holds counts as free: the eviction frees it
-        assert require_gpu_memory(unit, cap, host="localhost", replaced={filler.pid}, memory=gpu_memory())
+        assert admit({filler.pid}), "what the workload being replaced holds counts as free: the eviction frees it"
     finally:
         filler.kill()
         filler.wait()
     deadline = time.monotonic() + 30
     while True:  # its memory is given back a moment after it exits
         try:
-            assert require_gpu_memory(unit, cap, host="localhost", replaced=set(), memory=gpu_memory())
+            assert admit(set())
             break
         except AdmissionError:
             if time.monotonic() > deadline:

@@ -94,17 +94,24 @@ def write_output(path: Path | str, data: bytes, *, mode: int = 0o600) -> None:
     if st is not None and not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
         require_not_planted_output(path)
         with open(os.open(path, os.O_WRONLY | os.O_CLOEXEC), "wb") as fh:
+            require_not_planted_output(path, fd=fh.fileno())  # what was opened, not what was looked at
             fh.write(data)
         return
     atomic_write_bytes(Path(path), data, mode=mode)
 
 
-def require_not_planted_output(path: Path | str) -> None:
+def require_not_planted_output(path: Path | str, *, fd: int | None = None) -> None:
     """An output path that is written to in place (a FIFO, socket or device) must not be one another user put
     in a directory anyone may write to (``/tmp/receipt.json`` made a named pipe by someone else would read
     this user's receipt, or hang the command): ColdSnapError naming it. A regular file there is replaced,
-    never written through, so it needs no check."""
+    never written through, so it needs no check. ``fd``: the file as opened, checked too (another user may
+    have made the path between the look and the open)."""
     planted = planted_by_another(path)
+    if planted is None and fd is not None:
+        st = os.fstat(fd)
+        parent = Path(os.path.realpath(Path(path).absolute().parent))
+        if st.st_uid not in (os.geteuid(), 0) and os.stat(parent).st_mode & stat.S_IWOTH:
+            planted = (Path(path), parent, st.st_uid)
     if planted is not None:
         from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 

@@ -185,11 +185,11 @@ class StateLayout:
         restore rolls back to)."""
         return self.root / "serving" / f"{recipe}.json"
 
-    def host_claim(self, recipe: str, host: str) -> Path:
-        """The claim a step that changes workload ``recipe`` on inventory host ``host`` holds
-        (``units/claim.py``): one operation at a time per host, whichever controller started it."""
-        name = host if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", host) else \
-            "h-" + hashlib.sha256(host.encode()).hexdigest()[:32]
+    def host_claim(self, recipe: str, machine: str) -> Path:
+        """The claim a step that changes workload ``recipe`` on this machine holds (``units/claim.py``): one
+        operation at a time per machine (``machine``: its identity), whichever controller started it."""
+        name = machine if re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", machine) else \
+            "m-" + hashlib.sha256(machine.encode()).hexdigest()[:32]
         return self.locks / f"host-workload-{recipe}@{name}.claim"
 
     # ---------------------------------------------------------- privacy

@@ -89,35 +89,60 @@ def admit_unit(*, artifact: dict, unit_id: str, facts: dict, devices: list[int],
     return record
 
 
-def require_gpu_memory(unit: dict, captured: dict, *, host: str, replaced: set[int],
-                       memory: dict[int, dict] | None) -> dict | None:
-    """A unit's GPUs must have room for what its workers held serving (the evidence's
-    ``memory_serving.gpu_used_mib``, measured after quiesce and before the weights were released; an older
-    capture's ``memory_at_checkpoint``, a lower bound): the memory free on its devices now plus what the
-    workload being replaced holds there (the eviction frees it). Otherwise the CUDA restore or the
-    weights' re-creation would fail after the eviction: refused here, naming the GPUs, the figures and who
-    else holds the memory. ``memory``: this host's :func:`~.host_facts.gpu_memory` (None or {}: not known,
-    nothing checked). Returns the figures checked."""
-    needed = sum(max(int((w.get(k) or {}).get("gpu_used_mib") or 0) for k in ("memory_serving", "memory_at_checkpoint"))
-                 for w in captured.get("workers", []) if w.get("cuda"))
-    devices = unit.get("devices") or []
-    if not needed or not devices or not memory or any(d not in memory for d in devices):
-        return None
-    free = sum(memory[d]["free_mib"] for d in devices)
-    freed = sum(mib for d in devices for pid, mib in memory[d]["apps"].items() if pid in replaced)
-    figures = {"needed_mib": needed, "free_mib": free, "freed_by_eviction_mib": freed}
-    if needed <= free + freed:
-        return figures
-    others = sorted({(pid, mib) for d in devices for pid, mib in memory[d]["apps"].items() if pid not in replaced},
-                    key=lambda x: -x[1])
-    holders = ", ".join(f"pid {pid} ({mib} MiB)" for pid, mib in others[:8]) or "nobody listed by nvidia-smi"
-    raise AdmissionError(
-        f"unit {unit['id']} on {host}: GPU{'s' if len(devices) > 1 else ''} {', '.join(map(str, devices))} "
-        f"{'have' if len(devices) > 1 else 'has'} {free} MiB free ({freed} MiB more once the workload being "
-        f"replaced is evicted); its workers held {needed} MiB of GPU memory serving at capture, so the restore "
-        f"would fail after the eviction; nothing was evicted. Other users of that memory: {holders}",
-        fix="free that GPU memory (stop those processes), or restore onto other GPUs (launch.units[].devices) or "
-            "another host")
+class GpuRoom:
+    """GPU memory a host's units need, per GPU, against what the GPUs can give them.
+
+    ``add`` each unit of the host with its capture evidence, then ``admit``: every GPU must have room for
+    what the workers placed on it held serving at capture (the evidence's ``memory_serving.gpu_used_mib``,
+    measured after quiesce and before the weights were released; an older capture's
+    ``memory_at_checkpoint``, a lower bound), summed over the host's units: the memory free on it now plus
+    what the workload being replaced holds there (the eviction frees it). Otherwise the CUDA restore or
+    the weights' re-creation would fail after the eviction: refused, naming the GPU, the figures and who else
+    holds its memory. A worker is placed through its ``device_slot`` in the unit's devices; one without a
+    slot is counted against all of its unit's GPUs together. ``memory``: this host's
+    :func:`~.host_facts.gpu_memory` (None or {}: not known, nothing checked); GPUs that report no free
+    figure (unified memory) are not judged."""
+
+    def __init__(self, artifact: dict, memory: dict[int, dict] | None) -> None:
+        self.slots = {w["id"]: w.get("device_slot") for w in artifact["launch"]["execution"]["workers"]}
+        self.memory = memory or {}
+        self.needs: dict[tuple[int, ...], int] = {}  # GPUs (one, or a unit's together) -> MiB needed there
+
+    def add(self, unit: dict, captured: dict) -> None:
+        devices = list(unit.get("devices") or [])
+        for w in captured.get("workers", []):
+            if not w.get("cuda"):
+                continue
+            mib = max(int((w.get(k) or {}).get("gpu_used_mib") or 0) for k in ("memory_serving", "memory_at_checkpoint"))
+            slot = self.slots.get(w.get("worker"))
+            where = (devices[slot],) if isinstance(slot, int) and 0 <= slot < len(devices) else tuple(devices)
+            if mib and where:
+                self.needs[where] = self.needs.get(where, 0) + mib
+
+    def admit(self, host: str, *, replaced: set[int]) -> list[dict]:
+        """Refuse a GPU without room (class doc); ``replaced``: every pid the eviction ends on this host.
+        Returns the figures checked, one entry per GPU (or group of GPUs)."""
+        checked = []
+        for gpus, needed in sorted(self.needs.items()):
+            if any(g not in self.memory for g in gpus):
+                continue
+            free = sum(self.memory[g]["free_mib"] for g in gpus)
+            freed = sum(mib for g in gpus for pid, mib in self.memory[g]["apps"].items() if pid in replaced)
+            checked.append({"gpus": list(gpus), "needed_mib": needed, "free_mib": free, "freed_by_eviction_mib": freed})
+            if needed <= free + freed:
+                continue
+            others = sorted({(pid, mib) for g in gpus for pid, mib in self.memory[g]["apps"].items()
+                             if pid not in replaced}, key=lambda x: -x[1])
+            holders = ", ".join(f"pid {pid} ({mib} MiB)" for pid, mib in others[:8]) or "nobody nvidia-smi lists"
+            plural = len(gpus) > 1
+            raise AdmissionError(
+                f"{host}: GPU{'s' if plural else ''} {', '.join(map(str, gpus))} {'have' if plural else 'has'} {free} "
+                f"MiB free ({freed} MiB more once the workload being replaced is evicted); the workers restored "
+                f"there held {needed} MiB of GPU memory serving at capture, so the restore would fail after the "
+                f"eviction; nothing was evicted. Other users of that memory: {holders}",
+                fix="free that GPU memory (stop those processes), or restore onto other GPUs (launch.units[].devices) "
+                    "or another host")
+        return checked
 
 
 # NCCL's intra-node transports (P2P over NVLink/PCIe, SHM through host memory) fail after the

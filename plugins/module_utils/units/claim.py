@@ -7,9 +7,10 @@ was restoring, or CRIU-restore a second copy onto the same pids and ports.
 
 So every step that changes a workload's engines on a host (a restore's prepare, evict and activate; a
 capture; sleep, wake, stop) holds this host's *claim* on the workload for as long as it runs: an
-exclusive ``flock`` on ``<state_root>/locks/host-workload-<recipe>@<host>.claim`` (one per inventory
-host, so two hosts of one operation that share a state root never wait for each other), which the kernel
-drops when the step's process ends, however it ends. A step that finds it held waits up to
+exclusive ``flock`` on ``<state_root>/locks/host-workload-<recipe>@<machine id>.claim`` (the machine's
+``/etc/machine-id``: one claim per machine, whatever name an inventory gives it; two machines that share
+a state root over a network file system each have their own), which the kernel drops when the step's
+process ends, however it ends. A step that finds it held waits up to
 :data:`ACQUIRE_S` (a rival's refused attempt or a check-mode probe holds it for a moment) and is then
 refused, naming the holder from the file's record (operation, id, step, pid, since), before it changes
 anything. A step never runs without holding it.
@@ -35,6 +36,7 @@ import contextlib
 import errno
 import json
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,7 +80,7 @@ def claimed(state_root: Path, request: dict, *, host: str, step: str, check_mode
     was handed it. Check mode checks the same and writes nothing."""
     recipe = request["workload"]["recipe"]
     mine = {"operation": request.get("operation"), "id": str(request.get("id")), "run": run or None, "step": step}
-    path = StateLayout(state_root).host_claim(recipe, host)
+    path = StateLayout(state_root).host_claim(recipe, machine_id())
     if check_mode:
         if path.is_file() and _held_a_while(path):
             raise _busy(_peek(path), recipe=recipe, host=host, mine=mine, held=True)
@@ -106,7 +108,7 @@ def release_handover(state_root: Path, request: dict, *, host: str, run: str | N
     (the restore stopped in between: another host failed). True when one was given back."""
     recipe = request["workload"]["recipe"]
     mine = {"id": str(request.get("id")), "run": run or None}
-    path = StateLayout(state_root).host_claim(recipe, host)
+    path = StateLayout(state_root).host_claim(recipe, machine_id())
     if not path.is_file():
         return False
     try:
@@ -118,6 +120,16 @@ def release_handover(state_root: Path, request: dict, *, host: str, run: str | N
             return True
     except TimeoutError:
         return False  # a step holds it: whatever it is, the hand-over is not this restore's to give back
+
+
+def machine_id() -> str:
+    """This machine's identity: ``/etc/machine-id`` (or D-Bus's copy), else its host name."""
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        with contextlib.suppress(OSError):
+            text = Path(path).read_text().strip()
+            if text:
+                return text
+    return socket.gethostname()
 
 
 def _same(record: dict, mine: dict) -> bool:
@@ -172,7 +184,8 @@ def _refuse_handover(record: dict | None, *, recipe: str, host: str, mine: dict)
 
 def _busy(record: dict | None, *, recipe: str, host: str, mine: dict, held: bool) -> WorkloadBusy:
     rec = record or {}
-    who = f"{rec.get('operation') or 'an operation'} {rec.get('id') or '(id unknown)'}"
+    who = f"{rec.get('operation') or 'an operation'} {rec.get('id') or '(id unknown)'}" + \
+        (f" (run {rec['run']})" if rec.get("run") else "")
     if held:
         what = f"its {rec.get('step') or 'step'} step is running (pid {rec.get('pid', '?')}, since {_clock(rec.get('since'))})"
         fix = (f"wait for {rec.get('id') or 'it'} to end (`coldsnap runs show {rec.get('id')}` on the controller "

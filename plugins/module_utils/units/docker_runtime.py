@@ -69,8 +69,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units import captur
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import (
     GpuMoves,
+    GpuRoom,
     admit_unit,
-    require_gpu_memory,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_units import (
     DOCKER_PYTHON,
@@ -430,8 +430,11 @@ class DockerRuntime(DockerUnits, UnitRuntime):
         client = self.client
         plans = []
         moves = GpuMoves(artifact, facts)
+        units = units_on_host(self.request, self.host)
+        room = GpuRoom(artifact, host_facts.gpu_memory() if any(u["devices"] for u in units) else None)
+        evicted: set[int] = set()
         captured_units = {u["id"]: u for u in artifact["launch"]["units"]}
-        for u in units_on_host(self.request, self.host):
+        for u in units:
             image, target = capsule_image(artifact, u["id"], client=client)
             captured_root = target.split("/captures/", 1)[0]
             if captured_root != str(self.state_root):
@@ -454,14 +457,15 @@ class DockerRuntime(DockerUnits, UnitRuntime):
             # The unit's pid namespace is its container's own: only its ports can be taken.
             ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced, what=what,
                                      pids=False)
-            # nvidia-smi names host pids: the replaced container's processes free what they hold
-            gpu = require_gpu_memory(u, captured, host=self.host, replaced=replaced,
-                                     memory=host_facts.gpu_memory() if u.get("devices") else None)
+            room.add(u, captured)
+            evicted |= replaced  # nvidia-smi names host pids: the replaced containers' processes free theirs
             plans.append({"unit": u["id"], "admission": {**adm, "criu": criu["version"]}, "image": image.id,
                           "state_target": target, "container": running.name if running is not None else None,
-                          "state": state, "listeners": [list(x) for w in captured["workers"] for x in served(w)],
-                          **({"gpu_memory": gpu} if gpu else {})})
+                          "state": state, "listeners": [list(x) for w in captured["workers"] for x in served(w)]})
         moves.admit(self.host)
+        gpu = room.admit(self.host, replaced=evicted)
+        for plan in plans if gpu else []:
+            plan["gpu_memory"] = gpu
         return plans, False
 
     def require_restorable(self, artifact: dict, *, check_mode: bool) -> None:

@@ -40,8 +40,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units import (
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import (
     GpuMoves,
+    GpuRoom,
     admit_unit,
-    require_gpu_memory,
     with_criu_check,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import HostUnits, tree_ids
@@ -123,6 +123,7 @@ class HostRuntime(HostUnits, UnitRuntime):
         plans = []
         changed = False
         moves = GpuMoves(artifact, facts)
+        room = GpuRoom(artifact, host_facts.gpu_memory() if any(u["devices"] for u in units) else None)
         facts = with_criu_check(facts)
         for u in units:
             adm = admit_unit(artifact=artifact, unit_id=u["id"], facts=facts, devices=u["devices"], host=self.host,
@@ -133,16 +134,20 @@ class HostRuntime(HostUnits, UnitRuntime):
                 changed |= written is not None
                 plan = {"unit": u["id"], "admission": adm, "unit_dir": str(path)}
                 if not check_mode:
-                    plan.update(self._prepare_unit(artifact, u, path, written=written, moves=moves,
+                    plan.update(self._prepare_unit(artifact, u, path, written=written, moves=moves, room=room,
                                                    captured_unit=captured_units[u["id"]]))
             finally:
                 archive.rmtree(_cache_scratch(path))  # caches extracted with the state and not placed
             plans.append(plan)
         moves.admit(self.host)
+        # GPU memory: what every engine the eviction ends (hung ones too) holds is freed
+        gpu = room.admit(self.host, replaced=self.evicted_ids() if room.needs else set())
+        for plan in plans if gpu else []:
+            plan["gpu_memory"] = gpu
         return plans, changed
 
     def _prepare_unit(self, artifact: dict, u: dict, path: Path, *, written: dict | None, moves: GpuMoves,
-                      captured_unit: dict) -> dict:
+                      room: GpuRoom, captured_unit: dict) -> dict:
         """Prepare's checks of one unit whose state is here: what its plan records."""
         plan = {"state": verify_unit_state(path, artifact, u["id"], written=written)}
         captured = load_evidence(path / EVIDENCE_FILE)
@@ -152,11 +157,7 @@ class HostRuntime(HostUnits, UnitRuntime):
         replaced = self.replaced_pids(u["id"])
         served, what = listeners_served(artifact, self.request, u["id"])
         ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced, what=what)
-        # GPU memory: what every engine the eviction ends holds is freed (hung ones too)
-        gpu = require_gpu_memory(u, captured, host=self.host, replaced=self.evicted_ids() if u.get("devices") else set(),
-                                 memory=host_facts.gpu_memory() if u.get("devices") else None)
-        if gpu:
-            plan["gpu_memory"] = gpu
+        room.add(u, captured)
         self.require_same_control_files(path, captured, u["id"])
         plan["listeners"] = [list(x) for w in captured["workers"] for x in served(w)]
         plan["caches_added"] = self.require_files(artifact, u["id"], captured, path)

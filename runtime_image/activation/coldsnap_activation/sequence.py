@@ -614,6 +614,7 @@ class Activation:
             self.phases.wait("overlay/validated", spec.timeout("phase", 600))
             self._engine_step(handles, "unit.quiesce", ec.QUIESCE)
             self.phases.wait("overlay/quiesced", spec.timeout("phase", 600))
+            serving = {h.worker["id"]: process_memory(h.pid) for h in handles}  # as at capture (_capture_started)
             payloads = self._export_and_release(handles, export_pack=True)
             self.phases.wait("overlay/released", spec.timeout("phase", 600))
             memory = {h.worker["id"]: process_memory(h.pid) for h in handles}
@@ -623,8 +624,8 @@ class Activation:
             try:
                 for h in handles:
                     wid = h.worker["id"]
-                    workers.append(self._dump(h, criu, cuda=cuda[wid], memory=memory[wid], payload=payloads[wid],
-                                              leave_running=True))
+                    workers.append({**self._dump(h, criu, cuda=cuda[wid], memory=memory[wid], payload=payloads[wid],
+                                                 leave_running=True), "memory_serving": serving[wid]})
             finally:
                 every = [pid for h in handles for pid in cuda[h.worker["id"]]]
                 try:

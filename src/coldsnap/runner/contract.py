@@ -36,6 +36,8 @@ RESERVED_EXTRAVARS = (EXTRAVAR_REQUEST, EXTRAVAR_PREPARE_ONLY, EXTRAVAR_STATE_RO
 EXTRAVAR_LIVE_PROGRESS = "coldsnap_live_progress"
 # This run's id (units/claim.py): drawn by the controller, else by the playbooks' first play.
 EXTRAVAR_RUN_ID = "coldsnap_run_id"
+# The restore playbook keeps an unused hand-over for the controller's rollback instead of giving it back.
+EXTRAVAR_KEEP_HANDOVER = "coldsnap_keep_handover"
 
 STATS_RESULT_KEY = "coldsnap_result"
 RESULT_TIMING_KEY = "coldsnap_timing"

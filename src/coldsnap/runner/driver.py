@@ -70,6 +70,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing impo
 from coldsnap.receipts import build_receipt, write_receipt
 from coldsnap.runner import rollback as rollback_mod
 from coldsnap.runner.contract import (
+    EXTRAVAR_KEEP_HANDOVER,
     EXTRAVAR_LIVE_PROGRESS,
     EXTRAVAR_REQUEST,
     EXTRAVAR_RUN_ID,
@@ -424,6 +425,9 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
     watched = progress if progress is not None else bool(getattr(stream, "isatty", lambda: False)())
     # the run's id: the hosts' claims on the workload tell this run from another run of the same request
     extravars = {EXTRAVAR_LIVE_PROGRESS: bool(watched), EXTRAVAR_RUN_ID: pysecrets.token_hex(16), **dict(extravars)}
+    if rollback and operation in eviction.RESTORE_OPERATIONS:
+        # a hand-over its activation never took stays for the rollback (rollback.py), no rival between
+        extravars.setdefault(EXTRAVAR_KEEP_HANDOVER, True)
     config = RunConfig.build(operation=operation, request=request, playbook=playbook, extravars=extravars,
                              inventory=inventory, state_root=state_root, prepare_only=prepare_only, envvars=envvars,
                              secret_extravars=secret_extravars, verbosity=verbosity, keep_artifacts=keep_artifacts,

@@ -35,7 +35,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import eviction
 
 from coldsnap.receipts import write_receipt
-from coldsnap.runner.contract import RESERVED_EXTRAVARS
+from coldsnap.runner.contract import EXTRAVAR_KEEP_HANDOVER, RESERVED_EXTRAVARS
 
 RECORD_KIND = "coldsnap-serving"
 _MAX_CAUSE = 2000  # characters of the rollback's own error quoted in the failed run's message
@@ -57,6 +57,9 @@ def remember(state_root: Path, request: Mapping[str, Any], receipt: Mapping[str,
     try:
         path = Path(os.path.realpath(request["artifact"]["path"]))
         data = path.read_bytes()
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        if request["artifact"].get("sha256") not in (None, digest):
+            raise ValueError(f"{path} is no longer the descriptor the restore checked ({digest})")
         artifact = json.loads(data)
         units = []
         images = {c.get("unit"): c.get("image_id") for c in (artifact.get("capsule") or {}).get("units") or []
@@ -66,8 +69,7 @@ def remember(state_root: Path, request: Mapping[str, Any], receipt: Mapping[str,
                 units.append({"host": u.get("host"), "unit": u.get("unit"), "image": images.get(u.get("unit")),
                               "pids": sorted(int(w["pid"]) for w in u.get("workers") or []
                                              if isinstance(w, Mapping) and isinstance(w.get("pid"), int))})
-        pinned = {**request, "artifact": {**request["artifact"], "path": str(path),
-                                          "sha256": "sha256:" + hashlib.sha256(data).hexdigest()}}
+        pinned = {**request, "artifact": {**request["artifact"], "path": str(path), "sha256": digest}}
         record = {"format": 1, "kind": RECORD_KIND, "operation_id": str(request["id"]),
                   "operation": receipt.get("operation"), "capture_id": artifact.get("capture_id"),
                   "request": pinned, "units": units}
@@ -126,8 +128,8 @@ def rollback_request(record: Mapping[str, Any], failed_id: str) -> dict:
 
 
 # Variables of the failed run the rollback does not repeat: the contract's (set anew from its request) and
-# the overlay capture a restore may add (a rollback only brings back what ran).
-_NOT_REPEATED = (*RESERVED_EXTRAVARS, "coldsnap_capture_overlay")
+# the overlay capture a restore may add (a rollback only brings back what ran), and the hand-over kept for it.
+_NOT_REPEATED = (*RESERVED_EXTRAVARS, "coldsnap_capture_overlay", EXTRAVAR_KEEP_HANDOVER)
 
 
 def _without_contract(variables: Mapping[str, Any]) -> dict:

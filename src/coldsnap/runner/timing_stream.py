@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -58,7 +59,14 @@ class TimingStream:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 # Never through a link (one planted in /tmp would aim the write at another file); a FIFO
                 # that a live reader holds is fine. Private: spans name hosts, units and paths.
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:  # what was opened is checked before anything is cut or written
+                    require_not_planted_output(path, fd=fd)
+                    if stat.S_ISREG(os.fstat(fd).st_mode):
+                        os.ftruncate(fd, 0)
+                except BaseException:
+                    os.close(fd)
+                    raise
             except OSError as exc:
                 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
                     ColdSnapError,

@@ -25,6 +25,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units.lifecycle imp
 from standin_engine import start_engine
 
 
+def claim_path(state: Path) -> Path:
+    return StateLayout(state).host_claim("demo", claim_mod.machine_id())
+
+
 def request(op_id: str, operation: str = "restore") -> dict:
     return {"id": op_id, "operation": operation, "workload": {"recipe": "demo"},
             "launch": {"runtime": "host", "units": [{"id": "u0", "host": "h1"}]}}
@@ -101,7 +105,7 @@ def test_an_eviction_hands_the_workload_to_its_own_activation_only(tmp_path):
         with claimed(state, request("op-b"), host="h1", step="prepare", check_mode=True):
             pass
     with claimed(state, request("op-a"), host="h1", step="activate"):  # its own activation takes it over
-        record = json.loads(StateLayout(state).host_claim("demo", "h1").read_text())
+        record = json.loads(claim_path(state).read_text())
         assert record["step"] == "activate" and record["pending_until"] is None
     with claimed(state, request("op-b"), host="h1", step="prepare"):  # and once done, it is free
         pass
@@ -123,11 +127,11 @@ def test_check_mode_writes_nothing_and_a_link_is_never_followed(tmp_path):
     state = tmp_path / "state"
     with claimed(state, request("op-a"), host="h1", step="stop", check_mode=True):
         pass
-    assert not StateLayout(state).host_claim("demo", "h1").exists()
+    assert not claim_path(state).exists()
     target = tmp_path / "elsewhere"
     target.write_text("keep")
     StateLayout(state).locks.mkdir(parents=True)
-    StateLayout(state).host_claim("demo", "h1").symlink_to(target)
+    claim_path(state).symlink_to(target)
     with pytest.raises(Exception, match="symbolic link"):
         with claimed(state, request("op-a"), host="h1", step="stop"):
             pass
@@ -137,25 +141,25 @@ def test_check_mode_writes_nothing_and_a_link_is_never_followed(tmp_path):
 def test_the_claim_file_is_private_and_names_the_holder(tmp_path):
     state = tmp_path / "state"
     with claimed(state, request("op-a"), host="h1", step="capture"):
-        path = StateLayout(state).host_claim("demo", "h1")
+        path = claim_path(state)
         assert path.stat().st_mode & 0o777 == 0o600
         record = json.loads(path.read_text())
         assert record["id"] == "op-a" and record["step"] == "capture" and record["pid"] == os.getpid()
     assert claim_mod.HANDOVER_S >= 60
 
 
-def test_two_hosts_of_one_operation_sharing_a_state_root_never_wait_for_each_other(tmp_path):
+def test_one_claim_per_machine_whatever_an_inventory_calls_it(tmp_path):
+    """Two inventories may name one machine differently (an address, a name): still one claim."""
     state = tmp_path / "state"
-    holder = hold(state, "op-a", "activate")  # host h1's step
+    holder = hold(state, "op-a", "activate")  # as host "h1"
     try:
-        with claimed(state, request("op-a"), host="h2", step="activate"):
-            pass
-        with pytest.raises(WorkloadBusy):  # and h1's claim is still held against anyone else
-            with claimed(state, request("op-b"), host="h1", step="prepare"):
+        with pytest.raises(WorkloadBusy, match="restore op-a"):
+            with claimed(state, request("op-b"), host="10.0.0.7", step="prepare"):
                 pass
     finally:
         holder.stdin.close()
         holder.wait()
+    assert claim_path(state).name == f"host-workload-demo@{claim_mod.machine_id()}.claim"
 
 
 def test_two_runs_of_one_request_are_two_operations(tmp_path):
@@ -190,7 +194,7 @@ def test_a_moment_held_claim_is_waited_for_not_refused(tmp_path):
     state = tmp_path / "state"
     with claimed(state, request("op-a"), host="h1", step="stop"):
         pass
-    path = StateLayout(state).host_claim("demo", "h1")
+    path = claim_path(state)
     blip = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
                              "fd = os.open(sys.argv[1], os.O_RDWR); fcntl.flock(fd, fcntl.LOCK_EX)\n"
                              "print('held', flush=True); time.sleep(0.5)", str(path)],
@@ -222,7 +226,7 @@ def test_root_leaves_the_claim_the_state_roots_owners(tmp_path):
     os.chown(state, 65534, 65534)
     with claimed(state, request("op-a"), host="h1", step="stop"):
         pass
-    path = StateLayout(state).host_claim("demo", "h1")
+    path = claim_path(state)
     for p in (path, path.parent):
         st = p.stat()
         assert (st.st_uid, st.st_gid) == (65534, 65534), p
