@@ -154,8 +154,8 @@ def _refused_while_another_process_fills_the_gpu(req: dict, cap: dict) -> None:
     import subprocess
 
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process.gpu_memory import gpu_memory
     from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuRoom
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_facts import gpu_memory
 
     def admit(replaced: set[int]) -> list[dict]:
         room = GpuRoom(req, gpu_memory())

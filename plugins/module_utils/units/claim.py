@@ -45,6 +45,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import file_lock, lock_held
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.eviction import succeeds
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership_walk import give_tree
 
 HANDOVER_S = 120.0  # how long an evicted workload waits for its own restore's activate step
 ACQUIRE_S = 2.0  # how long a step waits for a claim held for a moment (a refused rival, a probe)
@@ -87,14 +88,15 @@ def claimed(state_root: Path, request: dict, *, host: str, step: str, check_mode
         _refuse_handover(_peek(path), recipe=recipe, host=host, mine=mine)
         yield Claim(None, mine)
         return
-    _state_roots_own(path.parent, state_root)
     lock = file_lock(path, timeout=ACQUIRE_S)
     try:
         fd = lock.__enter__()
     except TimeoutError:
         raise _busy(_peek(path), recipe=recipe, host=host, mine=mine, held=True) from None
     try:
-        _state_roots_own(path, state_root, fd=fd)
+        if os.geteuid() == 0:  # root in a user's state root (become): the locks stay that user's, as the root is
+            owner = os.stat(state_root)
+            give_tree(str(path.parent), owner.st_uid, owner.st_gid)
         _refuse_handover(_read(fd), recipe=recipe, host=host, mine=mine)
         claim = Claim(fd, {**mine, "pid": os.getpid(), "since": time.time(), "pending_until": None})
         _write(fd, claim.record)
@@ -150,27 +152,6 @@ def _held_a_while(path: Path) -> bool:
             return True
         time.sleep(0.05)
     return False
-
-
-def _state_roots_own(path: Path, state_root: Path, *, fd: int | None = None) -> None:
-    """Root working in a user's state root (``become``) leaves the locks directory and the claim file that
-    user's, as the state root is: a later step that runs as the user must still open them."""
-    if os.geteuid() != 0:
-        return
-    if fd is None:
-        with contextlib.suppress(FileExistsError):
-            os.makedirs(path, mode=0o700)
-    try:
-        owner = os.stat(state_root)
-        st = os.fstat(fd) if fd is not None else os.lstat(path)
-    except OSError:
-        return
-    if (st.st_uid, st.st_gid) != (owner.st_uid, owner.st_gid) and (fd is not None or os.path.isdir(path)) \
-            and not os.path.islink(path):
-        if fd is not None:
-            os.fchown(fd, owner.st_uid, owner.st_gid)
-        else:
-            os.chown(path, owner.st_uid, owner.st_gid, follow_symlinks=False)
 
 
 def _refuse_handover(record: dict | None, *, recipe: str, host: str, mine: dict) -> None:

@@ -65,7 +65,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, UnitSpec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state, host_facts
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.gpu_memory import gpu_memory
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import (
     GpuMoves,
@@ -431,7 +432,7 @@ class DockerRuntime(DockerUnits, UnitRuntime):
         plans = []
         moves = GpuMoves(artifact, facts)
         units = units_on_host(self.request, self.host)
-        room = GpuRoom(artifact, host_facts.gpu_memory() if any(u["devices"] for u in units) else None)
+        room = GpuRoom(artifact, gpu_memory() if any(u["devices"] for u in units) else None)
         evicted: set[int] = set()
         captured_units = {u["id"]: u for u in artifact["launch"]["units"]}
         for u in units:

@@ -33,10 +33,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import
     load_evidence,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import files, ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.gpu_memory import gpu_memory
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import (
     capture_state,
     environment,
-    host_facts,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import (
     GpuMoves,
@@ -123,7 +123,7 @@ class HostRuntime(HostUnits, UnitRuntime):
         plans = []
         changed = False
         moves = GpuMoves(artifact, facts)
-        room = GpuRoom(artifact, host_facts.gpu_memory() if any(u["devices"] for u in units) else None)
+        room = GpuRoom(artifact, gpu_memory() if any(u["devices"] for u in units) else None)
         facts = with_criu_check(facts)
         for u in units:
             adm = admit_unit(artifact=artifact, unit_id=u["id"], facts=facts, devices=u["devices"], host=self.host,

@@ -46,6 +46,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affi
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import files as files_mod
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.gpu_memory import gpu_memory
 
 from coldsnap_activation import keeper
 from coldsnap_activation.engine_handle import EngineHandle
@@ -154,16 +155,10 @@ def process_memory(pid: int) -> dict:
                     out[key.lower() + "_kib"] = out.get(key.lower() + "_kib", 0) + int(value.split()[0])
         except OSError:
             pass
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        import subprocess
-
-        r = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                           check=False, capture_output=True, text=True, timeout=30)
-        for line in r.stdout.splitlines():
-            parts = [x.strip() for x in line.split(",")]
-            if len(parts) == 2 and parts[0].isdigit() and int(parts[0]) in tree:
-                out["gpu_used_mib"] = out.get("gpu_used_mib", 0) + int(parts[1])
+    for gpu in gpu_memory().values():  # nvidia-smi, as restore's admission reads it
+        for holder, mib in gpu["apps"].items():
+            if holder in tree:
+                out["gpu_used_mib"] = out.get("gpu_used_mib", 0) + mib
     if len(tree) > 1:
         out["processes"] = len(tree)
     return out

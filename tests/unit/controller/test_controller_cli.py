@@ -147,3 +147,23 @@ def test_hostile_nesting_exits_2_with_one_message(tmp_path, capsys, verb) -> Non
     assert rc == 2
     assert "levels deep" in err and "Traceback" not in err
     assert not (tmp_path / "s").exists()
+
+
+def test_no_rollback_reaches_the_run_and_rollback_is_the_default(tmp_path, monkeypatch, example_request_text) -> None:
+    from coldsnap import api
+
+    seen: list = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(operation, request, **kwargs):
+        seen.append(kwargs["rollback"])
+        raise Stop
+
+    monkeypatch.setattr(api, "run", fake_run)
+    req = _write_request(tmp_path, example_request_text)
+    for extra in ([], ["--no-rollback"]):
+        with pytest.raises(Stop):
+            main(["restore", "--request-json", str(req), "--state-root", str(tmp_path / "state"), *extra])
+    assert seen == [True, False]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.gpu_memory import parse_gpu_memory
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission import GpuRoom
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_facts import parse_gpu_memory
 
 GPUS = """0, GPU-aaaa, 1200
 1, GPU-bbbb, 80000
