@@ -1,26 +1,37 @@
 """Barrier and rendezvous over CSKV: N ranks arrive, all leave together, or a clear error.
 
-Keys used by ``barrier(client, name, rank, world, timeout)`` (all under
-``barrier/<name>/``):
+A rank of ``barrier(client, name, rank, world, timeout)`` makes two requests: one
+``add`` that registers it, and one blocking ``get`` of the release key (the rank
+that completes the barrier ``set``s that key instead of waiting). Keys, all under
+``barrier/<name>/`` and documented so that other clients can take part:
 
-* ``rank/<r>``: each rank ``add``s 1 to its own key first. The result must be 1:
-  a second arrival of the same rank (a duplicated process, a reused name) is an
-  error instead of a silent miscount. These keys also say who arrived when the
-  barrier times out.
-* ``count@<world>``: then each rank ``add``s 1; the rank that brings it to
-  ``world`` sets ``release@<world>``. The world size is part of both keys, so ranks that
-  disagree on it never release each other early (they time out instead).
-* ``release@<world>``: every rank waits for it with a blocking ``get``.
+* ``arrived/<g>@<world>``: ranks are taken in groups of ``GROUP`` (31): rank ``r`` is
+  bit ``r % 31`` of group ``g = r // 31``. Each rank ``add``s ``2**32 + 2**(r % 31)``:
+  the value's low 31 bits are the ranks of the group that arrived and the bits from
+  32 up count the arrivals. What the ``add`` returns, less the rank's own delta, says
+  whether its bit was already set: a second arrival of the same rank (a duplicated
+  process, a reused name) takes its delta back with a second ``add`` and is an error
+  instead of a miscount. A group is complete when its value is exactly
+  ``size * 2**32 + 2**size - 1``: that many arrivals with that many distinct bits, so
+  duplicates can never complete it (the sum of ``size`` powers of two has ``size``
+  one bits only when no two are equal).
+* ``groups@<world>``: with more than one group, the rank that completes a group adds 1
+  here; the rank that brings it to the number of groups completes the barrier.
+* ``release@<world>``: the completing rank sets it; every other rank waits for it with
+  a blocking ``get``.
 
-A barrier name is single-use within one activation: name each phase uniquely
-(``criu-restore``, ``cuda-restore``, ``transport/2``...). Timeouts end with a
-``BarrierTimeout`` that names the ranks that never arrived. A caller that must also
-watch something else while it waits (the activation's abort key) passes ``poll``: the
+The world size is part of every key, so ranks that disagree on it never release each
+other early (they time out instead). A barrier name is single-use within one
+activation: name each phase uniquely (``criu-restore``, ``cuda-restore``,
+``transport/2``...). Timeouts end with a ``BarrierTimeout`` that names the ranks
+that never arrived (read from the group keys). A caller that must also watch
+something else while it waits (the activation's abort key) passes ``poll``: the
 wait is then cut into slices of at most ``POLL_SLICE`` seconds and ``poll()`` runs
 before each; whatever it raises ends the wait.
 
-Every step is one short TCP request (client.py): no connection or thread
-outlives the call, so a rank may be checkpointed between barriers.
+Every step is one short TCP request (client.py, CSKV v1 is one request per
+connection): no connection or thread outlives the call, so a rank may be
+checkpointed between barriers.
 """
 
 from __future__ import annotations
@@ -36,6 +47,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import
 
 RELEASE_VALUE = b"released"
 POLL_SLICE = 1.0  # seconds a blocking wait lasts between two poll() calls
+GROUP = 31  # ranks per arrival key: bits 0..30; bit 31 stays clear, the count starts at bit 32
+COUNT_UNIT = 1 << 32
 _MAX_LISTED = 32  # missing ranks listed by number in a message; the rest are counted
 
 
@@ -57,9 +70,25 @@ def barrier_key(name: str, part: str) -> str:
     return f"barrier/{name}/{part}"
 
 
+def arrival_key(name: str, group: int, world: int) -> str:
+    """The key counting the arrivals of ranks ``31 * group`` .. ``31 * group + 30``."""
+    return barrier_key(name, f"arrived/{group}@{world}")
+
+
+def group_size(group: int, world: int) -> int:
+    return min(GROUP, world - GROUP * group)
+
+
+def group_complete(group: int, world: int) -> int:
+    """The value of a group's arrival key once each of its ranks arrived exactly once."""
+    size = group_size(group, world)
+    return size * COUNT_UNIT + (1 << size) - 1
+
+
 def barrier(client: CoordinatorClient, name: str, rank: int, world: int, timeout: float, *,
             poll: Callable[[], None] | None = None) -> int:
-    """Block until all ``world`` ranks reached barrier ``name``; return this rank's arrival order (1..world).
+    """Block until all ``world`` ranks reached barrier ``name``; return this rank's arrival order in
+    its group of up to 31 ranks (1..31; for a world of at most 31, its order among all ranks).
 
     Raises BarrierTimeout naming the missing ranks when ``timeout`` seconds pass
     first, and BarrierError for a duplicate rank or a reused name. ``poll`` (optional)
@@ -67,36 +96,38 @@ def barrier(client: CoordinatorClient, name: str, rank: int, world: int, timeout
     """
     _check_args(name, rank, world, timeout)
     deadline = time.monotonic() + timeout
-    mine = client.add(barrier_key(name, f"rank/{rank}"), 1)
-    if mine != 1:
+    group, bit = divmod(rank, GROUP)
+    delta = COUNT_UNIT + (1 << bit)
+    key = arrival_key(name, group, world)
+    total = client.add(key, delta)
+    if (total - delta) & (1 << bit):
+        client.add(key, -delta)  # take this arrival back: the rank's first arrival still counts
         raise BarrierError(
-            f"barrier {name!r}: rank {rank} arrived {mine} times",
+            f"barrier {name!r}: rank {rank} arrived more than once",
             fix="give every process a distinct rank, and every barrier phase a unique name",
         )
-    order = client.add(barrier_key(name, f"count@{world}"), 1)
-    if order > world:
-        raise BarrierError(
-            f"barrier {name!r}: {order} arrivals for a world of {world}",
-            fix="use the same world size on every rank and a new barrier name for each phase",
-        )
-    if order == world:
-        client.set(barrier_key(name, f"release@{world}"), RELEASE_VALUE)
-        return order
+    if total == group_complete(group, world):
+        groups = -(-world // GROUP)
+        if groups == 1 or client.add(barrier_key(name, f"groups@{world}"), 1) == groups:
+            client.set(barrier_key(name, f"release@{world}"), RELEASE_VALUE)
+            return total // COUNT_UNIT
+    release = barrier_key(name, f"release@{world}")
     try:
-        _wait_release(client, barrier_key(name, f"release@{world}"), deadline, poll)
+        _wait_release(client, release, deadline, poll)
     except CoordinatorTimeout:
         # The release may have landed right at the deadline: look once more.
-        if client.try_get(barrier_key(name, f"release@{world}")) is not None:
-            return order
+        if client.try_get(release) is not None:
+            return total // COUNT_UNIT
         missing = missing_ranks(client, name, world)
         raise BarrierTimeout(
             f"barrier {name!r} timed out after {timeout:g}s with {world - len(missing)} of {world} ranks: "
-            f"missing {_list(missing)} (this is rank {rank})",
-            fix="check the missing ranks' processes and logs, or raise the timeout",
+            f"missing {_list(missing)} (this is rank {rank} of a world of {world})",
+            fix="check the missing ranks' processes and logs, that every rank passes the same world size "
+                "(ranks count only with those of their world), or raise the timeout",
             missing=missing,
             arrived=world - len(missing),
         ) from None
-    return order
+    return total // COUNT_UNIT
 
 
 def _wait_release(client: CoordinatorClient, key: str, deadline: float, poll: Callable[[], None] | None) -> None:
@@ -121,10 +152,16 @@ def rendezvous_key(name: str, rank: int) -> str:
 
 
 def missing_ranks(client: CoordinatorClient, name: str, world: int) -> list[int]:
-    """Ranks of barrier ``name`` that have not registered (one short request per rank)."""
-    return [r for r in range(world) if client.try_get(barrier_key(name, f"rank/{r}")) is None]
-
-
+    """Ranks of barrier ``name`` whose arrival is not recorded (one short request per group of 31)."""
+    missing = []
+    for group in range(-(-world // GROUP)):
+        raw = client.try_get(arrival_key(name, group, world))
+        try:
+            arrived = int(raw) % COUNT_UNIT if raw is not None else 0
+        except ValueError:
+            arrived = 0
+        missing += [GROUP * group + b for b in range(group_size(group, world)) if not arrived >> b & 1]
+    return missing
 def rendezvous(
     client: CoordinatorClient, name: str, rank: int, world: int, value: bytes, *, timeout: float
 ) -> list[bytes]:
@@ -177,7 +214,7 @@ def _check_args(name: str, rank: int, world: int, timeout: float, *, shown: str 
 
 def _list(ranks: Sequence[int]) -> str:
     if not ranks:
-        return "none (every rank registered: the ranks disagree on the world size, or the release key was deleted)"
+        return "none (every rank registered: the release key was deleted, or the rank completing the barrier failed)"
     shown = ", ".join(str(r) for r in ranks[:_MAX_LISTED])
     more = f" and {len(ranks) - _MAX_LISTED} more" if len(ranks) > _MAX_LISTED else ""
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}{more}"

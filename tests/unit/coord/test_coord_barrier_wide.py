@@ -54,8 +54,11 @@ def test_64_ranks_leave_together_and_leave_nothing_behind(server) -> None:
     client = client_for(server)
     for phase in range(3):
         results = run_ranks(client, f"wide/{phase}", range(64), 64, 60)
-        assert sorted(results.values()) == list(range(1, 65)), results
-        assert client.get(barrier_key(f"wide/{phase}", "count@64")) == b"64"
+        # arrival orders within the groups of 31 ranks: 0-30, 31-61, 62-63
+        assert sorted(results.values()) == sorted([*range(1, 32), *range(1, 32), 1, 2]), results
+        for group, size in enumerate((31, 31, 2)):
+            assert int(client.get(barrier_key(f"wide/{phase}", f"arrived/{group}@64"))) == size * 2**32 + 2**size - 1
+        assert client.get(barrier_key(f"wide/{phase}", "groups@64")) == b"3"
         assert client.get(barrier_key(f"wide/{phase}", "release@64")) == RELEASE_VALUE
     settle(server)
     stats = server.stats()
@@ -104,9 +107,9 @@ def test_a_duplicate_rank_is_refused_before_it_counts(server) -> None:
     deadline = time.monotonic() + 10
     while server.stats().waiting_gets < 1 and time.monotonic() < deadline:
         time.sleep(0.005)
-    with pytest.raises(BarrierError, match="rank 0 arrived 2 times"):
+    with pytest.raises(BarrierError, match="rank 0 arrived more than once"):
         barrier(client, "dup", 0, 2, 30)  # a second rank 0 must not complete a world of 2
-    assert client.get(barrier_key("dup", "count@2")) == b"1" and not waiting
+    assert int(client.get(barrier_key("dup", "arrived/0@2"))) == 2**32 + 1 and not waiting
     assert barrier(client, "dup", 1, 2, 30) == 2
     t.join(30)
     assert waiting["r"] == 1
@@ -114,9 +117,10 @@ def test_a_duplicate_rank_is_refused_before_it_counts(server) -> None:
 
 def test_too_many_arrivals_leave_no_wait(server) -> None:
     client = client_for(server)
-    client.set(barrier_key("over", "count@2"), b"2")  # as if two ranks had already passed
-    with pytest.raises(BarrierError, match="3 arrivals for a world of 2"):
+    client.set(barrier_key("over", "arrived/0@2"), str(2 * 2**32 + 3))  # as if both ranks had already passed
+    with pytest.raises(BarrierError, match="rank 0 arrived more than once"):
         barrier(client, "over", 0, 2, 30)
+    assert int(client.get(barrier_key("over", "arrived/0@2"))) == 2 * 2**32 + 3  # taken back
     settle(server)
     assert server.stats().waiting_gets == 0 and server.stats().connections == 0
 
@@ -126,7 +130,7 @@ def test_wrong_token_fails_at_the_first_request(server) -> None:
     with pytest.raises(CoordinatorUnauthorized):
         barrier(bad, "auth", 0, 2, 5)
     client = client_for(server)
-    assert client.try_get(barrier_key("auth", "rank/0")) is None and server.stats().waiting_gets == 0
+    assert client.try_get(barrier_key("auth", "arrived/0@2")) is None and server.stats().waiting_gets == 0
 
 
 def test_shutdown_while_waiting_is_an_error_not_a_timeout(make_server) -> None:
@@ -169,3 +173,26 @@ def test_client_connects_to_an_ip_literal_without_a_name_lookup(monkeypatch) -> 
         assert barrier(client, "v6", 0, 1, 5) == 1
     finally:
         server.shutdown(timeout=10)
+
+
+def test_duplicates_never_complete_a_group_whatever_their_order(server) -> None:
+    """Ranks 0 and 0 again (while 1 is missing) carry into bit 1 while the duplicate takes its arrival
+    back; however that interleaves with the others, a group completes only with each rank once."""
+    client = client_for(server)
+    key = barrier_key("carry", "arrived/0@3")
+    client.add(key, 2**32 + 1)  # rank 0 arrived ...
+    client.add(key, 2**32 + 1)  # ... and a copy of it, caught between its add and its take-back
+    results = run_ranks(client, "carry", [2], 3, 0.5)  # rank 2: bits 0 and 1 look set, 3 arrivals
+    assert isinstance(results[2], BarrierTimeout)  # not released: rank 1 never came
+    assert client.try_get(barrier_key("carry", "release@3")) is None
+
+
+def test_a_timeout_past_the_first_group_names_the_missing_ranks_of_every_group(server) -> None:
+    client = client_for(server)
+    present = [r for r in range(70) if r not in (0, 30, 31, 61, 62, 69)]
+    results = run_ranks(client, "groups", present, 70, 0.5)
+    exc = results[present[0]]
+    assert isinstance(exc, BarrierTimeout), exc
+    assert exc.missing == [0, 30, 31, 61, 62, 69] and exc.arrived == 64
+    # the groups that completed (none here) would have counted in groups@70: nobody released
+    assert client.try_get(barrier_key("groups", "release@70")) is None
