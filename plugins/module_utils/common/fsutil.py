@@ -42,6 +42,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_private_dirs(path: Path | str) -> None:
+    """Create ``path`` and every missing directory above it with mode 0700 (``mkdir(parents=True)`` gives
+    the parents the default mode: a state root made that way would be world-readable)."""
+    path = Path(path)
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(mode=0o700)
+
+
 def fsync_file(path: Path | str) -> None:
     """Flush a file's bytes to disk (before it gets a name that readers trust)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

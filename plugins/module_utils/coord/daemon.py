@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import file_lock
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import file_lock, make_private_dirs
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord import serve as _server
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import (
     CoordinatorClient,
@@ -44,6 +44,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint impo
     check_address,
     check_scope,
     read_endpoint,
+    refuse_planted_endpoint,
 )
 
 # Imported so that Ansible's module packer ships the server's modules with any
@@ -131,6 +132,7 @@ def endpoint_path(endpoint_file: Path | str) -> Path:
     if path.name in ("", ".", "..") or os.path.isdir(path):
         raise ColdSnapError(f"coordinator endpoint_file {str(endpoint_file)!r} names a directory",
                             fix=f"give a file path in it, e.g. {os.path.join(str(endpoint_file), 'coordinator.json')}")
+    refuse_planted_endpoint(path)
     return Path(os.path.realpath(path.parent)) / path.name
 
 
@@ -199,7 +201,7 @@ def start_coordinator(
                                 message=f"would start a coordinator for scope {scope}")
     if not check_mode:
         try:
-            endpoint_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            make_private_dirs(endpoint_file.parent)
         except OSError as exc:
             raise ColdSnapError(f"cannot create the directory of coordinator endpoint file {endpoint_file}: "
                                 f"{exc.strerror or exc}",

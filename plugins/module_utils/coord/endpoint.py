@@ -25,6 +25,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
     atomic_write_json,
     check_private,
+    make_private_dirs,
+    planted_by_another,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import (
     duplicates_of,
@@ -54,12 +56,18 @@ def check_address(address: str) -> str:
     resolve to several interfaces, or to a different one tomorrow.
     """
     try:
-        return str(ipaddress.ip_address(address))
+        ip = ipaddress.ip_address(address)
     except ValueError:
         raise ColdSnapError(
             f"coordinator address {address!r} is not an IP address",
             fix="give an IP literal such as 127.0.0.1 (loopback) or the one interface address to listen on",
         ) from None
+    mapped = getattr(ip, "ipv4_mapped", None)
+    if mapped is not None:
+        # ::ffff:0.0.0.0 listens on every IPv4 interface while it reads like one IPv6 address.
+        raise ColdSnapError(f"coordinator address {address!r} is an IPv4 address written as IPv6",
+                            fix=f"give the IPv4 address itself: {mapped}")
+    return str(ip)
 
 
 def check_scope(scope: Any) -> str:
@@ -130,14 +138,32 @@ class EndpointDescriptor:
 def write_endpoint(path: Path | str, descriptor: EndpointDescriptor) -> Path:
     """Write the descriptor atomically (temp -> fsync -> rename -> dir fsync), mode 0600."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)  # a directory it creates is private too
+    make_private_dirs(path.parent)  # the directories it creates are private too
     atomic_write_json(path, descriptor.to_json(), mode=0o600)
     return path
 
 
+def refuse_planted_endpoint(path: Path | str) -> None:
+    """An endpoint file, or a directory above it, that another user made in a directory anyone may write
+    to (``/tmp/cskv`` of uid 65534) is theirs to redirect: they could swap in a descriptor naming their
+    own listener (which then receives every rank's keys) or, for a coordinator started there, the code
+    it runs. Refused with ColdSnapError naming the component."""
+    planted = planted_by_another(path)
+    if planted is not None:
+        cur, parent, uid = planted
+        raise ColdSnapError(
+            f"coordinator endpoint file {path}: {cur} belongs to uid {uid}, not to this user (uid {os.geteuid()}), "
+            f"and lies in {parent}, which anyone may write to: that user could replace the descriptor or the "
+            "coordinator's code",
+            fix="keep endpoint files in a directory of your own (the default: the operation's run directory in "
+                "the state root)")
+
+
 def read_endpoint(path: Path | str) -> EndpointDescriptor:
-    """Read and strictly validate a descriptor; refuse a file that group or others can read."""
+    """Read and strictly validate a descriptor; refuse a file that group or others can read, or one
+    another user planted (:func:`refuse_planted_endpoint`)."""
     path = Path(path)
+    refuse_planted_endpoint(path)
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):  # before its mode is judged: /tmp is no endpoint file
             raise ColdSnapError(f"coordinator endpoint file {path} is not a regular file",

@@ -372,6 +372,8 @@ _COUNT_WORDS = frozenset({"TOKENS"})
 COMMAND_SECRET_FIX = ("remove the flag and its value from launch.units[].command: a process's arguments are part of "
                       "its memory and so of its snapshot and capsule. "
                       + (UNIT_SECRET_FIX.partition(". ")[2] or UNIT_SECRET_FIX))
+URL_SECRET_FIX = ("take the password out of the URL (user@host, or no user): the engine reads credentials from "
+                  "its own files, not from its command line. " + (UNIT_SECRET_FIX.partition(". ")[2] or UNIT_SECRET_FIX))
 
 
 def _credential_flag(arg: str) -> str | None:
@@ -439,6 +441,10 @@ def launch_issues(launch: dict, *, op: str | None = None) -> list[FormatIssue]:
             elif isinstance(value, str) and holds_url_password(value):
                 add(f"{p}.environment.{name}", "the value is a URL with a password in it (user:password@)",
                     UNIT_SECRET_FIX)
+        for j, arg in enumerate(unit["command"]):
+            if isinstance(arg, str) and holds_url_password(arg):  # an operand after "--" too
+                add(f"{p}.command[{j}]", "the argument is a URL with a password in it (user:password@): a "
+                    "process's arguments are part of its memory, so of its snapshot and capsule", URL_SECRET_FIX)
         for j, arg in enumerate(unit["command"]):
             if arg == "--":
                 break  # what follows are operands, not flags

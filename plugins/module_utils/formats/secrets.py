@@ -23,8 +23,9 @@ UNIT_SECRET_FIX = ("keep credentials out of launch.units[].environment: a proces
 
 
 def is_secret_name(name: str) -> bool:
-    """True when a variable called ``name`` must be treated as a credential (redaction: broad)."""
-    return bool(SECRET_NAME_RE.search(name))
+    """True when a variable called ``name`` must be treated as a credential (redaction: broad; every name
+    :func:`is_credential_name` refuses, such as ``MYSQL_PWD`` or ``GITHUB_PAT``, is one too)."""
+    return bool(SECRET_NAME_RE.search(name)) or is_credential_name(name)
 
 
 # Refusing is stricter than redacting: a word of the name (split at '_') must name a credential,
@@ -37,7 +38,7 @@ CREDENTIAL_WORDS = frozenset({"TOKEN", "TOKENS", "PASSWORD", "PASSWD", "PASSPHRA
 # some clients read (MYSQL_PWD; ``PWD`` alone is the shell's working directory, not a secret).
 _CREDENTIAL_ENDINGS = ("PASSWORD", "PASSWD", "PASSPHRASE", "TOKEN", "SECRET", "APIKEY")
 # A URL that carries a password (``scheme://user:password@host``): a credential whatever the name.
-_URL_WITH_PASSWORD = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s@:]*:[^/\s@]+@")
+URL_PASSWORD_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s@:]*:(?P<password>[^/\s@]+)@")
 
 
 def is_credential_name(name: str) -> bool:
@@ -49,7 +50,7 @@ def is_credential_name(name: str) -> bool:
 
 def holds_url_password(value: str) -> bool:
     """True when ``value`` holds a URL with a password in it (``https://user:pw@proxy``, a database URL)."""
-    return bool(_URL_WITH_PASSWORD.search(value))
+    return bool(URL_PASSWORD_RE.search(value))
 
 
 def without_credentials(env: Mapping[str, str]) -> dict[str, str]:

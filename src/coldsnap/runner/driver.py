@@ -58,6 +58,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
     atomic_write_bytes,
     file_lock,
+    lock_held,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import (  # noqa: F401  # pylint: disable=W0611
     StateLayout,
@@ -479,6 +480,7 @@ def _run_lock(config: RunConfig):
                             fix="wait for it to finish, or give this request a new id") from None
     try:
         _require_no_orphan(run_dir, config.operation_id)
+        _drop_stale_partial_events(config.state_root / "runs", run_dir)
         yield run_dir
     finally:
         lock.__exit__(None, None, None)
@@ -741,6 +743,20 @@ class PlaybookRun:
         return OperationResult(operation_id=cfg.operation_id, operation=cfg.operation, succeeded=succeeded,
                                cancelled=cancelled, receipt=receipt, receipt_path=receipt_path, run_dir=run_dir,
                                artifact_dir=artifact_dir, runner_status=self.runner_status, rc=rc)
+
+
+def _drop_stale_partial_events(runs: Path, this_run: Path) -> None:
+    """Delete the ``*-partial.json`` event files of runs no controller holds (this one's, before it starts,
+    included). The display callback writes each event there before the controller scrubs it; a controller
+    killed with -9 never scrubs them, and a later one does not know that run's secrets: unprocessed, they
+    only ever hold what the scrubbed events already say."""
+    with contextlib.suppress(OSError):
+        for run in runs.iterdir():
+            if run != this_run and lock_held(run / ".lock"):
+                continue  # running: its controller scrubs its own
+            for partial in run.glob("artifacts/*/job_events/*-partial.json"):
+                with contextlib.suppress(OSError):
+                    partial.unlink()
 
 
 def _scrub_partial_events(job_events: Path, redactor: Redactor) -> None:

@@ -16,11 +16,16 @@ Values shorter than :data:`MIN_SCRUB_LENGTH` are redacted by name only: scrubbin
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets import is_secret_name
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.secrets import (
+    URL_PASSWORD_RE,
+    holds_url_password,
+    is_secret_name,
+)
 
 REDACTED = "<redacted>"
 MIN_SCRUB_LENGTH = 6
@@ -29,8 +34,23 @@ MIN_SCRUB_LENGTH = 6
 
 
 def redact_env(env: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of an environment mapping with secret-named values replaced."""
-    return {k: (REDACTED if is_secret_name(str(k)) else v) for k, v in env.items()}
+    """A copy of an environment mapping with secret-named values, and URLs that carry a password
+    (``HTTPS_PROXY=http://user:pw@proxy``), replaced."""
+    return {k: (REDACTED if is_secret_name(str(k)) or (isinstance(v, str) and holds_url_password(v)) else v)
+            for k, v in env.items()}
+
+
+def written_forms(text: str) -> set[str]:
+    """``text`` as it may appear in what Ansible prints and stores: as is, escaped inside a JSON string
+    (a result dumped as JSON, ASCII or not), that escaped again (JSON quoted inside JSON) and as Python's
+    ``repr`` shows it. A password with a quote, a backslash or a tab leaks in the escaped forms only."""
+    forms = {text}
+    for ascii_only in (True, False):
+        once = json.dumps(text, ensure_ascii=ascii_only)[1:-1]
+        forms.update((once, json.dumps(once, ensure_ascii=ascii_only)[1:-1]))
+    forms.add(repr(text)[1:-1])
+    forms.add(text.encode("unicode_escape").decode("ascii"))
+    return forms
 
 
 class Redactor:
@@ -53,7 +73,7 @@ class Redactor:
         elif isinstance(value, str | int | float) and not isinstance(value, bool):
             text = str(value)
             if len(text) >= MIN_SCRUB_LENGTH and text not in self._values:
-                self._values.add(text)
+                self._values.update(written_forms(text))
                 # Longest first so a secret containing another is replaced whole.
                 alternatives = sorted(self._values, key=len, reverse=True)
                 self._pattern = re.compile("|".join(re.escape(a) for a in alternatives))
@@ -63,6 +83,10 @@ class Redactor:
         for key, value in mapping.items():
             if is_secret_name(str(key)):
                 self.add(value)
+            elif isinstance(value, str) and holds_url_password(value):
+                self.add(value)  # the whole URL, and its password wherever it appears alone
+                for match in URL_PASSWORD_RE.finditer(value):
+                    self.add(match.group("password"))
             elif isinstance(value, Mapping):
                 self.add_secret_named(value)
             elif isinstance(value, list):

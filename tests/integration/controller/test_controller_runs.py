@@ -261,3 +261,34 @@ def test_playbook_error_without_a_failed_task(tmp_path: Path) -> None:
     assert receipt["state"] == "failed" and receipt["error"]["phase"] == "playbook"
     assert "no.such.module_xyz" in receipt["error"]["message"]
     assert receipt["error"]["host"] is None and receipt["result"]["tasks"] == []
+
+
+def test_secrets_with_quotes_backslashes_tabs_and_url_passwords_are_stored_nowhere(tmp_path: Path) -> None:
+    """Ansible prints results as JSON: a password with a quote, a backslash or a tab reaches the events escaped,
+    and credentials the broad name rule missed (MYSQL_PWD, *_PAT, a proxy URL with a password) reach the
+    command artifact unless they are named or recognised."""
+    import json
+
+    secret, env_token = 'S3cr"et\\pass\tXYZ', 'envtok"Q\\uw-123'
+    extra_env = {"HTTPS_PROXY": "http://bob:ProxyPassw0rd1@proxy:3128", "MYSQL_PWD": "MysqlPassw0rd2",
+                 "GITHUB_PAT": "ghp_PatValue0003", "DATABASE_URL": "postgres://u:DbPassw0rd4@db/x"}
+    req = request_for("capture")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COLDSNAP_FIXTURE_API_TOKEN", env_token)
+        for name, value in extra_env.items():
+            mp.setenv(name, value)
+        result = run_playbook(operation="capture", request=req, playbook=PLAYBOOKS / "succeed.yml",
+                              extravars=operation_extravars(req, state_root=tmp_path / "state"), inventory=None,
+                              state_root=tmp_path / "state", progress=False,
+                              secret_extravars={"coldsnap_test_token": secret})
+    assert result.succeeded
+    forms = set()
+    for value in (secret, env_token, "ProxyPassw0rd1", "MysqlPassw0rd2", "ghp_PatValue0003", "DbPassw0rd4"):
+        once = json.dumps(value)[1:-1]
+        forms |= {value, once, json.dumps(once)[1:-1]}
+    for path in all_files(result.run_dir):
+        data = path.read_text(errors="replace")
+        assert not [f for f in forms if f in data], path
+    assert "secret is <redacted>" in (result.artifact_dir / "stdout").read_text()
+    command = json.loads((result.artifact_dir / "command").read_text())
+    assert {command["env"][name] for name in extra_env} == {"<redacted>"}

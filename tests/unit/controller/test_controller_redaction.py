@@ -61,3 +61,30 @@ def test_scrub_in_place_keeps_the_same_dict_object() -> None:
     r.scrub_in_place(event)
     assert same is event
     assert event == {"stdout": REDACTED, "event_data": {"res": {"msg": f"{REDACTED}!"}}}
+
+
+@pytest.mark.parametrize("name", ["MYSQL_PWD", "GITHUB_PAT", "PGPASSWORD", "GHTOKEN"])
+def test_names_a_unit_may_not_hold_are_redacted_too(name: str) -> None:
+    assert is_secret_name(name)
+
+
+def test_a_url_with_a_password_is_redacted_whatever_its_name() -> None:
+    env = {"HTTPS_PROXY": "http://bob:ProxyPassw0rd1@proxy:3128", "NO_PROXY": "localhost,127.0.0.1",
+           "MIRROR": "https://mirror.example/debian"}
+    assert redact_env(env) == {**env, "HTTPS_PROXY": REDACTED}
+    r = Redactor()
+    r.add_secret_named(env)
+    assert r.text("proxy auth ProxyPassw0rd1 failed") == f"proxy auth {REDACTED} failed"
+    assert r.text("https://mirror.example/debian") == "https://mirror.example/debian"
+
+
+@pytest.mark.parametrize("secret", ['S3cr"et\\pass-XYZ', "tab\ttok-12345", "line\nbreak-1", "ünï\"cødé-1"])
+def test_a_secret_is_scrubbed_in_the_escaped_forms_ansible_prints(secret: str) -> None:
+    import json
+
+    r = Redactor([secret])
+    result = json.dumps({"msg": f"bad {secret}"})
+    assert secret not in r.text(result) and REDACTED in r.text(result)
+    assert REDACTED in r.text(json.dumps(result))  # JSON in JSON: escaped twice
+    assert REDACTED in r.text(json.dumps({"msg": secret}, ensure_ascii=False))
+    assert REDACTED in r.text(repr(secret))

@@ -323,3 +323,18 @@ def _wait_for(path: Path, proc: subprocess.Popen) -> Path:
         assert time.monotonic() < deadline, f"{path} never appeared"
         time.sleep(0.02)
     return path
+
+
+def test_a_coordinator_is_not_started_in_a_directory_another_user_owns_in_a_shared_one(tmp_path) -> None:
+    """Its owner could replace the descriptor (and so redirect every rank) or the code the daemon imports."""
+    if os.geteuid() != 0:
+        pytest.skip("making a directory owned by another user needs root")
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    theirs = shared / "cskv"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(ColdSnapError, match=r"belongs to uid 65534, .*anyone may write to"):
+        daemon.start_coordinator(theirs / "coordinator.json", scope="op-1")
+    assert os.listdir(theirs) == []

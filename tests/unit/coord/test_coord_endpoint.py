@@ -11,6 +11,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsuti
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, FormatError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint import (
     EndpointDescriptor,
+    check_address,
     new_token,
     read_endpoint,
     write_endpoint,
@@ -151,3 +152,43 @@ def test_wildcard_bind_connects_over_loopback() -> None:
     assert EndpointDescriptor("0.0.0.0", 1, "s", "a" * 64).connect_address() == "127.0.0.1"
     assert EndpointDescriptor("::", 1, "s", "a" * 64).connect_address() == "::1"
     assert EndpointDescriptor("10.1.2.3", 1, "s", "a" * 64).connect_address() == "10.1.2.3"
+
+
+def test_every_directory_the_write_creates_is_private(tmp_path, descriptor) -> None:
+    old = os.umask(0o022)
+    try:
+        write_endpoint(tmp_path / "fresh" / "runs" / "op-9" / "endpoint.json", descriptor)
+    finally:
+        os.umask(old)
+    for d in ("fresh", "fresh/runs", "fresh/runs/op-9"):
+        assert stat.S_IMODE(os.stat(tmp_path / d).st_mode) == 0o700, d
+
+
+@pytest.mark.parametrize("address", ["::ffff:0.0.0.0", "::ffff:127.0.0.1"])
+def test_an_ipv4_address_written_as_ipv6_is_refused_naming_the_ipv4_form(address) -> None:
+    with pytest.raises(ColdSnapError, match=r"IPv4 address written as IPv6.*give the IPv4 address itself: "
+                                            + address.rsplit(":", 1)[1].replace(".", r"\.")):
+        check_address(address)
+
+
+def test_a_descriptor_another_user_could_replace_is_refused(tmp_path, descriptor) -> None:
+    """A directory of uid 65534 in a world-writable one (``/tmp/cskv``): its owner could swap in a descriptor that
+    names their own listener, which would then receive every key a rank sets."""
+    if os.geteuid() != 0:
+        pytest.skip("making a directory owned by another user needs root")
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    theirs = shared / "cskv"
+    theirs.mkdir()
+    path = write_endpoint(theirs / "coordinator.json", descriptor)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(ColdSnapError, match=r"cskv belongs to uid 65534, .*anyone may write to.*directory of your own"):
+        read_endpoint(path)
+    os.chown(theirs, 0, 0)
+    os.chown(path, 65534, 65534)  # their file in a directory of root's that anyone may write to
+    theirs.chmod(0o1777)
+    with pytest.raises(ColdSnapError, match=r"coordinator.json belongs to uid 65534"):
+        read_endpoint(path)
+    os.chown(path, 0, 0)
+    assert read_endpoint(path) == descriptor

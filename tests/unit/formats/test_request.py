@@ -435,6 +435,19 @@ def test_credentials_on_a_units_command_line_are_refused_like_in_its_environment
     assert "SECRET" not in json.dumps(p) and "hf_x" not in json.dumps(p), "the value itself is never echoed"
 
 
+@pytest.mark.parametrize("args", [["--model-url=https://u:UrlPassw0rd7@host/m"], ["--db", "postgres://u:DbPassw0rd9@db/x"],
+                                  ["--", "https://u:UrlPassw0rd7@host/m"]])
+def test_a_url_with_a_password_on_a_units_command_line_is_refused_like_in_its_environment(base, args):
+    command = base["launch"]["units"][0]["command"]
+    j = len(command) + len(args) - 1
+    command.extend(args)
+    p = problems(base)
+    where = f"$.launch.units[0].command[{j}]"
+    assert list(p) == [where], p
+    assert "URL with a password" in p[where] and "take the password out of the URL" in p[where]
+    assert "Passw0rd" not in json.dumps(p), "the value itself is never echoed"
+
+
 def test_engine_flags_that_count_tokens_are_not_credentials(base):
     base["launch"]["units"][0]["command"].extend([
         "--max-tokens", "16", "--max-num-batched-tokens", "8192", "--tokenizer", "/m", "--tokenizer-mode", "auto",
