@@ -141,8 +141,10 @@ def run_module() -> None:
         module.exit_json(changed=changed, **result)
     except ColdSnapError as exc:
         quarantined = exc.details.get("quarantined")
-        # a corrupt pack moved aside is a change on the host, failed run or not
-        module.fail_json(msg=str(exc), verified=False, quarantined=quarantined, changed=bool(quarantined))
+        # a corrupt pack moved aside is a change on the host, failed run or not; check mode moves nothing
+        # and reports the move a real run would make
+        changed = bool(quarantined) or (module.check_mode and bool(exc.details.get("wrong_object")))
+        module.fail_json(msg=str(exc), verified=False, quarantined=quarantined, changed=changed)
     except Exception as exc:  # unexpected: keep the traceback for -vvv
         module.fail_json(msg=f"payload_verify failed unexpectedly: {exc}", exception=traceback.format_exc())
 

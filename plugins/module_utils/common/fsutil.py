@@ -55,6 +55,31 @@ def make_private_dirs(path: Path | str) -> None:
             directory.mkdir(mode=0o700)
 
 
+def remove_if_abandoned(path: Path | str) -> bool:
+    """Remove the temporary file ``path`` when no writer holds its flock (writers lock their temp for its
+    whole life: a killed one's is free); True when it was removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, OSError):
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a live writer holds it
+        try:
+            st_path = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        st_fd = os.fstat(fd)
+        if (st_path.st_dev, st_path.st_ino) != (st_fd.st_dev, st_fd.st_ino):
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
 def fsync_file(path: Path | str) -> None:
     """Flush a file's bytes to disk (before it gets a name that readers trust)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
-import fcntl
 import os
 import secrets
 import shutil
@@ -135,7 +134,7 @@ class NodeCache:
                 continue
             if ".pack" + fsutil.TEMP_MARKER not in name:
                 continue
-            if _remove_if_abandoned(path):
+            if fsutil.remove_if_abandoned(path):
                 removed.append(path)
         if removed:
             fsutil.fsync_dir(self.objects)
@@ -194,29 +193,6 @@ def no_space_error(exc: OSError, *, what: str, path: Path | str, needed: int | N
     if isinstance(err, ColdSnapError):
         err.details["errno"] = exc.errno
     return err
-
-
-def _remove_if_abandoned(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (FileNotFoundError, OSError):
-        return False
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # a live writer holds it
-        try:
-            st_path = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        st_fd = os.fstat(fd)
-        if (st_path.st_dev, st_path.st_ino) != (st_fd.st_dev, st_fd.st_ino):
-            return False
-        os.unlink(path)
-        return True
-    finally:
-        os.close(fd)
 
 
 def remove_tree_quietly(path: Path) -> None:

@@ -16,6 +16,7 @@ manifest lies.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import mmap
 import os
@@ -219,16 +220,47 @@ def _json_bytes(doc: dict) -> bytes:
     return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
 
 
+class _Temps(dict):
+    """The outputs written so far under temporary names (final name -> temp), each flocked until
+    :meth:`release`: a later writer into the same directory removes only temps whose writer is gone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.locks: list[int] = []
+
+    def release(self) -> None:
+        for fd in self.locks:
+            os.close(fd)
+        self.locks.clear()
+
+
+def _clean_dead_temps(out_dir: Path) -> None:
+    """Remove what a killed writer of these outputs left in ``out_dir`` (its temps are no longer locked)
+    before this one needs the space."""
+    prefixes = tuple(f".{name}{fsutil.TEMP_MARKER}" for name in (RESIDUAL_NAME, MANIFEST_NAME, REPLAY_PLAN_NAME))
+    with os.scandir(out_dir) as entries:
+        for entry in entries:
+            if entry.name.startswith(prefixes):
+                fsutil.remove_if_abandoned(entry.path)
+
+
 @contextlib.contextmanager
-def _temp_output(final: Path, temps: dict[str, Path], what: str) -> Iterator[IO[bytes]]:
-    """Write ``final``'s bytes under a temporary name beside it (0600, fsynced); :func:`_publish` renames it
-    into place. The temp is listed in ``temps`` from its creation, so the caller removes it on any failure."""
+def _temp_output(final: Path, temps: _Temps, what: str) -> Iterator[IO[bytes]]:
+    """Write ``final``'s bytes under a temporary name beside it (0600, fsynced, flocked while ``temps``
+    holds it); :func:`_publish` renames it into place. The temp is listed in ``temps`` from its creation,
+    so the caller removes it on any failure."""
     tmp = fsutil.temp_path_for(final)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise space_error(exc, what=what, path=final.parent) from None
     temps[final.name] = tmp
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        temps.locks.append(os.dup(fd))  # the lock lives as long as this open file does
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         with os.fdopen(fd, "wb", closefd=True) as fh:
             os.fchmod(fh.fileno(), 0o600)  # not subject to umask
@@ -239,7 +271,7 @@ def _temp_output(final: Path, temps: dict[str, Path], what: str) -> Iterator[IO[
         raise space_error(exc, what=what, path=final) from None
 
 
-def _write_json(path: Path, doc: dict, temps: dict[str, Path]) -> FileRef:
+def _write_json(path: Path, doc: dict, temps: _Temps) -> FileRef:
     data = _json_bytes(doc)
     with _temp_output(path, temps, what=f"the document {path.name}") as fh:
         fh.write(data)
@@ -247,7 +279,7 @@ def _write_json(path: Path, doc: dict, temps: dict[str, Path]) -> FileRef:
 
 
 def _write_residual(path: Path, extents: Sequence[ResidualExtent], reader: AllocationReader,
-                    prog: _Progress, temps: dict[str, Path]) -> FileRef:
+                    prog: _Progress, temps: _Temps) -> FileRef:
     h = hashlib.sha256()
     total = 0
     with _temp_output(path, temps, what=f"the residual blob {path.name}") as fh:
@@ -261,7 +293,7 @@ def _write_residual(path: Path, extents: Sequence[ResidualExtent], reader: Alloc
     return FileRef(path.name, total, "sha256:" + h.hexdigest())
 
 
-def _publish(out_dir: Path, temps: dict[str, Path], names: Sequence[str]) -> None:
+def _publish(out_dir: Path, temps: _Temps, names: Sequence[str]) -> None:
     """Rename the written temps into place, ``names`` in order (the manifest last: it is what binds the set).
 
     The old manifest goes first, so an interrupted publish leaves a set without a manifest (refused as
@@ -354,10 +386,12 @@ def write_worker_payload(out_dir: Path, allocations: list[Allocation], model_ext
         if cache is None:
             raise AssertionError("export_pack needs a node cache")
         cache.ensure_dirs()  # a state root that cannot hold the pack fails before any output is written
+        cache.clean_stale_temps()  # a killed writer's pack temp must not take the space the residual needs
     out_dir.mkdir(parents=True, exist_ok=True)
     # Every output is written under a temporary name and renamed into place only once all of them and the
     # pack are done: a failure before that leaves --out as it was (a previous set stays whole), never a mix.
-    temps: dict[str, Path] = {}
+    _clean_dead_temps(out_dir)
+    temps = _Temps()
     try:
         residual_ref = _write_residual(out_dir / RESIDUAL_NAME, residual, reader, prog, temps)
         pack_ref = None
@@ -381,6 +415,8 @@ def write_worker_payload(out_dir: Path, allocations: list[Allocation], model_ext
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         raise
+    finally:
+        temps.release()
     return WorkerPayload(pack_ref, residual_ref, manifest_ref, replay_ref, model_bytes, residual_bytes,
                          len(allocations), pack_size(ordered), len(model_extents), reused)
 

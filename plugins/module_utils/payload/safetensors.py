@@ -45,10 +45,14 @@ class SafetensorsFile:
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
         try:
-            self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            # O_NONBLOCK: a named pipe planted under the file's name must not hang the open (fstat refuses it).
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
             raise ColdSnapError(f"checkpoint file {self.path} does not exist",
                                 fix="download the pinned model revision (recovery reads its safetensors files)") from None
+        except OSError as exc:
+            raise ColdSnapError(f"checkpoint file {self.path} cannot be opened: {exc.strerror or exc}",
+                                fix="make the model's files readable by the user ColdSnap runs as") from None
         try:
             self._parse()
         except BaseException:

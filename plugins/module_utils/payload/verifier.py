@@ -337,18 +337,42 @@ class PayloadVerifier:
     def _refuse(self, cache: NodeCache, path: Path, ident: records.FileIdentity, read_only: bool,
                 problem: str) -> None:
         moved = None
+        failed: OSError | None = None
         if not read_only:
-            with contextlib.suppress(OSError):
+            try:
                 moved = cache.quarantine(path, ident)
+            except OSError as exc:  # no space or inode for the quarantine directory, no permission
+                failed = exc
         if moved:
             where = f"; it was moved to quarantine as {moved}"
         elif read_only:
             where = " (read-only verification: left in place, not quarantined)"
+        elif failed is not None:
+            why = f"{failed.strerror or failed}{': ' + str(failed.filename) if failed.filename else ''}"
+            # A wrong object must not stay under the name of the right one: without room to keep it, drop it.
+            where = (f"; it could not be quarantined ({why}) and was removed instead" if _remove_if_same(path, ident)
+                     else f"; it could neither be quarantined ({why}) nor removed: remove {path} by hand")
         else:
             where = "; it could not be quarantined (it was replaced or lives on another file system)"
         # "wrong_object": the file is not what its name says (a real run quarantines it when it can).
         raise IntegrityError(problem + where, fix=STAGE_FIX,
                              details={"quarantined": str(moved) if moved else None, "wrong_object": True})
+
+
+def _remove_if_same(path: Path, ident: records.FileIdentity) -> bool:
+    """Unlink ``path`` when it still is the inode ``ident`` names (and its record); True when it is gone."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) != (ident.st_dev, ident.st_ino):
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    with contextlib.suppress(OSError):
+        records.record_path_for(path).unlink()
+    return True
 
 
 def _matches_its_name(fd: int, record_path: Path, hexd: str, ident: records.FileIdentity, *,

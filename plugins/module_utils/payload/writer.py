@@ -98,7 +98,7 @@ class PackWriter:
                 os.posix_fallocate(self.fd, 0, self.size)
             except OSError as exc:
                 self._discard()
-                err = space_error(exc, what=f"{self.what} ({self.size} bytes)", path=self.cache.objects,
+                err = space_error(exc, what=self.what, path=self.cache.objects,
                                   needed=self.size)
                 if err is exc and exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
                     return self._reopen_without_fallocate()

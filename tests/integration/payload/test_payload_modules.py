@@ -107,8 +107,12 @@ def test_verify_module_quarantines_a_corrupt_pack(tmp_path, pack_source):
     data = bytearray(src.read_bytes())
     data[123] ^= 0x80
     path.write_bytes(bytes(data))
-    res = run_module("payload_verify", {"state_root": str(cache.state_root), "sha256": digest, "size": size})
-    assert res["failed"] is True and "quarantine" in res["msg"] and res["quarantined"]
+    args = {"state_root": str(cache.state_root), "sha256": digest, "size": size}
+    check = run_module("payload_verify", args, "--check")  # says what a real run does, moves nothing
+    assert check["failed"] is True and check["changed"] is True and check["quarantined"] is None
+    assert path.exists() and not cache.quarantined()
+    res = run_module("payload_verify", args)
+    assert res["failed"] is True and "quarantine" in res["msg"] and res["quarantined"] and res["changed"] is True
     assert not path.exists() and Path(res["quarantined"]).exists()
 
 

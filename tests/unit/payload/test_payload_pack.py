@@ -224,3 +224,33 @@ def test_manifest_is_strict_json_with_versioned_kind(tmp_path):
     assert doc["format"] == 1 and doc["kind"] == "coldsnap-native-manifest"
     plan = json.loads((out / "replay-plan.json").read_text())
     assert plan["format"] == 1 and plan["kind"] == "coldsnap-replay-plan"
+
+
+def test_a_killed_writers_temps_are_removed_before_the_next_capture_needs_their_space(tmp_path):
+    """A capture killed mid-write leaves its residual temp in the output directory and its pack temp in the
+    cache; the next capture removes both first (on a full disk they hold the space it needs), but never a
+    temp a live writer still holds."""
+    import fcntl
+    import os
+
+    w = make_worker(tmp_path)
+    out, cache = tmp_path / "unit", NodeCache(tmp_path / "state")
+    out.mkdir()
+    cache.ensure_dirs()
+    dead_residual = out / ".weights.blob.tmp-0123456789ab"
+    dead_manifest = out / ".native-manifest.json.tmp-0123456789ab"
+    dead_pack = cache.objects / ".incoming.pack.tmp-0123456789ab"
+    live_residual = out / ".weights.blob.tmp-live00000000"
+    for path in (dead_residual, dead_manifest, dead_pack, live_residual):
+        path.write_bytes(b"\0" * 8192)
+    holder = os.open(live_residual, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    try:
+        wp, out, cache = capture(tmp_path, w)
+    finally:
+        os.close(holder)
+    assert not dead_residual.exists() and not dead_manifest.exists() and not dead_pack.exists()
+    assert live_residual.exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [".weights.blob.tmp-live00000000", "native-manifest.json", "replay-plan.json", "weights.blob"])
+    assert cache.contains(wp.pack.sha256)

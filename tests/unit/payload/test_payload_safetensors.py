@@ -83,3 +83,10 @@ def test_unknown_tensor_is_named(tmp_path):
     save_file({"w": torch.ones(4)}, str(path))
     with SafetensorsFile(path) as st, pytest.raises(IntegrityError, match="no tensor 'x'"):
         st.tensor("x")
+
+
+def test_a_named_pipe_under_a_checkpoints_name_is_refused_without_hanging(tmp_path):
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    with pytest.raises(IntegrityError, match="is not a regular file"):
+        SafetensorsFile(fifo)  # no writer ever opens the pipe: a blocking open would wait forever

@@ -392,3 +392,24 @@ def test_staging_check_mode_refuses_a_local_source_a_real_run_would_refuse(tmp_p
     right = tmp_path / "right.pack"
     right.write_bytes(b"x" * 4096)
     assert stage_payload(root, sha, 4096, StageSource("local", path=right), check_mode=True).changed
+
+
+def test_a_corrupt_pack_that_cannot_be_quarantined_is_removed_and_the_error_says_why(staged, monkeypatch):
+    """No room for the quarantine directory (ENOSPC, no inode left): the wrong object still leaves the name of
+    the right one, and the message names the real failure instead of blaming another file system."""
+    import errno
+
+    cache, digest, size, path = staged
+    with open(path, "r+b") as fh:
+        fh.seek(100)
+        fh.write(b"\xff")
+
+    def full(*_a, **_k):  # what NodeCache.quarantine's mkdir raises on a full file system
+        raise OSError(errno.ENOSPC, "No space left on device", str(cache.quarantine_dir))
+
+    monkeypatch.setattr(type(cache), "quarantine", full)
+    with pytest.raises(IntegrityError, match=r"could not be quarantined \(No space left on device: .*quarantine\) "
+                                             r"and was removed instead") as err:
+        PayloadVerifier().verify(cache, digest, size)
+    assert err.value.details["quarantined"] is None and err.value.details["wrong_object"]
+    assert not path.exists() and not records.record_path_for(path).exists()
