@@ -162,6 +162,8 @@ def missing_ranks(client: CoordinatorClient, name: str, world: int) -> list[int]
             arrived = 0
         missing += [GROUP * group + b for b in range(group_size(group, world)) if not arrived >> b & 1]
     return missing
+
+
 def rendezvous(
     client: CoordinatorClient, name: str, rank: int, world: int, value: bytes, *, timeout: float
 ) -> list[bytes]:
