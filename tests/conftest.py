@@ -144,3 +144,15 @@ def fixtures_dir() -> Path:
 def example_request_text() -> str:
     """The reference request: the project's refined copy (shape kept valid against ../shared)."""
     return (FIXTURES / "requests" / "capture-reference.json").read_text()
+
+
+@pytest.fixture
+def world_writable(tmp_path: Path) -> Path:
+    """A directory anyone may write to, as /tmp is: for what another user (uid 65534) plants there. Making
+    files of another user needs root; CI runs as root."""
+    if os.geteuid() != 0:
+        pytest.skip("making a directory owned by another user needs root")
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    return shared
