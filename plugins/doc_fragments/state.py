@@ -57,3 +57,26 @@ options:
         job launched twice) are two operations. Omitted, the request id alone names the operation.
     type: str
 """
+
+    TIMEOUTS = r"""
+options:
+  timeouts:
+    description:
+      - Seconds the unit's activation waits for each step, each a finite number greater than 0; an unset one
+        keeps its default. Checked before anything runs (a restore checks them in C(prepare), before any eviction).
+    type: dict
+    default: {}
+    suboptions:
+      start:
+        description: The engine's start (capture).
+        type: float
+      ready:
+        description: The engine's readiness (its health and first validation).
+        type: float
+      phase:
+        description: Each barrier between the units of one operation.
+        type: float
+      cuda_lock:
+        description: The CUDA lock before a checkpoint.
+        type: float
+"""

@@ -18,8 +18,10 @@ description:
     N generations (the current one is always kept).
   - O(state=promoted) stores the descriptor at O(artifact_path) as a new generation and points C(current) at it
     (an already stored descriptor is pointed at again - a rollback - or left alone when it is current), then
-    prunes generations beyond the retention. It returns the host-local artifacts the pruned generations alone
-    referenced (RV(cleanup)) for M(coldsnap.fleet.artifact_leftovers).
+    prunes generations beyond the retention. A pruned generation's committed output descriptor (the
+    C(artifact.json) it was promoted from, wherever it lies, with its directory when nothing else is in it) is
+    deleted with it when it still holds the same bytes (RV(pruned[].source_removed)). It returns the host-local
+    artifacts the pruned generations alone referenced (RV(cleanup)) for M(coldsnap.fleet.artifact_leftovers).
   - O(state=absent) removes every stored descriptor (generations, overlays, and the committed output
     descriptors they were promoted from) of the request's recipe and snapshot driver, plus the descriptor at
     O(artifact_path) when it exists, and returns what to remove on the hosts and which payloads other retained
@@ -125,6 +127,11 @@ pruned:
   returned: when state is promoted
   type: list
   elements: dict
+  contains:
+    source_removed:
+      description: Whether the committed output descriptor this generation was promoted from was deleted too.
+      type: bool
+      returned: always
 removed:
   description: Descriptors removed by O(state=absent).
   returned: when state is absent
@@ -246,7 +253,10 @@ def main() -> None:
 
 def _absent(store: ArtifactStore, req: dict, artifact_path: str | None, check_mode: bool) -> dict:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.store import file_sha256
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
+        load_artifact,
+        read_descriptor_file,
+    )
 
     extra = []
     identities = [identity_info_of(req).identity]
@@ -258,7 +268,7 @@ def _absent(store: ArtifactStore, req: dict, artifact_path: str | None, check_mo
             raise ColdSnapError(f"artifact {artifact_path} ({digest}) is not a descriptor the artifact store holds",
                                 fix="delete with the descriptor the store committed (its current/ or a generation), "
                                     "or pin this one with artifact.sha256 in the request")
-        art = load_artifact(Path(artifact_path).read_bytes(), document=artifact_path)
+        art = load_artifact(read_descriptor_file(artifact_path), document=artifact_path)
         info = store.info(art["identity"])
         mine = art["identity"] == f"sha256:{identities[0]}" or (
             info is not None and (info.recipe, info.snapshot_driver) == (req["workload"]["recipe"],

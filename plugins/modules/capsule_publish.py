@@ -160,9 +160,12 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout
 def _entries(module: AnsibleModule) -> list[dict]:
     p = module.params
     if p["artifact"]:
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
+            load_artifact,
+            read_descriptor_file,
+        )
 
-        art = load_artifact(Path(p["artifact"]).read_bytes(), document=p["artifact"])
+        art = load_artifact(read_descriptor_file(p["artifact"]), document=p["artifact"])
         if art["state"] not in ("accepted", "published"):
             raise ColdSnapError(f"descriptor {p['artifact']} is in state {art['state']!r}",
                                 fix="publish only an accepted descriptor")
@@ -170,7 +173,10 @@ def _entries(module: AnsibleModule) -> list[dict]:
     else:
         entries = p["capsules"] or []
     out = []
-    for e in entries:
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict) or not isinstance(e.get("unit"), str):
+            raise ColdSnapError(f"capsules[{i}] names no unit",
+                                fix="pass the capsule_build results (or the descriptor's capsule.units) unchanged")
         if p["host"] is not None and e.get("host") not in (None, p["host"]):
             continue
         if p["units"] is not None and e["unit"] not in p["units"]:

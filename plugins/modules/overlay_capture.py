@@ -27,6 +27,7 @@ extends_documentation_fragment:
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
   - coldsnap.fleet.state.CLAIM
+  - coldsnap.fleet.state.TIMEOUTS
 options:
   artifact:
     description: The portable artifact the workload was restored from.
@@ -54,10 +55,6 @@ options:
     description: Seconds to wait for a background materialization to complete and verify.
     type: float
     default: 600
-  timeouts:
-    description: Per-phase timeouts in seconds (C(ready), C(phase), C(cuda_lock)).
-    type: dict
-    default: {}
 attributes:
   check_mode:
     support: full
@@ -106,6 +103,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.modutil impo
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import TIMEOUTS_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.capture import capture_running_units
 
 
@@ -121,7 +119,7 @@ def main() -> None:
             coordinator_endpoint_file=dict(type="path"),
             python=dict(type="path"),
             payload_wait=dict(type="float", default=600.0),
-            timeouts=dict(type="dict", default={}),
+            timeouts=dict(TIMEOUTS_ARG),
             run_id=dict(type="str"),
         ),
         supports_check_mode=True,

@@ -30,6 +30,7 @@ extends_documentation_fragment:
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
   - coldsnap.fleet.state.CLAIM
+  - coldsnap.fleet.state.TIMEOUTS
   - coldsnap.fleet.progress
 options:
   host:
@@ -49,10 +50,6 @@ options:
   python:
     description: Python that runs the activation runtime (the host runtime's environment).
     type: path
-  timeouts:
-    description: Seconds for C(start), C(ready), C(phase) and C(cuda_lock).
-    type: dict
-    default: {}
   owner:
     description:
       - Runtime C(docker) only. The invoking user, as C({uid, gid}) or C("uid:gid"). Every state path the
@@ -116,6 +113,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress imp
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import STATE_ROOT_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import TIMEOUTS_ARG
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.capture import capture_units
 
 
@@ -129,7 +127,7 @@ def main() -> None:
             coordinator_endpoint_file=dict(type="path"),
             python=dict(type="path"),
             state_root=dict(STATE_ROOT_ARG),
-            timeouts=dict(type="dict", default={}),
+            timeouts=dict(TIMEOUTS_ARG),
             owner=dict(type="raw"),
             progress_dir=dict(PROGRESS_DIR_ARG),
             progress_lease=dict(LEASE_ARG),

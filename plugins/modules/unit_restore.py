@@ -43,6 +43,7 @@ extends_documentation_fragment:
   - coldsnap.fleet.state
   - coldsnap.fleet.state.REQUEST
   - coldsnap.fleet.state.CLAIM
+  - coldsnap.fleet.state.TIMEOUTS
   - coldsnap.fleet.progress
 options:
   phase:
@@ -74,10 +75,6 @@ options:
     description: Stop after process, CUDA and transport reconstruction (before hydration and KV).
     type: bool
     default: false
-  timeouts:
-    description: Seconds for C(ready) and C(phase).
-    type: dict
-    default: {}
   owner:
     description:
       - Runtime C(docker) only. The invoking user, as C({uid, gid}) or C("uid:gid"). Every state path the
@@ -191,6 +188,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
     require_identity,
     validate_request,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import TIMEOUTS_ARG, check_timeouts
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import restore as ops
 
 
@@ -207,7 +205,7 @@ def main() -> None:
             python=dict(type="path"),
             state_root=dict(STATE_ROOT_ARG),
             warm=dict(type="bool", default=False),
-            timeouts=dict(type="dict", default={}),
+            timeouts=dict(TIMEOUTS_ARG),
             owner=dict(type="raw"),
             staging_failures=dict(type="dict", default={}),
             hf_token=dict(type="str", no_log=True),
@@ -223,6 +221,7 @@ def main() -> None:
     state_root = Path(p["state_root"])
 
     def run() -> dict:
+        timeouts = check_timeouts(p["timeouts"])  # every phase: a bad one fails in prepare, before any eviction
         req = validate_request(p["request"], document="request (module option)")
         art = validate_artifact(p["artifact"], document="artifact (module option)")
         require_identity(art, req)
@@ -235,14 +234,13 @@ def main() -> None:
             return ops.evict(req, art, host=p["host"], state_root=state_root, check_mode=module.check_mode,
                              run_id=p["run_id"])
         if p["phase"] == "release":
-            if module.check_mode:
-                return {"changed": False, "released": False}
-            return ops.release(req, host=p["host"], state_root=state_root, run_id=p["run_id"])
+            return ops.release(req, host=p["host"], state_root=state_root, run_id=p["run_id"],
+                               check_mode=module.check_mode)
         with ProgressSession(None if module.check_mode else p["progress_dir"], lease_s=p["progress_lease"]) as session:
             return ops.restore_units(req, art, host=p["host"], state_root=state_root,
                                      activation_digest=p["activation_digest"],
                                      coordinator_endpoint=p["coordinator_endpoint_file"], python=p["python"],
-                                     warm=p["warm"], check_mode=module.check_mode, timeouts=p["timeouts"],
+                                     warm=p["warm"], check_mode=module.check_mode, timeouts=timeouts,
                                      owner=p["owner"], progress_dir=session.directory, evicted=p["evicted"],
                                      run_id=p["run_id"])
 

@@ -119,9 +119,20 @@ def by_unit(request: dict, evidence: list[dict], facts_by_host: dict[str, dict],
     units = request["launch"]["units"]
     for name, entries in (("evidence", evidence), ("capsules", capsules)):
         for i, e in enumerate(entries):
-            if e and (not isinstance(e, dict) or not isinstance(e.get("unit"), str)):
+            if (e or name == "evidence") and (not isinstance(e, dict) or not isinstance(e.get("unit"), str)):
                 raise ColdSnapError(f"{name}[{i}] names no unit",
                                     fix=f"pass the unit_capture / capsule_build results unchanged as {name}")
+    for i, e in enumerate(evidence):
+        lacking = [k for k in ("criu_version", "workers") if k not in e]
+        if lacking or not isinstance(e["workers"], list) or not all(
+                isinstance(w, dict) and "worker" in w for w in e["workers"]):
+            raise ColdSnapError(f"evidence[{i}] (unit {e['unit']!r}) is not a unit's capture evidence"
+                                f"{': it lacks ' + ', '.join(lacking) if lacking else ': its workers are malformed'}",
+                                fix="pass the unit_capture results unchanged as evidence")
+    for host, facts in facts_by_host.items():
+        if not isinstance(facts, dict):
+            raise ColdSnapError(f"facts[{host!r}] is a {type(facts).__name__}, not the host's facts",
+                                fix="pass each host's host_facts result (its coldsnap_host facts) unchanged")
     ev = {e["unit"]: e for e in evidence}
     caps = {c["unit"]: c for c in capsules if c}
     missing = [u["id"] for u in units if u["id"] not in ev or u["id"] not in caps or u["host"] not in facts_by_host]
@@ -192,9 +203,12 @@ def write_exclusive(final: Path, doc: dict) -> None:
 
 def load_committed(path: Path) -> dict:
     """Read and validate a committed artifact descriptor."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
+        load_artifact,
+        read_descriptor_file,
+    )
 
     try:
-        return load_artifact(Path(path).read_bytes(), document=str(path))
+        return load_artifact(read_descriptor_file(path), document=str(path))
     except FileNotFoundError:
         raise ColdSnapError(f"artifact {path} does not exist", fix="give the artifact.json a capture committed") from None

@@ -32,6 +32,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
     load_artifact,
+    read_descriptor_file,
     validate_artifact,
 )
 
@@ -57,7 +58,7 @@ def load_source(path: Path, *, expected_sha256: str | None = None, request: dict
     """
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_descriptor_file(path, what="descriptor")
     except FileNotFoundError:
         raise ColdSnapError(f"descriptor {path} does not exist", fix="give the artifact.json a capture committed") \
             from None

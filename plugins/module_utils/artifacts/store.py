@@ -400,11 +400,14 @@ class ArtifactStore:
         ``generation-written`` and ``pointer-written`` (tests use it to kill a
         promotion in between).
         """
-        from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
+            load_artifact,
+            read_descriptor_file,
+        )
 
         artifact_path = Path(artifact_path)
         try:
-            data = artifact_path.read_bytes()
+            data = read_descriptor_file(artifact_path)
         except FileNotFoundError:
             raise ColdSnapError(f"artifact {artifact_path} does not exist",
                                 fix="promote the artifact.json that capture committed") from None

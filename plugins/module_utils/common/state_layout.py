@@ -196,15 +196,15 @@ class StateLayout:
     def ensure_private_root(self) -> Path:
         """Create the state root 0700 (and make an existing one 0700): everything below is private
         to the user ColdSnap runs as (CRIU images, capsules and descriptors hold process memory)."""
-        self._refuse_planted()  # before anything is created in another user's directory
+        self.refuse_planted()  # before anything is created in another user's directory
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._refuse_planted()
+        self.refuse_planted()
         st = os.stat(self.root)
         if st.st_mode & 0o077 and st.st_uid == os.geteuid():
             os.chmod(self.root, 0o700)
         return self.root
 
-    def _refuse_planted(self) -> None:
+    def refuse_planted(self) -> None:
         """A component of the state root's path (a link or a directory, of the path as given or as resolved,
         the root itself or any directory above it) that another user made in a directory anyone may write
         to (``/tmp``, ``/var/tmp``) is theirs to redirect: ColdSnap would write and chmod through their

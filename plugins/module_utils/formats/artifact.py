@@ -9,9 +9,16 @@ evidence every restore must reproduce.
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
+from pathlib import Path
 from typing import Any
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
+    ColdSnapError,
+    FormatError,
+    FormatIssue,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import CAPSULE_LAYOUTS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import (
@@ -180,6 +187,40 @@ def artifact_json_schema() -> dict:
     """The JSON Schema of artifact format 9."""
     return json_schema_document(ARTIFACT_SCHEMA, schema_id="https://coldsnap.invalid/schemas/artifact-v9.json",
                                 title="ColdSnap snapshot artifact, format 9")
+
+
+MAX_DESCRIPTOR_BYTES = 64 << 20  # far above any descriptor (they are kilobytes), far below what hurts
+
+
+def read_descriptor_file(path: Path | str, *, what: str = "artifact") -> bytes:
+    """The bytes of a descriptor file: a regular file (links followed: ``current``) of at most
+    MAX_DESCRIPTOR_BYTES. A directory, a FIFO, a device (``/dev/zero``) or a giant is one clear
+    ColdSnapError, never a hang or an unbounded read; a missing file is FileNotFoundError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise ColdSnapError(f"{what} {path} cannot be read: {exc.strerror or exc}",
+                            fix="give the path of an artifact.json a capture committed") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise ColdSnapError(f"{what} {path} is {kind}", fix="give the path of an artifact.json a capture committed")
+        chunks, size = [], 0
+        while size <= MAX_DESCRIPTOR_BYTES:
+            chunk = os.read(fd, min(1 << 20, MAX_DESCRIPTOR_BYTES + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_DESCRIPTOR_BYTES:
+            raise ColdSnapError(f"{what} {path} is larger than {MAX_DESCRIPTOR_BYTES >> 20} MiB: no descriptor is",
+                                fix="give the path of an artifact.json a capture committed")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def load_artifact(text: str | bytes, *, document: str = "artifact") -> dict:

@@ -27,6 +27,15 @@ IMAGE_REF_FIX = "pin the image by digest, e.g. 'registry/name@sha256:<64 hex>' (
 COMMIT_FIX = "use the immutable 40-hex commit id of the revision (branch and tag names are mutable)"
 
 
+def check_id(value: object, *, what: str) -> str:
+    """``value`` when it is an id (``ID``: a request id, a capture id, a unit id), else ColdSnapError naming
+    ``what``: ids name directories of the state root, so ``../x`` never is one."""
+    if not isinstance(value, str) or not re.fullmatch(ID, value):
+        raise ColdSnapError(f"{what} {value!r} is not an id",
+                            fix="use letters, digits, '.', '_' and '-' (start with a letter or digit, at most 128)")
+    return value
+
+
 def parse_digest(value: object, *, what: str = "digest") -> str:
     """Return the 64-hex part of ``sha256:<hex>``; refuse anything else before it reaches a path."""
     if not isinstance(value, str):

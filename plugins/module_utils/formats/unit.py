@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
     EVIDENCE_FORMAT,
@@ -32,6 +33,33 @@ EVIDENCE_FILE = "evidence.json"
 # ``<unit dir>/control/<worker>.json``.
 CONTROL_DIR = "control"
 UNIT_OPERATIONS = ("capture", "capture-running", "restore", "warm", "status", "sleep", "wake", "finish-warm", "stop")
+
+# The per-phase timeouts a unit's activation knows (seconds): engine start, engine ready, a phase barrier
+# between units, the CUDA lock before a checkpoint. The modules' ``timeouts`` option (doc fragment
+# coldsnap.fleet.state.TIMEOUTS) takes these and nothing else.
+TIMEOUT_NAMES = ("start", "ready", "phase", "cuda_lock")
+TIMEOUTS_ARG = {"type": "dict", "default": {}, "options": {name: {"type": "float"} for name in TIMEOUT_NAMES}}
+
+
+def check_timeouts(timeouts: Any, *, option: str = "timeouts") -> dict[str, float]:
+    """The given timeouts (None values dropped: the argument spec fills unset ones with None), each a finite
+    number of seconds > 0; ColdSnapError naming ``option.<name>`` and the fix otherwise."""
+    if timeouts is None:
+        return {}
+    if not isinstance(timeouts, dict):
+        raise ColdSnapError(f"{option} must be a mapping of timeout names to seconds, not {type(timeouts).__name__}",
+                            fix="give e.g. {phase: 120}")
+    out = {}
+    for name, value in timeouts.items():
+        if name not in TIMEOUT_NAMES:
+            raise ColdSnapError(f"{option}.{name} is not a timeout ColdSnap knows",
+                                fix=f"give {', '.join(TIMEOUT_NAMES[:-1])} or {TIMEOUT_NAMES[-1]}")
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ColdSnapError(f"{option}.{name} is {value!r}", fix="give a finite number of seconds greater than 0")
+        out[name] = float(value)
+    return out
 
 
 def pack_relpath(hex_digest: str) -> str:

@@ -241,21 +241,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def bind(address: str, port: int) -> socket.socket:
     """A listening socket on ``address`` (an IP of this host, or a name that resolves to one)."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ColdSnapError(f"transfer port {port!r} is not 0..65535", fix="give 0 for an ephemeral port")
-    try:
-        infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise ColdSnapError(f"transfer address {address!r} does not resolve: {exc.strerror}",
-                            fix="set coldsnap_transfer_address for this host to one of its IP addresses") from None
     errors = []
-    for family, kind, proto, _name, sockaddr in infos:
-        ip = ipaddress.ip_address(sockaddr[0].split("%", 1)[0])
-        if ip.is_unspecified or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_unspecified):
-            raise ColdSnapError(f"transfer address {address!r} means every interface; the transfer server "
-                                "listens on one address only",
-                                fix="set coldsnap_transfer_address to the IP address of this host that the "
-                                    "destination reaches")
+    for family, kind, proto, _name, sockaddr in bind_targets(address, port):
         sock = socket.socket(family, kind, proto)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -268,6 +255,26 @@ def bind(address: str, port: int) -> socket.socket:
     raise ColdSnapError(f"the transfer server cannot listen on {address}:{port} ({'; '.join(errors)})",
                         fix="set coldsnap_transfer_address to an IP address of this host that the destination "
                             "reaches, and coldsnap_transfer_port to a free port (0 picks one)")
+
+
+def bind_targets(address: str, port: int) -> list[tuple]:
+    """Where :func:`bind` would listen (``getaddrinfo``'s answers), checked: a port in 0..65535, an address
+    that resolves and is not every interface. Checked before a running server is stopped, and in check mode."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ColdSnapError(f"transfer port {port!r} is not 0..65535", fix="give 0 for an ephemeral port")
+    try:
+        infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ColdSnapError(f"transfer address {address!r} does not resolve: {exc.strerror}",
+                            fix="set coldsnap_transfer_address for this host to one of its IP addresses") from None
+    for _family, _kind, _proto, _name, sockaddr in infos:
+        ip = ipaddress.ip_address(sockaddr[0].split("%", 1)[0])
+        if ip.is_unspecified or (ip.version == 6 and ip.ipv4_mapped is not None and ip.ipv4_mapped.is_unspecified):
+            raise ColdSnapError(f"transfer address {address!r} means every interface; the transfer server "
+                                "listens on one address only",
+                                fix="set coldsnap_transfer_address to the IP address of this host that the "
+                                    "destination reaches")
+    return infos
 
 
 def serve(server: PeerServer, *, idle_timeout: float, lifetime: float) -> str:
@@ -321,6 +328,7 @@ def start_server(root: Path | str, *, token: str, address: str, run_file: Path |
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ColdSnapError(f"{key} {value!r} is not a finite number of seconds > 0",
                                 fix=f"give {key} in seconds")
+    bind_targets(address, port)  # a refused address or port stops nothing and says so in check mode too
     run_file = Path(run_file)
     table = file_table(root, include)
     info: dict[str, Any] = {"files": len(table), "bytes": sum(f.size for f in table.values())}

@@ -8,8 +8,13 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import EVIDENCE_FILE, load_evidence
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import (
+    EVIDENCE_FILE,
+    check_timeouts,
+    load_evidence,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.status import payload_state
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import capture_state, host_facts
@@ -71,6 +76,9 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
     """Capture every unit of ``request`` placed on ``host``; idempotent per capture id.
 
     ``progress_dir``: where the units write live progress (phases, export bytes)."""
+    timeouts = check_timeouts(timeouts)
+    ids.check_id(capture_id, what="capture_id")
+    ids.parse_digest(activation_digest, what="activation_digest")
     layout = StateLayout(state_root)
     units = units_on_host(request, host)
     if not units:
@@ -113,6 +121,11 @@ def capture_running_units(request: dict, artifact: dict, *, host: str, capture_i
     ``payload_wait`` seconds): the overlay shares the payload and the engine is
     resumed from it. Idempotent per capture id.
     """
+    timeouts = check_timeouts(timeouts)
+    ids.check_id(capture_id, what="capture_id")
+    if isinstance(payload_wait, bool) or not isinstance(payload_wait, (int, float)) or not 0 <= payload_wait < float("inf"):
+        raise ColdSnapError(f"payload_wait is {payload_wait!r}", fix="give a finite number of seconds >= 0")
+    ids.parse_digest(activation_digest, what="activation_digest")
     layout = StateLayout(state_root)
     units = units_on_host(request, host)
     if not units:

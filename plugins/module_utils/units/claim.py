@@ -81,13 +81,16 @@ def claimed(state_root: Path, request: dict, *, host: str, step: str, check_mode
     was handed it. Check mode checks the same and writes nothing."""
     recipe = request["workload"]["recipe"]
     mine = {"operation": request.get("operation"), "id": str(request.get("id")), "run": run or None, "step": step}
-    path = StateLayout(state_root).host_claim(recipe, machine_id())
+    layout = StateLayout(state_root)
+    path = layout.host_claim(recipe, machine_id())
     if check_mode:
+        layout.refuse_planted()
         if path.is_file() and _held_a_while(path):
             raise _busy(_peek(path), recipe=recipe, host=host, mine=mine, held=True)
         _refuse_handover(_peek(path), recipe=recipe, host=host, mine=mine)
         yield Claim(None, mine)
         return
+    layout.ensure_private_root()  # 0700, and never one another user planted in /tmp
     lock = file_lock(path, timeout=ACQUIRE_S)
     try:
         fd = lock.__enter__()
@@ -105,14 +108,19 @@ def claimed(state_root: Path, request: dict, *, host: str, step: str, check_mode
         lock.__exit__(None, None, None)
 
 
-def release_handover(state_root: Path, request: dict, *, host: str, run: str | None = None) -> bool:
+def release_handover(state_root: Path, request: dict, *, host: str, run: str | None = None,
+                     check_mode: bool = False) -> bool:
     """Give back a hand-over this operation's evict step left on ``host`` and its activate step never took
-    (the restore stopped in between: another host failed). True when one was given back."""
+    (the restore stopped in between: another host failed). True when one was given back (check mode: would
+    be, and nothing is written)."""
     recipe = request["workload"]["recipe"]
     mine = {"id": str(request.get("id")), "run": run or None}
     path = StateLayout(state_root).host_claim(recipe, machine_id())
     if not path.is_file():
         return False
+    if check_mode:
+        record = _peek(path)
+        return bool(record and _same(record, mine) and record.get("pending_until"))
     try:
         with file_lock(path, timeout=ACQUIRE_S) as fd:
             record = _read(fd)

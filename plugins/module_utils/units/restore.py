@@ -11,7 +11,9 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import eviction
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import check_timeouts
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import placement
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.claim import claimed, release_handover
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.evidence import public, timing_of
@@ -95,6 +97,8 @@ def restore_units(request: dict, artifact: dict, *, host: str, state_root: Path,
 
     ``evicted``: what the evict step stopped on this host (its ``stopped``; None when not known). A
     failure then says that this workload is not running any more, naming it, and how to serve again."""
+    timeouts = check_timeouts(timeouts)
+    parse_digest(activation_digest, what="activation_digest")  # what the real run refuses, check mode too
     units = units_on_host(request, host)
     if not units:
         return {"changed": False, "units": []}
@@ -129,10 +133,11 @@ def _activate(request: dict, artifact: dict, units: list[dict], *, host: str, st
             eviction.RESULT_EVICTED_KEY: {"host": host, "restored": True}}
 
 
-def release(request: dict, *, host: str, state_root: Path, run_id: str | None = None) -> dict:
+def release(request: dict, *, host: str, state_root: Path, run_id: str | None = None,
+            check_mode: bool = False) -> dict:
     """Hand the workload back on this host when this restore's evict step handed it to an activate step that
     never ran (the restore stopped in between: another host failed); see ``units/claim.py``."""
-    released = release_handover(state_root, request, host=host, run=run_id)
+    released = release_handover(state_root, request, host=host, run=run_id, check_mode=check_mode)
     return {"changed": released, "released": released}
 
 

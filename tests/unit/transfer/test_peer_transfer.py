@@ -300,6 +300,24 @@ def test_starting_the_same_transfer_again_keeps_its_server(tree, tmp_path):
         stop_server(run_file)
 
 
+def test_a_refused_address_or_port_keeps_the_running_server_and_check_mode_refuses_it_too(tree, tmp_path):
+    root, _blob = tree
+    run_file = tmp_path / "runs" / "kept.json"
+    first = start_server(root, token=TOKEN, address="127.0.0.1", run_file=run_file, idle_timeout=60)
+    try:
+        for check_mode in (True, False):
+            for address, port, message in (("0.0.0.0", 0, "every interface"), ("nohost.invalid", 0, "does not resolve"),
+                                           ("127.0.0.1", 99999, "not 0..65535")):
+                with pytest.raises(ColdSnapError, match=message):
+                    start_server(root, token=TOKEN, address=address, port=port, run_file=run_file, idle_timeout=60,
+                                 check_mode=check_mode)
+        assert Path(f"/proc/{first['pid']}").exists() and run_file.exists()  # still serving
+        again = start_server(root, token=TOKEN, address="127.0.0.1", run_file=run_file, idle_timeout=60)
+        assert not again["changed"] and again["pid"] == first["pid"]
+    finally:
+        stop_server(run_file)
+
+
 def test_a_kept_server_starts_its_idle_clock_again(tree, tmp_path):
     run_file = tmp_path / "kept.json"
     first = start_server(tree[0], token=TOKEN, address="127.0.0.1", run_file=run_file, idle_timeout=3)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import claim as claim_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import restore as restore_ops
@@ -183,7 +184,11 @@ def test_a_hand_over_whose_activation_never_ran_is_given_back(tmp_path):
         c.hand_over()
     assert not release_handover(state, request("op-b"), host="h1", run="r9"), "only by the run that left it"
     assert not release_handover(state, request("op-a"), host="h1", run="r9")
+    before = claim_path(state).read_bytes()
+    assert release_handover(state, request("op-a"), host="h1", run="r1", check_mode=True), "check mode says so"
+    assert claim_path(state).read_bytes() == before, "and writes nothing"
     assert release_handover(state, request("op-a"), host="h1", run="r1")
+    assert not release_handover(state, request("op-a"), host="h1", run="r1", check_mode=True)
     with claimed(state, request("op-b"), host="h1", step="prepare"):
         pass
     assert not release_handover(state, request("op-a"), host="h1", run="r1"), "nothing left to give back"
@@ -230,3 +235,20 @@ def test_root_leaves_the_claim_the_state_roots_owners(tmp_path):
     for p in (path, path.parent):
         st = p.stat()
         assert (st.st_uid, st.st_gid) == (65534, 65534), p
+
+
+def test_a_state_root_another_user_planted_in_a_shared_directory_gets_no_claim(world_writable, tmp_path):
+    """The claim is the first thing a lifecycle step writes: it must not write (as root, through their links)
+    into a state root another user made in /tmp, and a fresh root it makes is private."""
+    planted = world_writable / "root"
+    planted.mkdir(mode=0o777)
+    os.chown(planted, 65534, 65534)
+    for check_mode in (True, False):
+        with pytest.raises(ColdSnapError, match=r"belongs to uid 65534"), \
+                claimed(planted, request("op-a"), host="h1", step="stop", check_mode=check_mode):
+            pass
+    assert os.listdir(planted) == []
+    fresh = tmp_path / "fresh"
+    with claimed(fresh, request("op-a"), host="h1", step="stop"):
+        pass
+    assert fresh.stat().st_mode & 0o777 == 0o700
