@@ -210,7 +210,7 @@ def register_cli(sub) -> None:
     p.add_argument("--preset", default=os.environ.get("COLDSNAP_DEMO_PRESET", "1g"),
                    help="reference model size: tiny (3 MB), small, 1g (default, about 1 GB of float32 "
                         "weights), 1g-bf16 ... 8g-bf16")
-    p.add_argument("--state-root", type=Path, default=None)
+    p.add_argument("--state-root", default=None)  # a string: Path("") would be "." (resolve_state_root refuses it)
     p.add_argument("--port", type=whole_number(1, 65535, what="a port number"), default=8000,
                    help="port the engine serves on (1-65535)")
     p.add_argument("--tp", type=whole_number(1), default=1, help="tensor-parallel ranks (one unit each; 1 or more)")

@@ -247,15 +247,15 @@ def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) ->
         ax.barh(row_y, width, left=b.start_s, height=0.8, color=b.color, edgecolor="#333333", linewidth=0.4)
         if width >= (x_max - x_min) * 0.06:
             label = b.name if len(b.name) <= 48 else b.name[:45] + "..."
-            ax.text(b.start_s + width / 2, row_y, label, ha="center", va="center", fontsize=7, clip_on=True,
+            ax.text(b.start_s + width / 2, row_y, _literal(label), ha="center", va="center", fontsize=7, clip_on=True,
                     color="white" if b.color_key in ("failed", "error", "unreachable", "cancelled") else "black")
     for lane, t, name in model.marks:
         ax.plot([t], [offsets[lane] - 0.5], marker="v", color="black", markersize=5)
-        ax.text(t, offsets[lane] - 0.55, name, fontsize=6, ha="center", va="bottom")
+        ax.text(t, offsets[lane] - 0.55, _literal(name), fontsize=6, ha="center", va="bottom")
     ticks = [offsets[lane] + (model.rows.get(lane, 1) - 1) / 2 for lane in model.lanes]
     ax.set_yticks(ticks)
-    ax.set_yticklabels([f"{lane} (own t=0)" if lane in model.unaligned_lanes else lane for lane in model.lanes],
-                       fontsize=8)
+    ax.set_yticklabels([_literal(f"{lane} (own t=0)" if lane in model.unaligned_lanes else lane)
+                        for lane in model.lanes], fontsize=8)
     ax.set_ylim(total_rows, -0.8)
     ax.set_xlim(x_min - (x_max - x_min) * 0.01 if x_min < 0 else 0, x_max * 1.02)
     if not model.anchors:
@@ -266,7 +266,7 @@ def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) ->
         xlabel = ALIGNED_LABEL
     ax.set_xlabel(xlabel, fontsize=9)
     ax.grid(axis="x", linestyle=":", linewidth=0.5)
-    ax.set_title(model.title, fontsize=11)
+    ax.set_title(_literal(model.title), fontsize=11)
     if model.legend:
         handles = [Patch(facecolor=c, edgecolor="#333333", label=k) for k, c in model.legend.items()]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False,
@@ -284,6 +284,11 @@ def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) ->
     fig.savefig(picture, format=picture_format(out))
     write_output(out, picture.getvalue(), mode=0o644)
     return out
+
+
+def _literal(text: str) -> str:
+    """``text`` as matplotlib draws it literally: a task called ``Copy $SRC\\new`` is no maths markup."""
+    return text.replace("$", r"\$")
 
 
 PICTURE_FORMATS = ("png", "svg", "pdf")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,9 @@ WORKLOADS = "workloads"
 RUNS = "runs"
 ARTIFACTS = "artifacts"
 LOCKS = "locks"
+# What a state root holds at its top (a directory with none of these is not one).
+STATE_ROOT_ENTRIES = frozenset({PAYLOADS, ACTIVATION_RUNTIME, CAPTURES, CAPSULES, WORKLOADS, RUNS, ARTIFACTS, LOCKS,
+                                "serving", "models", "downloads", "quarantine"})
 
 
 def state_root_from_env() -> Path | None:
@@ -201,8 +205,26 @@ class StateLayout:
         self.refuse_planted()
         st = os.stat(self.root)
         if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+            self._refuse_foreign_directory(st.st_mode)
             os.chmod(self.root, 0o700)
         return self.root
+
+    def _refuse_foreign_directory(self, mode: int) -> None:
+        """A directory open to others that is not a state root (``/tmp``, ``/srv``, a home directory given by
+        mistake) is not made private for them: ColdSnapError. Empty, or holding ColdSnap's own entries, it is."""
+        shown = f"{stat.S_IMODE(mode):04o}"
+        if mode & (stat.S_ISVTX | stat.S_IWOTH):
+            raise ColdSnapError(f"state root {self.root} is a directory anyone may write to (mode {shown}), shared "
+                                "with other users: ColdSnap would make it private (0700) and close it to them",
+                                fix="give --state-root (or state_root) a directory of its own, e.g. a new "
+                                    f"{self.root / 'coldsnap'}")
+        entries = os.listdir(self.root)
+        if entries and not set(entries) & STATE_ROOT_ENTRIES:
+            listed = ", ".join(sorted(entries)[:5]) + (" ..." if len(entries) > 5 else "")
+            raise ColdSnapError(f"state root {self.root} holds other files ({listed}) and none of ColdSnap's, and "
+                                f"others may read it (mode {shown}): ColdSnap would make it private (0700)",
+                                fix="give --state-root (or state_root) a directory of its own (a new one is made "
+                                    "0700), or make this one 0700 yourself if it is meant to be one")
 
     def refuse_planted(self) -> None:
         """A component of the state root's path (a link or a directory, of the path as given or as resolved,

@@ -123,9 +123,9 @@ def receipt_json_schema() -> dict:
                                 title="ColdSnap operation receipt, format 2")
 
 
-def validate_receipt(value: Any) -> dict:
+def validate_receipt(value: Any, *, document: str = "receipt") -> dict:
     """Validate a receipt object (what the controller writes)."""
-    receipt = validate_document(RECEIPT_SCHEMA, value, document="receipt")
+    receipt = validate_document(RECEIPT_SCHEMA, value, document=document)
     issues: list[FormatIssue] = []
     want = replay_semantics(receipt["operation"], prepare_only=receipt["prepare_only"])
     if receipt["replay_semantics"] != want:
@@ -155,10 +155,11 @@ def validate_receipt(value: Any) -> dict:
     if state != "failed" and error is not None:
         issues.append(FormatIssue("$.error", f"a {state} operation has no error", "set it to null, or state to failed"))
     if issues:
-        raise FormatError(issues, document="receipt")
+        raise FormatError(issues, document=document)
     return receipt
 
 
-def load_receipt(text: str | bytes) -> dict:
-    """Decode and validate a receipt file (another ColdSnap document is named as such, not dissected)."""
-    return validate_receipt(strict_loads(text, document="receipt"))
+def load_receipt(text: str | bytes, *, document: str = "receipt") -> dict:
+    """Decode and validate a receipt file (another ColdSnap document is named as such, not dissected);
+    ``document``: how errors name it (``receipt /path/receipt.json``)."""
+    return validate_receipt(strict_loads(text, document=document), document=document)

@@ -134,8 +134,16 @@ def run(args) -> int:
         # ansible-playbook, and on a local connection to every module and what they start.
         os.environ.pop(env_name, None)
     progress = False if args.quiet else (True if args.progress else None)
+    if not args.rollback and args.operation not in PREPARE_ONLY_OPERATIONS:
+        raise ColdSnapError(f"--no-rollback does not apply to operation {args.operation!r}: it evicts nothing",
+                            fix=f"use it with {' or '.join(PREPARE_ONLY_OPERATIONS)}, or leave it out")
+    for flag, output in (("--receipt-json", args.receipt_json), ("--timing-ndjson", args.timing_ndjson)):
+        if output and output != "-":
+            _check_not_the_request(Path(output), args.request_json, flag)
     if args.receipt_json:
         _check_output_file(Path(args.receipt_json), "--receipt-json")  # before the operation, not after it ran
+    if args.timing_ndjson and args.timing_ndjson != "-":
+        _check_output_file(Path(args.timing_ndjson), "--timing-ndjson")  # before a run directory is made
 
     with cancel_on_signals() as cancel:
         receipt = api.run(args.operation, args.request_json, prepare_only=args.prepare_only,
@@ -184,6 +192,16 @@ def run(args) -> int:
         print(f"ansible-playbook output (-{'v' * args.verbose}): {Path(receipt.path).parent / 'artifacts' / ident / 'stdout'}",
               file=sys.stderr)
     return code
+
+
+def _check_not_the_request(output: Path, request: str | None, flag: str) -> None:
+    """An output that is the request file itself would replace the request with the receipt or the stream."""
+    if not request or request == "-":
+        return
+    with contextlib.suppress(OSError):
+        if os.path.samefile(output, request):
+            raise ColdSnapError(f"{flag} {output} is the request file {request}: the run would overwrite it",
+                                fix=f"give {flag} another path")
 
 
 def _check_output_file(path: Path, flag: str) -> None:

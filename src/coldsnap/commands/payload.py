@@ -136,6 +136,10 @@ def run_verify(args) -> int:
                             "unless --state-root is used) per --sha256, in the same order")
     if args.jobs is not None and args.jobs < 1:
         raise ColdSnapError(f"--jobs {args.jobs} is not a positive number", fix="give 1 or more, or omit --jobs")
+    if not args.path:
+        from coldsnap.api import resolve_state_root  # empty, a file, unreadable: refused by name
+
+        args.state_root = resolve_state_root(args.state_root)
     targets = [Path(p) for p in args.path] if args.path else [NodeCache(args.state_root)] * len(args.sha256)
     label = args.sha256[0][:19] if len(args.sha256) == 1 else f"{len(args.sha256)} packs"
     progress = TtyProgress(f"verifying {label}…")

@@ -28,9 +28,12 @@ def run(args) -> int:
 
     if not args.output or args.output.endswith("/"):
         raise ColdSnapError(f"-o {args.output!r} names no file", fix="give -o a file name, e.g. -o timeline.png")
-    receipt = load_receipt(read_input(args.receipt))
+    receipt = load_receipt(read_input(args.receipt),
+                           document="receipt" if args.receipt == "-" else f"receipt {args.receipt}")
     try:
         out = render_timeline(receipt, Path("/dev/stdout" if args.output == "-" else args.output))
+    except BrokenPipeError:
+        raise  # a reader that went away (| head): the command's own exit status, as every command's
     except OSError as exc:
         raise ColdSnapError(f"cannot write the timeline to {args.output}: {exc.strerror or exc}",
                             fix="give -o a PNG file path in a writable directory") from None

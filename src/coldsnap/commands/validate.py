@@ -82,7 +82,8 @@ def run(args) -> int:
         elif args.artifact_json:
             doc = load_artifact(read_input(args.artifact_json))
         else:
-            doc = load_receipt(read_input(args.receipt_json))
+            doc = load_receipt(read_input(args.receipt_json),
+                               document="receipt" if args.receipt_json == "-" else f"receipt {args.receipt_json}")
     except FormatError as exc:
         if args.json_errors:
             return _invalid({"valid": False, "document": exc.document, "errors": [i.as_dict() for i in exc.issues]})

@@ -384,3 +384,43 @@ def test_output_another_user_made_in_a_shared_directory_is_never_written_into(tm
     mine = shared / "mine.ndjson"  # this user's own file there is fine
     stream = TimingStream(str(mine))
     stream.close()
+
+
+def test_outputs_that_would_overwrite_the_request_or_cannot_be_written_are_refused_before_a_run(
+        tmp_path, capsys) -> None:
+    request = tmp_path / "status.json"
+    request.write_text((EXAMPLES / "status.json").read_text())
+    before = request.read_text()
+    state = tmp_path / "state"
+    for flag in ("--receipt-json", "--timing-ndjson"):
+        rc, _out, err = _run(capsys, "status", "--request-json", str(request), "--state-root", str(state),
+                             flag, str(request))
+        assert rc == 2 and f"{flag} {request} is the request file" in err, err
+    rc, _out, err = _run(capsys, "status", "--request-json", str(request), "--state-root", str(state),
+                         "--timing-ndjson", str(tmp_path))
+    assert rc == 2 and f"--timing-ndjson {tmp_path} is a directory" in err, err
+    assert request.read_text() == before and not (state / "runs").exists(), "nothing ran, nothing was made"
+
+
+def test_no_rollback_is_for_the_operations_that_evict(tmp_path, capsys) -> None:
+    rc, _out, err = _run(capsys, "status", "--request-json", str(EXAMPLES / "status.json"), "--no-rollback",
+                         "--state-root", str(tmp_path / "state"))
+    assert rc == 2 and "--no-rollback does not apply to operation 'status'" in err, err
+    assert not (tmp_path / "state").exists()
+
+
+def test_an_empty_demo_state_root_is_refused_not_taken_as_the_current_directory(tmp_path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    rc, _out, err = _run(capsys, "demo", "--preset", "tiny", "--state-root", "")
+    assert rc == 2 and "--state-root is empty" in err, err
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_bad_receipt_is_named_by_its_path_and_an_empty_payload_state_root_is_refused(tmp_path, capsys) -> None:
+    bad = _request(tmp_path, '{"format": 2}', name="afile")
+    for argv in (["validate", "--receipt-json", str(bad)], ["timeline", str(bad), "-o", str(tmp_path / "t.png")]):
+        rc, _out, err = _run(capsys, *argv)
+        assert rc == 2 and f"receipt {bad}" in err and "Traceback" not in err, err
+    rc, _out, err = _run(capsys, "payload", "verify", "--sha256", "sha256:" + "0" * 64, "--size", "1",
+                         "--state-root", "")
+    assert rc == 2 and "--state-root is empty" in err, err

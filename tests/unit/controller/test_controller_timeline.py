@@ -253,3 +253,12 @@ def test_the_cli_writes_a_png_to_stdout_for_dash_and_refuses_an_empty_name(tmp_p
     assert out.returncode == 0 and _png_size(out.stdout)[0] >= 1000 and not (tmp_path / "-").exists()
     empty = subprocess.run([*cli, "-o", ""], capture_output=True, text=True, timeout=120, check=False)
     assert empty.returncode == 2 and "names no file" in empty.stderr and "Traceback" not in empty.stderr
+
+
+def test_dollar_signs_in_names_are_drawn_as_text_not_maths(tmp_path: Path) -> None:
+    receipt = _receipt()
+    receipt["timing"]["spans"][2]["name"] = "Copy $SRC\\new to $DEST"  # half-open maths: a parse error once
+    receipt["timing"]["spans"][4]["host"] = "$\\bad{$"
+    receipt["timing"]["marks"][0]["name"] = "$x^2$ ready"
+    out = render_timeline(receipt, tmp_path / "dollars.png")
+    assert _png_size(out.read_bytes())[0] >= 1000

@@ -279,3 +279,30 @@ def test_a_restore_keeps_the_evicted_engines_log_beside_its_fresh_one(tmp_path):
     log.write_bytes(b"generation 3\n")
     _fresh_log(log)
     assert (tmp_path / "target.log.previous").read_bytes() == b"generation 3\n"
+
+
+def test_a_shared_or_foreign_directory_given_as_the_state_root_is_not_made_private(tmp_path):
+    """``--state-root /tmp`` (or ``/srv``, a home) by mistake, as root: ColdSnap would chmod it 0700 and close
+    it to every other user. Refused; an empty directory or one holding ColdSnap's entries is made 0700."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    with pytest.raises(ColdSnapError, match=r"anyone may write to \(mode 1777\).*directory of its own"):
+        StateLayout(shared).ensure_private_root()
+    assert shared.stat().st_mode & 0o7777 == 0o1777
+    srv = tmp_path / "srv"
+    (srv / "www").mkdir(parents=True)
+    srv.chmod(0o755)
+    with pytest.raises(ColdSnapError, match=r"holds other files \(www\) and none of ColdSnap's"):
+        StateLayout(srv).ensure_private_root()
+    assert srv.stat().st_mode & 0o777 == 0o755
+    for name, entries in (("empty", []), ("older", ["runs", "notes.txt"])):
+        root = tmp_path / name
+        root.mkdir()
+        for entry in entries:
+            (root / entry).mkdir()
+        root.chmod(0o755)
+        StateLayout(root).ensure_private_root()
+        assert root.stat().st_mode & 0o777 == 0o700, name
