@@ -28,9 +28,16 @@ MAX_QUOTED = 200
 
 
 def _shown(value: Any) -> str:
-    """``repr(value)`` for a message, at most about MAX_QUOTED characters."""
+    """A JSON value as a message shows it (``'text'``, ``4``, ``null``, ``true``, ``an object``), at most about
+    MAX_QUOTED characters."""
     if isinstance(value, str) and len(value) > MAX_QUOTED:
         return f"{value[:MAX_QUOTED]!r}... ({len(value)} characters)"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "an array"
     text = repr(value)
     return text if len(text) <= MAX_QUOTED else f"{text[:MAX_QUOTED]}... ({len(text)} characters)"
 
@@ -451,8 +458,9 @@ class OneOfKind(Schema):
             return self._wrong_type(value, path, issues, "an object")
         kind = value.get(self.discriminator)
         if not isinstance(kind, str) or kind not in self.variants:
-            issues.append(FormatIssue(_path_key(path, self.discriminator),
-                                      f"{_shown(kind)} is not one of {', '.join(self.variants)}",
+            problem = (f"missing required field {self.discriminator!r}" if self.discriminator not in value
+                       else f"{_shown(kind)} is not one of {', '.join(self.variants)}")
+            issues.append(FormatIssue(_path_key(path, self.discriminator), problem,
                                       f"set {self.discriminator!r} to one of: {', '.join(self.variants)}"))
             return MISSING
         return self.variants[kind].validate(value, path, issues)

@@ -78,7 +78,7 @@ def test_a_kind_that_is_not_a_string(capsys, monkeypatch) -> None:
     doc = {"launch": {"model": {"source": {"kind": [1]}}}}
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(json.dumps(doc).encode())))
     rc, _out, err = _run(capsys, "validate", "--request-json", "-")
-    assert rc == 2 and "[1] is not one of" in err and "Traceback" not in err
+    assert rc == 2 and "an array is not one of" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(("weights", "path"), [

@@ -473,3 +473,13 @@ def test_a_mount_that_holds_credentials_is_refused(base, source):
 def test_a_model_directory_below_a_home_or_the_state_root_is_still_mountable(base, source):
     base["launch"]["units"][0]["mounts"] = [{"source": source, "target": "/mnt/x", "read_only": True}]
     validate_request(base)
+
+
+def test_messages_name_json_values_and_a_missing_kind_as_missing(base):
+    base["format"] = None
+    del base["launch"]["model"]["source"]["kind"]
+    p = problems(base)
+    assert "got null" in p["$.format"], p
+    assert "missing required field 'kind'" in p["$.launch.model.source.kind"], p
+    base["format"] = True
+    assert "got true" in problems(base)["$.format"]
