@@ -107,16 +107,10 @@ def read_receipt_bytes(path: Path, *, head: int | None = None) -> bytes:
                               "any receipt")
         if head is not None:
             return os.read(fd, head)
-        chunks, size = [], 0
-        while size <= MAX_INPUT_BYTES:
-            chunk = os.read(fd, min(1 << 20, MAX_INPUT_BYTES + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > MAX_INPUT_BYTES:  # it grew while being read
+        data = fsutil.read_at_most(fd, MAX_INPUT_BYTES)
+        if data is None:  # it grew while being read
             raise _Unreadable(f"{path}: more than {MAX_INPUT_BYTES >> 20} MiB, larger than any receipt")
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
 

@@ -42,6 +42,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def read_at_most(fd: int, limit: int) -> bytes | None:
+    """All of what ``fd`` reads (to its end), or None when that is more than ``limit`` bytes (a file that grew,
+    a device such as ``/dev/zero``: never read past the limit)."""
+    chunks, size = [], 0
+    while size <= limit:
+        chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return None if size > limit else b"".join(chunks)
+
+
 def make_private_dirs(path: Path | str) -> None:
     """Create ``path`` and every missing directory above it with mode 0700 (``mkdir(parents=True)`` gives
     the parents the default mode: a state root made that way would be world-readable)."""

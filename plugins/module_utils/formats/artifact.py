@@ -19,6 +19,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     FormatError,
     FormatIssue,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import read_at_most
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import CAPSULE_LAYOUTS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import (
@@ -208,17 +209,11 @@ def read_descriptor_file(path: Path | str, *, what: str = "artifact") -> bytes:
         if not stat.S_ISREG(st.st_mode):
             kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
             raise ColdSnapError(f"{what} {path} is {kind}", fix="give the path of an artifact.json a capture committed")
-        chunks, size = [], 0
-        while size <= MAX_DESCRIPTOR_BYTES:
-            chunk = os.read(fd, min(1 << 20, MAX_DESCRIPTOR_BYTES + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        if size > MAX_DESCRIPTOR_BYTES:
+        data = read_at_most(fd, MAX_DESCRIPTOR_BYTES)
+        if data is None:
             raise ColdSnapError(f"{what} {path} is larger than {MAX_DESCRIPTOR_BYTES >> 20} MiB: no descriptor is",
                                 fix="give the path of an artifact.json a capture committed")
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
 
