@@ -143,9 +143,12 @@ def _capsule_ids(artifact: dict) -> list[tuple]:
 
 def read_descriptor(path: Path) -> tuple[dict, str]:
     """(validated descriptor, ``sha256:<hex>`` of its file)."""
-    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
+        load_artifact,
+        read_descriptor_file,
+    )
 
-    data = Path(path).read_bytes()
+    data = read_descriptor_file(path)  # a user's path: never a directory, a FIFO or /dev/zero
     return load_artifact(data, document=str(path)), "sha256:" + hashlib.sha256(data).hexdigest()
 
 

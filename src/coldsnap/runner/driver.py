@@ -754,9 +754,12 @@ def _drop_stale_partial_events(runs: Path, this_run: Path) -> None:
         for run in runs.iterdir():
             if run != this_run and lock_held(run / ".lock"):
                 continue  # running: its controller scrubs its own
-            for partial in run.glob("artifacts/*/job_events/*-partial.json"):
-                with contextlib.suppress(OSError):
-                    partial.unlink()
+            for ident in (run / "artifacts").glob("*"):
+                if (ident / "rc").exists():
+                    continue  # ansible-runner finished it and its controller scrubbed it: no event listing
+                for partial in ident.glob("job_events/*-partial.json"):
+                    with contextlib.suppress(OSError):
+                        partial.unlink()
 
 
 def _scrub_partial_events(job_events: Path, redactor: Redactor) -> None:
