@@ -325,7 +325,22 @@ def runtime_build(client: Any, *, base: Any, cache: Path, criu: Path, criu_versi
                                       labels=labels, buildargs={"BASE": base.id}, what="the runtime image",
                                       on_line=lambda line: log("  " + line.strip()) if line.startswith("Step") else None)
     timings["runtime_build_s"] = round(time.monotonic() - t0, 1)
+    drop_build_stage(client)
     return client.images.get(image_id), False, inputs
+
+
+def drop_build_stage(client: Any) -> None:
+    """Remove the wheels stage the build left behind, untagged: the wheels and the tree installed from
+    them, over a GB that the image itself never uses (it copies the installed tree only)."""
+    docker = dockerapi.docker_module()
+    try:
+        res = client.images.prune(filters={"dangling": True, "label": f"{LABEL_KIND}=build-stage"})
+    except docker.errors.APIError as exc:  # a concurrent prune, a daemon that refuses: only space is lost
+        log(f"kept the build stage: {exc.explanation or exc}")
+        return
+    freed = int(res.get("SpaceReclaimed") or 0)
+    if freed:
+        log(f"removed the build stage ({freed / 1e9:.2f} GB)")
 
 
 # ----------------------------------------------------------------------------- engine variants

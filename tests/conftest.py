@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,63 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         problem = gpu_problem()
         if problem:
             pytest.skip(problem)
+
+
+# Module and package fixtures hold captures, capsules and registries (hundreds of MB each). pytest keeps
+# every tmp_path_factory directory until the session ends (tmp_path_retention_policy covers tmp_path
+# only), which made a full run need tens of GB at its end: these scratch directories go as soon as
+# their module or package is done, unless one of its tests failed (kept for the post-mortem).
+_FAILED_FILES: set[str] = set()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    outcome = yield
+    if outcome.get_result().failed:
+        _FAILED_FILES.add(item.nodeid.split("::", 1)[0])
+
+
+def remove_scratch(path: Path) -> bool:
+    """Remove a scratch tree unless something is mounted inside it (removing through a bind mount
+    would delete its source). Returns whether it was removed."""
+    prefix = str(path).rstrip("/") + "/"
+    with open("/proc/self/mountinfo", encoding="utf-8") as f:
+        mounts = [line.split()[4].replace("\\040", " ") for line in f if len(line.split()) > 4]
+    busy = [m for m in mounts if m == str(path) or m.startswith(prefix)]
+    if busy:
+        print(f"kept {path}: {busy[0]} is mounted inside it", file=sys.stderr)
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
+def _scratch(request: pytest.FixtureRequest, factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Path]]:
+    made: list[Path] = []
+
+    def mktemp(name: str) -> Path:
+        made.append(factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    scope = request.node.nodeid.rstrip("/")
+    if any(f == scope or f.startswith(scope + "/") for f in _FAILED_FILES):
+        return
+    for d in made:
+        remove_scratch(d)
+
+
+@pytest.fixture(scope="module")
+def module_tmp(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[Callable[[str], Path]]:
+    """``tmp_path_factory.mktemp`` for module-scoped fixtures: removed when the module is done."""
+    yield from _scratch(request, tmp_path_factory)
+
+
+@pytest.fixture(scope="package")
+def package_tmp(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[Callable[[str], Path]]:
+    """``tmp_path_factory.mktemp`` for package-scoped fixtures: removed when the package is done."""
+    yield from _scratch(request, tmp_path_factory)
 
 
 @pytest.fixture

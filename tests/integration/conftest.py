@@ -26,5 +26,5 @@ def env_digest() -> str:
 
 
 @pytest.fixture(scope="module")
-def state_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("state")
+def state_root(module_tmp) -> Path:
+    return module_tmp("state")

@@ -23,10 +23,10 @@ def base_image() -> dict:
     return build_runtime_image(base_only=True)
 
 
-@pytest.fixture(scope="session")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A writable local registry for the whole session; yields host:port."""
-    with docker_registry(tmp_path_factory.mktemp("registry")) as addr:
+@pytest.fixture(scope="package")
+def registry(package_tmp) -> Iterator[str]:
+    """A writable local registry for these tests (its blobs go when they are done); yields host:port."""
+    with docker_registry(package_tmp("registry")) as addr:
         yield addr
 
 

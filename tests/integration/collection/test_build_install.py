@@ -33,9 +33,9 @@ def _ansible(tool: str, *args: str, collections: Path, cwd: Path) -> subprocess.
 
 
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def installed(module_tmp) -> tuple[Path, Path]:
     """(tarball, collections path holding the installed coldsnap.fleet)."""
-    work = tmp_path_factory.mktemp("collection")
+    work = module_tmp("collection")
     build = _ansible("ansible-galaxy", "collection", "build", "--output-path", str(work / "dist"),
                      collections=work / "none", cwd=REPO)
     assert build.returncode == 0, build.stderr

@@ -25,9 +25,9 @@ from coldsnap.runner import operation_extravars, run_playbook
 
 
 @pytest.fixture(scope="module")
-def success(tmp_path_factory):
+def success(module_tmp):
     """One successful run of succeed.yml with an env token and a secret extra var."""
-    tmp = tmp_path_factory.mktemp("success")
+    tmp = module_tmp("success")
     req = request_for("capture")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("COLDSNAP_FIXTURE_API_TOKEN", ENV_TOKEN)

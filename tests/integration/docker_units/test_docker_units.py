@@ -42,10 +42,10 @@ class Captured:
 
 
 @pytest.fixture(scope="module")
-def captured(tmp_path_factory, runtime_image, tiny_model, recipes) -> Iterator[Captured]:
+def captured(module_tmp, runtime_image, tiny_model, recipes) -> Iterator[Captured]:
     recipes.append(RECIPE)
     with throwaway_user() as user:
-        wl = DockerWorkload(tmp_path_factory.mktemp("docker-state"), tiny_model, runtime_image["runtime_image"],
+        wl = DockerWorkload(module_tmp("docker-state"), tiny_model, runtime_image["runtime_image"],
                             RECIPE, owner=(user.uid, user.gid))
         res = wl.run(wl.request("capture"))
         assert res.succeeded, res.receipt["error"]

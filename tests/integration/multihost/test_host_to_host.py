@@ -22,11 +22,11 @@ TOKEN = "h2hSecretToken" + "x" * 34
 
 
 @pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
+def hosts(module_tmp):
     if not shutil.which("sshd") and not Path("/usr/sbin/sshd").exists():
         pytest.fail("openssh-server is required (scripts/install-system.sh installs it)")
     shutil.rmtree(STATE_ROOT, ignore_errors=True)
-    nh = NetnsHosts(tmp_path_factory.mktemp("h2h"), STATE_ROOT).up()
+    nh = NetnsHosts(module_tmp("h2h"), STATE_ROOT).up()
     yield nh
     nh.down()
     shutil.rmtree(STATE_ROOT, ignore_errors=True)

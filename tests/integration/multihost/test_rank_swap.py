@@ -25,21 +25,21 @@ STATE_ROOT = Path("/var/lib/coldsnap-multihost")
 
 
 @pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
+def hosts(module_tmp):
     if not shutil.which("sshd") and not Path("/usr/sbin/sshd").exists():
         pytest.fail("openssh-server is required (scripts/install-system.sh installs it)")
     shutil.rmtree(STATE_ROOT, ignore_errors=True)  # this test's own control-node state root
-    nh = NetnsHosts(tmp_path_factory.mktemp("netns"), STATE_ROOT).up()
+    nh = NetnsHosts(module_tmp("netns"), STATE_ROOT).up()
     yield nh
     nh.down()
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def model(module_tmp):
     from coldsnap_engines.reference.config import PRESETS
     from coldsnap_engines.reference.weights import make_model
 
-    d = tmp_path_factory.mktemp("mh-model") / "reference-tiny"
+    d = module_tmp("mh-model") / "reference-tiny"
     return d, make_model(d, PRESETS["tiny"], model_id="coldsnap/reference-tiny")
 
 

@@ -34,10 +34,10 @@ def runtime_image() -> dict:
     return docker_workload.build_runtime_image()
 
 
-@pytest.fixture(scope="session")
-def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A writable docker-registry on 127.0.0.1 for the session; yields host:port."""
-    with docker_workload.docker_registry(registry_cache_root(tmp_path_factory.mktemp("registry-fallback"))) as addr:
+@pytest.fixture(scope="package")
+def registry(package_tmp) -> Iterator[str]:
+    """A writable docker-registry on 127.0.0.1 for these tests; yields host:port."""
+    with docker_workload.docker_registry(registry_cache_root(package_tmp("registry-fallback"))) as addr:
         yield addr
 
 
@@ -48,10 +48,10 @@ def readonly_registry(tmp_path: Path) -> Iterator[str]:
         yield addr
 
 
-@pytest.fixture(scope="session")
-def captured(tmp_path_factory, runtime_image, tiny_model) -> Iterator[Capture]:
+@pytest.fixture(scope="package")
+def captured(package_tmp, runtime_image, tiny_model) -> Iterator[Capture]:
     recipe = "publishing"
-    wl = DockerWorkload(tmp_path_factory.mktemp("publish-state"), tiny_model, runtime_image["runtime_image"], recipe)
+    wl = DockerWorkload(package_tmp("publish-state"), tiny_model, runtime_image["runtime_image"], recipe)
     try:
         res = wl.run(wl.request("capture"))
         assert res.succeeded, res.receipt["error"]
@@ -60,11 +60,11 @@ def captured(tmp_path_factory, runtime_image, tiny_model) -> Iterator[Capture]:
         docker_workload.remove_workload_objects(recipe)
 
 
-@pytest.fixture(scope="session")
-def published(captured, registry, tmp_path_factory) -> tuple[Path, str]:
+@pytest.fixture(scope="package")
+def published(captured, registry, package_tmp) -> tuple[Path, str]:
     """The captured descriptor published to the session registry: (published descriptor, repository)."""
     repository = f"{registry}/coldsnap/capsules"
-    out = tmp_path_factory.mktemp("published")
+    out = package_tmp("published")
     source_before = digest_of(captured.path)
     res = publish(captured, repository, out)
     assert res.succeeded, res.receipt["error"]

@@ -21,10 +21,10 @@ pytestmark = [pytest.mark.criu, pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def captured(vllm, tmp_path_factory):
+def captured(vllm, module_tmp):
     python, model_dir, ident, digest = vllm
     # The snapshot leaves vLLM's packed linear weights out (the docker test keeps them, the default).
-    wl = VllmWorkload(tmp_path_factory.mktemp("vstate"), python, model_dir, ident, digest,
+    wl = VllmWorkload(module_tmp("vstate"), python, model_dir, ident, digest,
                       environment={"COLDSNAP_VLLM_CPU_PACKED": "release"})
     res = wl.run(wl.request("capture"))
     assert res.succeeded, res.receipt["error"]

@@ -31,9 +31,9 @@ def variant() -> dict:
 
 
 @pytest.fixture(scope="module")
-def captured(vllm, variant, tmp_path_factory):
+def captured(vllm, variant, module_tmp):
     _python, model_dir, ident, _digest = vllm
-    wl = VllmDockerWorkload(tmp_path_factory.mktemp("vdocker"), variant["image"], model_dir, ident)
+    wl = VllmDockerWorkload(module_tmp("vdocker"), variant["image"], model_dir, ident)
     try:
         res = wl.run(wl.request("capture"))
         assert res.succeeded, res.receipt["error"]
