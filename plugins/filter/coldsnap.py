@@ -1,16 +1,24 @@
 # Copyright: ColdSnap maintainers
 # Apache License 2.0 (see LICENSE)
 """Filters the playbooks and roles use instead of repeating request and state-root logic:
-``unit_hosts``, ``host_units``, ``host_unit_ids``, ``needs_coordinator``, ``state_root``, ``state_path``.
+``unit_hosts``, ``host_units``, ``host_unit_ids``, ``needs_coordinator``, ``state_root``, ``state_path``,
+``artifact_file``.
 
 Each is one function of module_utils (the same code the modules run)."""
 
 from __future__ import annotations
 
+import json
+
 from ansible.errors import AnsibleFilterError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import (
     DEFAULT_STATE_ROOT,
     StateLayout,
+)
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
+    load_artifact,
+    read_descriptor_file,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import (
     needs_coordinator,
@@ -100,6 +108,23 @@ def state_path_filter(root, name: str, *parts: str) -> str:
                                  "its start or '..')") from None
 
 
+def artifact_file_filter(path) -> dict:
+    """The artifact descriptor at ``path``, read and validated as every module reads one (a regular file of
+    bounded size, format 9): a truncated, corrupt or unreadable descriptor fails naming the file and the fix."""
+    if not isinstance(path, str) or not path:
+        raise AnsibleFilterError(f"artifact_file: expected the path of an artifact.json, got {path!r} (fix: pass "
+                                 "the request's artifact.path)")
+    try:
+        data = read_descriptor_file(path)
+        load_artifact(data, document=f"artifact {path}")
+        return json.loads(data)  # as written: the modules normalize it themselves
+    except FileNotFoundError:
+        raise AnsibleFilterError(f"artifact_file: artifact {path} does not exist (fix: name the artifact.json a "
+                                 "capture committed)") from None
+    except ColdSnapError as exc:
+        raise AnsibleFilterError(f"artifact_file: {exc}") from None
+
+
 class FilterModule:
     """ColdSnap filters."""
 
@@ -111,4 +136,5 @@ class FilterModule:
             "needs_coordinator": needs_coordinator_filter,
             "state_root": state_root_filter,
             "state_path": state_path_filter,
+            "artifact_file": artifact_file_filter,
         }

@@ -60,7 +60,9 @@ options:
 attributes:
   check_mode:
     support: full
-    details: Verifies and derives the descriptor without writing it.
+    details: Verifies and derives the descriptor without writing it. Where the push or upload before it only
+      said what it would do (no repository digest or commit yet), answers the would-be descriptor with
+      RV(pending) true.
   diff_mode:
     support: none
   idempotent:
@@ -109,6 +111,12 @@ parent:
   description: Digest of the source descriptor (the published descriptor's C(parent)).
   returned: when state is committed
   type: str
+pending:
+  description: Check mode only. Capsules still to be pushed (their C(repository_digest) null in RV(artifact)) or
+    a native revision still to be uploaded; a real run records them.
+  returned: when state is committed in check mode and a push or upload is still to be made
+  type: bool
+  sample: true
 """
 
 from pathlib import Path

@@ -299,7 +299,8 @@ def _query(store: ArtifactStore, req: dict, artifact_path: Path, facts: dict | N
                         for o in overlay_mod.list_overlays(store, ident)]}
     if facts is not None:
         if not artifact_path.is_file():
-            raise ColdSnapError(f"artifact {artifact_path} does not exist", fix="name a committed artifact.json")
+            what = "is not a regular file" if artifact_path.exists() else "does not exist"
+            raise ColdSnapError(f"artifact {artifact_path} {what}", fix="name a committed artifact.json")
         selection = overlay_mod.select_overlay(store, portable_path=artifact_path, request=req,
                                                facts_by_host=facts)
         out["artifact"] = selection.pop("artifact")

@@ -61,7 +61,8 @@ options:
 attributes:
   check_mode:
     support: full
-    details: Re-hashes read-only and reports what would be uploaded; uploads nothing.
+    details: Re-hashes read-only and reports what would be uploaded; uploads nothing. Resolving a branch that
+      does not hold the payloads yet answers RV(pending) instead of failing.
   diff_mode:
     support: none
   idempotent:
@@ -104,9 +105,17 @@ commit:
   returned: when state is uploaded
   type: str
 revision:
-  description: The immutable commit the branch resolved to (O(state=resolved)).
+  description:
+    - The immutable commit the branch resolved to (O(state=resolved)).
+    - Null in check mode when the branch does not hold the payloads yet (RV(pending) is then true).
   returned: when state is resolved
   type: str
+pending:
+  description: Check mode only. The branch does not hold the payloads yet; the upload a real run makes comes
+    first, so the revision it resolves to is not known in advance.
+  returned: when state is resolved in check mode and the upload is still to be made
+  type: bool
+  sample: true
 repository:
   description: The repository the revision belongs to.
   returned: when state is resolved
@@ -149,7 +158,7 @@ def main() -> None:
         if p["state"] == "resolved":
             return {"changed": False, **publish.resolve_revision(
                 artifact=art, repository=p["repository"], branch=p["branch"], token=p["token"],
-                endpoint=p["endpoint"])}
+                endpoint=p["endpoint"], check_mode=module.check_mode)}
         return publish.upload_host_payloads(
             artifact=art, host=p["host"], state_root=Path(p["state_root"]), repository=p["repository"],
             branch=p["branch"], token=p["token"], endpoint=p["endpoint"], check_mode=module.check_mode,

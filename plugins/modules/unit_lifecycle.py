@@ -102,8 +102,11 @@ EXAMPLES = r"""
 
 RETURN = r"""
 activation_staged:
-  description: Whether the activation runtime was staged; false only with O(activation_required=false), and
-    then nothing was done.
+  description:
+    - Whether the activation runtime this run needed was staged. False only with O(activation_required=false)
+      when a run that executes it (O(state=sleeping), O(state=running)) found it missing, and
+      then nothing was done.
+    - O(state=status), O(state=stopped) and check mode never run it, and answer true without looking.
   returned: success
   type: bool
   sample: true

@@ -169,15 +169,19 @@ def timeline_model(receipt: Mapping[str, Any]) -> TimelineModel:
 
     phase_colors: dict[str, str] = {}
     legend: dict[str, str] = {}
-    lane_order: list[str] = []
-    placed: dict[str, list[list[tuple[float, float]]]] = {}
+    lane_order: dict[str, None] = {}  # insertion-ordered set
+    # Per lane, the end of each sub-row's last bar: spans come sorted by start within a lane, so a span
+    # fits the first sub-row that ended by its start (linear in the sub-rows, not in the bars drawn).
+    placed: dict[str, list[float]] = {}
+    anchored_lanes: set[str] = set()
     bars: list[Bar] = []
     ordered = sorted(spans, key=lambda s: (s.get("clock") != "controller", str(s.get("clock")), _lane(s),
                                            s["start_ns"], -(s.get("end_ns") or s["start_ns"])))
     for s in ordered:
         lane = _lane(s)
-        if lane not in lane_order:
-            lane_order.append(lane)
+        lane_order.setdefault(lane, None)
+        if s.get("clock") in anchors:
+            anchored_lanes.add(lane)
         origin = origins[str(s.get("clock"))]
         start = (s["start_ns"] - origin) / 1e9
         end = ((s.get("end_ns") if s.get("end_ns") is not None else s["start_ns"]) - origin) / 1e9
@@ -189,10 +193,10 @@ def timeline_model(receipt: Mapping[str, Any]) -> TimelineModel:
             color = STATUS_COLORS.get(key, STATUS_COLORS["ok"])
             legend.setdefault(key, color)
         rows = placed.setdefault(lane, [])
-        row = next((i for i, used in enumerate(rows) if all(end <= a or start >= b for a, b in used)), len(rows))
+        row = next((i for i, row_end in enumerate(rows) if start >= row_end), len(rows))
         if row == len(rows):
-            rows.append([])
-        rows[row].append((start, max(end, start + 1e-9)))
+            rows.append(0.0)
+        rows[row] = max(end, start + 1e-9)
         bars.append(Bar(lane=lane, row=row, start_s=start, end_s=end, name=str(s.get("name")), color_key=key,
                         color=color))
     marks: list[tuple[str, float, str]] = []
@@ -209,8 +213,7 @@ def timeline_model(receipt: Mapping[str, Any]) -> TimelineModel:
     title = (f"coldsnap {receipt.get('operation', '?')}{' --prepare-only' if receipt.get('prepare_only') else ''}"
              f" {receipt.get('operation_id', '')}: {state}"
              + (f" in {duration:.2f} s" if isinstance(duration, int | float) else ""))
-    unaligned = tuple(lane for lane in lane_order
-                      if anchors and not any(_lane(s) == lane and s.get("clock") in anchors for s in spans))
+    unaligned = tuple(lane for lane in lane_order if anchors and lane not in anchored_lanes)
     return TimelineModel(title=title, lanes=tuple(lane_order), rows={k: len(v) for k, v in placed.items()},
                          bars=tuple(bars), legend=legend, marks=tuple(marks), unaligned_lanes=unaligned,
                          anchors=anchors)
@@ -241,14 +244,20 @@ def render_timeline(receipt: Mapping[str, Any], out: Path, *, dpi: int = 110) ->
     fig = Figure(figsize=(13, min(2.2 + 0.42 * total_rows, 40)), dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
+    by_color: dict[str, tuple[list[float], list[float], list[float]]] = {}
     for b in model.bars:
         row_y = offsets[b.lane] + b.row
         width = max(b.end_s - b.start_s, (x_max - x_min) * 0.002)  # instant spans stay visible
-        ax.barh(row_y, width, left=b.start_s, height=0.8, color=b.color, edgecolor="#333333", linewidth=0.4)
+        ys, widths, lefts = by_color.setdefault(b.color, ([], [], []))
+        ys.append(row_y)
+        widths.append(width)
+        lefts.append(b.start_s)
         if width >= (x_max - x_min) * 0.06:
             label = b.name if len(b.name) <= 48 else b.name[:45] + "..."
             ax.text(b.start_s + width / 2, row_y, _literal(label), ha="center", va="center", fontsize=7, clip_on=True,
                     color="white" if b.color_key in ("failed", "error", "unreachable", "cancelled") else "black")
+    for color, (ys, widths, lefts) in by_color.items():  # one call per colour: thousands of spans draw in seconds
+        ax.barh(ys, widths, left=lefts, height=0.8, color=color, edgecolor="#333333", linewidth=0.4)
     for lane, t, name in model.marks:
         ax.plot([t], [offsets[lane] - 0.5], marker="v", color="black", markersize=5)
         ax.text(t, offsets[lane] - 0.55, _literal(name), fontsize=6, ha="center", va="bottom")

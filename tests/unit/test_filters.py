@@ -62,3 +62,19 @@ def test_state_root_defaults_when_unset():
     assert F["state_root"](None) == F["state_root"]("") == F["state_root"]() == "/var/lib/coldsnap"
     assert F["state_root"]("/srv/coldsnap") == "/srv/coldsnap"
     assert F["state_path"](None, "runs", "op-1") == "/var/lib/coldsnap/runs/op-1"
+
+
+def test_artifact_file_reads_a_descriptor_as_written_and_names_what_is_wrong(tmp_path):
+    from pathlib import Path
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "artifacts" / "reference-tiny-n610.json"
+    good = tmp_path / "artifact.json"
+    good.write_bytes(fixture.read_bytes())
+    assert F["artifact_file"](str(good)) == __import__("json").loads(fixture.read_bytes())
+    cut = tmp_path / "cut.json"
+    cut.write_bytes(fixture.read_bytes()[:100])  # truncated by a full disk or a killed copy
+    for path, needle in ((cut, f"artifact {cut}"), (tmp_path, "is a directory"),
+                         (tmp_path / "gone.json", "does not exist"), (None, "expected the path")):
+        with pytest.raises(AnsibleFilterError, match="artifact_file") as err:
+            F["artifact_file"](str(path) if path is not None else None)
+        assert needle in str(err.value), str(err.value)

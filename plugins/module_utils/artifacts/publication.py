@@ -89,8 +89,11 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
-def with_capsules(artifact: dict, pushed: list[dict], *, repository: str) -> dict:
+def with_capsules(artifact: dict, pushed: list[dict], *, repository: str, check_mode: bool = False) -> dict:
     """The capsule section with every unit's immutable ``repository@sha256:`` digest in ``repository``.
+
+    In check mode a push only said it would push (no digest yet): such a unit keeps
+    ``repository_digest: None``, the digest a real push returns.
 
     ``pushed`` are capsule entries returned by the push (``unit``, ``image_id``,
     ``repository_digest``); each must be for a recorded unit and its recorded image.
@@ -103,13 +106,16 @@ def with_capsules(artifact: dict, pushed: list[dict], *, repository: str) -> dic
     units = []
     for cap in artifact["capsule"]["units"]:
         got = by_unit.pop(cap["unit"], None)
-        if got is None or not got.get("repository_digest"):
+        if got is None or not (got.get("repository_digest") or check_mode):
             raise ColdSnapError(f"capsule of unit {cap['unit']!r} (capture host {cap['host']}) was not pushed",
                                 fix="every capture host must push its capsules; nothing was committed")
         if got.get("image_id") != cap["image_id"]:
             raise IntegrityError(f"unit {cap['unit']!r}: pushed image {got.get('image_id')}, the descriptor records "
                                  f"{cap['image_id']}", fix="publish the descriptor that names this capsule")
-        ref = got["repository_digest"]
+        ref = got.get("repository_digest")
+        if not ref:
+            units.append({**cap, "repository_digest": None})
+            continue
         name, digest = ids.split_image_ref(ref)
         if name != repository or not ids.is_digest(digest):
             raise ColdSnapError(f"unit {cap['unit']!r}: {ref!r} is not an immutable reference in {repository}",
@@ -142,6 +148,12 @@ def derive(source: dict, source_digest: str, *, capsules: dict | None = None,
     return validate_artifact(out, document="published descriptor")
 
 
+def _refuse_the_source(final: Path, source: Path) -> None:
+    if os.path.abspath(final) == os.path.abspath(source):
+        raise ColdSnapError(f"{final} is the descriptor being published; publication writes a separate one",
+                            fix="set output.artifact_dir to a new directory")
+
+
 def _same_content(a: dict, b: dict) -> bool:
     return {**a, "created_at": ""} == {**b, "created_at": ""}
 
@@ -155,9 +167,7 @@ def commit_published(artifact_dir: Path, artifact: dict, *, source_path: Path,
     """
     artifact_dir = Path(artifact_dir)
     final = artifact_dir / ARTIFACT_FILE
-    if os.path.abspath(final) == os.path.abspath(source_path):
-        raise ColdSnapError(f"{final} is the descriptor being published; publication writes a separate one",
-                            fix="set output.artifact_dir to a new directory")
+    _refuse_the_source(final, source_path)
     if final.exists():
         try:
             existing = json.loads(final.read_text())
@@ -173,6 +183,30 @@ def commit_published(artifact_dir: Path, artifact: dict, *, source_path: Path,
     return final, True
 
 
+def _pending(capsules: dict | None, native: dict | None) -> bool:
+    """Check mode: a push or upload still to be made (its digest or commit not known yet)."""
+    return (capsules is not None and any(u["repository_digest"] is None for u in capsules["units"])) or \
+        (native is not None and native.get("revision") is None)
+
+
+def _would_publish(art: dict, digest: str, artifact_dir: Path, *, source: Path, capsules: dict | None,
+                   native: dict | None) -> dict[str, Any]:
+    """What check mode reports when the descriptor depends on pushes still to be made: a new descriptor at
+    ``artifact_dir`` (refused as a real run would be when that path is the source or holds one already)."""
+    final = Path(artifact_dir) / ARTIFACT_FILE
+    _refuse_the_source(final, source)
+    if final.exists():
+        raise ColdSnapError(f"{final} already holds a descriptor, and this publication still has to push: a "
+                            "published descriptor is never replaced", fix="choose a new output.artifact_dir")
+    would = json.loads(json.dumps(art))
+    would.update(parent=digest, created_at=_now())
+    if capsules is not None:
+        would.update(capsule=capsules, state="published")
+    if native is not None:
+        would["weights"]["providers"]["native"] = {"repository": native.get("repository"), "revision": None}
+    return {"changed": True, "path": str(final), "artifact": would, "parent": digest, "pending": True}
+
+
 def publish_descriptor(*, source: Path, source_sha256: str, artifact_dir: Path, capsules: list[dict] | None = None,
                        repository: str | None = None, native: dict | None = None,
                        check_mode: bool = False) -> dict[str, Any]:
@@ -183,7 +217,9 @@ def publish_descriptor(*, source: Path, source_sha256: str, artifact_dir: Path, 
         if not repository:
             raise ColdSnapError("publishing capsules needs the repository they were pushed to",
                                 fix="pass policy.capsule.repository")
-        cap_section = with_capsules(art, capsules, repository=repository)
+        cap_section = with_capsules(art, capsules, repository=repository, check_mode=check_mode)
+    if check_mode and _pending(cap_section, native):
+        return _would_publish(art, digest, artifact_dir, source=source, capsules=cap_section, native=native)
     derived = derive(art, digest, capsules=cap_section, native=native)
     path, changed = commit_published(artifact_dir, derived, source_path=source, check_mode=check_mode)
     if not changed and path.exists():

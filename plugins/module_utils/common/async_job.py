@@ -71,6 +71,11 @@ def read_job(path: Path) -> dict | None:
     except FileNotFoundError:
         raise ColdSnapError(f"async job file {path} is gone: the job was cleaned up or never started",
                             fix="run the step again; do not wait twice for the same job") from None
+    except (IsADirectoryError, PermissionError) as exc:
+        # Not a state the job passes through: waiting would only run into the retries' end.
+        raise ColdSnapError(f"async job file {path} cannot be read: {exc.strerror}",
+                            fix="pass the async task's register unchanged as job, and wait as the user "
+                                "that started it") from None
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

@@ -23,11 +23,17 @@ class ColdSnapError(Exception):
 class FormatError(ColdSnapError):
     """A document (request, artifact, manifest...) failed strict validation."""
 
+    #: The message lists this many problems; a document wrong everywhere (thousands of bad entries) would
+    #: otherwise make a message as large as itself. ``issues`` keeps them all.
+    SHOWN = 50
+
     def __init__(self, issues: list[FormatIssue], *, document: str) -> None:
         self.issues = issues
         self.document = document
         lines = [f"{document} is invalid ({len(issues)} problem{'s' if len(issues) != 1 else ''}):"]
-        lines.extend(f"  - {issue}" for issue in issues)
+        lines.extend(f"  - {issue}" for issue in issues[:self.SHOWN])
+        if len(issues) > self.SHOWN:
+            lines.append(f"  - ... and {len(issues) - self.SHOWN} more: fix these first, then validate again")
         super().__init__("\n".join(lines))
 
 

@@ -87,6 +87,21 @@ def require_can_sleep(unit: str, states) -> None:
                         fix="wake it to finish the restore (coldsnap wake), then sleep it; or stop it")
 
 
+def require_step_states(unit: str, action: str, states) -> None:
+    """The refusals a sleep, wake or finish-warm and its check mode give before any worker is asked.
+
+    The step runs on every worker at once (engines with several workers step collectively); workers in
+    different states (a step that failed on some of them) would have the step refused by some and waited
+    for by the others, every time. Refused by name instead, with the way out."""
+    if action == "sleep":
+        require_can_sleep(unit, states)
+    seen = sorted(set(states))
+    if len(seen) > 1:
+        raise UnitError(f"unit {unit}'s workers are in different states ({', '.join(map(str, seen))}), so they "
+                        f"cannot {action} together",
+                        fix="stop the workload (coldsnap stop) and restore it; its captures and payloads stay")
+
+
 def control_file_path(workload_dir: Path | str, worker: str) -> Path:
     """The control file of ``worker`` in its workload directory."""
     return Path(workload_dir) / CONTROL_FILE_NAME.format(worker=worker)

@@ -219,8 +219,12 @@ def _commit(api: Any, repository: str, branch: str, objects: list[PayloadObject]
 
 
 def resolve_revision(*, artifact: dict, repository: str, branch: str, token: str | None, endpoint: str | None,
-                     api: Any = None) -> dict[str, Any]:
-    """Resolve ``branch`` to its immutable commit and prove every payload is there with its digest and size."""
+                     api: Any = None, check_mode: bool = False) -> dict[str, Any]:
+    """Resolve ``branch`` to its immutable commit and prove every payload is there with its digest and size.
+
+    In check mode the upload before it only said what it would upload: a branch that does not hold the
+    payloads yet is what a real run would fix, so the answer is ``revision: None`` with ``pending: true``
+    (the commit a real upload makes cannot be known in advance), not an error."""
     check_target(repository, branch)
     objects = payload_objects(artifact)
     if not objects:
@@ -228,6 +232,10 @@ def resolve_revision(*, artifact: dict, repository: str, branch: str, token: str
                             fix="capture with policy.weights.native.export enabled")
     api = api or hub_api(endpoint=endpoint, token=token)
     commit = branch_head(api, repository, branch, token=token)
+    pending = {"revision": None, "pending": True, "repository": repository, "branch": branch,
+               "objects": [o.as_dict() for o in objects]}
+    if commit is None and check_mode:
+        return pending
     if commit is None:
         raise ColdSnapError(f"branch {branch!r} does not exist in {repository}", fix="upload the payloads first")
     if not re.fullmatch(ids.COMMIT, commit):
@@ -235,6 +243,8 @@ def resolve_revision(*, artifact: dict, repository: str, branch: str, token: str
                              fix="the endpoint is not a Hugging Face Hub")
     remote = remote_objects(api, repository, commit, [o.path for o in objects], token=token)
     missing = [o.path for o in objects if remote.get(o.path) != (o.sha256.split(":", 1)[1], o.size)]
+    if missing and check_mode:
+        return pending
     if missing:
         detail = ", ".join(f"{p} (absent)" if p not in remote else f"{p} (lfs {remote[p][0]}, {remote[p][1]} bytes)"
                            for p in missing[:5])

@@ -82,8 +82,8 @@ class StageSource:
             return
         if self.kind == "peer":
             if not self.address or isinstance(self.port, bool) or not isinstance(self.port, int) \
-                    or not 0 <= self.port < 65536 or not self.token:
-                raise ColdSnapError("a peer payload source needs 'address', 'port' (0..65535) and 'token'",
+                    or not 0 < self.port < 65536 or not self.token:
+                raise ColdSnapError("a peer payload source needs 'address', 'port' (1..65535) and 'token'",
                                     fix="give the transfer server's address, port and this transfer's token")
             if self.filename is not None and "/" in self.filename:
                 raise ColdSnapError(f"peer filename {self.filename!r} is not a plain file name",

@@ -100,11 +100,15 @@ def _lifecycle(request: dict, artifact: dict | None, units: list[dict], *, host:
         idle = []
     capture_id = artifact["capture_id"] if artifact else request["id"]
     unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units} if artifact else None
-    # Planning the weights verifies the node's packs (their records and locks) and the step writes into the
-    # workload directories: all of it is the invoking user's afterwards, also when the step failed.
+    # Only a real wake (or finish-warm) maps weights back: it alone plans them, which verifies the node's packs
+    # (writing their validation records, quarantining a corrupt one). Status, sleep and check mode read
+    # nothing of the payloads, so a removed or damaged pack never fails them and they never change it.
+    # What the step writes (records, locks, the workload directories) is the invoking user's afterwards,
+    # also when the step failed.
+    hydrates = bool(artifact) and action in ("wake", "finish-warm") and not check_mode
     with runtime.giving_back():
-        weights = plan_weights(request, artifact, host=host, state_root=state_root) if artifact else {}
-        if weights and action in ("wake", "finish-warm") and not check_mode:
+        weights = plan_weights(request, artifact, host=host, state_root=state_root) if hydrates else {}
+        if weights:
             read_packs_ahead(weights)
         validation = accepted_validation(request, artifact)
         op = "status" if check_mode else action
@@ -113,9 +117,8 @@ def _lifecycle(request: dict, artifact: dict | None, units: list[dict], *, host:
         running = {u["id"] for u in units}
         evidence = runtime.lifecycle([s for s in specs if s.unit["id"] in running])
         if check_mode:
-            if action == "sleep":  # the real run refuses a warm unit: so does its check mode
-                for e in evidence:
-                    ec.require_can_sleep(e.get("unit"), [w.get("state") for w in e.get("workers", [])])
+            for e in evidence:  # what the real run refuses (a warm unit's sleep, mixed workers): so does check mode
+                ec.require_step_states(e.get("unit"), action, [w.get("state") for w in e.get("workers", [])])
             would = any(_would_change(action, w.get("state")) for e in evidence for w in e.get("workers", []))
             return {"changed": would, "units": [*idle, *(public(e) for e in evidence)]}
         return {"changed": any(e.get("changed") for e in evidence), "units": [*idle, *(public(e) for e in evidence)],

@@ -819,8 +819,8 @@ class Activation:
             return self._evidence([], {"state": "absent"})
         states = [h.call("GET", ec.STATUS, timeout=30)["state"] for h in handles]
         changed = False
-        if action == "sleep":
-            ec.require_can_sleep(spec.unit_id, states)
+        if action != "status":
+            ec.require_step_states(spec.unit_id, action, states)
         if action == "sleep" and any(s == ec.READY for s in states):
             self._engine_step(handles, "unit.sleep", ec.SLEEP)
             changed = True

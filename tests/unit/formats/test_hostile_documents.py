@@ -94,6 +94,17 @@ def test_opaque_engine_data_is_bounded(request_doc):
     assert any(f"more than {MAX_OPAQUE_VALUES}" in p for p in problems.values())
 
 
+def test_a_document_wrong_everywhere_gives_a_bounded_message_and_every_issue(request_doc):
+    request_doc["launch"]["units"][0]["environment"] = {f"X{i}": "a\x00b" for i in range(500)}
+    with pytest.raises(FormatError) as exc:
+        validate_request(request_doc)
+    assert len(exc.value.issues) >= 500
+    lines = str(exc.value).splitlines()
+    assert len(lines) == FormatError.SHOWN + 2, lines[-1]
+    assert lines[-1].endswith(f"and {len(exc.value.issues) - FormatError.SHOWN} more: fix these first, then validate "
+                              "again")
+
+
 def test_integers_beyond_what_json_holds_exactly_are_refused(request_doc):
     """Two requests differing only above 2**53 would share a canonical digest."""
     request_doc["policy"]["weights"]["native"]["staged"] = [{

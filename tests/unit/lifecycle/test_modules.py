@@ -28,6 +28,9 @@ def test_artifact_store_promoted_check_mode_then_idempotent(state_root, tmp_path
     query = run_module("artifact_store", {"state": "query", "request": req, "artifact_path": str(path),
                                           "state_root": str(state_root)})
     assert not query["changed"] and [g["capture_id"] for g in query["generations"]] == ["cap-1"]
+    on_a_directory = run_module("artifact_store", {"state": "query", "request": req, "artifact_path": str(tmp_path),
+                                                   "facts": {}, "state_root": str(state_root)})
+    assert on_a_directory["failed"] and "is not a regular file" in on_a_directory["msg"], on_a_directory["msg"]
 
 
 def test_artifact_store_refusals_name_the_fix(state_root, tmp_path):

@@ -173,6 +173,14 @@ def test_wait_refuses_what_is_not_an_async_launch(tmp_path: Path) -> None:
     assert async_job.look(half)["finished"] is False
 
 
+def test_a_job_file_that_is_a_directory_is_an_error_not_a_job_that_runs_for_ever(tmp_path: Path) -> None:
+    job = _job(tmp_path, None)
+    Path(job["results_file"]).mkdir()
+    with pytest.raises(ColdSnapError, match="cannot be read") as err:
+        async_job.look(job)
+    assert "register unchanged" in err.value.fix
+
+
 def test_controller_shows_each_wait_retry_live() -> None:
     import io
 

@@ -20,6 +20,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.publish import (
     check_target,
     payload_objects,
+    resolve_revision,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import docker_runtime as dr
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import ownership
@@ -80,6 +81,25 @@ def test_check_mode_commits_nothing(tmp_path):
     out = pub.publish_descriptor(source=path, source_sha256=digest, artifact_dir=tmp_path / "p", capsules=pushed(art),
                                  repository=REPO, check_mode=True)
     assert out["changed"] is True and not (tmp_path / "p" / "artifact.json").exists()
+
+
+def test_check_mode_before_the_first_push_says_what_a_real_run_would_commit(tmp_path):
+    """A check run's push only announces itself (no digest): the commit answers with the would-be descriptor,
+    never 'was not pushed', and a native publication whose upload is still to come likewise."""
+    path, art, digest = source(tmp_path)
+    announced = [{**e, "repository_digest": None} for e in pushed(art)]
+    kw = {"source": path, "source_sha256": digest, "artifact_dir": tmp_path / "p", "check_mode": True}
+    out = pub.publish_descriptor(capsules=announced, repository=REPO, **kw)
+    assert out["changed"] is True and out["pending"] is True and out["parent"] == digest
+    assert out["artifact"]["state"] == "published"
+    assert [u["repository_digest"] for u in out["artifact"]["capsule"]["units"]] == [None] * len(announced)
+    native = pub.publish_descriptor(native={"repository": "acme/payloads", "revision": None}, **kw)
+    assert native["pending"] and native["artifact"]["weights"]["providers"]["native"]["revision"] is None
+    assert not (tmp_path / "p").exists(), "check mode writes nothing"
+    with pytest.raises(ColdSnapError, match="was not pushed"):  # only check mode takes an announcement
+        pub.publish_descriptor(capsules=announced, repository=REPO, **{**kw, "check_mode": False})
+    with pytest.raises(ColdSnapError, match="separate one"):  # and it refuses what a real run refuses
+        pub.publish_descriptor(capsules=announced, repository=REPO, **{**kw, "artifact_dir": path.parent})
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -229,3 +249,38 @@ def test_a_refused_capsule_pull_says_what_to_do_about_its_reason(error, says):
     from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.publish import _pull_fix
 
     assert says in _pull_fix(error, "r:5000/c")
+
+
+class HubStandinRefs:
+    """A stand-in for the Hugging Face Hub client (the Hub cannot be reached from here): a repository with
+    one branch whose files are listed as ``{path: (sha256 hex, size)}``."""
+
+    def __init__(self, branch: str | None, files: dict[str, tuple[str, int]]) -> None:
+        self.branch, self.files = branch, files
+
+    def list_repo_refs(self, repository):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(branches=[SimpleNamespace(name=self.branch, target_commit="d" * 40)]
+                               if self.branch else [])
+
+    def get_paths_info(self, repository, paths, revision):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(path=p, size=self.files[p][1], lfs=SimpleNamespace(sha256=self.files[p][0]))
+                for p in paths if p in self.files]
+
+
+@pytest.mark.parametrize("branch", [None, "main"])
+def test_hub_standin_resolving_before_the_upload_is_pending_in_check_mode_only(branch):
+    art = json.loads(FIXTURE.read_text())
+    objects = payload_objects(load_artifact(json.dumps(art)))
+    kw = {"artifact": load_artifact(json.dumps(art)), "repository": "acme/payloads", "branch": "main",
+          "token": None, "endpoint": None, "api": HubStandinRefs(branch, {})}
+    out = resolve_revision(check_mode=True, **kw)
+    assert out["pending"] is True and out["revision"] is None and len(out["objects"]) == len(objects)
+    with pytest.raises(ColdSnapError, match="does not exist" if branch is None else "does not hold the payloads"):
+        resolve_revision(**kw)
+    held = {o.path: (o.sha256.split(":", 1)[1], o.size) for o in objects}
+    done = resolve_revision(check_mode=True, **{**kw, "api": HubStandinRefs("main", held)})
+    assert done["revision"] == "d" * 40 and "pending" not in done

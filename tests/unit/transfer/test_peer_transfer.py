@@ -396,6 +396,8 @@ def test_a_payload_is_staged_from_a_peer_into_the_node_cache(tmp_path):
         server.shutdown()
     with pytest.raises(ColdSnapError, match="'address', 'port'"):
         StageSource.from_dict({"kind": "peer", "address": "127.0.0.1", "token": TOKEN})
+    with pytest.raises(ColdSnapError, match=r"'port' \(1\.\.65535\)"):  # 0 is a listener's ephemeral port, never a peer's
+        StageSource.from_dict({"kind": "peer", "address": "127.0.0.1", "port": 0, "token": TOKEN})
 
 
 def test_partial_names_stay_beside_the_final_name():
