@@ -5,16 +5,17 @@ A rank of ``barrier(client, name, rank, world, timeout)`` makes two requests: on
 that completes the barrier ``set``s that key instead of waiting). Keys, all under
 ``barrier/<name>/`` and documented so that other clients can take part:
 
-* ``arrived/<g>@<world>``: ranks are taken in groups of ``GROUP`` (31): rank ``r`` is
-  bit ``r % 31`` of group ``g = r // 31``. Each rank ``add``s ``2**32 + 2**(r % 31)``:
-  the value's low 31 bits are the ranks of the group that arrived and the bits from
-  32 up count the arrivals. What the ``add`` returns, less the rank's own delta, says
-  whether its bit was already set: a second arrival of the same rank (a duplicated
-  process, a reused name) takes its delta back with a second ``add`` and is an error
-  instead of a miscount. A group is complete when its value is exactly
-  ``size * 2**32 + 2**size - 1``: that many arrivals with that many distinct bits, so
-  duplicates can never complete it (the sum of ``size`` powers of two has ``size``
-  one bits only when no two are equal).
+* ``arrived/<g>@<world>``: ranks are taken in groups of ``GROUP`` (16): rank ``r`` owns
+  the two-bit field at bit ``2 * (r % 16)`` of group ``g = r // 16``. Each rank ``add``s
+  ``2**32 + 4**(r % 16)``: the value's low 32 bits count each rank of the group that
+  arrived (in base 4) and the bits from 32 up count the arrivals. The field the
+  ``add`` returns is 1 for a rank's first arrival; a second arrival of the same rank (a
+  duplicated process, a reused name) makes it 2 (two bits a rank: no carry into the
+  next rank's field, so no other rank is ever taken for the duplicate), takes its delta
+  back with a second ``add`` and is an error instead of a miscount. A group is complete
+  when its value is exactly ``size * 2**32 + (4**size - 1) / 3``: that many arrivals,
+  each rank's field 1 (a sum of ``size`` powers of four has ``size`` digits 1 in base 4
+  only when no two are equal).
 * ``groups@<world>``: with more than one group, the rank that completes a group adds 1
   here; the rank that brings it to the number of groups completes the barrier.
 * ``release@<world>``: the completing rank sets it; every other rank waits for it with
@@ -24,10 +25,12 @@ The world size is part of every key, so ranks that disagree on it never release 
 other early (they time out instead). A barrier name is single-use within one
 activation: name each phase uniquely (``criu-restore``, ``cuda-restore``,
 ``transport/2``...). Timeouts end with a ``BarrierTimeout`` that names the ranks
-that never arrived (read from the group keys). A caller that must also watch
-something else while it waits (the activation's abort key) passes ``poll``: the
-wait is then cut into slices of at most ``POLL_SLICE`` seconds and ``poll()`` runs
-before each; whatever it raises ends the wait.
+that never arrived (read from the group keys). The wait is cut into slices of at
+most ``POLL_SLICE`` seconds (a waiting ``get`` holds a connection slot of the
+server; slices free it, so a world larger than the slots still gets its releasing
+rank in). A caller that must also watch something else while it waits (the
+activation's abort key) passes ``poll``, which runs before each slice; whatever it
+raises ends the wait.
 
 Every step is one short TCP request (client.py, CSKV v1 is one request per
 connection): no connection or thread outlives the call, so a rank may be
@@ -47,8 +50,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import
 
 RELEASE_VALUE = b"released"
 POLL_SLICE = 1.0  # seconds a blocking wait lasts between two poll() calls
-GROUP = 31  # ranks per arrival key: bits 0..30; bit 31 stays clear, the count starts at bit 32
+GROUP = 16  # ranks per arrival key: two bits each in bits 0..31; the count starts at bit 32
+FIELD_BITS = 2
 COUNT_UNIT = 1 << 32
+MAX_WORLD = 1 << 16  # ranks of one barrier (its timeout reads one key per group)
 _MAX_LISTED = 32  # missing ranks listed by number in a message; the rest are counted
 
 
@@ -71,7 +76,7 @@ def barrier_key(name: str, part: str) -> str:
 
 
 def arrival_key(name: str, group: int, world: int) -> str:
-    """The key counting the arrivals of ranks ``31 * group`` .. ``31 * group + 30``."""
+    """The key counting the arrivals of ranks ``16 * group`` .. ``16 * group + 15``."""
     return barrier_key(name, f"arrived/{group}@{world}")
 
 
@@ -82,13 +87,13 @@ def group_size(group: int, world: int) -> int:
 def group_complete(group: int, world: int) -> int:
     """The value of a group's arrival key once each of its ranks arrived exactly once."""
     size = group_size(group, world)
-    return size * COUNT_UNIT + (1 << size) - 1
+    return size * COUNT_UNIT + ((1 << FIELD_BITS * size) - 1) // 3
 
 
 def barrier(client: CoordinatorClient, name: str, rank: int, world: int, timeout: float, *,
             poll: Callable[[], None] | None = None) -> int:
     """Block until all ``world`` ranks reached barrier ``name``; return this rank's arrival order in
-    its group of up to 31 ranks (1..31; for a world of at most 31, its order among all ranks).
+    its group of up to 16 ranks (1..16; for a world of at most 16, its order among all ranks).
 
     Raises BarrierTimeout naming the missing ranks when ``timeout`` seconds pass
     first, and BarrierError for a duplicate rank or a reused name. ``poll`` (optional)
@@ -96,11 +101,11 @@ def barrier(client: CoordinatorClient, name: str, rank: int, world: int, timeout
     """
     _check_args(name, rank, world, timeout)
     deadline = time.monotonic() + timeout
-    group, bit = divmod(rank, GROUP)
-    delta = COUNT_UNIT + (1 << bit)
+    group, slot = divmod(rank, GROUP)
+    delta = COUNT_UNIT + (1 << FIELD_BITS * slot)
     key = arrival_key(name, group, world)
     total = client.add(key, delta)
-    if (total - delta) & (1 << bit):
+    if _field(total, slot) != 1:  # 2 or 3: arrived before; 0: four times over (carried out)
         client.add(key, -delta)  # take this arrival back: the rank's first arrival still counts
         raise BarrierError(
             f"barrier {name!r}: rank {rank} arrived more than once",
@@ -139,11 +144,18 @@ def _wait_release(client: CoordinatorClient, key: str, deadline: float, poll: Ca
         if remaining <= 0:
             raise CoordinatorTimeout("no time left")
         try:
-            client.get(key, timeout=remaining if poll is None else min(POLL_SLICE, remaining))
+            # Always in slices: a waiting get holds one of the server's connection slots, and with every
+            # slot held by waiters the rank that would release them could not get in before they time out.
+            client.get(key, timeout=min(POLL_SLICE, remaining))
             return
         except CoordinatorTimeout:
-            if poll is None or time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:
                 raise
+
+
+def _field(value: int, slot: int) -> int:
+    """How often the rank in ``slot`` arrived, as far as its two bits hold (0 after four)."""
+    return value >> FIELD_BITS * slot & ((1 << FIELD_BITS) - 1)
 
 
 def rendezvous_key(name: str, rank: int) -> str:
@@ -152,7 +164,7 @@ def rendezvous_key(name: str, rank: int) -> str:
 
 
 def missing_ranks(client: CoordinatorClient, name: str, world: int) -> list[int]:
-    """Ranks of barrier ``name`` whose arrival is not recorded (one short request per group of 31)."""
+    """Ranks of barrier ``name`` whose arrival is not recorded (one short request per group of 16)."""
     missing = []
     for group in range(-(-world // GROUP)):
         raw = client.try_get(arrival_key(name, group, world))
@@ -160,7 +172,7 @@ def missing_ranks(client: CoordinatorClient, name: str, world: int) -> list[int]
             arrived = int(raw) % COUNT_UNIT if raw is not None else 0
         except ValueError:
             arrived = 0
-        missing += [GROUP * group + b for b in range(group_size(group, world)) if not arrived >> b & 1]
+        missing += [GROUP * group + b for b in range(group_size(group, world)) if not _field(arrived, b)]
     return missing
 
 
@@ -202,8 +214,9 @@ def _check_args(name: str, rank: int, world: int, timeout: float, *, shown: str 
                            f"character{'s' if over > 1 else ''} too long",
                            fix=f"keep barrier names within {_MAX_NAME} characters "
                                f"(rendezvous names within {_MAX_NAME - len('rendezvous:')})")
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise BarrierError(f"barrier {name!r}: world {world!r} must be an int >= 1", fix="pass the rank count")
+    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= MAX_WORLD:
+        raise BarrierError(f"barrier {name!r}: world {world!r} must be an int in 1..{MAX_WORLD}",
+                           fix="pass the rank count")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise BarrierError(
             f"barrier {name!r}: rank {rank!r} is outside 0..{world - 1}",

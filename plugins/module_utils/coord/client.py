@@ -140,7 +140,13 @@ class CoordinatorClient:
         """Atomically add ``delta`` to the decimal int64 at ``key`` (missing = 0); the new total."""
         if isinstance(delta, bool) or not isinstance(delta, int) or not p.INT64_MIN <= delta <= p.INT64_MAX:
             raise CoordinatorError(f"add delta {delta!r} is not an int64", fix="pass an int in int64 range")
-        value = self._expect_ok(self.request(p.Op.ADD, key, p.format_int64(delta)), "add", key)
+        response = self.request(p.Op.ADD, key, p.format_int64(delta))
+        if response.status == p.Status.INVALID:  # the delta is checked above: the stored value is the cause
+            raise CoordinatorError(
+                f"{self}: add {_show(key)} answered invalid: the value stored there is not a decimal int64, or "
+                f"adding {delta} would leave the int64 range",
+                fix="add only to counter keys (keys that only add writes), within int64", status=response.status)
+        value = self._expect_ok(response, "add", key)
         total = p.parse_int64(value)
         if total is None:
             raise CoordinatorUnavailable(

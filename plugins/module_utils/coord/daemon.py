@@ -61,6 +61,7 @@ SERVER_CODE_MODULES = (
     "formats.strictjson",
     "coord.protocol",
     "coord.endpoint",
+    "coord.client",
     "coord.kv",
     "coord.server",
     "coord.serve",
@@ -196,6 +197,7 @@ def start_coordinator(
         raise ColdSnapError(f"coordinator port {port!r} is not 0..65535", fix="give 0 for an ephemeral port")
     check_scope(scope)
     _check_timeout(startup_timeout)
+    _check_python(python or sys.executable)  # in check mode too: a real run would fail there
     if check_mode and not endpoint_file.parent.is_dir():
         return CoordinatorState(str(endpoint_file), running=False, changed=True,
                                 message=f"would start a coordinator for scope {scope}")
@@ -255,10 +257,14 @@ def _already_running(state: CoordinatorState, *, scope: str, address: str, port:
     return dataclasses.replace(state, changed=False, message=f"already {state.message}")
 
 
-def _spawn(endpoint_file: Path, *, scope: str, address: str, port: int, python: str, timeout: float) -> None:
+def _check_python(python: str) -> None:
     if not (shutil.which(python) or os.access(python, os.X_OK)):
         raise ColdSnapError(f"python interpreter {python!r} not found or not executable",
                             fix="give the path of a Python >= 3.11 as 'python'")
+
+
+def _spawn(endpoint_file: Path, *, scope: str, address: str, port: int, python: str, timeout: float) -> None:
+    _check_python(python)
     env = without_credentials(os.environ)  # the server needs none of the controller's credentials
     root = _collection_root()
     if root is None:

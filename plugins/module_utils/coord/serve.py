@@ -21,6 +21,10 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_bytes
+from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.client import (
+    CoordinatorClient,
+    CoordinatorError,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.endpoint import (
     EndpointDescriptor,
     new_token,
@@ -58,6 +62,7 @@ def run_server_process(
     removes both files when they still describe this process.
     """
     endpoint_file = Path(endpoint_file).absolute()
+    _refuse_live_endpoint(endpoint_file)
     token = new_token()
     server = CoordinatorServer(token, address=address, port=port, limits=limits, log=log)
     descriptor = EndpointDescriptor(address=server.address, port=server.port, scope=scope, token=token)
@@ -85,6 +90,23 @@ def run_server_process(
         _remove_own_files(endpoint_file, token, pid_file)
         log("coordinator stopped")
     return 0
+
+
+def _refuse_live_endpoint(endpoint_file: Path) -> None:
+    """A descriptor whose coordinator answers is another activation's: replacing it (and removing it on
+    exit) would cut that activation off its coordinator. A stale one (nobody answers) is replaced."""
+    try:
+        live = read_endpoint(endpoint_file)
+    except (OSError, ColdSnapError):
+        return
+    try:
+        CoordinatorClient(live, connect_timeout=2.0, io_timeout=2.0, connect_retry_s=0).health()
+    except CoordinatorError:
+        return
+    raise ColdSnapError(f"a coordinator already serves {endpoint_file} (scope {live.scope!r} on "
+                        f"{live.address}:{live.port})",
+                        fix="stop it first (coldsnap coordinator stop, or the coordinator module with "
+                            "state=stopped), or give another --endpoint-file")
 
 
 def _remove_own_files(endpoint_file: Path, token: str, pid_file: Path | None) -> None:

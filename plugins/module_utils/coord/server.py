@@ -105,9 +105,14 @@ class ServerLimits:
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ColdSnapError("coordinator max_connections must be >= 1", fix="give a positive slot count")
-        timeouts = (self.read_timeout, self.write_timeout, self.drain_timeout, self.auth_timeout)
-        if not all(0 < t < float("inf") for t in timeouts):
-            raise ColdSnapError("coordinator timeouts must be finite and > 0", fix="give positive seconds")
+        if self.max_store_bytes < 1:
+            raise ColdSnapError(f"coordinator max_store_bytes {self.max_store_bytes} must be >= 1",
+                                fix="give the store's byte budget, e.g. 268435456")
+        for name in ("read_timeout", "write_timeout", "drain_timeout", "auth_timeout"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ColdSnapError(f"coordinator {name} {getattr(self, name)!r} must be finite and > 0",
+                                    fix="give positive seconds" + (" (coldsnap coordinator serve --read-timeout)"
+                                                                   if name == "read_timeout" else ""))
         if not self.idle_timeout >= 0 or self.max_unauthenticated_per_source < 1:  # NaN fails the comparison
             raise ColdSnapError("coordinator idle_timeout must be >= 0 and the per-source limit >= 1",
                                 fix="give 0 (never) or positive seconds, and a positive count")

@@ -75,7 +75,7 @@ def test_eight_ranks_in_processes(server, tmp_path) -> None:
     for phase in range(2):
         assert sorted(o[f"order{phase}"] for o in outputs) == list(range(1, 9))
     client = client_for(server)
-    assert int(client.get(barrier_key("eight/1", "arrived/0@8"))) == 8 * 2**32 + 0xFF
+    assert int(client.get(barrier_key("eight/1", "arrived/0@8"))) == 8 * 2**32 + 0x5555  # 8 fields of 1
 
 
 def test_timeout_names_the_missing_ranks(client) -> None:
@@ -188,3 +188,10 @@ def test_a_rendezvous_name_too_long_for_its_barrier_is_refused_before_its_value_
     assert rendezvous(client, "n" * 1013, 0, 1, b"v", timeout=5) == [b"v"]
     with pytest.raises(BarrierError, match=r"1 character too long"):
         barrier(client, "b" * 1025, 0, 1, 5)
+
+
+def test_a_world_too_large_to_scan_is_refused_by_name() -> None:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.barrier import MAX_WORLD
+
+    with pytest.raises(BarrierError, match=f"world {MAX_WORLD + 1} must be an int in 1..{MAX_WORLD}"):
+        barrier(None, "huge", 0, MAX_WORLD + 1, 1)

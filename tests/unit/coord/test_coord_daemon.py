@@ -94,6 +94,26 @@ def test_start_is_idempotent_and_refuses_a_different_activation(endpoint_file) -
     assert daemon.coordinator_status(endpoint_file).pid == first.pid
 
 
+def test_a_foreground_server_never_takes_over_a_live_coordinators_endpoint(endpoint_file) -> None:
+    """`coldsnap coordinator serve` on a running activation's endpoint file would replace its descriptor (new
+    token) and remove it on exit, cutting that activation off: refused, the running one untouched."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.serve import run_server_process
+
+    running = daemon.start_coordinator(endpoint_file, scope="op-1")
+    before = endpoint_file.read_bytes()
+    with pytest.raises(ColdSnapError, match=r"a coordinator already serves .*scope 'op-1'") as err:
+        run_server_process(endpoint_file, scope="other", log=lambda _m: None)
+    assert "another --endpoint-file" in err.value.fix
+    assert endpoint_file.read_bytes() == before and daemon.coordinator_status(endpoint_file).healthy
+    daemon.stop_coordinator(endpoint_file)
+    assert daemon.coordinator_status(endpoint_file).pid is None and running.pid
+
+
+def test_the_python_that_would_run_the_server_is_checked_in_check_mode_too(endpoint_file) -> None:
+    with pytest.raises(ColdSnapError, match="not found or not executable"):
+        daemon.start_coordinator(endpoint_file, scope="op-1", python="/nonexistent/python3", check_mode=True)
+
+
 def test_check_mode_changes_nothing(endpoint_file) -> None:
     would = daemon.start_coordinator(endpoint_file, scope="op-1", check_mode=True)
     assert would.changed and not would.running

@@ -400,3 +400,15 @@ def test_shutdown_wait_returns_after_the_loop_ends(make_server) -> None:
     assert server._stopped.is_set()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((server.address, server.port), timeout=5).close()
+
+
+@pytest.mark.parametrize(("limits", "needle"), [
+    ({"read_timeout": 0}, "read_timeout 0 must be finite and > 0"),
+    ({"auth_timeout": float("nan")}, "auth_timeout nan must be finite and > 0"),
+    ({"max_store_bytes": -5}, "max_store_bytes -5 must be >= 1"),
+])
+def test_server_limits_name_the_limit_that_is_wrong(limits, needle) -> None:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.coord.server import ServerLimits
+
+    with pytest.raises(ColdSnapError, match=needle):
+        ServerLimits(**limits)
