@@ -94,15 +94,15 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
     # The snapshot driver's contract before anything starts or is dumped (also in check mode).
     nvidia = host_facts.gpus()[1] if any(u["devices"] for u in units) else None
     admit_capture(request, host=host, units=units, nvidia_driver=nvidia)
-    if check_mode:
-        with claimed(state_root, request, host=host, step="capture", check_mode=True, run=run_id):
-            return {"changed": True, "units": [], "msg": f"would capture {len(units)} unit(s) on {host}"}
     runtime = runtime_for(request, host=host, state_root=state_root, activation_digest=activation_digest,
                           python=python, owner=owner)
-    with claimed(state_root, request, host=host, step="capture", run=run_id):
+    with claimed(state_root, request, host=host, step="capture", check_mode=check_mode, run=run_id):
+        # What a real run refuses before anything starts, check mode refuses too (all of it only reads).
         runtime.check_environment(units)
         runtime.check_capture_free(units)
         _require_service_ports_free(request, units)
+        if check_mode:
+            return {"changed": True, "units": [], "msg": f"would capture {len(units)} unit(s) on {host}"}
         specs = build_specs(request, host=host, operation="capture", capture_id=capture_id, state_root=state_root,
                             python=python, coordinator_endpoint=coordinator_endpoint, timeouts=timeouts,
                             progress_dir=progress_dir)

@@ -100,3 +100,23 @@ REQUEST = {"launch": {"units": [{"id": "unit-0", "host": "h1"}]}}
 def test_malformed_step_results_are_named_not_a_key_error(evidence, facts, message):
     with pytest.raises(ColdSnapError, match=message):
         by_unit(REQUEST, evidence, facts, [{"unit": "unit-0"}])
+
+
+def test_a_capture_in_check_mode_refuses_what_the_real_run_refuses_and_writes_nothing(tmp_path):
+    """Another runtime environment than the pinned one: a real capture is refused before anything starts,
+    and so is its check mode (it used to answer 'would capture')."""
+    import json
+    from pathlib import Path
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import AdmissionError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+
+    fixture = Path(__file__).resolve().parents[2] / "fixtures" / "requests" / "capture-reference.json"
+    req = json.loads(fixture.read_text())
+    req["launch"]["units"][0]["host"] = "localhost"
+    req = validate_request(req)
+    for check_mode in (True, False):
+        with pytest.raises(AdmissionError, match="differs from the pinned"):
+            capture_units(req, host="localhost", capture_id="cap-1", state_root=tmp_path / "state",
+                          activation_digest=DIGEST, coordinator_endpoint=None, python=None, check_mode=check_mode)
+    assert not (tmp_path / "state" / "captures").exists()
