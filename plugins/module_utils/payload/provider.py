@@ -85,11 +85,14 @@ class ProviderResolution:
 
 
 def resolve_provider(mode: str, *, state_root: Path | str, pack: PackRef | None, recovery_enabled: bool,
-                     sources: Sequence = (), progress: Progress | None = None) -> ProviderResolution:
+                     sources: Sequence = (), progress: Progress | None = None,
+                     write_record: bool = True) -> ProviderResolution:
     """Look for the pack as the mode allows (cache, then ``sources`` in order) and select the provider.
 
     ``sources`` are :class:`~.stage.StageSource`; Hugging Face sources are
     skipped in ``cache-only-auto``, and nothing is looked up in ``recovery``.
+    ``write_record=False`` (check mode) verifies the cached pack read-only: no lock
+    file, no validation record, no quarantine.
     """
     _check_mode(mode)
     reasons: list[str] = []
@@ -98,7 +101,8 @@ def resolve_provider(mode: str, *, state_root: Path | str, pack: PackRef | None,
         cache = NodeCache(state_root)
         if cache.contains(pack.sha256):
             try:
-                payload = PayloadVerifier().verify(cache, pack.sha256, pack.size, progress=progress)
+                payload = PayloadVerifier().verify(cache, pack.sha256, pack.size, progress=progress,
+                                                   write_record=write_record)
             except ColdSnapError as exc:
                 reasons.append(f"cached copy refused: {exc.problem}")
         else:

@@ -100,15 +100,16 @@ def _lifecycle(request: dict, artifact: dict | None, units: list[dict], *, host:
         idle = []
     capture_id = artifact["capture_id"] if artifact else request["id"]
     unit_dirs = {u["id"]: runtime.unit_dir(artifact, u["id"]) for u in units} if artifact else None
-    # Only a real wake (or finish-warm) maps weights back: it alone plans them, which verifies the node's packs
-    # (writing their validation records, quarantining a corrupt one). Status, sleep and check mode read
-    # nothing of the payloads, so a removed or damaged pack never fails them and they never change it.
+    # Only a wake (or finish-warm) maps weights back: it alone plans them, which verifies the node's packs
+    # (a real run writes their validation records and quarantines a corrupt one; check mode only reads).
+    # Status and sleep read nothing of the payloads, so a removed or damaged pack never fails them.
     # What the step writes (records, locks, the workload directories) is the invoking user's afterwards,
     # also when the step failed.
-    hydrates = bool(artifact) and action in ("wake", "finish-warm") and not check_mode
+    hydrates = bool(artifact) and action in ("wake", "finish-warm")
     with runtime.giving_back():
-        weights = plan_weights(request, artifact, host=host, state_root=state_root) if hydrates else {}
-        if weights:
+        weights = plan_weights(request, artifact, host=host, state_root=state_root,
+                               dry_run=check_mode) if hydrates else {}
+        if weights and not check_mode:
             read_packs_ahead(weights)
         validation = accepted_validation(request, artifact)
         op = "status" if check_mode else action

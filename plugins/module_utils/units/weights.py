@@ -31,7 +31,8 @@ def plan_weights(request: dict, artifact: dict, *, host: str, state_root: Path,
     first among that worker's reasons. ``worker_dirs``: each worker's captured unit directory on this
     host, where its replay plan is (its recovery source is then checked here). ``contact_hub``: a
     Hugging Face recovery source may be downloaded now (prepare), else only looked up in the cache;
-    ``dry_run`` (check mode) neither downloads nor looks it up."""
+    ``dry_run`` (check mode) neither downloads nor looks it up, and verifies cached packs read-only (no
+    record, no lock file, no quarantine)."""
     weights = request["policy"]["weights"]
     host_units = {u["id"] for u in units_on_host(request, host)}
     plan: dict = {"workers": {}, "model_dir": None, "materialize": weights["native"]["materialize"]}
@@ -42,7 +43,7 @@ def plan_weights(request: dict, artifact: dict, *, host: str, state_root: Path,
         pl = w["payload"]
         ref = PayloadRef(path=pl["path"], size=pl["size"], sha256=pl["sha256"]) if pl else None
         res = resolve_provider(weights["mode"], state_root=state_root, pack=ref,
-                               recovery_enabled=weights["recovery"]["enabled"])
+                               recovery_enabled=weights["recovery"]["enabled"], write_record=not dry_run)
         try:
             staged = (staging_failures or {}).get(w["worker"])
             entry = {"provider": res.provider, "pack": None,

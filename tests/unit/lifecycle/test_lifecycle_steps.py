@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError, UnitError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import lifecycle as lifecycle_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import HostUnits
@@ -33,7 +33,7 @@ def running(monkeypatch):
     return seen, states
 
 
-def corrupt_pack(state_root: Path) -> tuple[dict, dict, Path]:
+def pack_without_record(state_root: Path) -> tuple[dict, dict, Path]:
     req = make_request(operation="restore")
     digest, size = put_pack(state_root, b"weights" * 4096)
     art = make_artifact(req, capture_id="cap-1", pack=(digest, size))
@@ -45,13 +45,15 @@ def corrupt_pack(state_root: Path) -> tuple[dict, dict, Path]:
 
 @pytest.mark.parametrize(("action", "check_mode"), [("status", False), ("sleep", False), ("sleep", True),
                                                     ("wake", True)])
-def test_steps_that_map_no_weights_never_verify_the_payloads(state_root, running, action, check_mode):
-    req, art, pack = corrupt_pack(state_root)
+def test_status_sleep_and_check_mode_never_write_to_the_payloads(state_root, running, action, check_mode):
+    req, art, pack = pack_without_record(state_root)
     before = sorted(p.relative_to(state_root) for p in state_root.rglob("*"))
     out = lifecycle_mod.lifecycle_units(req, art, host="localhost", action=action, state_root=state_root,
                                         activation_digest=ACTIVATION, python=None, check_mode=check_mode)
     assert out["units"][0]["unit"] == "unit-0"
-    assert all("provider" not in s.weights for s in running[0]["specs"]), "no weight plan: the engine maps nothing"
+    # Only a wake plans the weights (its check mode too, read-only: it says what a real wake would map).
+    planned = ["provider" in s.weights for s in running[0]["specs"]]
+    assert planned == [action == "wake"], planned
     after = sorted(p.relative_to(state_root) for p in state_root.rglob("*") if "locks" not in p.parts
                    and "claims" not in str(p))
     assert [p for p in after if "validation" in p.name or "quarantine" in p.parts] == []
@@ -59,8 +61,11 @@ def test_steps_that_map_no_weights_never_verify_the_payloads(state_root, running
 
 
 def test_a_real_wake_plans_the_weights_from_the_verified_pack(state_root, running):
-    req, art, pack = corrupt_pack(state_root)
+    req, art, pack = pack_without_record(state_root)
     running[1][0] = ["ready"]  # already awake: nothing to do, but the plan is made (and the pack verified)
+    lifecycle_mod.lifecycle_units(req, art, host="localhost", action="wake", state_root=state_root,
+                                  activation_digest=ACTIVATION, python=None, check_mode=True)
+    assert not list(pack.parent.glob("*.coldsnap-validation.json")), "check mode verifies read-only"
     lifecycle_mod.lifecycle_units(req, art, host="localhost", action="wake", state_root=state_root,
                                   activation_digest=ACTIVATION, python=None, check_mode=False)
     assert running[0]["specs"] and "provider" in running[0]["specs"][0].weights, "a wake maps the weights back"
@@ -86,3 +91,21 @@ def test_workers_in_one_state_and_a_warm_sleep():
     ec.require_step_states("u", "wake", [])
     with pytest.raises(UnitError, match="is warm"):
         ec.require_step_states("u", "sleep", ["warm"])
+
+
+def test_a_check_mode_wake_over_a_damaged_pack_leaves_it_where_it_is(state_root, running):
+    req, art, pack = pack_without_record(state_root)
+    running[1][0] = ["sleeping"]
+    pack.chmod(0o600)
+    with pack.open("r+b") as f:  # one byte flipped, as a failing disk does
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    try:
+        out = lifecycle_mod.lifecycle_units(req, art, host="localhost", action="wake", state_root=state_root,
+                                            activation_digest=ACTIVATION, python=None, check_mode=True)
+        assert out["changed"] is True
+    except ColdSnapError as exc:  # a mode without a fallback says the payload is not usable: also honest
+        assert "payload" in str(exc)
+    assert pack.exists() and not (state_root / "model-payloads" / "quarantine").exists()
