@@ -262,3 +262,18 @@ def test_dollar_signs_in_names_are_drawn_as_text_not_maths(tmp_path: Path) -> No
     receipt["timing"]["marks"][0]["name"] = "$x^2$ ready"
     out = render_timeline(receipt, tmp_path / "dollars.png")
     assert _png_size(out.read_bytes())[0] >= 1000
+
+
+def test_thousands_of_spans_share_rows_where_they_do_not_overlap(tmp_path: Path) -> None:
+    """One lane of 5000 back-to-back spans is one row; spans nested three deep take three; the picture is
+    drawn (the layout used to compare each span with every one before it in its row)."""
+    wall = 1_700_000_000_000_000_000
+    spans = [{"name": f"unit.step.s{i}", "clock": "unit:u0", "host": "h", "start_ns": i * 1000,
+              "end_ns": i * 1000 + 1000, "wall_start_unix_ns": wall + i * 1000} for i in range(5000)]
+    spans += [{"name": f"unit.nest.n{d}", "clock": "unit:u1", "host": "h", "start_ns": d, "end_ns": 100 - d,
+               "wall_start_unix_ns": wall + d} for d in range(3)]
+    receipt = {"operation": "restore", "state": "succeeded", "timing": {"spans": spans, "marks": []}}
+    model = timeline_model(receipt)
+    assert model.rows == {"unit:u0 @ h": 1, "unit:u1 @ h": 3}
+    assert [b.row for b in model.bars if b.lane == "unit:u1 @ h"] == [0, 1, 2]
+    assert render_timeline(receipt, tmp_path / "t.png").stat().st_size > 0
