@@ -190,6 +190,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import TIMEOUTS_ARG, check_timeouts
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import restore as ops
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.specs import accepted_validation
 
 
 def main() -> None:
@@ -225,6 +226,7 @@ def main() -> None:
         req = validate_request(p["request"], document="request (module option)")
         art = validate_artifact(p["artifact"], document="artifact (module option)")
         require_identity(art, req)
+        accepted_validation(req, art)  # what activation will judge the reply by, refused in every phase
         if p["phase"] == "prepare":
             return ops.prepare_restore(req, art, host=p["host"], facts=p["facts"], state_root=state_root,
                                        check_mode=module.check_mode, python=p["python"],

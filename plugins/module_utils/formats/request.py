@@ -14,6 +14,7 @@ fields it reads. Engine rules stay in :mod:`.engines`, capsule path policy in
 from __future__ import annotations
 
 import copy
+import ipaddress
 import re
 from typing import Any
 
@@ -545,6 +546,11 @@ def launch_issues(launch: dict, *, op: str | None = None) -> list[FormatIssue]:
         if unit is None:
             add(f"{p}.unit", f"service {s['id']!r} names undeclared unit {s['unit']!r}", "use a unit from launch.units")
             continue
+        address = s.get("address", "127.0.0.1")
+        if not _ip_literal(address):
+            # A restore moves listeners by the addresses CRIU recorded, which are numbers: a name matches none.
+            add(f"{p}.address", f"{address!r} is not an IP address", "give the interface as a number (127.0.0.1, "
+                "0.0.0.0, ::1 or the host's address), never a host name")
         key = (unit["host"], s["port"])
         if key in endpoints:
             add(f"{p}.port", f"port {s['port']} is already used on host {unit['host']!r}", "give each service its own port")
@@ -561,6 +567,14 @@ def launch_issues(launch: dict, *, op: str | None = None) -> list[FormatIssue]:
                     f"no {engine.port_flag}, so engine {launch['engine']!r} listens on its default "
                     f"{engine.default_port}", f"add {engine.port_flag} {s['port']} to the command")
             got = command_option(unit["command"], engine.address_flag) if engine.address_flag else None
+            if got and not _ip_literal(got):
+                cmd, flag = unit["command"], engine.address_flag
+                j = max(i for i, tok in enumerate(cmd) if tok == flag or tok.startswith(flag + "="))
+                j += 0 if "=" in cmd[j] else 1
+                add(f"$.launch.units[{launch['units'].index(unit)}].command[{j}]", f"{flag} {got!r} is not "
+                    "an IP address", "bind to a number (0.0.0.0, 127.0.0.1, :: or the host's address), never a host "
+                    "name: a restore moves the listener by the address CRIU recorded")
+                continue
             binds = f"'s command binds {engine.address_flag} {got}"
             if got is None and op == "capture":
                 got = engine.default_address
@@ -572,6 +586,14 @@ def launch_issues(launch: dict, *, op: str | None = None) -> list[FormatIssue]:
                     f"set address to {got!r} (or bind the command to it, or to 0.0.0.0)")
 
     return issues
+
+
+def _ip_literal(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def cross_check(req: dict) -> list[FormatIssue]:

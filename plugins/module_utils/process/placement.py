@@ -105,8 +105,13 @@ def for_unit(captured_launch: dict, launch: dict, unit_id: str) -> Placement:
     # is probed (bound to 0.0.0.0, probed at 127.0.0.1): a restore whose command binds elsewhere than the
     # captured one moves the serving listener there too, or it would keep listening where the capture did.
     bound, binds = _bind_address(captured_launch, unit_id, capture=True), _bind_address(launch, unit_id)
-    if bound is not None and binds is not None and bound != binds:
-        addresses[bound] = binds
+    if bound is not None and binds is not None:
+        if bound != binds:
+            addresses[bound] = binds
+        else:
+            # The command keeps its bind (0.0.0.0 stays every interface): a new probe address only says
+            # where the service is asked, never narrows where it listens.
+            addresses.pop(bound, None)
     return Placement(port_shift=svc["port"] - before[1]["port"], addresses=addresses,
                      field_path=f"$.launch.execution.services[{i}].port", service_port=before[1]["port"])
 

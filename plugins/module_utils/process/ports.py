@@ -206,6 +206,28 @@ def tree_listeners(root: int) -> list[tuple[str, int]]:
     return sorted(out)
 
 
+def pid_max() -> int | None:
+    """This kernel's ``kernel.pid_max`` (process and thread ids are below it); None when unreadable."""
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def require_distinct_units(claims: dict[str, list], unit: str, wanted: list, *, what: str) -> None:
+    """Units restored on one host never need the same pid (or address and port): each is checked against the
+    live host alone, so two that clash would both pass and the second CRIU restore fail after the eviction.
+    ``claims``: what the host's units checked so far want, by item; ``wanted`` is added under ``unit``."""
+    for item in wanted:
+        other = claims.setdefault(item, unit)
+        if other != unit:
+            shown = f"{item[0]}:{item[1]}" if isinstance(item, tuple) else str(item)
+            raise AdmissionError(f"units {other} and {unit} restored on one host both need {what} {shown}",
+                                 fix="place them on different hosts (host runtime units keep their captured pids), "
+                                     "give their services different ports, or use the docker runtime (a pid "
+                                     "namespace per unit)")
+
+
 def require_pids_free(pids: list[int], *, unit: str) -> None:
     """CRIU restores processes and threads with their captured ids: they must be unused here."""
     for pid in pids:
@@ -238,9 +260,17 @@ def require_restorable(workers: list[dict], *, unit: str, served: Callable[[dict
     a stranger that took a pid or port since would make the restore fail with the workload already gone.
     Refused with the holder and the fix named (``at_evict``: saying that nothing was evicted)."""
     try:
+        limit = pid_max()
         for w in workers:
+            ids = [w["pid"], *w["tids"]]
+            if limit is not None and max(ids) >= limit:
+                # The kernel refuses to create a process with an id at or above it (CRIU's clone3 with set_tid).
+                raise AdmissionError(f"unit {unit}: captured pid {max(ids)} is beyond this host's kernel.pid_max "
+                                     f"({limit})", fix=f"raise it (sysctl -w kernel.pid_max={max(ids) + 1} or more), "
+                                                       "or restore onto a host whose pid_max is as large as the "
+                                                       "capture host's")
             if pids:
-                require_pids_free([p for p in [w["pid"], *w["tids"]] if p not in replaced], unit=unit)
+                require_pids_free([p for p in ids if p not in replaced], unit=unit)
             require_ports_free(served(w), unit=unit, replaced=replaced, what=what)
     except AdmissionError as exc:
         if not at_evict:

@@ -80,7 +80,15 @@ def admit_unit(*, artifact: dict, unit_id: str, facts: dict, devices: list[int],
                                  fix="upgrade the driver, or set policy.compatibility.enforce_captured_driver_floor "
                                      "to false (the snapshot driver's own minimum still applies)")
         workers = [w for w in artifact["launch"]["execution"]["workers"] if w["unit"] == unit_id]
-        adm = admit_driver(artifact["snapshot_driver"]["id"], nvidia_driver=driver, gpu_workers_per_unit=len(workers))
+        try:
+            adm = admit_driver(artifact["snapshot_driver"]["id"], nvidia_driver=driver,
+                               gpu_workers_per_unit=len(workers))
+        except AdmissionError as exc:
+            # The snapshot driver is the artifact's now: the way out is this host's driver, or a new capture.
+            raise AdmissionError(f"{where}: {exc.problem}",
+                                 fix="upgrade this host's NVIDIA driver, or restore onto a GPU host the snapshot "
+                                     "driver admits; the snapshot driver is the artifact's, another one needs a new "
+                                     "capture") from None
         record["row"] = adm.row
         record["nvidia_driver"] = driver
     else:

@@ -433,8 +433,15 @@ class DockerRuntime(DockerUnits, UnitRuntime):
         moves = GpuMoves(artifact, facts)
         units = units_on_host(self.request, self.host)
         room = GpuRoom(artifact, gpu_memory() if any(u["devices"] for u in units) else None)
-        evicted: set[int] = set()
         captured_units = {u["id"]: u for u in artifact["launch"]["units"]}
+        running_units = {u["id"]: canonical_container(self.request, u["id"], client=client) for u in units}
+        # What the evict step ends: the canonical containers of every unit of this workload here (one unit may be
+        # restored onto the port another of them holds now), as its own check right before the kill counts them.
+        evicted: set[int] = set()
+        claims: dict = {}
+        for running in running_units.values():
+            if running is not None and running.status == "running":
+                evicted |= _container_pids(running)
         for u in units:
             image, target = capsule_image(artifact, u["id"], client=client)
             captured_root = target.split("/captures/", 1)[0]
@@ -451,20 +458,21 @@ class DockerRuntime(DockerUnits, UnitRuntime):
                      if not check_mode else None)
             captured = captured_evidence(image.id, target, client=client)
             moves.add(u, captured, captured_units[u["id"]])
-            running = canonical_container(self.request, u["id"], client=client)
-            # Only the canonical container this restore replaces may hold a captured port.
-            replaced = _container_pids(running) if running is not None and running.status == "running" else set()
+            running = running_units[u["id"]]
             served, what = listeners_served(artifact, self.request, u["id"])
-            # The unit's pid namespace is its container's own: only its ports can be taken.
-            ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced, what=what,
+            # Only the canonical containers this restore replaces may hold a captured port. The unit's pid
+            # namespace is its container's own: only its ports can be taken.
+            ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=evicted, what=what,
                                      pids=False)
+            # The units share the host's network: no two may come back on one port.
+            ports.require_distinct_units(claims, u["id"], [tuple(x) for w in captured["workers"] for x in served(w)],
+                                         what="port")
             room.add(u, captured)
-            evicted |= replaced  # nvidia-smi names host pids: the replaced containers' processes free theirs
             plans.append({"unit": u["id"], "admission": {**adm, "criu": criu["version"]}, "image": image.id,
                           "state_target": target, "container": running.name if running is not None else None,
                           "state": state, "listeners": [list(x) for w in captured["workers"] for x in served(w)]})
         moves.admit(self.host)
-        gpu = room.admit(self.host, replaced=evicted)
+        gpu = room.admit(self.host, replaced=evicted)  # nvidia-smi names host pids: the evicted free theirs
         for plan in plans if gpu else []:
             plan["gpu_memory"] = gpu
         return plans, False

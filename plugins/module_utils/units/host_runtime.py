@@ -44,7 +44,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units.admission imp
     admit_unit,
     with_criu_check,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import HostUnits, tree_ids
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import HostUnits
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
     UnitRuntime,
     listeners_served,
@@ -125,6 +125,7 @@ class HostRuntime(HostUnits, UnitRuntime):
         moves = GpuMoves(artifact, facts)
         room = GpuRoom(artifact, gpu_memory() if any(u["devices"] for u in units) else None)
         facts = with_criu_check(facts)
+        claims: dict = {}  # pids and listeners the host's units need, by unit: no two may need the same
         for u in units:
             adm = admit_unit(artifact=artifact, unit_id=u["id"], facts=facts, devices=u["devices"], host=self.host,
                              policy=self.request["policy"].get("compatibility"))
@@ -135,7 +136,7 @@ class HostRuntime(HostUnits, UnitRuntime):
                 plan = {"unit": u["id"], "admission": adm, "unit_dir": str(path)}
                 if not check_mode:
                     plan.update(self._prepare_unit(artifact, u, path, written=written, moves=moves, room=room,
-                                                   captured_unit=captured_units[u["id"]]))
+                                                   captured_unit=captured_units[u["id"]], claims=claims))
             finally:
                 archive.rmtree(_cache_scratch(path))  # caches extracted with the state and not placed
             plans.append(plan)
@@ -147,16 +148,21 @@ class HostRuntime(HostUnits, UnitRuntime):
         return plans, changed
 
     def _prepare_unit(self, artifact: dict, u: dict, path: Path, *, written: dict | None, moves: GpuMoves,
-                      room: GpuRoom, captured_unit: dict) -> dict:
+                      room: GpuRoom, captured_unit: dict, claims: dict) -> dict:
         """Prepare's checks of one unit whose state is here: what its plan records."""
         plan = {"state": verify_unit_state(path, artifact, u["id"], written=written)}
         captured = load_evidence(path / EVIDENCE_FILE)
         moves.add(u, captured, captured_unit)
-        # The workload being replaced is evicted only after prepare passed everywhere: its own
-        # pids and ports do not count, anyone else's do.
-        replaced = self.replaced_pids(u["id"])
+        # The workload being replaced is evicted only after prepare passed everywhere: its own pids and ports
+        # (of every unit of it here: one unit may come back on the port another holds now) do not count,
+        # anyone else's do; the same set the evict step's own check counts.
+        replaced = self.evicted_ids()
         served, what = listeners_served(artifact, self.request, u["id"])
         ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced, what=what)
+        ports.require_distinct_units(claims, u["id"], [i for w in captured["workers"] for i in [w["pid"], *w["tids"]]],
+                                     what="captured pid")
+        ports.require_distinct_units(claims, u["id"], [tuple(x) for w in captured["workers"] for x in served(w)],
+                                     what="port")
         room.add(u, captured)
         self.require_same_control_files(path, captured, u["id"])
         plan["listeners"] = [list(x) for w in captured["workers"] for x in served(w)]
@@ -211,10 +217,6 @@ class HostRuntime(HostUnits, UnitRuntime):
                 fix="install the same engine environment and files here; for derived caches (compiled kernels), "
                     "declare their directory in policy.cache.paths at capture so the capsule carries them")
         return added
-
-    def replaced_pids(self, unit_id: str) -> set[int]:
-        """Every process and thread id of this workload's running unit (empty when none runs)."""
-        return tree_ids(self.running_pids(unit_id))
 
 
 def _cache_scratch(unit_dir: Path) -> Path:

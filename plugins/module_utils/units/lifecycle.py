@@ -111,7 +111,7 @@ def _lifecycle(request: dict, artifact: dict | None, units: list[dict], *, host:
                                dry_run=check_mode) if hydrates else {}
         if weights and not check_mode:
             read_packs_ahead(weights)
-        validation = accepted_validation(request, artifact)
+        validation = accepted_validation(request, artifact) if hydrates else request.get("validation")
         op = "status" if check_mode else action
         specs = build_specs(request, host=host, operation=op, capture_id=capture_id, state_root=state_root,
                             python=python, weights=weights, validation=validation, unit_dirs=unit_dirs)

@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import SNAPSHOT_DRIVERS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.engines import (
@@ -33,6 +34,15 @@ def accepted_validation(request: dict, artifact: dict | None) -> dict | None:
     if val is None or artifact is None:
         return val
     acceptance = artifact["acceptance"]
+    if not val.get("expected"):
+        # The accepted reply answers the accepted prompt only: another prompt (or length) judged against it
+        # would fail every restore after the eviction.
+        changed = [f for f in ("prompt", "max_tokens") if val.get(f) != acceptance[f]]
+        if changed:
+            raise FormatError([FormatIssue(
+                f"$.validation.{f}", f"{val.get(f)!r} is not the {f} the capture accepted ({acceptance[f]!r}), and "
+                "no expected reply is given", f"restore with the captured {f}, or give validation.expected (the "
+                f"reply this {f} must give)") for f in changed], document="request")
     expected = val.get("expected") or acceptance["reply"]
     out = {**val, "expected": expected}
     if expected == acceptance["reply"] and acceptance.get("logprobs"):

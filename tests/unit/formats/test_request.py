@@ -483,3 +483,25 @@ def test_messages_name_json_values_and_a_missing_kind_as_missing(base):
     assert "missing required field 'kind'" in p["$.launch.model.source.kind"], p
     base["format"] = True
     assert "got true" in problems(base)["$.format"]
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda r: r["launch"]["execution"]["services"][0].__setitem__("address", "localhost"),
+     "$.launch.execution.services[0].address"),
+    (lambda r: r["launch"]["units"][0]["command"].extend(["--host", "gpu-a.example"]), "$.launch.units[0].command[6]"),
+    (lambda r: r["launch"]["units"][0]["command"].append("--host=localhost"), "$.launch.units[0].command[5]"),
+])
+def test_a_host_name_where_a_restore_moves_listeners_by_address_is_refused(edit, field):
+    """CRIU records listeners by number: a name would match none of them on a restore onto another address."""
+    import copy
+    import json
+    from pathlib import Path
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError
+
+    doc = json.loads((Path(__file__).resolve().parents[3] / "examples" / "reference" / "capture.json").read_text())
+    doc = copy.deepcopy(doc)
+    edit(doc)
+    with pytest.raises(FormatError) as err:
+        validate_request(doc)
+    assert any(i.path == field and "is not an IP address" in i.message for i in err.value.issues), err.value

@@ -170,3 +170,41 @@ def test_the_serving_listener_follows_the_commands_bind_address_too():
     assert not for_unit(launch("0.0.0.0"), launch(None), "unit-0").moves_anything
     wide = for_unit(launch("127.0.0.1"), launch("0.0.0.0"), "unit-0")
     assert wide.listeners([("127.0.0.1", 8000), ("127.0.0.1", 41234)]) == [("0.0.0.0", 8000), ("127.0.0.1", 41234)]
+
+
+def test_a_new_probe_address_never_narrows_a_wildcard_bind_the_command_keeps():
+    """Captured and restored with --host 0.0.0.0, the service now probed at another address: the engine keeps
+    listening on every interface (clients of the other interfaces would lose it silently)."""
+    def launch(service_address: str) -> dict:
+        command = ["coldsnap-reference-engine", "--port", "8000", "--host", "0.0.0.0"]
+        return {"engine": "reference", "units": [{"id": "unit-0", "command": command}],
+                "execution": {"services": [{"id": "api", "unit": "unit-0", "port": 8000, "address": service_address}]}}
+
+    for probe in ("127.0.0.1", "10.1.2.3"):
+        p = for_unit(launch("0.0.0.0"), launch(probe), "unit-0")
+        assert p.listeners([("0.0.0.0", 8000), ("127.0.0.1", 41234)]) == [("0.0.0.0", 8000), ("127.0.0.1", 41234)]
+
+
+def test_units_restored_on_one_host_never_need_the_same_pid_or_port():
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports import require_distinct_units
+
+    claims: dict = {}
+    require_distinct_units(claims, "unit-a", [2000001, 2000002], what="captured pid")
+    require_distinct_units(claims, "unit-a", [("127.0.0.1", 8000), ("127.0.0.1", 23457)], what="port")
+    require_distinct_units(claims, "unit-b", [3000001], what="captured pid")
+    with pytest.raises(AdmissionError, match="units unit-a and unit-b restored on one host both need captured pid "
+                                             "2000002") as exc:
+        require_distinct_units(claims, "unit-b", [2000002], what="captured pid")
+    assert "docker runtime" in exc.value.fix
+    with pytest.raises(AdmissionError, match=r"both need port 127\.0\.0\.1:23457"):
+        require_distinct_units(claims, "unit-b", [("127.0.0.1", 8001), ("127.0.0.1", 23457)], what="port")
+
+
+def test_a_captured_pid_beyond_this_kernels_pid_max_is_refused_before_eviction(monkeypatch):
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import ports
+
+    monkeypatch.setattr(ports, "pid_max", lambda: 32768)
+    workers = [{"pid": 4000000, "tids": [4000001]}]
+    with pytest.raises(AdmissionError, match=r"captured pid 4000001 is beyond this host's kernel.pid_max \(32768\)"):
+        ports.require_restorable(workers, unit="unit-0", served=lambda w: [], pids=False)
+    assert ports.pid_max() is None or ports.pid_max() > 300

@@ -70,8 +70,10 @@ def test_driver_floor_can_be_relaxed_but_not_the_contract_minimum(gpu_artifact):
     art["snapshot_driver"]["captured_nvidia_driver"] = "590.10"
     art["policy"]["compatibility"]["enforce_captured_driver_floor"] = False
     assert admit(art, facts())["row"] == "n610-single-process-r580"
-    with pytest.raises(AdmissionError, match="older than snapshot driver n610's minimum"):
+    with pytest.raises(AdmissionError, match="older than snapshot driver n610's minimum") as exc:
         admit(art, facts(nvidia_driver="570.1", gpus=[{**H200, "nvidia_driver": "570.1"}]))
+    # Named like every other refusal, and the way out a restore has (its snapshot driver is the artifact's).
+    assert exc.value.problem.startswith("unit unit-0 on gpu-7: ") and "new capture" in exc.value.fix
 
 
 def test_the_driver_floor_compares_the_whole_version(gpu_artifact):

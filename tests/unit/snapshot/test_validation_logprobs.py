@@ -76,8 +76,22 @@ def request_doc(example_request_text) -> dict:
     return validate_request(json.loads(example_request_text))
 
 
-def artifact_acceptance(reply="hello", logprobs=None) -> dict:
-    return {"acceptance": {"reply": reply, "logprobs": logprobs}}
+def artifact_acceptance(reply="hello", logprobs=None, prompt="ColdSnap says:", max_tokens=16) -> dict:
+    return {"acceptance": {"reply": reply, "logprobs": logprobs, "prompt": prompt, "max_tokens": max_tokens}}
+
+
+@pytest.mark.parametrize("field, value", [("prompt", "Hello there:"), ("max_tokens", 32)])
+def test_another_prompt_or_length_than_the_accepted_one_needs_its_own_expected_reply(request_doc, field, value):
+    """The accepted reply answers the accepted prompt: judging another prompt by it would fail every restore,
+    after the eviction. Refused naming the field, unless the request names the reply to expect."""
+    other = copy.deepcopy(request_doc)
+    other["validation"][field] = value
+    with pytest.raises(FormatError) as err:
+        accepted_validation(other, artifact_acceptance())
+    assert [i.path for i in err.value.issues] == [f"$.validation.{field}"]
+    assert "validation.expected" in err.value.issues[0].fix
+    other["validation"]["expected"] = "the reply it gives"
+    assert accepted_validation(other, artifact_acceptance())["expected"] == "the reply it gives"
 
 
 def test_the_accepted_reply_and_logprobs_are_expected_unless_the_request_names_another_reply(request_doc):

@@ -26,7 +26,7 @@ def test_an_engine_whose_control_api_stalls_is_evicted_with_the_others(tmp_path:
     stranger.write_text(json.dumps({"port": 1, "token": "t" * 64, "pid": os.getpid()}))
     try:
         rt = HostRuntime(request, host="h1", state_root=state)
-        assert sorted(rt.replaced_pids("u0")) == sorted(p.pid for p in procs.values())
+        assert sorted(rt.evicted_ids()) == sorted(p.pid for p in procs.values())  # what prepare lets hold ports
         (tmp_path / "stall-w1").touch()  # w1 stops answering between prepare and eviction
         stopped = rt.evict(check_mode=False)
         assert sorted(stopped[0]["pids"]) == sorted(p.pid for p in procs.values())
