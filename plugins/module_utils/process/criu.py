@@ -114,8 +114,21 @@ def _run(criu: Criu, args: list[str], log_path: Path, what: str, timeout: float,
     if r.returncode != 0:
         errs = log_errors(log_path) or [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()][-5:]
         raise ColdSnapError(f"CRIU {what} failed: {' | '.join(errs) or 'no error lines'}",
-                            fix=f"see {log_path} for the full CRIU log")
+                            fix=failure_fix(what, errs, log_path))
     return elapsed
+
+
+def failure_fix(what: str, errs: list[str], log_path: Path) -> str:
+    """The way out of a failed dump or restore, where its errors say more than "read the log"."""
+    if what.startswith("restore") and any("mnt:" in e or "mnt-v2:" in e for e in errs):
+        # An engine in a mount namespace of its own (the private /dev/shm) holds a copy of the host's mounts
+        # as they were when it started; CRIU re-creates each of them.
+        return (f"a mount the captured process tree's mount namespace held is not there to re-create (a mount "
+                f"that existed when the engine started, such as a container's overlay or a removed volume): "
+                f"find the mount id in {log_path}, make its source available again, or recapture with the engine "
+                f"started while no such transient mount exists (the docker runtime gives each unit its own "
+                f"mounts)")
+    return f"see {log_path} for the full CRIU log"
 
 
 @dataclass(frozen=True)

@@ -118,3 +118,17 @@ def test_a_damaged_archive_is_named_not_a_traceback(tmp_path, damage):
     (images / criu.SHM_ARCHIVE).write_bytes(data[: len(data) // 2] if damage == "truncated" else b"junk" * 100)
     with pytest.raises(ColdSnapError, match="not a readable gzip'd tar archive"):
         criu.unpack_shm(images, str(tmp_path))
+
+
+def test_a_restore_that_cannot_recreate_a_mount_of_the_captured_namespace_says_which_way_out(tmp_path):
+    """Seen with a host unit in its own mount namespace: the host had a container's overlay mounted when the
+    engine started, gone by the restore. The fix names the cause, not only the log."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process.criu import failure_fix
+
+    errs = ["23517: Error (criu/mount.c:2232): mnt: Unable to mount overlay /tmp/.criu.mntns.x/mnt-0000000080 "
+            "(id=80): No such file or directory"]
+    fix = failure_fix("restore", errs, tmp_path / "restore.log")
+    assert "mount namespace" in fix and "docker runtime" in fix and str(tmp_path / "restore.log") in fix
+    assert failure_fix("restore", ["Error (criu/files.c:1): other"], tmp_path / "r.log") == \
+        f"see {tmp_path / 'r.log'} for the full CRIU log"
+    assert "mount namespace" not in failure_fix("dump", errs, tmp_path / "dump.log")
