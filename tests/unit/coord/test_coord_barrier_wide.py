@@ -44,6 +44,21 @@ def run_ranks(client, name: str, ranks, world: int, timeout: float) -> dict:
     return results
 
 
+def start_waiting(server, client, name: str, *, ranks: int, world: int, timeout: float,
+                  waiting: int | None = None) -> tuple[list[threading.Thread], dict]:
+    """Ranks 0..ranks-1 enter barrier ``name`` in threads; returns once ``waiting`` of them (all by default)
+    wait on the server. (threads, results by rank)"""
+    results: dict = {}
+    threads = [threading.Thread(target=lambda r=r: results.update({r: barrier(client, name, r, world, timeout)}))
+               for r in range(ranks)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while server.stats().waiting_gets < (waiting or ranks) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return threads, results
+
+
 def settle(server) -> None:
     deadline = time.monotonic() + 10
     while (server.stats().connections or server.stats().waiting_gets) and time.monotonic() < deadline:
@@ -70,14 +85,7 @@ def test_64_ranks_leave_together_and_leave_nothing_behind(server) -> None:
 def test_release_waits_are_in_place_before_the_last_count(server) -> None:
     """The ranks that arrived early wait on the release key while the barrier is open; nobody leaves early."""
     client = client_for(server)
-    results: dict = {}
-    threads = [threading.Thread(target=lambda r=r: results.update({r: barrier(client, "open", r, 4, 30)}))
-               for r in range(3)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 10
-    while server.stats().waiting_gets < 3 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    threads, results = start_waiting(server, client, "open", ranks=3, world=4, timeout=30)
     assert server.stats().waiting_gets == 3 and not results
     assert client.try_get(barrier_key("open", "release@4")) is None
     assert barrier(client, "open", 3, 4, 30) == 4
@@ -207,14 +215,7 @@ def test_more_waiting_ranks_than_connection_slots_still_let_the_last_rank_in(mak
     before their timeout instead of queueing behind them in the kernel's backlog."""
     server = make_server(max_connections=3)
     client = client_for(server)
-    early: dict = {}
-    threads = [threading.Thread(target=lambda r=r: early.update({r: barrier(client, "slots", r, 5, 20)}))
-               for r in range(4)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 10
-    while server.stats().waiting_gets < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    threads, early = start_waiting(server, client, "slots", ranks=4, world=5, timeout=20, waiting=3)
     assert server.stats().connections == 3  # every slot held by a waiter, a fourth rank in the backlog
     barrier(client, "slots", 4, 5, 20)
     for t in threads:
