@@ -128,8 +128,11 @@ def with_capsules(artifact: dict, pushed: list[dict], *, repository: str, check_
 
 
 def derive(source: dict, source_digest: str, *, capsules: dict | None = None,
-           native: dict | None = None) -> dict:
-    """The published descriptor: ``source`` with the new capsule or native-provider section, validated."""
+           native: dict | None = None, pending: bool = False) -> dict:
+    """The published descriptor: ``source`` with the new capsule or native-provider section, validated.
+
+    ``pending`` (check mode before the push or upload): capsule digests and the native revision may still
+    be null, and the would-be descriptor is not validated."""
     if capsules is None and native is None:
         raise ColdSnapError("nothing to publish", fix="give pushed capsules or a native provider revision")
     ids.parse_digest(source_digest, what="source descriptor digest")
@@ -141,11 +144,11 @@ def derive(source: dict, source_digest: str, *, capsules: dict | None = None,
         out["state"] = "published"
     if native is not None:
         repo, rev = native.get("repository"), native.get("revision")
-        if not (repo and isinstance(rev, str)) or not re.fullmatch(ids.COMMIT, rev):
+        if not (pending and rev is None) and (not (repo and isinstance(rev, str)) or not re.fullmatch(ids.COMMIT, rev)):
             raise ColdSnapError(f"native provider {native!r} is not a repository at an immutable commit",
                                 fix="record the commit id the upload branch resolved to, never the branch")
         out["weights"]["providers"]["native"] = {"repository": repo, "revision": rev}
-    return validate_artifact(out, document="published descriptor")
+    return out if pending else validate_artifact(out, document="published descriptor")
 
 
 def _refuse_the_source(final: Path, source: Path) -> None:
@@ -198,12 +201,7 @@ def _would_publish(art: dict, digest: str, artifact_dir: Path, *, source: Path, 
     if final.exists():
         raise ColdSnapError(f"{final} already holds a descriptor, and this publication still has to push: a "
                             "published descriptor is never replaced", fix="choose a new output.artifact_dir")
-    would = json.loads(json.dumps(art))
-    would.update(parent=digest, created_at=_now())
-    if capsules is not None:
-        would.update(capsule=capsules, state="published")
-    if native is not None:
-        would["weights"]["providers"]["native"] = {"repository": native.get("repository"), "revision": None}
+    would = derive(art, digest, capsules=capsules, native=native, pending=True)
     return {"changed": True, "path": str(final), "artifact": would, "parent": digest, "pending": True}
 
 

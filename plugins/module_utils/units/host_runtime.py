@@ -126,6 +126,9 @@ class HostRuntime(HostUnits, UnitRuntime):
         room = GpuRoom(artifact, gpu_memory() if any(u["devices"] for u in units) else None)
         facts = with_criu_check(facts)
         claims: dict = {}  # pids and listeners the host's units need, by unit: no two may need the same
+        # What the evict step ends (every engine of this workload here, with its process tree): the one set of
+        # pids and ports a restored unit may find taken, as the evict step's own check counts them.
+        replaced = self.evicted_ids()
         for u in units:
             adm = admit_unit(artifact=artifact, unit_id=u["id"], facts=facts, devices=u["devices"], host=self.host,
                              policy=self.request["policy"].get("compatibility"))
@@ -136,27 +139,27 @@ class HostRuntime(HostUnits, UnitRuntime):
                 plan = {"unit": u["id"], "admission": adm, "unit_dir": str(path)}
                 if not check_mode:
                     plan.update(self._prepare_unit(artifact, u, path, written=written, moves=moves, room=room,
-                                                   captured_unit=captured_units[u["id"]], claims=claims))
+                                                   captured_unit=captured_units[u["id"]], claims=claims,
+                                                   replaced=replaced))
             finally:
                 archive.rmtree(_cache_scratch(path))  # caches extracted with the state and not placed
             plans.append(plan)
         moves.admit(self.host)
         # GPU memory: what every engine the eviction ends (hung ones too) holds is freed
-        gpu = room.admit(self.host, replaced=self.evicted_ids() if room.needs else set())
+        gpu = room.admit(self.host, replaced=replaced)
         for plan in plans if gpu else []:
             plan["gpu_memory"] = gpu
         return plans, changed
 
     def _prepare_unit(self, artifact: dict, u: dict, path: Path, *, written: dict | None, moves: GpuMoves,
-                      room: GpuRoom, captured_unit: dict, claims: dict) -> dict:
+                      room: GpuRoom, captured_unit: dict, claims: dict, replaced: set[int]) -> dict:
         """Prepare's checks of one unit whose state is here: what its plan records."""
         plan = {"state": verify_unit_state(path, artifact, u["id"], written=written)}
         captured = load_evidence(path / EVIDENCE_FILE)
         moves.add(u, captured, captured_unit)
         # The workload being replaced is evicted only after prepare passed everywhere: its own pids and ports
         # (of every unit of it here: one unit may come back on the port another holds now) do not count,
-        # anyone else's do; the same set the evict step's own check counts.
-        replaced = self.evicted_ids()
+        # anyone else's do.
         served, what = listeners_served(artifact, self.request, u["id"])
         ports.require_restorable(captured["workers"], unit=u["id"], served=served, replaced=replaced, what=what)
         ports.require_distinct_units(claims, u["id"], [i for w in captured["workers"] for i in [w["pid"], *w["tids"]]],
