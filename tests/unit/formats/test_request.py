@@ -451,10 +451,33 @@ def test_a_url_with_a_password_on_a_units_command_line_is_refused_like_in_its_en
 def test_engine_flags_that_count_tokens_are_not_credentials(base):
     base["launch"]["units"][0]["command"].extend([
         "--max-tokens", "16", "--max-num-batched-tokens", "8192", "--tokenizer", "/m", "--tokenizer-mode", "auto",
-        "--skip-tokenizer-init", "--max-model-len", "4096", "--served-model-name", "m",
+        "--skip-tokenizer-init", "--max-model-len", "4096", "--served-model-name", base["workload"]["served_model_name"],
         "--long-prefill-token-threshold", "64", "--return-tokens-as-token-ids", "--speculative-token-map", "/m/t",
         "--max-total-tokens=1024", "--ssl-keyfile", "/etc/k.pem", "--private-shm", "--key-value-cache-dtype", "auto",
         "--", "--api-key"])
+    validate_request(base)
+
+
+@pytest.mark.parametrize("example", ["reference/capture.json", "reference/restore.json", "vllm/restore.json"])
+def test_a_served_model_name_the_command_does_not_serve_is_refused(example):
+    # The restored server serves the captured names: a restore asking for another fails in prepare, not
+    # after the eviction with the validation's 404.
+    base = json.loads((Path(__file__).resolve().parents[3] / "examples" / example).read_text())
+    base["workload"]["served_model_name"] = "llama-prod"
+    base["launch"]["units"][0]["command"] += ["--served-model-name", "llama-canary", "llama-dev"]
+    p = problems(base)
+    assert "'llama-prod' is not a name the server of unit 'unit-0' serves" in p["$.workload.served_model_name"]
+    assert list(p) == ["$.workload.served_model_name"]
+    assert "'llama-prod' is not a name the server of unit 'unit-0' serves" in p["$.workload.served_model_name"]
+    assert "set workload.served_model_name to 'llama-canary'" in p["$.workload.served_model_name"]
+
+
+@pytest.mark.parametrize("command", [["--served-model-name", "a", "llama-prod"], ["--served-model-name=llama-prod"],
+                                     ["--served-model-name", "x", "--served_model_name", "llama-prod", "--port", "8000"],
+                                     []])
+def test_a_served_model_name_among_the_commands_names_passes(base, command):
+    base["workload"]["served_model_name"] = "llama-prod"
+    base["launch"]["units"][0]["command"] += command
     validate_request(base)
 
 
