@@ -455,7 +455,7 @@ def engine_issues(request: dict) -> list[FormatIssue]:
                 f"run tensor parallel size 1 (one worker per unit) with engine {spec.name!r} for now",
             ))
     served = request["workload"].get("served_model_name")
-    for i, unit in enumerate(launch["units"]):
+    for unit in launch["units"]:
         names = command_values(unit["command"], spec.served_name_flag) if spec.served_name_flag else None
         if served is not None and names is not None and served not in names:
             issues.append(FormatIssue(

@@ -99,7 +99,7 @@ def for_unit(captured_launch: dict, launch: dict, unit_id: str) -> Placement:
     if before is None or now is None:
         return Placement()
     i, svc = now
-    old_addr, new_addr = before[1].get("address", "127.0.0.1"), svc.get("address", "127.0.0.1")
+    old_addr, new_addr = _canonical(before[1].get("address", "127.0.0.1")), _canonical(svc.get("address", "127.0.0.1"))
     addresses = {old_addr: new_addr} if old_addr != new_addr else {}
     # The engine's bind flag says where the serving socket listens, which may be wider than where the service
     # is probed (bound to 0.0.0.0, probed at 127.0.0.1): a restore whose command binds elsewhere than the
@@ -128,7 +128,16 @@ def _bind_address(launch: dict, unit_id: str, *, capture: bool = False) -> str |
         got = engine.default_address  # what the capture's engine bound without the flag
     if got is None:
         return None
-    return got or "0.0.0.0"  # an empty bind address is every interface
+    return _canonical(got) if got else "0.0.0.0"  # an empty bind address is every interface
+
+
+def _canonical(address: str) -> str:
+    """``address`` as CRIU's images and /proc name it (``FD00:0::5`` is ``fd00::5``): the moves are looked up
+    by the recorded address, so another spelling of the same one would match none and move nothing."""
+    try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        return address
 
 
 def rebind(images_dir: Path, out_dir: Path, placement: Placement, *, unit: str) -> tuple[Path, list[dict]]:

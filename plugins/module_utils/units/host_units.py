@@ -114,10 +114,25 @@ class HostUnits(RunningUnits):
                 pids.append(marked_root(info.pid, ec.ENV_CONTROL_FILE))
         return pids
 
+    def units_here(self) -> list[str]:
+        """The units whose engines a restore (or a stop) of this workload ends on this host: those the request
+        places here, then any other unit of the workload that left a control file here (a unit an earlier
+        restore placed on this host and this one places elsewhere: ranks swapped between hosts). Its engine
+        is this workload's too; left running, it would keep serving the replaced generation beside the
+        restored one, out of reach of ``status`` and ``stop``."""
+        ids = [u["id"] for u in units_on_host(self.request, self.host)]
+        recipe_dir = self.layout.workloads / self.request["workload"]["recipe"]
+        with contextlib.suppress(OSError):
+            for d in sorted(recipe_dir.iterdir()):
+                if d.name not in ids and not d.is_symlink() and d.is_dir() and \
+                        any(d.glob(ec.CONTROL_FILE_NAME.format(worker="*"))):
+                    ids.append(d.name)
+        return ids
+
     def evicted_ids(self) -> set[int]:
         """Every process and thread id the evict step ends on this host: each engine of this workload's units
-        here (answering or not) with its whole process tree."""
-        return tree_ids([pid for u in units_on_host(self.request, self.host) for pid in self.engine_pids(u["id"])])
+        here (answering or not; :meth:`units_here`) with its whole process tree."""
+        return tree_ids([pid for unit_id in self.units_here() for pid in self.engine_pids(unit_id)])
 
     def require_restorable(self, artifact: dict, *, check_mode: bool) -> None:
         """The restore's evict step, right before its kill: prepare's check of the captured pids and of the
@@ -146,13 +161,14 @@ class HostUnits(RunningUnits):
         """SIGKILL this workload's engines (each whole process tree; one that stopped answering too), wait
         until their pids are free, and remove their control files (the workload is stopped, not crashed)."""
         stopped = []
-        for u in units_on_host(self.request, self.host):
-            pids = self.engine_pids(u["id"])
+        units = self.units_here()
+        for unit_id in units:
+            pids = self.engine_pids(unit_id)
             if not pids:
                 continue
             # Every worker's engine of the unit, each with its whole process tree.
             tree = set().union(*(ports.process_tree(pid) for pid in pids))
-            stopped.append({"unit": u["id"], "pid": pids[0], "pids": pids, "processes": len(tree)})
+            stopped.append({"unit": unit_id, "pid": pids[0], "pids": pids, "processes": len(tree)})
             if check_mode:
                 continue
             for p in sorted(tree):
@@ -162,13 +178,13 @@ class HostUnits(RunningUnits):
             deadline = time.monotonic() + 30
             while any(Path(f"/proc/{p}").exists() for p in tree):
                 if time.monotonic() > deadline:
-                    raise ColdSnapError(f"unit {u['id']}: engine pids {pids} were killed but not reaped within 30 s",
+                    raise ColdSnapError(f"unit {unit_id}: engine pids {pids} were killed but not reaped within 30 s",
                                         fix="its parent does not reap children; restart the unit's keeper or host init")
                 time.sleep(0.02)
         if not check_mode:
-            for u in units_on_host(self.request, self.host):
+            for unit_id in units:
                 # an engine still alive keeps its file: ColdSnap can still reach and stop it
-                self.forget_control_files(u["id"], keep=_engine_alive)
+                self.forget_control_files(unit_id, keep=_engine_alive)
         return stopped
 
 

@@ -208,3 +208,16 @@ def test_a_captured_pid_beyond_this_kernels_pid_max_is_refused_before_eviction(m
     with pytest.raises(AdmissionError, match=r"captured pid 4000001 is beyond this host's kernel.pid_max \(32768\)"):
         ports.require_restorable(workers, unit="unit-0", served=lambda w: [], pids=False)
     assert ports.pid_max() is None or ports.pid_max() > 300
+
+
+def test_an_address_spelled_otherwise_than_the_images_record_it_still_moves_the_listener():
+    """CRIU records ``fd00::5``; a request that writes ``FD00:0::5`` names the same address: its listener moves
+    (matched by the spelling, it stayed where it was captured and the restore failed its probe after eviction)."""
+    def launch(address: str) -> dict:
+        command = ["coldsnap-reference-engine", "--port", "8000", "--host", address]
+        return {"engine": "reference", "units": [{"id": "unit-0", "command": command}],
+                "execution": {"services": [{"id": "api", "unit": "unit-0", "port": 8000, "address": address}]}}
+
+    p = for_unit(launch("FD00:0::5"), launch("::1"), "unit-0")
+    assert p.listeners([("fd00::5", 8000), ("::1", 41234)]) == [("::1", 8000), ("::1", 41234)]
+    assert not for_unit(launch("FD00:0::5"), launch("fd00::5"), "unit-0").moves_anything

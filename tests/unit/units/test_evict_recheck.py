@@ -160,3 +160,23 @@ def test_the_docker_evict_step_refuses_a_stranger_on_a_port_but_not_the_replaced
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_the_host_evict_step_ends_a_unit_of_the_workload_the_restore_places_elsewhere(engine):
+    """Ranks swapped between hosts: u0 runs here and the restore places u1 here, u0 on another host. The old u0
+    is this workload's engine too: prepare counts what it holds as freed, and the evict step ends it (left
+    running, it would serve the replaced generation beside the restored one, out of reach of status and stop)."""
+    state, proc, serving = engine
+    swapped = {"id": "op2", "workload": {"recipe": "demo"},
+               "launch": {"units": [{"id": "u0", "host": "h2"}, {"id": "u1", "host": "h1"}]}}
+    rt = HostRuntime(swapped, host="h1", state_root=state)
+    assert proc.pid in rt.evicted_ids()
+    ports.require_ports_free([("127.0.0.1", serving)], unit="u1", replaced=rt.evicted_ids())
+    assert rt.evict(check_mode=True) == [{"unit": "u0", "pid": proc.pid, "pids": [proc.pid], "processes": 1}]
+    assert proc.poll() is None, "check mode kills nothing"
+    stopped = rt.evict(check_mode=False)
+    assert [s["unit"] for s in stopped] == ["u0"]
+    proc.wait(10)
+    assert not list((state / "workloads" / "demo" / "u0").glob("control-*.json"))
+    # a workload directory without a control file (a stopped unit) is nothing to end
+    assert rt.units_here() == ["u1"] and rt.evict(check_mode=False) == []
