@@ -144,7 +144,7 @@ def main() -> None:
             writer = session.writer("transfer", phase="transfer", message=peer.describe())
             out = fetch_tree(peer, p["dest"], progress=writer)
             writer.done()
-        return {"changed": bool(out["fetched"]), **out}
+        return {**out, "changed": bool(out["fetched"]) or out["changed"]}
 
     run_guarded(module, run, what="transfer_fetch")
 

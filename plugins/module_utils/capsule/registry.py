@@ -252,7 +252,8 @@ class RegistryClient:
             if resp.status == 404:
                 return False
             length = resp.headers.get("Content-Length")
-            return size is None or length is None or int(length) == size
+            # a length that is no number proves nothing about the blob: it is uploaded again (and verified)
+            return size is None or length is None or (length.strip().isdigit() and int(length) == size)
 
     def upload_blob(self, digest: str, size: int, opener: Callable[[], IO[bytes] | bytes], *, what: str) -> None:
         """Monolithic upload: POST an upload session, then PUT the whole blob with ``?digest=``."""

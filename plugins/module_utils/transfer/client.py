@@ -97,7 +97,13 @@ class Peer:
         if resp.status != 200:
             raise ColdSnapError(f"{self.describe()} answered {resp.status} to the file listing",
                                 fix="read the transfer server's log on the source host")
-        files = json.loads(body)["files"]
+        try:
+            files = json.loads(body)["files"]
+        except (ValueError, TypeError, KeyError, RecursionError):
+            files = None
+        if not isinstance(files, list):
+            raise ColdSnapError(f"{self.describe()} sent a file listing that is not a JSON list of files",
+                                fix="the source is not a ColdSnap transfer server")
         return [f for f in files if isinstance(f, dict)]
 
     def _retrying(self, call):
@@ -282,7 +288,7 @@ def fetch_tree(peer: Peer, dest: Path | str, *, progress: Progress | None = None
     total = sum(int(f["size"]) for f in files)
     if dest.is_dir() and not dest.is_symlink() and all(
             _is_verified(dest / str(f["name"]), int(f["size"]), _digest_of(f)) for f in files):  # stops at the first
-        return {"files": len(files), "fetched": [], "bytes_received": 0, "bytes": total}
+        return {"files": len(files), "fetched": [], "bytes_received": 0, "bytes": total, "changed": False}
     stage = dest.with_name(f".{dest.name}{PARTIAL_SUFFIX}")
     _real_dir(stage)
     done = 0
@@ -331,7 +337,9 @@ def fetch_tree(peer: Peer, dest: Path | str, *, progress: Progress | None = None
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
-    return {"files": len(files), "fetched": fetched, "bytes_received": received, "bytes": total, "kept": kept}
+    # ``dest`` was created or replaced, even when every file had arrived before (a pull cut short at the end)
+    return {"files": len(files), "fetched": fetched, "bytes_received": received, "bytes": total, "kept": kept,
+            "changed": True}
 
 
 def _carry_over(dest: Path, stage: Path, served: set[str]) -> list[str]:
@@ -381,7 +389,9 @@ def _checked_listing(peer: Peer) -> list[dict[str, Any]]:
         if Path(name).is_absolute() or any(p in ("", ".", "..") for p in name.split("/")):
             raise ColdSnapError(f"{peer.describe()} listed {name!r}, which is not a plain relative path",
                                 fix="the source is not a ColdSnap transfer server")
-        if not (entry.get("sha256") or digest_in_name(name)) or not isinstance(entry.get("size"), int):
+        size = entry.get("size")
+        if not (entry.get("sha256") or digest_in_name(name)) or isinstance(size, bool) \
+                or not isinstance(size, int) or size < 0:
             raise ColdSnapError(f"{peer.describe()} listed {name!r} without its size and digest; every file is "
                                 "verified on arrival", fix="the source is not a ColdSnap transfer server")
         named, listed = digest_in_name(name), entry.get("sha256")

@@ -166,7 +166,9 @@ class _Handler(BaseHTTPRequestHandler):
     timeout = 60  # a connection that sends nothing (or stops reading) gives its thread up
 
     def log_message(self, format: str, *args: Any) -> None:  # pylint: disable=redefined-builtin
-        self.server.log(f"{self.client_address[0]} {format % args}")
+        # The request line is the client's, authenticated or not: its control characters are escaped, as
+        # http.server's own log does, so nobody who reaches the port writes terminal sequences into the log.
+        self.server.log(f"{self.client_address[0]} {(format % args).translate(self._control_char_table)}")
 
     def do_GET(self) -> None:  # pylint: disable=invalid-name
         range_header = self.headers.get("Range", "")
@@ -339,8 +341,18 @@ def start_server(root: Path | str, *, token: str, address: str, run_file: Path |
         return {**info, "changed": False, "address": same["address"], "port": same["port"], "pid": same["pid"]}
     if check_mode:
         return {**info, "changed": True, "address": address, "port": port, "pid": None}
-    stop_server(run_file)  # an earlier server of the same transfer (a retried play) never lingers
-    sock = bind(address, port)
+    # An earlier server of the same transfer (a retried play) never lingers; it is stopped once the new one
+    # has its socket, so a port another process holds fails here and the running server keeps serving. Only
+    # when that server itself holds the port asked for is it stopped first.
+    try:
+        sock = bind(address, port)
+    except ColdSnapError:
+        if not port or not _holds_port(run_file, port):
+            raise
+        stop_server(run_file)
+        sock = bind(address, port)
+    else:
+        stop_server(run_file)
     bound = sock.getsockname()[:2]
     log_path = run_file.with_suffix(".log")
     private_dir(run_file.parent)
@@ -445,6 +457,16 @@ def _running_server(run_file: Path) -> tuple[int, Any] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return (pid, start) if start is not None and start_time(pid) == start else None
+
+
+def _holds_port(run_file: Path, port: int) -> bool:
+    """Whether the live server a run file describes listens on ``port``."""
+    if _running_server(run_file) is None:
+        return False
+    try:
+        return json.loads(run_file.read_text()).get("port") == port
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def stop_server(run_file: Path | str, *, timeout: float = 10.0, check_mode: bool = False) -> bool:

@@ -610,3 +610,117 @@ def test_the_module_makes_a_missing_state_root_and_its_runs_private(tree, tmp_pa
         assert TOKEN not in json.dumps(started)
     finally:
         assert run_module("transfer_serve", {**args, "state": "stopped"})["changed"]
+
+
+def _liar(listing: bytes, *, stream_mib: int = 0):
+    """A server at the transfer's address that answers ``listing`` and streams ``stream_mib`` MiB (no
+    Content-Length) for any file; ``asked`` counts the file requests."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    asked = []
+
+    class Liar(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def log_message(self, *_a) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path == "/v1/files":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(listing)))
+                self.end_headers()
+                self.wfile.write(listing)
+                return
+            asked.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for _chunk in range(stream_mib):
+                    self.wfile.write(b"A" * (1 << 20))
+
+    liar = ThreadingHTTPServer(("127.0.0.1", 0), Liar)
+    threading.Thread(target=liar.serve_forever, daemon=True).start()
+    return liar, asked
+
+
+@pytest.mark.parametrize("size", [-1, True, 1.5, "10"])
+def test_a_listed_size_that_is_not_a_byte_count_is_refused_before_any_file_is_asked_for(tmp_path, size):
+    """A negative size used to match a missing Content-Length (-1): the receiver then wrote whatever came
+    until the peer hung up."""
+    listing = json.dumps({"files": [{"name": "x.bin", "size": size, "sha256": "0" * 64}]}).encode()
+    liar, asked = _liar(listing, stream_mib=16)
+    try:
+        peer = Peer("127.0.0.1", liar.server_address[1], TOKEN, attempts=1)
+        for call in (lambda: fetch_tree(peer, tmp_path / "dest"), lambda: plan_tree(peer, tmp_path / "dest")):
+            with pytest.raises(ColdSnapError, match="without its size and digest"):
+                call()
+        assert asked == []
+        assert sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file()) == 0
+    finally:
+        liar.shutdown()
+
+
+@pytest.mark.parametrize("listing", [b"<html>not json</html>", b'{"files": 5}', b"[]", b'{"other": []}',
+                                     b"[" * 100000])
+def test_a_listing_that_is_not_a_list_of_files_is_named_not_a_crash(tmp_path, listing):
+    liar, asked = _liar(listing)
+    try:
+        with pytest.raises(ColdSnapError, match="not a JSON list of files"):
+            fetch_tree(Peer("127.0.0.1", liar.server_address[1], TOKEN, attempts=1), tmp_path / "dest")
+        assert asked == [] and not (tmp_path / "dest").exists()
+    finally:
+        liar.shutdown()
+
+
+def test_a_port_another_process_holds_keeps_the_running_server_of_the_transfer(tree, tmp_path):
+    root, _blob = tree
+    run_file = tmp_path / "runs" / "held.json"
+    stranger = socket.socket()
+    stranger.bind(("127.0.0.1", 0))
+    stranger.listen(1)
+    first = start_server(root, token=TOKEN, address="127.0.0.1", run_file=run_file, idle_timeout=60)
+    try:
+        with pytest.raises(ColdSnapError, match="Address already in use"):
+            start_server(root, token=TOKEN, address="127.0.0.1", port=stranger.getsockname()[1], run_file=run_file,
+                         idle_timeout=60)
+        assert Path(f"/proc/{first['pid']}").exists() and run_file.exists()  # still serving
+        assert Peer("127.0.0.1", first["port"], TOKEN, attempts=1).listing()
+        # the server of the transfer itself holds the port asked for: it makes way for its replacement
+        other = "o" * 40
+        second = start_server(root, token=other, address="127.0.0.1", port=first["port"], run_file=run_file,
+                              idle_timeout=60)
+        assert second["changed"] and second["port"] == first["port"] and second["pid"] != first["pid"]
+        assert Peer("127.0.0.1", second["port"], other, attempts=1).listing()
+    finally:
+        stranger.close()
+        stop_server(run_file)
+
+
+def test_completing_a_pull_cut_short_after_its_last_file_is_a_change(served, tmp_path):
+    server, _tree = served
+    dest = tmp_path / "dest"
+    assert fetch_tree(peer_of(server), dest)["changed"] is True
+    assert fetch_tree(peer_of(server), dest)["changed"] is False
+    # every file arrived, then the run ended before the swap: the next run only renames
+    dest.rename(dest.with_name(f".{dest.name}.peer-partial"))
+    out = fetch_tree(peer_of(server), dest)
+    assert out["fetched"] == [] and out["changed"] is True and dest.is_dir()
+
+
+def test_the_server_log_escapes_what_a_client_sends(tree):
+    logged: list[str] = []
+    server = PeerServer(bind("127.0.0.1", 0), file_table(tree[0]), TOKEN, log=logged.append)
+    thread = threading.Thread(target=serve, args=(server,), kwargs={"idle_timeout": 60, "lifetime": 600},
+                              daemon=True)
+    thread.start()
+    try:
+        with socket.create_connection(server.server_address, timeout=10) as s:
+            s.sendall(b"GET /v1/files/\x1b[2J\x1b]0;owned\x07\rfake HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.recv(4096)
+        deadline = time.monotonic() + 5
+        while not logged and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert logged and not any(c in line for line in logged for c in "\x1b\x07\r"), logged
+    finally:
+        server.shutdown()
