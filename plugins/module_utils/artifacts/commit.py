@@ -15,9 +15,13 @@ from pathlib import Path
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
     exclusive_commit,
+    make_private_dirs,
     temp_path_for,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import (
+    read_descriptor_file,
+    validate_artifact,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import (
     SNAPSHOT_DRIVERS,
     admit_driver,
@@ -154,7 +158,21 @@ def _same_except_times(a: dict, b: dict) -> bool:
     def strip(d: dict) -> dict:
         return {**d, "created_at": "", "acceptance": {**d["acceptance"], "validated_at": ""}}
 
-    return strip(a) == strip(b)
+    try:
+        return strip(a) == strip(b)
+    except (KeyError, TypeError):  # not a descriptor
+        return False
+
+
+def read_committed(final: Path) -> dict | None:
+    """The JSON object already committed at ``final``, or None when what is there is not one: a symbolic
+    link (never read through: it could lead to any file root may read), a FIFO or device (never waited
+    on), an unreadable or malformed file."""
+    try:
+        doc = json.loads(read_descriptor_file(final, follow_links=False))
+    except (ColdSnapError, OSError, ValueError, RecursionError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def commit_artifact(artifact_dir: Path, artifact: dict, *, check_mode: bool = False) -> tuple[Path, bool]:
@@ -165,12 +183,14 @@ def commit_artifact(artifact_dir: Path, artifact: dict, *, check_mode: bool = Fa
     """
     artifact_dir = Path(artifact_dir)
     final = artifact_dir / ARTIFACT_FILE
-    if final.exists():
-        existing = json.loads(final.read_text())
-        if _same_except_times(existing, artifact):
+    if os.path.lexists(final):
+        existing = read_committed(final)
+        if existing is not None and _same_except_times(existing, artifact):
             return final, False
+        held = (f"artifact {existing.get('capture_id')!r}" if existing is not None
+                else "something that is not a committed descriptor (a link, a pipe or another file)")
         raise ColdSnapError(
-            f"{final} already holds artifact {existing.get('capture_id')!r}; capture never replaces an artifact",
+            f"{final} already holds {held}; capture never replaces an artifact",
             fix="choose a new output.artifact_dir (capture semantics: conflict-on-existing-output)")
     if not check_mode:
         write_exclusive(final, artifact)
@@ -185,7 +205,7 @@ def write_exclusive(final: Path, doc: dict) -> None:
     that appeared meanwhile is never replaced.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(final.parent)  # 0700 whatever the umask: another user must not swap the descriptor
     tmp = temp_path_for(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # the launch and its placement: private
     try:

@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.commit import write_exclusive
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.commit import read_committed, write_exclusive
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     IntegrityError,
@@ -171,12 +171,9 @@ def commit_published(artifact_dir: Path, artifact: dict, *, source_path: Path,
     artifact_dir = Path(artifact_dir)
     final = artifact_dir / ARTIFACT_FILE
     _refuse_the_source(final, source_path)
-    if final.exists():
-        try:
-            existing = json.loads(final.read_text())
-        except (OSError, ValueError):
-            existing = None
-        if isinstance(existing, dict) and _same_content(existing, artifact):
+    if os.path.lexists(final):
+        existing = read_committed(final)  # never through a link, never waiting on a FIFO
+        if existing is not None and _same_content(existing, artifact):
             return final, False
         raise ColdSnapError(f"{final} already holds another descriptor; a published descriptor is never replaced",
                             fix="choose a new output.artifact_dir")
@@ -198,7 +195,7 @@ def _would_publish(art: dict, digest: str, artifact_dir: Path, *, source: Path, 
     ``artifact_dir`` (refused as a real run would be when that path is the source or holds one already)."""
     final = Path(artifact_dir) / ARTIFACT_FILE
     _refuse_the_source(final, source)
-    if final.exists():
+    if os.path.lexists(final):
         raise ColdSnapError(f"{final} already holds a descriptor, and this publication still has to push: a "
                             "published descriptor is never replaced", fix="choose a new output.artifact_dir")
     would = derive(art, digest, capsules=capsules, native=native, pending=True)
@@ -221,7 +218,7 @@ def publish_descriptor(*, source: Path, source_sha256: str, artifact_dir: Path, 
     derived = derive(art, digest, capsules=cap_section, native=native)
     path, changed = commit_published(artifact_dir, derived, source_path=source, check_mode=check_mode)
     if not changed and path.exists():
-        derived = json.loads(path.read_text())
+        derived = read_committed(path) or derived
     out: dict[str, Any] = {"changed": changed, "path": str(path), "artifact": derived, "parent": digest}
     if path.exists():
         out["sha256"] = file_digest(path)

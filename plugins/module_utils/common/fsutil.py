@@ -68,6 +68,21 @@ def make_private_dirs(path: Path | str) -> None:
             directory.mkdir(mode=0o700)
 
 
+def make_dirs_unwritable_by_others(path: Path | str) -> None:
+    """Create ``path`` and every missing directory above it with the umask's mode less group and other write
+    (umask 000 would give 0777: another user could swap the file ColdSnap writes there for one of theirs).
+    Existing directories are left as they are."""
+    path = Path(path)
+    missing = []
+    while not os.path.lexists(path) and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir()
+            os.chmod(directory, stat.S_IMODE(os.lstat(directory).st_mode) & ~0o022)
+
+
 def remove_if_abandoned(path: Path | str) -> bool:
     """Remove the temporary file ``path`` when no writer holds its flock (writers lock their temp for its
     whole life: a killed one's is free); True when it was removed."""
@@ -108,7 +123,7 @@ def atomic_writer(final: Path, *, mode: int = 0o600, binary: bool = True) -> Ite
     replaced (in the state root, a FIFO planted at a record's name gives way to the record): a path a user
     names for output goes through :func:`write_output`, which writes to a device or FIFO instead."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs_unwritable_by_others(final.parent)
     tmp = temp_path_for(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     try:

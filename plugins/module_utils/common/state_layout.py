@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import planted_by_another
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import make_private_dirs, planted_by_another
 
 DEFAULT_STATE_ROOT = "/var/lib/coldsnap"
 STATE_ROOT_ENV = "COLDSNAP_STATE_ROOT"
@@ -201,7 +201,10 @@ class StateLayout:
         """Create the state root 0700 (and make an existing one 0700): everything below is private
         to the user ColdSnap runs as (CRIU images, capsules and descriptors hold process memory)."""
         self.refuse_planted()  # before anything is created in another user's directory
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # Every directory it creates above the root is 0700 too: mkdir(parents=True) gives those the umask's
+        # mode (0777 under umask 000), and another user could then swap the root for a link of theirs.
+        make_private_dirs(self.root)
+        self.root.mkdir(exist_ok=True, mode=0o700)  # a file under the root's name: FileExistsError, as before
         self.refuse_planted()
         st = os.stat(self.root)
         if st.st_mode & 0o077 and st.st_uid == os.geteuid():

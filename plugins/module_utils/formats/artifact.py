@@ -8,6 +8,7 @@ evidence every restore must reproduce.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import stat
@@ -193,15 +194,19 @@ def artifact_json_schema() -> dict:
 MAX_DESCRIPTOR_BYTES = 64 << 20  # far above any descriptor (they are kilobytes), far below what hurts
 
 
-def read_descriptor_file(path: Path | str, *, what: str = "artifact") -> bytes:
-    """The bytes of a descriptor file: a regular file (links followed: ``current``) of at most
-    MAX_DESCRIPTOR_BYTES. A directory, a FIFO, a device (``/dev/zero``) or a giant is one clear
-    ColdSnapError, never a hang or an unbounded read; a missing file is FileNotFoundError."""
+def read_descriptor_file(path: Path | str, *, what: str = "artifact", follow_links: bool = True) -> bytes:
+    """The bytes of a descriptor file: a regular file (links followed: ``current``; with
+    ``follow_links=False`` a link is refused) of at most MAX_DESCRIPTOR_BYTES. A directory, a FIFO, a
+    device (``/dev/zero``) or a giant is one clear ColdSnapError, never a hang or an unbounded read; a
+    missing file is FileNotFoundError."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW))
     except FileNotFoundError:
         raise
     except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_links:
+            raise ColdSnapError(f"{what} {path} is a symbolic link", fix="give the path of an artifact.json a "
+                                "capture committed (ColdSnap never reads one through a link there)") from None
         raise ColdSnapError(f"{what} {path} cannot be read: {exc.strerror or exc}",
                             fix="give the path of an artifact.json a capture committed") from None
     try:

@@ -356,12 +356,21 @@ def start_server(root: Path | str, *, token: str, address: str, run_file: Path |
     bound = sock.getsockname()[:2]
     log_path = run_file.with_suffix(".log")
     private_dir(run_file.parent)
+    try:
+        # Never through a link: one planted there (a state root its user owns) would have root append to any file.
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        sock.close()
+        raise ColdSnapError(f"cannot open the transfer server's log {log_path}: {exc.strerror or exc}",
+                            fix=f"remove {log_path} (a symbolic link or a directory is refused); the next run "
+                                "makes it") from None
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
-        _detach(sock, table, token, write_fd=write_fd, read_fd=read_fd, log_path=log_path,
+        _detach(sock, table, token, write_fd=write_fd, read_fd=read_fd, log_fd=log_fd,
                 idle_timeout=idle_timeout, lifetime=lifetime)
     os.close(write_fd)
+    os.close(log_fd)
     sock.close()
     os.waitpid(pid, 0)
     with os.fdopen(read_fd, "rb") as r:
@@ -413,14 +422,13 @@ def _same_server(run_file: Path, fingerprint: str, *, lifetime: float, check_mod
 
 
 def _detach(sock: socket.socket, table: dict[str, ServedFile], token: str, *, write_fd: int, read_fd: int,
-            log_path: Path, idle_timeout: float, lifetime: float) -> None:  # pragma: no cover - child
+            log_fd: int, idle_timeout: float, lifetime: float) -> None:  # pragma: no cover - child
     code = 1
     try:
         os.close(read_fd)
         os.setsid()
         if os.fork() != 0:
             os._exit(0)
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         null = os.open(os.devnull, os.O_RDWR)
         for target, src in ((0, null), (1, log_fd), (2, log_fd)):
             os.dup2(src, target)

@@ -262,7 +262,10 @@ def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_diges
         env = {**without_credentials(os.environ), "PYTHONPYCACHEPREFIX": str(bytecode), "PYTHONPATH": os.pathsep.join(
             [str(adir)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-        log = open(log_path, "ab")
+        # Never through a link (one planted in the run directory of a state root its user owns would have
+        # root append to, and chmod, any file).
+        log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                0o600), "ab")
         os.fchmod(log.fileno(), 0o600)
         p = subprocess.Popen([spec.python, "-m", "coldsnap_activation", spec.operation, "--spec", str(spec_path),
                               "--evidence", str(ev_path)], stdin=subprocess.DEVNULL, stdout=log, stderr=log,

@@ -724,3 +724,19 @@ def test_the_server_log_escapes_what_a_client_sends(tree):
         assert logged and not any(c in line for line in logged for c in "\x1b\x07\r"), logged
     finally:
         server.shutdown()
+
+
+def test_the_detached_servers_log_is_never_written_through_a_link(tree, tmp_path):
+    """A link planted at the server's log name (the run directory of a state root its user owns) would have
+    the server append its log to whatever file it names."""
+    root, _blob = tree
+    run_file = tmp_path / "runs" / "linked.json"
+    run_file.parent.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"untouched\n")
+    victim.chmod(0o644)
+    run_file.with_suffix(".log").symlink_to(victim)
+    with pytest.raises(ColdSnapError, match="symbolic link"):
+        start_server(root, token=TOKEN, address="127.0.0.1", run_file=run_file, idle_timeout=60)
+    assert victim.read_bytes() == b"untouched\n" and stat.S_IMODE(victim.stat().st_mode) == 0o644
+    assert not run_file.exists()

@@ -306,3 +306,26 @@ def test_a_shared_or_foreign_directory_given_as_the_state_root_is_not_made_priva
         root.chmod(0o755)
         StateLayout(root).ensure_private_root()
         assert root.stat().st_mode & 0o777 == 0o700, name
+
+
+def test_the_directories_above_a_new_state_root_are_private_whatever_the_umask(tmp_path):
+    """``mkdir(parents=True)`` gave the directories it made above the state root the umask's mode: 0777
+    under umask 000, where another user could rename the root away and put a link of theirs there."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import atomic_write_bytes
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
+
+    root = tmp_path / "srv" / "cs" / "state"
+    old = os.umask(0)
+    try:
+        StateLayout(root).ensure_private_root()
+        atomic_write_bytes(tmp_path / "out" / "new" / "receipt.json", b"{}\n")
+    finally:
+        os.umask(old)
+    for d in (tmp_path / "srv", tmp_path / "srv" / "cs", root):
+        assert d.stat().st_mode & 0o777 == 0o700, d
+    # a file written elsewhere (a receipt) keeps its directories readable, but nobody else may write there
+    for d in (tmp_path / "out", tmp_path / "out" / "new"):
+        assert d.stat().st_mode & 0o777 == 0o755, d
+    (tmp_path / "file-root").write_text("")
+    with pytest.raises(FileExistsError):
+        StateLayout(tmp_path / "file-root").ensure_private_root()
