@@ -309,15 +309,18 @@ def run_unit_container(*, image: str, name: str, command: list[str], mounts: lis
         if value is not None:
             kwargs[key] = value
     _clear_name(client, name, replace, all_labels)
+    container = None
     try:
         container = create_container(client, img.id, command, **kwargs)
         container.start()
     except docker.errors.APIError as exc:
-        # A container that was created but could not start must not linger under the canonical name.
-        try:
-            client.containers.get(name).remove(force=True)
-        except docker.errors.APIError:
-            pass
+        # A container that was created but could not start must not linger under the canonical name. Only
+        # that one goes: a container that took the name meanwhile (the create's conflict) is not ColdSnap's.
+        if container is not None:
+            try:
+                container.remove(force=True)
+            except docker.errors.APIError:
+                pass
         raise UnitError(f"unit container {name!r} did not start: {exc.explanation or exc}",
                         fix="check the image, mounts and the privilege policy") from exc
     if not detach:

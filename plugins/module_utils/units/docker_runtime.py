@@ -291,6 +291,25 @@ def _logs(container: Any) -> str:
         return f"(no logs: {exc})"
 
 
+def _watched(results: list[dict]):
+    """A rank container's waiter (``wait(i, spec, container, ev_path)``, run in a thread of its own) whose
+    failure is recorded as unit ``i``'s, naming it, instead of ending the thread with nothing recorded (a
+    container removed by hand while it ran, dockerd restarted)."""
+    def wrap(wait):
+        def watched(i: int, spec: UnitSpec, container: Any, ev_path: Path) -> None:
+            try:
+                wait(i, spec, container, ev_path)
+            except Exception as exc:
+                name = getattr(container, "name", "?")
+                what = ("was removed while it ran" if dockerapi.is_not_found(exc)
+                        else f"could not be followed ({type(exc).__name__}: {exc})")
+                results[i] = {"ok": False, "unit": spec.unit_id,
+                              "error": f"unit {spec.unit_id}: its rank container {name!r} {what}, before it "
+                                       f"reported; its output:\n{_logs(container)[-2000:]}"}
+        return watched
+    return wrap
+
+
 def _container_pids(container: Any) -> set[int]:
     """Host pids of every process in a running container (its init and all descendants)."""
     try:
@@ -333,6 +352,7 @@ class DockerRuntime(DockerUnits, UnitRuntime):
                 started.append((spec, container, ev_path))
             results: list[dict] = [{} for _unit in started]
 
+            @_watched(results)
             def wait(i: int, spec: UnitSpec, container: Any, ev_path: Path) -> None:
                 code = None
                 try:
@@ -365,6 +385,12 @@ class DockerRuntime(DockerUnits, UnitRuntime):
         try:
             for host_spec in specs:
                 uid = host_spec.unit_id
+                running = canonical_container(request, uid, client=client)
+                if running is not None and running.status == "running":
+                    # Only the evict step ends what serves (and records it, so a failure can roll back to it).
+                    raise UnitError(f"unit {uid}: its container {running.name!r} is running; a restore's activate "
+                                    "step does not replace a running unit", fix="run the restore's evict step first "
+                                    "(coldsnap.fleet.unit_restore phase=evict), or restore the whole workload")
                 image, target = capsule_image(artifact, uid, client=client)
                 spec = docker_spec(host_spec, unit_dir=target, supervise=True)
                 spec_path, ev_path = write_spec(run_dir, spec)
@@ -382,6 +408,7 @@ class DockerRuntime(DockerUnits, UnitRuntime):
                 started.append((spec, container, ev_path))
             results: list[dict] = [{} for _unit in started]
 
+            @_watched(results)
             def wait(i: int, spec: UnitSpec, container: Any, ev_path: Path) -> None:
                 deadline = time.monotonic() + timeout
                 code = None
@@ -417,7 +444,12 @@ class DockerRuntime(DockerUnits, UnitRuntime):
 
     # ------------------------------------------------------------------ restore
     def check_environment(self, units: list[dict]) -> None:
-        """The unit's userspace is its image (digest-pinned in the request): nothing to check here."""
+        """The unit's userspace is its image (digest-pinned in the request): it must be in the local image
+        store, as the one the request pins, before any unit starts (check mode refuses what the run would)."""
+        index = {u["id"]: i for i, u in enumerate(self.request["launch"]["units"])}
+        for u in units:
+            dockerapi.resolve_image(self.client, u["image"],
+                                    what=f"launch.units[{index.get(u['id'], '?')}].image (unit {u['id']})")
 
     def prepare(self, artifact: dict, *, facts: dict, check_mode: bool) -> tuple[list[dict], bool]:
         """Everything a docker restore needs on this host, checked before anything is evicted.

@@ -1,8 +1,9 @@
 """Runtime ``docker``, running units: status, sleep, wake and stop of rank containers.
 
 :class:`DockerUnits` is what the lifecycle needs; :class:`~.docker_runtime.DockerRuntime`
-adds capture, prepare and restore. Each lifecycle step runs the activation runtime inside the
-unit's running container (``docker exec``), as PID 1's sibling. It runs as root there: what it
+adds capture, prepare and restore. ``status`` (and check mode) asks each worker's control API from
+the host, as runtime ``host`` does, and writes nothing; sleep, wake and finish-warm run the activation
+runtime inside the unit's running container (``docker exec``), as PID 1's sibling. It runs as root there: what it
 wrote under the state root is given back to the invoking user (``owner``) afterwards, also when
 the step failed, as a capture's or a restore's is (:mod:`.ownership`).
 """
@@ -29,6 +30,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_lab
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import UnitSpec
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
+from ansible_collections.coldsnap.fleet.plugins.module_utils.units.host_units import unit_status
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.ownership import (
     chown_state_paths,
     normalize_ownership,
@@ -121,7 +123,8 @@ class DockerUnits(RunningUnits):
         return self.layout.unit_runs(self.request["id"])
 
     def lifecycle(self, specs: list[UnitSpec]) -> list[dict]:
-        """Run a lifecycle operation (status, sleep, wake, finish-warm) inside each unit's running container.
+        """Run a lifecycle operation (sleep, wake, finish-warm) inside each unit's running container; status
+        asks the running containers' workers from the host and changes nothing.
 
         Each unit's workload directory (the spec and evidence files, and whatever the root activation
         runtime wrote there) is given to ``owner`` afterwards, also when the operation failed."""
@@ -130,6 +133,13 @@ class DockerUnits(RunningUnits):
         owned: list[Path] = []
         # Looked up (and a foreign container of the same name refused) before any unit is acted on.
         containers = [canonical_container(request, spec.unit_id, client=client) for spec in specs]
+        if specs and all(spec.operation == "status" for spec in specs):
+            # Status (and every check mode) only reads: the workers' control APIs are asked from here (the
+            # container shares the host's network, its workload directory is bound at its own path). No
+            # spec or evidence file is written, nothing runs inside the container, nothing is chowned.
+            return [unit_status(spec, host_pids=False) if c is not None and c.status == "running" else
+                    {"ok": True, "unit": spec.unit_id, "workers": [], "state": "absent", "changed": False}
+                    for spec, c in zip(specs, containers, strict=True)]
 
         def one(i: int, spec: UnitSpec) -> None:
             uid = spec.unit_id

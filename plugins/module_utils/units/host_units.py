@@ -188,10 +188,13 @@ class HostUnits(RunningUnits):
         return stopped
 
 
-def unit_status(spec: UnitSpec) -> dict:
+def unit_status(spec: UnitSpec, *, host_pids: bool = True) -> dict:
     """A running unit's state from its workers' control APIs (what the activation runtime's ``status``
     answers, without starting it): ``absent`` when a worker has no control file, the workers' common
-    state, or ``mixed``. A worker whose engine does not answer as itself fails the unit."""
+    state, or ``mixed``. A worker whose engine does not answer as itself fails the unit.
+
+    ``host_pids`` false: the control files' pids are those of a container's own pid namespace (runtime
+    docker), which mean nothing here; the engine's answer (its token, its own pid) alone tells it."""
     t0 = time.monotonic_ns()
     workers = []
     state = "absent"
@@ -205,7 +208,7 @@ def unit_status(spec: UnitSpec) -> dict:
             raise UnitError(f"unit {spec.unit_id}: worker {w['id']}'s control file cannot be read: {exc}",
                             fix="restore the workload (its engine is not one ColdSnap can reach)") from None
         reply = None
-        if pid_alive(info.pid):
+        if not host_pids or pid_alive(info.pid):
             with contextlib.suppress(OSError, ControlCallError, http.client.HTTPException):
                 reply = EngineClient(info).status(timeout=30)
         if reply is None or int(reply.get("pid", -1)) != info.pid:

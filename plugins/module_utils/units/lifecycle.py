@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +107,9 @@ def _lifecycle(request: dict, artifact: dict | None, units: list[dict], *, host:
     # What the step writes (records, locks, the workload directories) is the invoking user's afterwards,
     # also when the step failed.
     hydrates = bool(artifact) and action in ("wake", "finish-warm")
-    with runtime.giving_back():
+    # Only a step that planned the weights wrote in the node payload cache: nothing else is given back
+    # (a status or a sleep chowns nothing there).
+    with runtime.giving_back() if hydrates else contextlib.nullcontext():
         weights = plan_weights(request, artifact, host=host, state_root=state_root,
                                dry_run=check_mode) if hydrates else {}
         if weights and not check_mode:

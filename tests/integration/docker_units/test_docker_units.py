@@ -210,8 +210,8 @@ def _root_owned(root: Path) -> set[str]:
 
 
 def test_lifecycle_hands_what_the_unit_container_wrote_back_to_the_invoking_user(captured):
-    """status, sleep and wake run the activation runtime inside the unit container as root: every state
-    path they wrote belongs to the invoking user afterwards, also when the step failed."""
+    """sleep and wake run the activation runtime inside the unit container as root (status only reads):
+    every state path they wrote belongs to the invoking user afterwards, also when the step failed."""
     def wrong_reply(req: dict) -> None:
         req["validation"]["expected"] = "not what the engine answers"
 

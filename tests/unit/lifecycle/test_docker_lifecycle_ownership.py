@@ -104,16 +104,95 @@ def workload_dir(state_root: Path, req: dict) -> Path:
 
 
 @needs_root
-@pytest.mark.parametrize("action", ["status", "sleep"])
-def test_what_the_unit_container_wrote_is_given_to_the_owner(state_root, docker, action) -> None:
-    req = docker_request(action)
+def test_what_the_unit_container_wrote_is_given_to_the_owner(state_root, docker) -> None:
+    req = docker_request("sleep")
     wdir = workload_dir(state_root, req)
     container = docker(req)
-    out = run_step(req, action, state_root, owner=f"{OWNER[0]}:{OWNER[1]}")
-    assert [u["state"] for u in out["units"]] == ["ready" if action == "status" else "sleeping"]
+    out = run_step(req, "sleep", state_root, owner=f"{OWNER[0]}:{OWNER[1]}")
+    assert [u["state"] for u in out["units"]] == ["sleeping"]
     assert container.execs, "the step ran inside the unit container"
     assert list((wdir / ".coldsnap").glob("evidence-*.json"))
     assert not_owned(state_root / "workloads", *OWNER) == []
+
+
+def _free_pid() -> int:
+    """A pid no process of this host has (the engine's pid in its container's own namespace)."""
+    return next(p for p in range(4_000_000, 3_000_000, -1) if not Path(f"/proc/{p}").exists())
+
+
+@pytest.fixture
+def engine_api():
+    """A worker's control API on the host's network, answering ``state`` and the pid it has in its container."""
+    import http.server
+    import threading
+
+    pid = _free_pid()
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.headers.get("Authorization", ""))
+            body = json.dumps({"ok": True, "pid": pid, "state": "ready"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_a) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield SimpleNamespace(port=srv.server_address[1], pid=pid, seen=seen)
+    srv.shutdown()
+    srv.server_close()
+
+
+def _tree(root: Path) -> dict[str, tuple]:
+    return {str(p.relative_to(root)): (p.lstat().st_uid, p.lstat().st_gid, p.lstat().st_mtime_ns)
+            for p in [root, *root.rglob("*")]}
+
+
+@pytest.mark.parametrize(("action", "check_mode"), [("status", False), ("sleep", True), ("wake", True)])
+def test_status_and_check_mode_write_nothing_and_run_nothing_in_the_container(state_root, docker, engine_api,
+                                                                             action, check_mode) -> None:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+
+    req = docker_request(action)
+    wdir = state_root / "workloads" / req["workload"]["recipe"] / "unit-0"
+    wdir.mkdir(parents=True)
+    worker = req["launch"]["execution"]["workers"][0]["id"]
+    (wdir / ec.CONTROL_FILE_NAME.format(worker=worker)).write_text(
+        json.dumps({"port": engine_api.port, "token": "t" * 64, "pid": engine_api.pid}))
+    payload = state_root / "model-payloads" / "sha256" / "x.pack"
+    payload.parent.mkdir(parents=True)
+    payload.write_bytes(b"p")
+    container = docker(req)
+    before = _tree(state_root)
+    out = lifecycle_units(req, None, host="localhost", action=action, state_root=state_root,
+                          activation_digest="sha256:" + "ab" * 32, python=None, check_mode=check_mode,
+                          owner=f"{OWNER[0]}:{OWNER[1]}")
+    assert container.execs == [], "status and check mode run nothing inside the unit container"
+    assert _tree(state_root) == before, "status and check mode write (and chown) nothing"
+    assert [(u["unit"], u["state"]) for u in out["units"]] == [("unit-0", "ready")]
+    assert out["units"][0]["workers"] == [{"worker": worker, "pid": engine_api.pid, "state": "ready"}]
+    assert out["changed"] is (action == "sleep")
+    assert engine_api.seen == ["Bearer " + "t" * 64]
+
+
+def test_status_of_a_running_container_whose_engine_does_not_answer_fails(state_root, docker) -> None:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+
+    req = docker_request("status")
+    wdir = state_root / "workloads" / req["workload"]["recipe"] / "unit-0"
+    wdir.mkdir(parents=True)
+    worker = req["launch"]["execution"]["workers"][0]["id"]
+    (wdir / ec.CONTROL_FILE_NAME.format(worker=worker)).write_text(
+        json.dumps({"port": 1, "token": "t" * 64, "pid": _free_pid()}))
+    container = docker(req)
+    with pytest.raises(UnitError, match="is not running"):
+        run_step(req, "status", state_root)
+    assert container.execs == []
 
 
 @needs_root
@@ -129,10 +208,10 @@ def test_a_failed_step_still_gives_its_files_to_the_owner(state_root, docker) ->
 
 @needs_root
 def test_without_an_owner_the_files_stay_as_written(state_root, docker) -> None:
-    req = docker_request("status")
+    req = docker_request("sleep")
     wdir = workload_dir(state_root, req)
     docker(req)
-    run_step(req, "status", state_root)
+    run_step(req, "sleep", state_root)
     assert (wdir / "written-in-the-container").stat().st_uid == os.geteuid()
 
 
