@@ -466,9 +466,10 @@ class DockerRuntime(DockerUnits, UnitRuntime):
         units = units_on_host(self.request, self.host)
         room = GpuRoom(artifact, gpu_memory() if any(u["devices"] for u in units) else None)
         captured_units = {u["id"]: u for u in artifact["launch"]["units"]}
-        running_units = {u["id"]: canonical_container(self.request, u["id"], client=client) for u in units}
+        running_units = {uid: canonical_container(self.request, uid, client=client) for uid in self.units_here()}
         # What the evict step ends: the canonical containers of every unit of this workload here (one unit may be
-        # restored onto the port another of them holds now), as its own check right before the kill counts them.
+        # restored onto the port another of them holds now; units_here), as its own check right before the kill
+        # counts them.
         evicted: set[int] = set()
         claims: dict = {}
         for running in running_units.values():
@@ -490,7 +491,7 @@ class DockerRuntime(DockerUnits, UnitRuntime):
                      if not check_mode else None)
             captured = captured_evidence(image.id, target, client=client)
             moves.add(u, captured, captured_units[u["id"]])
-            running = running_units[u["id"]]
+            running = running_units.get(u["id"])
             served, what = listeners_served(artifact, self.request, u["id"])
             # Only the canonical containers this restore replaces may hold a captured port. The unit's pid
             # namespace is its container's own: only its ports can be taken.
@@ -520,8 +521,8 @@ class DockerRuntime(DockerUnits, UnitRuntime):
         client = self.client
         units = units_on_host(self.request, self.host)
         replaced: set[int] = set()
-        for u in units:
-            running = canonical_container(self.request, u["id"], client=client)
+        for unit_id in self.units_here():
+            running = canonical_container(self.request, unit_id, client=client)
             if running is not None and running.status == "running":
                 replaced |= _container_pids(running)
         for u in units:

@@ -206,14 +206,23 @@ class DockerUnits(RunningUnits):
             c.reload()
         return "running" if c.status == "running" else "crashed"
 
+    def units_here(self) -> list[str]:
+        """The units whose containers a restore (or a stop) of this workload ends on this host: those the request
+        places here, then any other unit of the workload whose canonical container is here (a unit an earlier
+        restore placed on this host and this one places elsewhere: ranks swapped between hosts; left running,
+        it would serve the replaced generation beside the restored one, out of reach of status and stop)."""
+        ids = [u["id"] for u in units_on_host(self.request, self.host)]
+        return ids + [u["id"] for u in self.request["launch"]["units"]
+                      if u["id"] not in ids and canonical_container(self.request, u["id"], client=self.client)]
+
     def evict(self, *, check_mode: bool) -> list[dict]:
         """Remove this workload's canonical unit containers on this host (the engines die with them)."""
         client = self.client
         stopped = []
-        for u in units_on_host(self.request, self.host):
-            c = canonical_container(self.request, u["id"], client=client)
+        for unit_id in self.units_here():
+            c = canonical_container(self.request, unit_id, client=client)
             if c is not None:
-                stopped.append({"unit": u["id"], "container": c.name, "status": c.status,
+                stopped.append({"unit": unit_id, "container": c.name, "status": c.status,
                                 "image": c.attrs.get("Image")})
             if check_mode:
                 continue
@@ -228,5 +237,5 @@ class DockerUnits(RunningUnits):
                     time.sleep(0.05)
             # The engines went with their container (or before, by hand): so do their control files (a pid
             # of the container's namespace, a port and a token of an engine that is gone).
-            self.forget_control_files(u["id"])
+            self.forget_control_files(unit_id)
         return stopped

@@ -180,3 +180,26 @@ def test_the_host_evict_step_ends_a_unit_of_the_workload_the_restore_places_else
     assert not list((state / "workloads" / "demo" / "u0").glob("control-*.json"))
     # a workload directory without a control file (a stopped unit) is nothing to end
     assert rt.units_here() == ["u1"] and rt.evict(check_mode=False) == []
+
+
+def test_the_docker_evict_step_ends_the_container_of_a_unit_the_restore_places_elsewhere(monkeypatch, tmp_path):
+    """The same swap on runtime docker: u0's canonical container runs here, the restore places u1 here and u0 on
+    another host. Prepare and the evict step's check count its processes as freed, and the evict step removes it
+    (check mode names it and removes nothing)."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import docker_units
+
+    removed: list[str] = []
+    old_u0 = SimpleNamespace(id="c-u0", name="coldsnap-demo-u0", status="running", attrs={"Image": "sha256:old"},
+                             remove=lambda force: removed.append("c-u0"))
+    here = {"u0": old_u0}
+    monkeypatch.setattr(docker_units, "canonical_container", lambda _r, uid, client: here.get(uid))
+    monkeypatch.setattr(docker_units, "container_exists", lambda _c, cid: cid not in removed)
+    swapped = {"id": "op2", "workload": {"recipe": "demo"},
+               "launch": {"units": [{"id": "u0", "host": "h2"}, {"id": "u1", "host": "h1"}]}}
+    rt = docker_runtime.DockerRuntime(swapped, host="h1", state_root=tmp_path, client=object())
+    assert rt.units_here() == ["u1", "u0"]
+    expected = [{"unit": "u0", "container": "coldsnap-demo-u0", "status": "running", "image": "sha256:old"}]
+    assert rt.evict(check_mode=True) == expected and removed == []
+    assert rt.evict(check_mode=False) == expected and removed == ["c-u0"]
+    here.clear()
+    assert rt.units_here() == ["u1"] and rt.evict(check_mode=False) == []
