@@ -18,6 +18,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import environment
 
 from coldsnap.commands._io import whole_number
+from coldsnap.commands.operations import STATE_ROOT_HELP
 
 DRIVER = "n610"
 
@@ -210,7 +211,8 @@ def register_cli(sub) -> None:
     p.add_argument("--preset", default=os.environ.get("COLDSNAP_DEMO_PRESET", "1g"),
                    help="reference model size: tiny (3 MB), small, 1g (default, about 1 GB of float32 "
                         "weights), 1g-bf16 ... 8g-bf16")
-    p.add_argument("--state-root", default=None)  # a string: Path("") would be "." (resolve_state_root refuses it)
+    # a string: Path("") would be "." (resolve_state_root refuses it)
+    p.add_argument("--state-root", default=None, metavar="PATH", help=STATE_ROOT_HELP)
     p.add_argument("--port", type=whole_number(1, 65535, what="a port number"), default=8000,
                    help="port the engine serves on (1-65535)")
     p.add_argument("--tp", type=whole_number(1), default=1, help="tensor-parallel ranks (one unit each; 1 or more)")

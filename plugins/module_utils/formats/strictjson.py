@@ -100,6 +100,10 @@ def strict_loads(text: str | bytes, *, document: str = "document") -> Any:
         raise FormatError([FormatIssue("$", f"nests arrays or objects more than {MAX_DEPTH} levels deep",
                                        "no ColdSnap document is nested that deeply; check what produced it")],
                           document=document)
+    if _skip_ws(text, 0) == len(text):
+        raise FormatError([FormatIssue("$", "is empty (no JSON value at all)",
+                                       "give the document's JSON; an empty file is often the output of a command "
+                                       "that failed")], document=document)
     try:
         value, end = _DECODER.raw_decode(text, _skip_ws(text, 0))
     except json.JSONDecodeError as exc:

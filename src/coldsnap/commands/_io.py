@@ -18,6 +18,9 @@ def read_input(path: str) -> bytes:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 
     fix = "give the path of the JSON document, or '-' for stdin"
+    if not path:
+        # an unset shell variable ("$R") must not surface as ": no such file"
+        raise ColdSnapError("the path is empty", fix=fix)
     if path == "-":
         data = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
     else:

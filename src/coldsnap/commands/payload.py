@@ -254,8 +254,8 @@ def run_build(args) -> int:
     if not args.no_pack and not args.state_root:
         raise ColdSnapError("build needs --state-root for the pack", fix="give --state-root DIR or --no-pack")
     base = Path(args.description).parent if args.description != "-" else Path.cwd()
-    doc = validate_document(BUILD_SCHEMA, strict_loads(read_input(args.description), document="build description"),
-                            document=f"build description {args.description}")
+    name = f"build description {args.description}"
+    doc = validate_document(BUILD_SCHEMA, strict_loads(read_input(args.description), document=name), document=name)
     allocs = [Allocation(a["id"], a["address"], a["size"]) for a in doc["allocations"]]
     files = {a["id"]: (base / a["bytes"]) for a in doc["allocations"]}
     for a in allocs:

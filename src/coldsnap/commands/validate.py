@@ -76,11 +76,14 @@ def _invalid(report: dict) -> int:
 
 
 def run(args) -> int:
+    # "is not None": an empty path ('') is the option given, refused by read_input with its fix
+    given = next(p for p in (args.request_json, args.artifact_json, args.receipt_json) if p is not None)
     try:
-        if args.request_json:
+        if args.request_json is not None:
             doc = _request(args.request_json)
-        elif args.artifact_json:
-            doc = load_artifact(read_input(args.artifact_json))
+        elif args.artifact_json is not None:
+            doc = load_artifact(read_input(args.artifact_json),
+                                document="artifact" if args.artifact_json == "-" else f"artifact {args.artifact_json}")
         else:
             doc = load_receipt(read_input(args.receipt_json),
                                document="receipt" if args.receipt_json == "-" else f"receipt {args.receipt_json}")
@@ -90,7 +93,7 @@ def run(args) -> int:
         raise
     except ColdSnapError as exc:  # the document could not be read (no such file, a directory, too large)
         if args.json_errors:
-            return _invalid({"valid": False, "document": args.request_json or args.artifact_json or args.receipt_json,
+            return _invalid({"valid": False, "document": given,
                              "errors": [{"path": "$", "message": exc.problem, "fix": exc.fix}]})
         raise
     print_json(doc)

@@ -43,6 +43,29 @@ def test_a_path_that_is_not_a_readable_document(tmp_path, capsys) -> None:
         assert rc == 2 and "is not a regular file" in err and "chmod" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("option", ["--request-json", "--artifact-json", "--receipt-json"])
+def test_an_empty_path_is_refused_with_its_fix_not_a_traceback(capsys, option) -> None:
+    # '' is what an unset shell variable gives ("--artifact-json $A"): the option is given, its path is empty
+    rc, _out, err = _run(capsys, "validate", option, "")
+    assert rc == 2 and "the path is empty" in err and "'-' for stdin" in err, err
+    rc, out, _err = _run(capsys, "validate", "--json-errors", option, "")
+    assert rc == 2 and json.loads(out)["errors"][0]["message"] == "the path is empty"
+    rc, _out, err = _run(capsys, "timeline", "")
+    assert rc == 2 and "the path is empty" in err
+
+
+@pytest.mark.parametrize("text", ["", " \n"])
+def test_an_empty_document_is_called_empty(tmp_path, capsys, text) -> None:
+    rc, _out, err = _run(capsys, "validate", "--request-json", str(_request(tmp_path, text)))
+    assert rc == 2 and "$: is empty" in err and "Expecting value" not in err, err
+
+
+def test_an_invalid_artifact_is_named_by_its_path(tmp_path, capsys) -> None:
+    path = _request(tmp_path, "[]", "artifact.json")
+    rc, _out, err = _run(capsys, "validate", "--artifact-json", str(path))
+    assert rc == 2 and f"artifact {path} is invalid" in err, err
+
+
 @pytest.mark.parametrize("text", ["[]", "null", "7"])
 def test_a_document_that_is_not_an_object(capsys, monkeypatch, text) -> None:
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))

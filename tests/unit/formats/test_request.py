@@ -108,6 +108,9 @@ def test_non_finite_numbers_and_invalid_json():
         load_request('{"format": NaN}')
     with pytest.raises(FormatError, match="line 1"):
         load_request('{"format": 4,}')
+    for empty in ("", " \n", b""):
+        with pytest.raises(FormatError, match=r"\$: is empty"):
+            load_request(empty)
 
 
 @pytest.mark.parametrize("image", ["registry.example/coldsnap/runtime:latest", "runtime", "runtime@sha256:abc",

@@ -69,6 +69,9 @@ def test_build_without_pack_and_bad_description(described):
     (tmp / "bad.json").write_text(json.dumps(doc))
     r = coldsnap("payload", "build", "--description", str(tmp / "bad.json"), "--out", str(tmp / "o3"), "--no-pack")
     assert r.returncode == 2 and "past the end" in r.stderr and not (tmp / "o3").exists()
+    (tmp / "broken.json").write_text('{"model": ,}')
+    r = coldsnap("payload", "build", "--description", str(tmp / "broken.json"), "--out", str(tmp / "o4"), "--no-pack")
+    assert r.returncode == 2 and f"build description {tmp / 'broken.json'} is invalid" in r.stderr, r.stderr
 
 
 def test_paths_that_cannot_be_used_are_one_line_errors_not_tracebacks(described):
