@@ -9,11 +9,14 @@ wrong is refused here, before a byte of process memory is touched.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsutil
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     IntegrityError,
@@ -241,11 +244,18 @@ def _read_doc(source: Path | str | bytes, what: str) -> tuple[Any, str]:
         return strict_loads(bytes(source), document=what), what
     path = Path(source)
     try:
-        if path.stat().st_size > MAX_MANIFEST_BYTES:
-            raise ColdSnapError(f"{what} {path} is larger than {MAX_MANIFEST_BYTES} bytes", fix="recapture")
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never blocks
     except FileNotFoundError:
         raise ColdSnapError(f"{what} {path} does not exist", fix="check the unit's capsule state directory") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IntegrityError(f"{what} {path} is not a regular file",
+                                 fix="the capsule state is damaged; pull the capsule again or recapture")
+        data = fsutil.read_at_most(fd, MAX_MANIFEST_BYTES)  # never past the limit, even for a file that grows
+    finally:
+        os.close(fd)
+    if data is None:
+        raise ColdSnapError(f"{what} {path} is larger than {MAX_MANIFEST_BYTES} bytes", fix="recapture")
     name = f"{what} {path}"
     return strict_loads(data, document=name), name
 

@@ -35,7 +35,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import pack_relpath
-from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import (
+    PayloadVerifier,
+    VerifiedPayload,
+)
 
 BRANCH = r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}"
 HUB_FIX = "check the repository, the token (write access), the branch and the endpoint (HF_ENDPOINT)"
@@ -152,6 +155,7 @@ def upload_host_payloads(*, artifact: dict, host: str, state_root: Path, reposit
     cache = NodeCache(state_root)
     verifier = PayloadVerifier()
     results: list[dict[str, Any]] = []
+    verified: dict[str, VerifiedPayload] = {}
     with contextlib.ExitStack() as stack:
         if not check_mode:
             # Every lock before any hash, in one order on every host: two publishes that share
@@ -165,6 +169,7 @@ def upload_host_payloads(*, artifact: dict, host: str, state_root: Path, reposit
                 # The lock is held until the upload finished: nothing replaces the pack between hash and send.
                 vp = verifier.verify_locked(cache.path_for(obj.sha256), obj.sha256, obj.size, rehash=True)
             stack.callback(vp.close)
+            verified[obj.sha256] = vp
             results.append({**obj.as_dict(), "rehash_seconds": round(vp.seconds, 6), "bytes_hashed": vp.bytes_hashed,
                             "action": "verified"})
         mine = [o for o in objects if o.upload_host == host]
@@ -191,12 +196,12 @@ def upload_host_payloads(*, artifact: dict, host: str, state_root: Path, reposit
                 api.create_branch(repository, branch=branch, exist_ok=True)
             except Exception as exc:
                 raise _hub_error(f"cannot create branch {branch!r} in {repository}", exc, token) from None
-        commit = _commit(api, repository, branch, todo, cache, artifact=artifact, host=host, token=token)
+        commit = _commit(api, repository, branch, todo, verified, artifact=artifact, host=host, token=token)
     return {"changed": True, "objects": results, "commit": commit}
 
 
-def _commit(api: Any, repository: str, branch: str, objects: list[PayloadObject], cache: NodeCache, *,
-            artifact: dict, host: str, token: str | None) -> str:
+def _commit(api: Any, repository: str, branch: str, objects: list[PayloadObject],
+            verified: dict[str, VerifiedPayload], *, artifact: dict, host: str, token: str | None) -> str:
     try:
         from huggingface_hub import CommitOperationAdd
     except ImportError:
@@ -204,7 +209,11 @@ def _commit(api: Any, repository: str, branch: str, objects: list[PayloadObject]
             from None
     ops = []
     for obj in objects:
-        op = CommitOperationAdd(path_in_repo=obj.path, path_or_fileobj=str(cache.path_for(obj.sha256)))
+        vp = verified[obj.sha256]
+        vp.recheck()  # the open file is still the one hashed
+        # The library reads the verified inode through its descriptor, never the pack's name again: a file
+        # put under that name since the re-hash is not what gets uploaded under its digest.
+        op = CommitOperationAdd(path_in_repo=obj.path, path_or_fileobj=f"/proc/self/fd/{vp.fileno()}")
         # The digest was just verified under the lock: the library need not read the file to hash it again.
         op.upload_info.sha256 = bytes.fromhex(obj.sha256.split(":", 1)[1])
         ops.append(op)

@@ -145,6 +145,10 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
     hexd = parse_digest(sha256, what="model payload digest")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ColdSnapError(f"payload size {size!r} is not a non-negative integer", fix="give the size in bytes")
+    if lock_timeout is not None and (isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float))
+                                     or not 0 <= lock_timeout < float("inf")):
+        # nan would wait for ever on a held lock, a negative number time out at once
+        raise ColdSnapError(f"lock_timeout is {lock_timeout!r}", fix="give a finite number of seconds >= 0")
     source.check()
     cache = NodeCache(state_root)
     final = cache.path_for(sha256)
@@ -175,12 +179,21 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
                                        source.describe())
             except IntegrityError as exc:
                 quarantined = exc.details.get("quarantined")
-        if source.kind == "local":
-            copied = _stage_local(cache, hexd, size, source, progress)
-        elif source.kind == "peer":
-            copied = _stage_peer(cache, hexd, size, source, progress)
-        else:
-            copied = _stage_huggingface(cache, hexd, size, source, progress)
+        try:
+            if source.kind == "local":
+                copied = _stage_local(cache, hexd, size, source, progress)
+            elif source.kind == "peer":
+                copied = _stage_peer(cache, hexd, size, source, progress)
+            else:
+                copied = _stage_huggingface(cache, hexd, size, source, progress)
+        except ColdSnapError as exc:
+            if not quarantined or exc.details.get("quarantined"):
+                raise
+            # The corrupt copy was moved aside before the source failed: a change on the host, said so.
+            cls = IntegrityError if isinstance(exc, IntegrityError) else ColdSnapError
+            raise cls(f"{exc.problem} (the copy that was in the node cache failed verification and was moved to "
+                      f"quarantine as {quarantined})", fix=exc.fix,
+                      details={**exc.details, "quarantined": quarantined}) from None
         return StageResult(True, final, sha256, size, False, size, copied, source.describe(), quarantined)
 
 
