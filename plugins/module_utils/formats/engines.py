@@ -30,6 +30,8 @@ class EnvList:
     variable: str
     item: str
     required: bool
+    # Whether the engine trims blanks around the items (vLLM splits on commas only: " coldsnap" names nothing).
+    trimmed: bool = True
 
 
 @dataclass(frozen=True)
@@ -106,10 +108,33 @@ class EngineSpec:
     # The option naming the model the OpenAI API serves (the validation's ``model``); its values are
     # the names a request may ask for (vLLM takes several), so workload.served_model_name must be one.
     served_name_flag: str = "--served-model-name"
+    # Where the command names the model, which the server serves under when it sets no served_name_flag: the
+    # operand after the subcommand (``vllm serve MODEL``, which wins), else the option.
+    model_subcommand: str = ""
+    model_flag: str = ""
+    # Options a capture refuses whatever their value: (flag, why).
+    refused_options: tuple[tuple[str, str], ...] = ()
+    # Options that must keep one of the allowed values when set: (spellings, allowed values, why).
+    bounded_options: tuple[tuple[tuple[str, ...], tuple[str, ...], str], ...] = ()
+    # The engine's parser expands any unambiguous prefix of an option (argparse's allow_abbrev): a prefix of a
+    # flag the rules read (or of ``abbreviation_guard``, flags other rules read by name) is refused, so no rule
+    # is passed by abbreviating the flag it reads.
+    abbreviations: bool = False
+    abbreviation_guard: tuple[str, ...] = ()
 
     @property
     def placement_flags(self) -> tuple[str, ...]:
         return tuple(f for f in (self.port_flag, self.address_flag) if f)
+
+    @property
+    def read_flags(self) -> frozenset[str]:
+        """Every flag spelling the command rules read (for the abbreviation rule)."""
+        switches = self.required_args + self.gpu_required_args + self.forbidden_args + self.cpu_forbidden_args
+        flags = {*switches, *(_negation(f) for f in switches), *self.tp_flags, *self.abbreviation_guard,
+                 *(f for f, _ in self.required_options + self.gpu_required_options + self.refused_options),
+                 *(f for spellings, _, _ in self.bounded_options for f in spellings),
+                 self.load_format_flag, self.port_flag, self.address_flag, self.served_name_flag, self.model_flag}
+        return frozenset(f for f in flags if f)
 
     def launcher(self) -> dict:
         """The unit launcher settings the activation runtime applies (recorded in the unit spec)."""
@@ -147,7 +172,28 @@ ENGINES: dict[str, EngineSpec] = {
         # vLLM's CPU build refuses sleep mode (it is built on its CUDA allocator).
         cpu_forbidden_args=("--enable-sleep-mode", "--sleep-mode-backend"),
         tp_flags=("--tensor-parallel-size", "-tp"),
-        plugin_env=(EnvList("VLLM_PLUGINS", "coldsnap", required=True),),
+        model_subcommand="serve", model_flag="--model",
+        refused_options=(
+            ("--uds", "the server would listen on a Unix socket, not on the TCP port ColdSnap probes and moves"),
+            ("--ssl-keyfile", "the server would speak HTTPS, which ColdSnap's probe does not, and keep the private "
+                              "key in its memory, so in the snapshot"),
+            ("--ssl-certfile", "the server would speak HTTPS, which ColdSnap's probe does not"),
+            ("--grpc", "the server would speak gRPC on its port instead of the OpenAI HTTP API ColdSnap probes"),
+            ("--headless", "no API server would run: nothing answers the probe or carries ColdSnap's control "
+                           "endpoint"),
+            ("--config", "the options it reads from its YAML file escape these rules (write them in the command)"),
+        ),
+        bounded_options=(
+            (("--data-parallel-size", "-dp"), ("1",), "each data-parallel rank is another engine with its own worker"),
+            (("--pipeline-parallel-size", "-pp"), ("1",), "each pipeline stage is another worker"),
+            (("--prefill-context-parallel-size", "-pcp"), ("1",), "each context-parallel rank is another worker"),
+            (("--nnodes", "-n"), ("1",), "a server spread over several nodes is not one unit"),
+            (("--api-server-count", "-asc"), ("1",), "ColdSnap drives one API-server process per unit"),
+            (("--distributed-executor-backend",), ("mp", "uni"),
+             "Ray runs the workers outside the unit's process tree; external_launcher expects torchrun"),
+        ),
+        abbreviations=True, abbreviation_guard=("--api-key", "--hf-token"),
+        plugin_env=(EnvList("VLLM_PLUGINS", "coldsnap", required=True, trimmed=False),),
         # API server, engine core and workers share ring buffers, a semaphore and ZMQ IPC sockets:
         # all of them go into a private /dev/shm that the snapshot takes with the tree.
         private_shm=True, criu_link_remap=True,
@@ -205,8 +251,8 @@ def _flag_name(token: str) -> str:
     return "--" + name[2:].replace("_", "-") if name.startswith("--") else name
 
 
-def _positions(command: Sequence[str], flag: str) -> list[int]:
-    return [i for i, tok in enumerate(command) if tok.startswith("-") and _flag_name(tok) == flag]
+def _positions(command: Sequence[str], *flags: str) -> list[int]:
+    return [i for i, tok in enumerate(command) if tok.startswith("-") and _flag_name(tok) in flags]
 
 
 def _negation(flag: str) -> str:
@@ -226,10 +272,11 @@ def negated_flag(command: Sequence[str], flag: str) -> bool:
     return bool(off) and (not on or off[-1] > on[-1])
 
 
-def command_option(command: Sequence[str], flag: str) -> str | None:
-    """The value of ``flag`` (``--flag v`` or ``--flag=v``; the last one wins, as in argparse)."""
+def command_option(command: Sequence[str], flag: str, *aliases: str) -> str | None:
+    """The value of ``flag`` (``--flag v`` or ``--flag=v``; the last one wins, as in argparse, also over
+    ``aliases``, other spellings of the same option such as ``-tp``)."""
     value = None
-    for i in _positions(command, flag):
+    for i in _positions(command, flag, *aliases):
         tok = command[i]
         if "=" in tok:
             value = tok.split("=", 1)[1]
@@ -255,6 +302,16 @@ def command_values(command: Sequence[str], flag: str) -> list[str] | None:
             break
         values.append(tok)
     return values
+
+
+def served_under_model(spec: EngineSpec, command: Sequence[str]) -> str | None:
+    """The model name the server serves under when its command sets no served-name option: the operand after
+    the subcommand (``vllm serve MODEL``), else the model option; None when the command names neither."""
+    if spec.model_subcommand and spec.model_subcommand in command[1:]:
+        i = command.index(spec.model_subcommand, 1)
+        if i + 1 < len(command) and not command[i + 1].startswith("-"):
+            return command[i + 1]
+    return (command_option(command, spec.model_flag) or None) if spec.model_flag else None
 
 
 def set_command_option(command: Sequence[str], flag: str, value: str) -> list[str]:
@@ -331,6 +388,24 @@ def command_issues(engine: str, command: Sequence[str], environment: Mapping[str
     ``gpu``: the unit has devices (some flags exist on GPU builds only)."""
     spec = engine_spec(engine)
     out: list[tuple[str, str, str]] = []
+    if spec.abbreviations:
+        read = spec.read_flags
+        for tok in command[1:command.index("--") if "--" in command else len(command)]:
+            name = _flag_name(tok)
+            full = sorted(f for f in read if f.startswith(name) and f != name)
+            if len(name) > 1 and tok.startswith("-") and name not in read and full:
+                out.append(("command", f"{name} abbreviates {' or '.join(full)} (engine {spec.name!r} expands "
+                                       "option prefixes), which the capture rules read by its full name",
+                            f"spell out {full[0]}"))
+    for flag, why in spec.refused_options:
+        if flag_enabled(command, flag):
+            out.append(("command", f"engine {spec.name!r} capture cannot use {flag}: {why}",
+                        f"remove {flag} from the command"))
+    for spellings, allowed, why in spec.bounded_options:
+        got = command_option(command, *spellings)
+        if got is not None and got not in allowed:
+            out.append(("command", f"engine {spec.name!r} capture cannot use {spellings[0]} {got}: {why}",
+                        f"set {spellings[0]} {allowed[0]} (or leave the option out)"))
     for arg in spec.required_args + (spec.gpu_required_args if gpu else ()):
         if not flag_enabled(command, arg):
             if negated_flag(command, arg):
@@ -362,14 +437,17 @@ def command_issues(engine: str, command: Sequence[str], environment: Mapping[str
                         f"use one of {', '.join(spec.capture_load_formats)} (or leave the option out)"))
     for rule in spec.plugin_env:
         raw = environment.get(rule.variable)
-        names = {x.strip() for x in (raw or "").split(",") if x.strip()}
+        names = {x.strip() if rule.trimmed else x for x in (raw or "").split(",") if x.strip()}
         if raw is None and rule.required:
             out.append(("environment", f"engine {spec.name!r} loads the ColdSnap plugin only when "
                                        f"{rule.variable} names {rule.item!r}; it is unset",
                         f"set {rule.variable}={rule.item} in the unit environment (comma-separate other plugins)"))
         elif raw is not None and rule.item not in names:
-            out.append(("environment", f"{rule.variable}={raw!r} does not name the ColdSnap plugin {rule.item!r}",
-                        f"add {rule.item} to {rule.variable}"))
+            blanks = "" if rule.trimmed else f" (engine {spec.name!r} splits it at commas and keeps blanks)"
+            out.append(("environment", f"{rule.variable}={raw!r} does not name the ColdSnap plugin "
+                                       f"{rule.item!r}{blanks}",
+                        f"add {rule.item} to {rule.variable}" + (", without blanks around the commas" if blanks
+                                                                 else "")))
     return out
 
 
@@ -431,15 +509,16 @@ def engine_issues(request: dict) -> list[FormatIssue]:
                 f"engine {spec.name!r} runs on GPU units only: {spec.cpu_units_reason}",
                 "give the unit its GPU devices, or use an engine qualified on CPU (reference, vllm)",
             ))
-        for flag in spec.tp_flags:
-            tp = command_option(unit["command"], flag)
-            if tp is not None and tp != str(len(held)):
-                issues.append(FormatIssue(
-                    f"$.launch.units[{i}].command",
-                    f"{flag} {tp!r} in the command of unit {unit['id']!r}, which holds {len(held)} worker(s): the "
-                    "server would run another number of tensor-parallel ranks than ColdSnap captures and restores",
-                    f"set {flag} {len(held)} (one rank per worker of the unit), or assign the unit that many workers",
-                ))
+        at = _positions(unit["command"], *spec.tp_flags)
+        tp = command_option(unit["command"], *spec.tp_flags) if at else None  # one option: its last spelling wins
+        if tp is not None and tp != str(len(held)):
+            flag = _flag_name(unit["command"][at[-1]])
+            issues.append(FormatIssue(
+                f"$.launch.units[{i}].command",
+                f"{flag} {tp!r} in the command of unit {unit['id']!r}, which holds {len(held)} worker(s): the "
+                "server would run another number of tensor-parallel ranks than ColdSnap captures and restores",
+                f"set {flag} {len(held)} (one rank per worker of the unit), or assign the unit that many workers",
+            ))
         if spec.max_cpu_unit_workers and not unit["devices"] and len(held) > spec.max_cpu_unit_workers:
             issues.append(FormatIssue(
                 f"$.launch.units[{i}]",
@@ -457,14 +536,18 @@ def engine_issues(request: dict) -> list[FormatIssue]:
     served = request["workload"].get("served_model_name")
     for unit in launch["units"]:
         names = command_values(unit["command"], spec.served_name_flag) if spec.served_name_flag else None
+        sets = f"{spec.served_name_flag} {' '.join(names or []) or '(no value)'}"
+        fix = f"set workload.served_model_name to {names[0]!r}" if names else \
+            f"give {spec.served_name_flag} a name in the command"
+        if names is None and (model := served_under_model(spec, unit["command"])) is not None:
+            names = [model]
+            sets = f"no {spec.served_name_flag}, so the engine serves the model as {model!r}"
+            fix = f"add {spec.served_name_flag} {served} to the command, or set workload.served_model_name to {model!r}"
         if served is not None and names is not None and served not in names:
             issues.append(FormatIssue(
                 "$.workload.served_model_name",
-                f"{served!r} is not a name the server of unit {unit['id']!r} serves: its command sets "
-                f"{spec.served_name_flag} {' '.join(names) or '(no value)'}, and the validation request would "
-                "ask for a model the engine answers 404 for",
-                f"set workload.served_model_name to {names[0]!r}" if names
-                else f"give {spec.served_name_flag} a name in the command"))
+                f"{served!r} is not a name the server of unit {unit['id']!r} serves: its command sets {sets}, and "
+                "the validation request would ask for a model the engine answers 404 for", fix))
     if request["operation"] == "capture":
         for i, unit in enumerate(launch["units"]):
             for where, problem, fix in command_issues(spec.name, unit["command"], unit.get("environment", {}),

@@ -24,8 +24,9 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request imp
 VLLM_OK = ["vllm", "serve", "/models/m", "--port", "8000", "--enable-sleep-mode", "--sleep-mode-backend", "coldsnap",
            "--worker-extension-cls", VLLM_WORKER_EXTENSION, "--load-format", "instanttensor"]
 VLLM_ENV = {"VLLM_PLUGINS": "coldsnap"}
+# No sleep-mode flags: vLLM's CPU build refuses them.
 VLLM_CPU = ["vllm", "serve", "/models/m", "--port", "8000", "--worker-extension-cls", VLLM_WORKER_EXTENSION,
-            "--load-format", "instanttensor"]  # no sleep-mode flags: vLLM's CPU build refuses them
+            "--load-format", "instanttensor", "--served-model-name", "reference-tiny"]
 
 
 def test_option_parsing_accepts_both_spellings_and_the_last_wins():
@@ -209,3 +210,90 @@ def test_a_tensor_parallel_size_that_is_not_the_units_worker_count_is_refused(re
     assert "set " in issue.fix and " 1 " in issue.fix
     req["launch"]["units"][0]["command"] = [*VLLM_CPU, spelling[0].split("=")[0], "1"]
     assert engine_issues(req) == []
+
+
+@pytest.mark.parametrize(("abbreviated", "full"), [
+    (["--tensor-parallel", "2"], "--tensor-parallel-size"),
+    (["-t", "2"], "-tp"),
+    (["--load-form", "dummy"], "--load-format"),
+    (["--load_form=dummy"], "--load-format"),
+    (["--po", "9000"], "--port"),
+    (["--enable-sleep"], "--enable-sleep-mode"),
+    (["--served-mo", "x"], "--served-model-name"),
+    (["--api-k", "sk-1"], "--api-key"),
+    (["-as", "2"], "-asc"),
+])
+def test_vllm_option_abbreviations_are_refused_by_their_full_name(abbreviated, full):
+    # vLLM's parser (argparse, allow_abbrev) takes any unambiguous prefix: the rules would read nothing.
+    issues = command_issues("vllm", [*VLLM_CPU, *abbreviated], VLLM_ENV)
+    assert any("abbreviates" in problem and f"spell out {full}" == fix for _, problem, fix in issues), issues
+
+
+@pytest.mark.parametrize(("extra", "flag"), [
+    (["--uds", "/run/v.sock"], "--uds"),
+    (["--ssl-keyfile", "/k", "--ssl-certfile", "/c"], "--ssl-keyfile"),
+    (["--headless"], "--headless"),
+    (["--grpc"], "--grpc"),
+    (["--config", "/etc/vllm.yaml"], "--config"),
+    (["--data-parallel-size", "2"], "--data-parallel-size"),
+    (["-dp", "2"], "--data-parallel-size"),
+    (["--pipeline_parallel_size=2"], "--pipeline-parallel-size"),
+    (["-pcp", "2"], "--prefill-context-parallel-size"),
+    (["--nnodes", "2"], "--nnodes"),
+    (["--api-server-count", "2"], "--api-server-count"),
+    (["--distributed-executor-backend", "ray"], "--distributed-executor-backend"),
+])
+def test_vllm_options_a_capture_cannot_follow_are_refused_by_name(extra, flag):
+    issues = command_issues("vllm", [*VLLM_CPU, *extra], VLLM_ENV)
+    assert any(f"cannot use {flag}" in problem and flag in fix for _, problem, fix in issues), issues
+
+
+@pytest.mark.parametrize("extra", [
+    ["--data-parallel-size", "1"], ["-pp", "1"], ["--api-server-count=1"], ["--distributed-executor-backend", "mp"],
+    ["--root-path", "/v1-proxy"], ["--kv-transfer-config", '{"kv_connector": "X"}'], ["--max-model-len", "256"],
+])
+def test_vllm_options_a_capture_follows_are_not_refused(extra):
+    assert command_issues("vllm", [*VLLM_CPU, *extra], VLLM_ENV) == []
+
+
+def test_tensor_parallel_spellings_are_one_option_whose_last_spelling_wins(reference_request):
+    req = _as_engine(reference_request, "vllm", [*VLLM_CPU, "-tp", "2", "--tensor-parallel-size", "1"], VLLM_ENV)
+    assert engine_issues(req) == [], "vLLM runs one rank: the later spelling wins"
+    req["launch"]["units"][0]["command"] = [*VLLM_CPU, "--tensor-parallel-size", "1", "-tp", "2"]
+    (issue,) = engine_issues(req)
+    assert issue.message.startswith("-tp '2'")
+
+
+def test_vllm_plugins_is_split_at_commas_without_trimming():
+    # vLLM's envs.VLLM_PLUGINS is os.environ["VLLM_PLUGINS"].split(","): " coldsnap" names no plugin.
+    (issue,) = command_issues("vllm", VLLM_CPU, {"VLLM_PLUGINS": "lora_filesystem_resolver, coldsnap"})
+    assert issue[0] == "environment" and "keeps blanks" in issue[1] and "without blanks" in issue[2]
+    assert command_issues("vllm", VLLM_CPU, {"VLLM_PLUGINS": "lora_filesystem_resolver,coldsnap"}) == []
+
+
+@pytest.mark.parametrize(("command", "served_as"), [
+    (VLLM_CPU[:-2], "/models/m"),
+    (["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/m", "--port", "8000",
+      "--worker-extension-cls", VLLM_WORKER_EXTENSION], "/models/m"),
+])
+def test_without_a_served_name_vllm_serves_the_model_under_its_path(reference_request, command, served_as):
+    req = _as_engine(reference_request, "vllm", command, VLLM_ENV)
+    req["workload"]["served_model_name"] = "m"
+    (issue,) = engine_issues(req)
+    assert issue.path == "$.workload.served_model_name" and repr(served_as) in issue.message
+    assert "--served-model-name m" in issue.fix
+    req["workload"]["served_model_name"] = served_as
+    assert engine_issues(req) == []
+    req["launch"]["units"][0]["command"] = [*command, "--served-model-name", "m"]
+    req["workload"]["served_model_name"] = "m"
+    assert engine_issues(req) == []
+
+
+def test_the_coldsnap_loader_accepts_the_extra_config_the_capture_loader_took():
+    from coldsnap_engines.vllm.loader import EXTRA_CONFIG_KEY, unexpected_extra_config
+
+    # A restore keeps the captured --model-loader-extra-config; vLLM's default loader accepted these keys.
+    assert unexpected_extra_config({"num_threads": 4, "enable_multithread_load": True}) == set()
+    assert unexpected_extra_config({EXTRA_CONFIG_KEY: "/spec.json"}) == set()
+    assert unexpected_extra_config(None) == set()
+    assert unexpected_extra_config({"other": 1}) == {"other"}

@@ -38,6 +38,8 @@ from coldsnap_engines.vllm.state import STATE
 LOAD_FORMAT = ENGINES["vllm"].restore_load_format  # "coldsnap"
 OBSERVED_FORMATS = ENGINES["vllm"].capture_load_formats  # the safetensors-backed normal loaders
 SPEC_ENV = "COLDSNAP_HYDRATION_SPEC"
+# The extra-config keys vLLM's DefaultModelLoader (every capture load format) accepts.
+DEFAULT_LOADER_EXTRA_KEYS = ("enable_multithread_load", "num_threads", "enable_weights_track")
 EXTRA_CONFIG_KEY = "coldsnap_spec"
 
 
@@ -75,6 +77,13 @@ def kv_table() -> AllocationTable | None:
     if not cumem_available or CuMemAllocator.instance is None:
         return None
     return from_cumem(CuMemAllocator.instance, "kv_cache")
+
+
+def unexpected_extra_config(extra: dict | None) -> set[str]:
+    """The ``--model-loader-extra-config`` keys the ``coldsnap`` loader refuses. A restore keeps the captured
+    command, so the keys vLLM's default loader took at capture (its thread options, which hydration does not
+    need) are accepted and ignored, like ColdSnap's own spec key."""
+    return set(extra or {}) - {EXTRA_CONFIG_KEY, *DEFAULT_LOADER_EXTRA_KEYS}
 
 
 def hydration_spec(load_config) -> dict | None:
@@ -160,8 +169,7 @@ def loader_classes():
         """``--load-format coldsnap``: rebuild the captured layout, hydrate it (native or recovery)."""
 
         def __init__(self, load_config):
-            extra = load_config.model_loader_extra_config or {}
-            unexpected = set(extra) - {EXTRA_CONFIG_KEY}
+            unexpected = unexpected_extra_config(load_config.model_loader_extra_config)
             if unexpected:
                 raise ValueError(f"Unexpected extra config keys for load format {LOAD_FORMAT}: {unexpected}")
             super().__init__(load_config)
