@@ -60,6 +60,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
     file_lock,
     lock_held,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.progress import DEFAULT_LEASE_S
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import (  # noqa: F401  # pylint: disable=W0611
     StateLayout,
     default_state_root,
@@ -723,8 +724,9 @@ class PlaybookRun:
                          runner_status=self.runner_status, rc=rc, cancelled=cancelled, in_flight=in_flight,
                          warnings=self.timing.problems + self.user_handler_errors)
         if cfg.operation in eviction.RESTORE_OPERATIONS:  # what became of the workload that ran before
-            result["eviction"] = eviction.receipt_record(
-                collector.evictions, succeeded=succeeded, interrupted=any(_may_evict(t.get("play")) for t in in_flight))
+            result["eviction"] = eviction_record(
+                collector.evictions, succeeded=succeeded, in_flight=in_flight,
+                detached=not cancelled or _live_progress(cfg.public_vars.get(EXTRAVAR_LIVE_PROGRESS)))
             if error is not None:
                 error["message"] = with_eviction(error["message"], result["eviction"])
         if cancelled:
@@ -814,6 +816,34 @@ def _may_evict(play: str | None) -> bool:
     return "evict" in name and "nothing is evicted" not in name
 
 
+# The steps of a restore's evict-and-activate play that bring back what its evict step stopped (the step
+# itself, its async launch, and the wait for that job).
+_ACTIVATION_ACTIONS = ("unit_restore", "job_wait")
+
+
+def _live_progress(value: Any) -> bool:
+    """Whether the long steps ran as async jobs (``coldsnap_live_progress``, as Ansible's ``bool`` reads it)."""
+    return value is True or str(value).strip().lower() in ("1", "true", "yes", "on", "y", "t")
+
+
+def eviction_record(evictions: Mapping[str, Any], *, succeeded: bool, in_flight: list[dict],
+                    detached: bool) -> dict:
+    """``result.eviction`` of a restore's run; ``in_flight``: the tasks it was cut off in. Cut off while a
+    host activated what its evict step stopped, with that activation out of the controller's reach
+    (``detached``: an async job, which outlives ansible-playbook until it ends or nobody has waited for it
+    for its lease; or the step of a playbook killed from outside, whose module runs on), the workload there
+    is not known to be gone: the activation may still bring it back. That is ``unknown`` (the hosts in
+    ``activation_cut_off``), never ``evicted``, and no rollback races the activation."""
+    record = eviction.receipt_record(evictions, succeeded=succeeded,
+                                     interrupted=any(_may_evict(t.get("play")) for t in in_flight))
+    activating = {t.get("host") for t in in_flight if detached and _may_evict(t.get("play"))
+                  and str(t.get("action") or "").rsplit(".", 1)[-1] in _ACTIVATION_ACTIONS}
+    hosts = sorted({u["host"] for u in record["units"] if not u["restored"] and u["host"] in activating})
+    if record["previous_workload"] == eviction.EVICTED and hosts:
+        record = {**record, "previous_workload": eviction.UNKNOWN, "activation_cut_off": hosts}
+    return record
+
+
 def with_eviction(message: str, record: Mapping[str, Any]) -> str:
     """A restore's error message saying, once, what became of the workload that ran before (``record``:
     ``result.eviction``): evicted and not running (naming it, and how to serve again), untouched, or not
@@ -823,6 +853,15 @@ def with_eviction(message: str, record: Mapping[str, Any]) -> str:
         return eviction.after_eviction(message, [u for u in record.get("units") or [] if not u.get("restored")])
     if state == eviction.UNTOUCHED:
         return eviction.before_eviction(message)
+    if state == eviction.UNKNOWN and record.get("activation_cut_off"):
+        hosts = list(record["activation_cut_off"])
+        stopped = eviction.describe([u for u in record.get("units") or [] if u.get("host") in hosts])
+        return (f"restore cut off after eviction: it evicted the workload that ran before ({stopped}) and was "
+                f"stopped while it activated the restored units on {', '.join(hosts)}; that activation goes on "
+                f"without the controller until it ends (a job nobody waits for stops itself within "
+                f"{DEFAULT_LEASE_S:.0f} s) and may bring them back, so what runs there is not known: `coldsnap "
+                "status` shows it; if the workload does not serve once the activation has ended (until then a "
+                f"restore is refused, naming it), restore again (the same request). The cause: {message}")
     if state == eviction.UNKNOWN and "coldsnap status" not in message:
         return (f"{message} (the restore may have evicted the workload that ran before: `coldsnap status` shows "
                 "what runs)")
