@@ -108,8 +108,15 @@ def log_errors(log_path: Path, limit: int = 8) -> list[str]:
 def _run(criu: Criu, args: list[str], log_path: Path, what: str, timeout: float, *,
          env: dict[str, str] | None = None) -> float:
     t0 = time.monotonic()
-    r = subprocess.run([criu.binary, *args], check=False, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, **env} if env else None)
+    try:
+        r = subprocess.run([criu.binary, *args], check=False, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, **env} if env else None)
+    except subprocess.TimeoutExpired:  # CRIU was killed: what its log says so far is all there is
+        errs = log_errors(log_path)
+        raise ColdSnapError(f"CRIU {what} did not finish within {timeout:.0f}s and was stopped"
+                            + (f": {' | '.join(errs)}" if errs else ""),
+                            fix=f"see {log_path} for the step CRIU was in (a hung CRIU, or a tree too large "
+                                "for the time limit)") from None
     elapsed = time.monotonic() - t0
     if r.returncode != 0:
         errs = log_errors(log_path) or [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()][-5:]

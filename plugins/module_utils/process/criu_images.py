@@ -23,6 +23,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.criu import SHM_ARCHIVE
+
 FILES_IMAGE = "files.img"
 
 # fdinfo.proto: file_entry.type = 1, file_entry.isk = 4, fd_types.INETSK = 4
@@ -151,6 +153,23 @@ def image_bytes(head: bytes, entries: list[bytes]) -> bytes:
     return head + b"".join(struct.pack("<I", len(e)) + e for e in entries)
 
 
+# ------------------------------------------------------------------ process tree
+PSTREE_IMAGE = "pstree.img"
+_PS_PID, _PS_THREADS = 1, 5  # pstree.proto: pstree_entry.pid, pstree_entry.threads
+
+
+def tree_ids(images_dir: Path) -> list[int]:
+    """Every process and thread id of a dumped tree (from its ``pstree.img``): what CRIU restores, so what
+    a restore needs free, including a thread or child that appeared after the tree was last looked at."""
+    _head, entries = read_image(Path(images_dir) / PSTREE_IMAGE)
+    out: set[int] = set()
+    for entry in entries:
+        fields = _fields(entry)
+        out.update(_uint32s(fields, _PS_PID))
+        out.update(_uint32s(fields, _PS_THREADS))
+    return sorted(out)
+
+
 # ------------------------------------------------------------------ listeners
 def _address(words: list[int], family: int) -> str:
     raw = b"".join(struct.pack("<I", w) for w in words)
@@ -257,9 +276,10 @@ def rebind_listeners(images_dir: Path, out_dir: Path, moves: dict[tuple[str, int
         shutil.rmtree(dst)
     dst.mkdir(parents=True, mode=0o700)
     for item in src.iterdir():
-        # Images only: never a log or CRIU's statistics (a restore writes those, and a hard link
-        # would write them into the captured state).
-        if item.name == FILES_IMAGE or not item.name.endswith(".img") or item.is_symlink() or not item.is_file():
+        # Images (and the /dev/shm archive a restore unpacks from beside them) only: never a log or CRIU's
+        # statistics (a restore writes those, and a hard link would write them into the captured state).
+        wanted = item.name.endswith(".img") or item.name == SHM_ARCHIVE
+        if item.name == FILES_IMAGE or not wanted or item.is_symlink() or not item.is_file():
             continue
         target = dst / item.name
         try:

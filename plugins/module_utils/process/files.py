@@ -1,7 +1,8 @@
 """The files a process tree maps or holds open, and whether a host still has them.
 
 CRIU restores a file mapping or an open file by path and refuses a file whose
-size changed (append-only files excepted). Capture records what the tree uses;
+size changed; it skips that check only for a descriptor opened write-only with
+``O_APPEND`` (a log), never for a mapping or an ``O_RDWR|O_APPEND`` descriptor. Capture records what the tree uses;
 restore checks it in prepare, before anything running is evicted, so a host
 that lacks a compiled-kernel cache or holds another version of a library fails
 with the file's name instead of half-way through ``criu restore``.
@@ -22,6 +23,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports impor
 PSEUDO_PREFIXES = ("/dev/", "/proc/", "/sys/", "/memfd:", "/SYSV", "/anon_hugepage", "/run/user/")
 DELETED = " (deleted)"
 O_APPEND = 0o2000
+O_ACCMODE, O_WRONLY = 0o3, 0o1
 
 
 def _regular(path: str) -> int | None:
@@ -58,9 +60,15 @@ def used_files(pid: int) -> dict[str, dict]:
                 for line in Path(f"/proc/{pid}/fdinfo/{fd.name}").read_text().splitlines():
                     if line.startswith("flags:"):
                         flags = int(line.split()[1], 8)
-                entry = out.setdefault(path, {"size": size, "append": False})
-                entry["append"] = entry["append"] or bool(flags & O_APPEND)
+                append = unchecked_size(flags)
+                entry = out.setdefault(path, {"size": size, "append": append})
+                entry["append"] = entry["append"] and append  # any use CRIU size-checks makes it checked
     return out
+
+
+def unchecked_size(flags: int) -> bool:
+    """Whether CRIU leaves the size of a file open with ``flags`` unchecked: write-only and append."""
+    return (flags & O_ACCMODE) == O_WRONLY and bool(flags & O_APPEND)
 
 
 def tree_files(root: int) -> list[dict]:
@@ -69,7 +77,7 @@ def tree_files(root: int) -> list[dict]:
     for pid in sorted(process_tree(root)):
         for path, entry in used_files(pid).items():
             cur = merged.setdefault(path, dict(entry))
-            cur["append"] = cur["append"] or entry["append"]
+            cur["append"] = cur["append"] and entry["append"]
     return [{"path": p, **merged[p]} for p in sorted(merged)]
 
 

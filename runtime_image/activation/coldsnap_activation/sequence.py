@@ -42,7 +42,12 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.unit import
     huge_pages_wanted,
     new_evidence,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affinity, placement, ports
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process import (
+    affinity,
+    criu_images,
+    placement,
+    ports,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu as criu_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import cuda_checkpoint as cuda_mod
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import files as files_mod
@@ -446,6 +451,8 @@ class Activation:
             res = criu_mod.dump(criu, h.pid, self.unit_dir / "criu" / wid, leave_running=leave_running,
                                 options=options)
             sp["attrs"]["bytes"] = res.bytes
+        # What CRIU took is what it restores: a thread or child started since the look above needs its id too.
+        tids = sorted(set(tids) | set(criu_images.tree_ids(Path(res.images_dir))))
         # Where the engine listened for control, never its token: a restore writes a fresh one.
         info = h.control_info()
         ctl_dir = self.unit_dir / CONTROL_DIR

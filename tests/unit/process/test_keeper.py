@@ -160,3 +160,32 @@ def test_a_keeper_past_its_time_limit_is_stopped_with_its_criu(tmp_path):
     assert time.monotonic() - t0 < 30
     assert k.proc.poll() is not None
     assert pidfile.exists() and gone(int(pidfile.read_text())), "the keeper's CRIU was stopped too"
+
+
+GROWS_A_THREAD = """
+import sys, threading, time
+print("ready", flush=True)
+sys.stdin.readline()
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+print("grown", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.criu
+def test_the_dumped_tree_names_a_thread_started_after_the_tree_was_looked_at(tmp_path, reap):
+    """The ids a restore needs free come from what CRIU dumped, not only from a look before the dump."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process import criu_images, ports
+
+    proc = subprocess.Popen([sys.executable, "-c", GROWS_A_THREAD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    reap(proc)
+    assert proc.stdout.readline().strip() == "ready"
+    looked = ports.tree_tids(proc.pid)
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "grown"
+    now = ports.tree_tids(proc.pid)
+    assert set(now) > set(looked)
+    criu_mod.dump(criu_mod.find_criu(), proc.pid, tmp_path / "images", leave_running=True)
+    assert criu_images.tree_ids(tmp_path / "images") == now

@@ -132,3 +132,47 @@ def test_a_restore_that_cannot_recreate_a_mount_of_the_captured_namespace_says_w
     assert failure_fix("restore", ["Error (criu/files.c:1): other"], tmp_path / "r.log") == \
         f"see {tmp_path / 'r.log'} for the full CRIU log"
     assert "mount namespace" not in failure_fix("dump", errs, tmp_path / "dump.log")
+
+
+def test_a_restore_onto_another_port_finds_the_archive_in_the_rebound_images(tmp_path):
+    """A unit whose /dev/shm is archived (a container's vLLM) restored onto another serving port: CRIU
+    restores a rebound copy of the images, and the archive must be unpacked from there too."""
+    import struct
+
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.process.placement import Placement, rebind
+
+    def field(num: int, value) -> bytes:  # protobuf: a varint (all below 128 here) or bytes
+        return bytes([num << 3, value]) if isinstance(value, int) else bytes([num << 3 | 2, len(value)]) + value
+
+    # A file_entry (type INETSK) whose inet_sk_entry is a TCP listener on 127.0.0.1:8000.
+    port = field(7, 0)[:1] + bytes([0xC0, 0x3E])  # 8000 as a varint
+    isk = (field(1, 2) + field(3, socket.AF_INET) + field(4, socket.SOCK_STREAM) + field(6, 10) + port
+           + bytes([11 << 3]) + bytes([0xFF, 0x80, 0x80, 0x08]))  # src_addr 127.0.0.1 as one u32
+    entry = field(1, 4) + field(2, 2) + field(4, isk)
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "files.img").write_bytes(struct.pack("<II", 0x54564319, 0x56303138)
+                                       + struct.pack("<I", len(entry)) + entry)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    (shm / "psm_0a1b").write_bytes(b"ring")
+    criu.archive_shm(images, str(shm))
+    placed, moved = rebind(images, tmp_path / "placed", Placement(port_shift=5), unit="unit-0")
+    assert moved and placed == tmp_path / "placed"
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert criu.unpack_shm(placed, str(fresh)) == 1
+    assert (fresh / "psm_0a1b").read_bytes() == b"ring"
+
+
+def test_a_criu_that_hangs_is_stopped_with_an_error_that_names_its_log(tmp_path):
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\nexec sleep 30\n")
+    fake.chmod(0o755)
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "dump.log").write_text("(00.001) Error (criu/cr-dump.c:1): stuck seizing 42\n")
+    with pytest.raises(ColdSnapError) as err:
+        criu.dump(criu.Criu(str(fake), "4.1.1"), 42, images, timeout=0.5)
+    assert "did not finish within" in err.value.problem and "stuck seizing 42" in err.value.problem
+    assert str(images / "dump.log") in err.value.fix

@@ -45,3 +45,32 @@ def test_under_is_component_wise() -> None:
     assert files.under("/root/.cache/vllm/x.so", "/root/.cache/vllm")
     assert files.under("/root/.cache/vllm", "/root/.cache/vllm/")
     assert not files.under("/root/.cache/vllm2/x.so", "/root/.cache/vllm")
+
+
+READ_WRITE_APPEND = """
+import sys, time
+journal = open(sys.argv[1], "a+")  # O_RDWR|O_APPEND: CRIU checks its size at restore
+log = open(sys.argv[2], "a")       # O_WRONLY|O_APPEND: CRIU does not
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_file_open_for_reading_and_appending_is_size_checked_as_criu_does(tmp_path: Path) -> None:
+    journal = tmp_path / "journal"
+    journal.write_text("abc")
+    log = tmp_path / "engine.log"
+    proc = subprocess.Popen([sys.executable, "-c", READ_WRITE_APPEND, str(journal), str(log)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        used = {f["path"]: f for f in files.tree_files(proc.pid)}
+    finally:
+        proc.kill()
+        proc.wait()
+    assert used[str(journal)]["append"] is False
+    assert used[str(log)]["append"] is True
+    journal.write_text("abc grown")
+    log.write_text("grown")
+    assert files.file_problems([used[str(journal)], used[str(log)]]) == [
+        (str(journal), "9 bytes here, 3 when captured")]
