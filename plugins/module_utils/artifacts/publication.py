@@ -24,7 +24,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.commit import read_committed, write_exclusive
+from ansible_collections.coldsnap.fleet.plugins.module_utils.artifacts.commit import (
+    read_committed,
+    write_exclusive,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     IntegrityError,

@@ -31,7 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import make_private_dirs, planted_by_another
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
+    make_private_dirs,
+    planted_by_another,
+)
 
 DEFAULT_STATE_ROOT = "/var/lib/coldsnap"
 STATE_ROOT_ENV = "COLDSNAP_STATE_ROOT"

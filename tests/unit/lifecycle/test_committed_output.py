@@ -21,7 +21,7 @@ def _in_thread(fn, timeout: float = 10.0):
     def target() -> None:
         try:
             out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
+        except BaseException as exc:
             out["error"] = exc
 
     t = threading.Thread(target=target, daemon=True)
