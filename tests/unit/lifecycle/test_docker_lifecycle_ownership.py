@@ -154,8 +154,8 @@ def _tree(root: Path) -> dict[str, tuple]:
 
 
 @pytest.mark.parametrize(("action", "check_mode"), [("status", False), ("sleep", True), ("wake", True)])
-def test_status_and_check_mode_write_nothing_and_run_nothing_in_the_container(state_root, docker, engine_api,
-                                                                             action, check_mode) -> None:
+def test_status_and_check_mode_write_nothing_and_run_nothing_in_the_container(
+        state_root, docker, engine_api, action, check_mode) -> None:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
 
     req = docker_request(action)
