@@ -79,8 +79,7 @@ def make_dirs_unwritable_by_others(path: Path | str) -> None:
         path = path.parent
     for directory in reversed(missing):
         with contextlib.suppress(FileExistsError):
-            directory.mkdir()
-            os.chmod(directory, stat.S_IMODE(os.lstat(directory).st_mode) & ~0o022)
+            directory.mkdir(mode=0o755)  # the kernel applies the umask: never a moment with group or other write
 
 
 def remove_if_abandoned(path: Path | str) -> bool:

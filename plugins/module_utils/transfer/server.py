@@ -158,6 +158,11 @@ class PeerServer(ThreadingHTTPServer):
             return 0.0 if self.active else time.monotonic() - self.last_activity
 
 
+# C0 and C1 control characters as \xHH and a backslash doubled, as http.server's own log escapes them (its
+# table is private, and missing from Python releases before the fix for gh-100001).
+_CONTROL_CHARS = str.maketrans({**{c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7f, 0xa0))}, "\\": "\\\\"})
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: PeerServer
     protocol_version = "HTTP/1.1"
@@ -168,7 +173,7 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # pylint: disable=redefined-builtin
         # The request line is the client's, authenticated or not: its control characters are escaped, as
         # http.server's own log does, so nobody who reaches the port writes terminal sequences into the log.
-        self.server.log(f"{self.client_address[0]} {(format % args).translate(self._control_char_table)}")
+        self.server.log(f"{self.client_address[0]} {(format % args).translate(_CONTROL_CHARS)}")
 
     def do_GET(self) -> None:  # pylint: disable=invalid-name
         range_header = self.headers.get("Range", "")

@@ -212,8 +212,17 @@ class DockerUnits(RunningUnits):
         restore placed on this host and this one places elsewhere: ranks swapped between hosts; left running,
         it would serve the replaced generation beside the restored one, out of reach of status and stop)."""
         ids = [u["id"] for u in units_on_host(self.request, self.host)]
-        return ids + [u["id"] for u in self.request["launch"]["units"]
-                      if u["id"] not in ids and canonical_container(self.request, u["id"], client=self.client)]
+        for u in self.request["launch"]["units"]:
+            if u["id"] in ids:
+                continue
+            try:
+                if canonical_container(self.request, u["id"], client=self.client) is not None:
+                    ids.append(u["id"])
+            except AdmissionError:
+                # Another workload's container under the same name (canonical names can collide): it is not
+                # this workload's, and a unit this request places elsewhere never fails this host's step.
+                continue
+        return ids
 
     def evict(self, *, check_mode: bool) -> list[dict]:
         """Remove this workload's canonical unit containers on this host (the engines die with them)."""

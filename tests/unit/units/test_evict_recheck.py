@@ -203,3 +203,24 @@ def test_the_docker_evict_step_ends_the_container_of_a_unit_the_restore_places_e
     assert rt.evict(check_mode=False) == expected and removed == ["c-u0"]
     here.clear()
     assert rt.units_here() == ["u1"] and rt.evict(check_mode=False) == []
+
+
+def test_a_colliding_container_of_another_workload_never_fails_a_unit_placed_elsewhere(monkeypatch, tmp_path):
+    """Canonical names can collide (recipe a-b unit c, recipe a unit b-c): another workload's container under the
+    name of a unit this restore places on another host is not this workload's. The step of this host goes on;
+    only a unit placed here is refused for it."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import docker_units
+
+    def lookup(_r, uid, client):
+        if uid == "u0":
+            raise AdmissionError("container coldsnap-demo-u0 belongs to another workload")
+
+    monkeypatch.setattr(docker_units, "canonical_container", lookup)
+    swapped = {"id": "op2", "workload": {"recipe": "demo"},
+               "launch": {"units": [{"id": "u0", "host": "h2"}, {"id": "u1", "host": "h1"}]}}
+    rt = docker_runtime.DockerRuntime(swapped, host="h1", state_root=tmp_path, client=object())
+    assert rt.units_here() == ["u1"]
+    assert rt.evict(check_mode=True) == []
+    placed_here = docker_runtime.DockerRuntime(swapped, host="h2", state_root=tmp_path, client=object())
+    with pytest.raises(AdmissionError):
+        placed_here.evict(check_mode=True)
