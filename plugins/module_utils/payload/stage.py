@@ -189,11 +189,13 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
         except ColdSnapError as exc:
             if not quarantined or exc.details.get("quarantined"):
                 raise
-            # The corrupt copy was moved aside before the source failed: a change on the host, said so.
-            cls = IntegrityError if isinstance(exc, IntegrityError) else ColdSnapError
-            raise cls(f"{exc.problem} (the copy that was in the node cache failed verification and was moved to "
-                      f"quarantine as {quarantined})", fix=exc.fix,
-                      details={**exc.details, "quarantined": quarantined}) from None
+            # The corrupt copy was moved aside before the source failed: a change on the host, said so (the
+            # error keeps its type).
+            exc.problem += (f" (the copy that was in the node cache failed verification and was moved to "
+                            f"quarantine as {quarantined})")
+            exc.details = {**exc.details, "quarantined": quarantined}
+            exc.args = (exc.problem if not exc.fix else f"{exc.problem}; {exc.fix}",)
+            raise
         return StageResult(True, final, sha256, size, False, size, copied, source.describe(), quarantined)
 
 

@@ -12,9 +12,11 @@ import contextlib
 import http.client
 import os
 import signal
+import stat
 import subprocess
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     AdmissionError,
@@ -254,26 +256,29 @@ def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_diges
     run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     bytecode = bytecode_dir(layout)
     procs = []
-    for base in specs:
-        spec = base.replace(t0_ns=time.monotonic_ns())
-        uid = spec.unit_id
-        spec_path = run_dir / f"spec-{spec.operation}-{uid}.json"
-        ev_path = run_dir / f"evidence-{spec.operation}-{uid}.json"
-        log_path = run_dir / f"activation-{spec.operation}-{uid}.log"
-        ev_path.unlink(missing_ok=True)
-        atomic_write_json(spec_path, spec.to_json(), mode=0o600)
+    prepared = []
+    try:
+        for base in specs:  # every log opened before any unit starts: a refused one leaves nothing running
+            spec = base.replace(t0_ns=time.monotonic_ns())
+            uid = spec.unit_id
+            spec_path = run_dir / f"spec-{spec.operation}-{uid}.json"
+            ev_path = run_dir / f"evidence-{spec.operation}-{uid}.json"
+            log_path = run_dir / f"activation-{spec.operation}-{uid}.log"
+            ev_path.unlink(missing_ok=True)
+            atomic_write_json(spec_path, spec.to_json(), mode=0o600)
+            prepared.append((spec, spec_path, ev_path, _open_log(log_path), log_path))
+    except BaseException:
+        for entry in prepared:
+            entry[3].close()
+        raise
+    for spec, spec_path, ev_path, log, log_path in prepared:
         env = {**without_credentials(os.environ), "PYTHONPYCACHEPREFIX": str(bytecode), "PYTHONPATH": os.pathsep.join(
             [str(adir)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-        # Never through a link (one planted in the run directory of a state root its user owns would have
-        # root append to, and chmod, any file).
-        log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                0o600), "ab")
-        os.fchmod(log.fileno(), 0o600)
         p = subprocess.Popen([spec.python, "-m", "coldsnap_activation", spec.operation, "--spec", str(spec_path),
                               "--evidence", str(ev_path)], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                              env=env, cwd="/")
-        procs.append((uid, p, ev_path, log, log_path))
+        procs.append((spec.unit_id, p, ev_path, log, log_path))
     results: list[dict] = [{} for _proc in procs]
 
     def wait(i: int, proc: tuple) -> None:
@@ -299,6 +304,25 @@ def run_units(specs: list[UnitSpec], *, state_root: Path | str, activation_diges
     run_concurrently(wait, list(enumerate(procs)))
     raise_failures(results)
     return results
+
+
+def _open_log(log_path: Path) -> BinaryIO:
+    """The activation's log, for appending: never through a link (one planted in the run directory of a state
+    root its user owns would have root append to, and chmod, any file), and a FIFO or directory planted there
+    is refused at once instead of blocking (O_NONBLOCK does nothing to a regular file)."""
+    try:
+        log = os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+                                | os.O_NONBLOCK, 0o600), "ab")
+    except OSError as exc:
+        raise UnitError(f"cannot open the activation log {log_path}: {exc.strerror or exc}",
+                        fix=f"remove {log_path} (a symbolic link, a FIFO or a directory there is refused); the next "
+                            "run makes it") from None
+    if not stat.S_ISREG(os.fstat(log.fileno()).st_mode):
+        log.close()
+        raise UnitError(f"the activation log {log_path} is not a regular file",
+                        fix=f"remove {log_path}; the next run makes it")
+    os.fchmod(log.fileno(), 0o600)
+    return log
 
 
 def _engine_alive(control_file: Path) -> bool:

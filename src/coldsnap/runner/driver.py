@@ -858,8 +858,8 @@ def with_eviction(message: str, record: Mapping[str, Any]) -> str:
         stopped = eviction.describe([u for u in record.get("units") or [] if u.get("host") in hosts])
         return (f"restore cut off after eviction: it evicted the workload that ran before ({stopped}) and was "
                 f"stopped while it activated the restored units on {', '.join(hosts)}; that activation goes on "
-                f"without the controller until it ends (a job nobody waits for stops itself within "
-                f"{DEFAULT_LEASE_S:.0f} s) and may bring them back, so what runs there is not known: `coldsnap "
+                f"without the controller until it ends (as a background job nobody waits for, it stops itself "
+                f"within {DEFAULT_LEASE_S:.0f} s) and may bring them back, so what runs there is not known: `coldsnap "
                 "status` shows it; if the workload does not serve once the activation has ended (until then a "
                 f"restore is refused, naming it), restore again (the same request). The cause: {message}")
     if state == eviction.UNKNOWN and "coldsnap status" not in message:

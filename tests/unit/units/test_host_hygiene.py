@@ -329,3 +329,29 @@ def test_the_directories_above_a_new_state_root_are_private_whatever_the_umask(t
     (tmp_path / "file-root").write_text("")
     with pytest.raises(FileExistsError):
         StateLayout(tmp_path / "file-root").ensure_private_root()
+
+
+@pytest.mark.parametrize("planted", ["fifo", "link", "directory"])
+def test_an_activation_log_planted_as_a_fifo_link_or_directory_is_refused_at_once(tmp_path, planted):
+    """The activation's log in the run directory: a FIFO there would block the start for ever, a link would have
+    root append to (and chmod) the file it names; each is refused by name, and the linked file is untouched."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units import host_units
+
+    log = tmp_path / "activation-restore-unit-0.log"
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"untouched\n")
+    victim.chmod(0o644)
+    if planted == "fifo":
+        os.mkfifo(log)
+    elif planted == "link":
+        log.symlink_to(victim)
+    else:
+        log.mkdir()
+    with pytest.raises(UnitError, match="activation log") as err:
+        host_units._open_log(log)
+    assert str(log) in err.value.fix
+    assert victim.read_bytes() == b"untouched\n" and victim.stat().st_mode & 0o777 == 0o644
+    with host_units._open_log(tmp_path / "fresh.log") as fresh:
+        fresh.write(b"ok\n")
+    assert (tmp_path / "fresh.log").stat().st_mode & 0o777 == 0o600
