@@ -131,8 +131,8 @@ class EngineSpec:
         """Every flag spelling the command rules read (for the abbreviation rule)."""
         switches = self.required_args + self.gpu_required_args + self.forbidden_args + self.cpu_forbidden_args
         flags = {*switches, *(_negation(f) for f in switches), *self.tp_flags, *self.abbreviation_guard,
-                 *(f for f, _ in self.required_options + self.gpu_required_options + self.refused_options),
-                 *(f for spellings, _, _ in self.bounded_options for f in spellings),
+                 *(option[0] for option in self.required_options + self.gpu_required_options + self.refused_options),
+                 *(f for bounded in self.bounded_options for f in bounded[0]),
                  self.load_format_flag, self.port_flag, self.address_flag, self.served_name_flag, self.model_flag}
         return frozenset(f for f in flags if f)
 

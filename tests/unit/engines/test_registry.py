@@ -226,7 +226,7 @@ def test_a_tensor_parallel_size_that_is_not_the_units_worker_count_is_refused(re
 def test_vllm_option_abbreviations_are_refused_by_their_full_name(abbreviated, full):
     # vLLM's parser (argparse, allow_abbrev) takes any unambiguous prefix: the rules would read nothing.
     issues = command_issues("vllm", [*VLLM_CPU, *abbreviated], VLLM_ENV)
-    assert any("abbreviates" in problem and f"spell out {full}" == fix for _, problem, fix in issues), issues
+    assert any("abbreviates" in problem and f"spell out {full}" == fix for _where, problem, fix in issues), issues
 
 
 @pytest.mark.parametrize(("extra", "flag"), [
@@ -245,7 +245,7 @@ def test_vllm_option_abbreviations_are_refused_by_their_full_name(abbreviated, f
 ])
 def test_vllm_options_a_capture_cannot_follow_are_refused_by_name(extra, flag):
     issues = command_issues("vllm", [*VLLM_CPU, *extra], VLLM_ENV)
-    assert any(f"cannot use {flag}" in problem and flag in fix for _, problem, fix in issues), issues
+    assert any(f"cannot use {flag}" in problem and flag in fix for _where, problem, fix in issues), issues
 
 
 @pytest.mark.parametrize("extra", [
