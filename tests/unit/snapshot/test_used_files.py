@@ -18,17 +18,22 @@ time.sleep(60)
 """
 
 
+def _files_used_by(script: str, *paths: Path) -> dict[str, dict]:
+    """What ``files.tree_files`` records for a process running ``script`` over ``paths`` (once it says ready)."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *map(str, paths)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        return {f["path"]: f for f in files.tree_files(proc.pid)}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_a_tree_records_mapped_and_open_files_and_a_host_missing_them_is_named(tmp_path: Path) -> None:
     lib = tmp_path / "kernel.so"
     lib.write_bytes(b"k" * 4096)
     log = tmp_path / "engine.log"
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(lib), str(log)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        used = {f["path"]: f for f in files.tree_files(proc.pid)}
-    finally:
-        proc.kill()
-        proc.wait()
+    used = _files_used_by(HOLDER, lib, log)
     assert used[str(lib)] == {"path": str(lib), "size": 4096, "append": False}
     assert used[str(log)]["append"] is True
     assert not any(p.startswith(("/proc/", "/dev/")) for p in used)
@@ -60,14 +65,7 @@ def test_a_file_open_for_reading_and_appending_is_size_checked_as_criu_does(tmp_
     journal = tmp_path / "journal"
     journal.write_text("abc")
     log = tmp_path / "engine.log"
-    proc = subprocess.Popen([sys.executable, "-c", READ_WRITE_APPEND, str(journal), str(log)],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        used = {f["path"]: f for f in files.tree_files(proc.pid)}
-    finally:
-        proc.kill()
-        proc.wait()
+    used = _files_used_by(READ_WRITE_APPEND, journal, log)
     assert used[str(journal)]["append"] is False
     assert used[str(log)]["append"] is True
     journal.write_text("abc grown")
