@@ -6,6 +6,8 @@ import hashlib
 import mmap
 import os
 import random
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,3 +167,28 @@ def write_pack_file(path: Path, data: bytes) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def outcome_within(call: Callable[[], object], seconds: float, *, fifo: Path | None = None) -> BaseException | None:
+    """Run ``call`` in a thread for at most ``seconds``: what it raised (None when it returned). A call still
+    running then failed the test as blocked (a call blocked opening ``fifo`` is released first)."""
+    import pytest
+
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+            outcome.append(None)
+        except BaseException as exc:  # handed to the caller
+            outcome.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        if fifo is not None:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # release the blocked open
+            t.join(5)
+        pytest.fail(f"{getattr(call, '__name__', 'the call')} blocked for {seconds:g} s")
+    return outcome[0]

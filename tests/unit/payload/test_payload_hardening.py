@@ -15,7 +15,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier im
     PayloadVerifier,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.writer import PackWriter
-from payload_testlib import MODEL, make_worker, write_pack_file
+from payload_testlib import MODEL, make_worker, outcome_within, write_pack_file
 
 NOBODY = 65534
 OUTPUTS = sorted([RESIDUAL_NAME, MANIFEST_NAME, REPLAY_PLAN_NAME])
@@ -252,24 +251,10 @@ def test_a_fifo_as_local_source_is_refused_before_the_lock_and_never_hangs(tmp_p
     os.mkfifo(fifo)
     state = tmp_path / "state"
     digest = "sha256:" + hashlib.sha256(b"x" * 4096).hexdigest()
-    outcome: list[BaseException | None] = []
-
-    def stage() -> None:
-        try:
-            stage_payload(state, digest, 4096, StageSource("local", path=fifo), lock_timeout=2)
-            outcome.append(None)
-        except BaseException as exc:  # reported below
-            outcome.append(exc)
-
-    t = threading.Thread(target=stage, daemon=True)
-    t.start()
-    t.join(20)
-    if t.is_alive():
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # release the blocked open
-        t.join(5)
-        pytest.fail("staging from a FIFO blocked")
-    assert isinstance(outcome[0], ColdSnapError) and "not a regular file" in str(outcome[0])
-    assert str(fifo) in str(outcome[0])
+    outcome = outcome_within(lambda: stage_payload(state, digest, 4096, StageSource("local", path=fifo),
+                                                   lock_timeout=2), 20, fifo=fifo)
+    assert isinstance(outcome, ColdSnapError) and "not a regular file" in str(outcome)
+    assert str(fifo) in str(outcome)
     assert not state.exists(), "refused before the digest's lock (and the state root) was made"
 
 

@@ -8,7 +8,6 @@ import hashlib
 import json
 import math
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.manifest im
     load_replay_plan,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.stage import StageSource, stage_payload
+from payload_testlib import outcome_within
 
 FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "artifacts" / "reference-tiny-n610.json"
 
@@ -83,24 +83,9 @@ def test_publish_uploads_the_verified_inode_not_what_is_under_its_name_later(tmp
 def test_a_manifest_that_is_a_fifo_or_a_directory_is_refused_at_once(tmp_path, loader):
     fifo = tmp_path / "native-manifest.json"
     os.mkfifo(fifo)
-    outcome: list[BaseException | None] = []
-
-    def load() -> None:
-        try:
-            loader(fifo)
-            outcome.append(None)
-        except BaseException as exc:  # reported below
-            outcome.append(exc)
-
-    t = threading.Thread(target=load, daemon=True)
-    t.start()
-    t.join(10)
-    if t.is_alive():
-        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # release the blocked open
-        t.join(5)
-        pytest.fail("loading a FIFO blocked")
-    assert isinstance(outcome[0], IntegrityError) and "not a regular file" in str(outcome[0]), outcome
-    assert str(fifo) in str(outcome[0])
+    outcome = outcome_within(lambda: loader(fifo), 10, fifo=fifo)
+    assert isinstance(outcome, IntegrityError) and "not a regular file" in str(outcome), outcome
+    assert str(fifo) in str(outcome)
     directory = tmp_path / "dir.json"
     directory.mkdir()
     with pytest.raises(IntegrityError, match="not a regular file"):
@@ -127,23 +112,11 @@ def test_a_stage_lock_timeout_that_is_not_finite_seconds_is_refused_before_the_l
     state = tmp_path / "state"
     cache = NodeCache(state)
     cache.ensure_dirs()
-    outcome: list[BaseException | None] = []
     with cache.lock(digest):  # another worker holds the digest: a NaN deadline would never pass
-        def stage() -> None:
-            try:
-                stage_payload(state, digest, len(data), StageSource("local", path=src), lock_timeout=timeout)
-                outcome.append(None)
-            except BaseException as exc:  # reported below
-                outcome.append(exc)
-
-        t = threading.Thread(target=stage, daemon=True)
-        t.start()
-        t.join(5)
-        alive = t.is_alive()
-    t.join(30)
-    assert not alive, f"lock_timeout={timeout!r} waited on the held lock"
-    assert isinstance(outcome[0], ColdSnapError) and "lock_timeout" in str(outcome[0]), outcome
-    assert "finite number of seconds" in (outcome[0].fix or "")
+        outcome = outcome_within(lambda: stage_payload(state, digest, len(data), StageSource("local", path=src),
+                                                       lock_timeout=timeout), 5)
+    assert isinstance(outcome, ColdSnapError) and "lock_timeout" in str(outcome), outcome
+    assert "finite number of seconds" in (outcome.fix or "")
     assert not cache.path_for(digest).exists()
 
 
