@@ -42,6 +42,24 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class NotRegularFile(OSError):
+    """What is at a path is not a regular file; ``args[0]`` says what it is ("a directory", ...)."""
+
+
+def read_regular_file(path: Path | str, limit: int, *, follow_links: bool = True) -> bytes | None:
+    """The bytes of the regular file at ``path``, or None when it holds more than ``limit`` (never read past
+    it). Opened without blocking, so a FIFO never waits; a directory, FIFO or device is NotRegularFile; the
+    open's own OSError propagates (FileNotFoundError; ELOOP for a link when ``follow_links`` is false)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile("a directory" if stat.S_ISDIR(mode) else "not a regular file")
+        return read_at_most(fd, limit)
+    finally:
+        os.close(fd)
+
+
 def read_at_most(fd: int, limit: int) -> bytes | None:
     """All of what ``fd`` reads (to its end), or None when that is more than ``limit`` bytes (a file that grew,
     a device such as ``/dev/zero``: never read past the limit)."""

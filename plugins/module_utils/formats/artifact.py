@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +18,10 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     FormatError,
     FormatIssue,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import read_at_most
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import (
+    NotRegularFile,
+    read_regular_file,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import CAPSULE_LAYOUTS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.drivers import (
@@ -199,28 +200,22 @@ def read_descriptor_file(path: Path | str, *, what: str = "artifact", follow_lin
     ``follow_links=False`` a link is refused) of at most MAX_DESCRIPTOR_BYTES. A directory, a FIFO, a
     device (``/dev/zero``) or a giant is one clear ColdSnapError, never a hang or an unbounded read; a
     missing file is FileNotFoundError."""
+    fix = "give the path of an artifact.json a capture committed"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW))
+        data = read_regular_file(path, MAX_DESCRIPTOR_BYTES, follow_links=follow_links)
     except FileNotFoundError:
         raise
+    except NotRegularFile as exc:
+        raise ColdSnapError(f"{what} {path} is {exc.args[0]}", fix=fix) from None
     except OSError as exc:
         if exc.errno == errno.ELOOP and not follow_links:
-            raise ColdSnapError(f"{what} {path} is a symbolic link", fix="give the path of an artifact.json a "
-                                "capture committed (ColdSnap never reads one through a link there)") from None
-        raise ColdSnapError(f"{what} {path} cannot be read: {exc.strerror or exc}",
-                            fix="give the path of an artifact.json a capture committed") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise ColdSnapError(f"{what} {path} is {kind}", fix="give the path of an artifact.json a capture committed")
-        data = read_at_most(fd, MAX_DESCRIPTOR_BYTES)
-        if data is None:
-            raise ColdSnapError(f"{what} {path} is larger than {MAX_DESCRIPTOR_BYTES >> 20} MiB: no descriptor is",
-                                fix="give the path of an artifact.json a capture committed")
-        return data
-    finally:
-        os.close(fd)
+            raise ColdSnapError(f"{what} {path} is a symbolic link",
+                                fix=f"{fix} (ColdSnap never reads one through a link there)") from None
+        raise ColdSnapError(f"{what} {path} cannot be read: {exc.strerror or exc}", fix=fix) from None
+    if data is None:
+        raise ColdSnapError(f"{what} {path} is larger than {MAX_DESCRIPTOR_BYTES >> 20} MiB: no descriptor is",
+                            fix=fix)
+    return data
 
 
 def load_artifact(text: str | bytes, *, document: str = "artifact") -> dict:

@@ -9,9 +9,7 @@ wrong is refused here, before a byte of process memory is touched.
 
 from __future__ import annotations
 
-import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,16 +242,12 @@ def _read_doc(source: Path | str | bytes, what: str) -> tuple[Any, str]:
         return strict_loads(bytes(source), document=what), what
     path = Path(source)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO never blocks
+        data = fsutil.read_regular_file(path, MAX_MANIFEST_BYTES)  # a FIFO never blocks, a device is bounded
     except FileNotFoundError:
         raise ColdSnapError(f"{what} {path} does not exist", fix="check the unit's capsule state directory") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise IntegrityError(f"{what} {path} is not a regular file",
-                                 fix="the capsule state is damaged; pull the capsule again or recapture")
-        data = fsutil.read_at_most(fd, MAX_MANIFEST_BYTES)  # never past the limit, even for a file that grows
-    finally:
-        os.close(fd)
+    except fsutil.NotRegularFile:
+        raise IntegrityError(f"{what} {path} is not a regular file",
+                             fix="the capsule state is damaged; pull the capsule again or recapture") from None
     if data is None:
         raise ColdSnapError(f"{what} {path} is larger than {MAX_MANIFEST_BYTES} bytes", fix="recapture")
     name = f"{what} {path}"
