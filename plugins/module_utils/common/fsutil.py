@@ -76,28 +76,26 @@ def read_at_most(fd: int, limit: int) -> bytes | None:
 def make_private_dirs(path: Path | str) -> None:
     """Create ``path`` and every missing directory above it with mode 0700 (``mkdir(parents=True)`` gives
     the parents the default mode: a state root made that way would be world-readable)."""
-    path = Path(path)
-    missing = []
-    while not path.exists() and path != path.parent:
-        missing.append(path)
-        path = path.parent
-    for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):
-            directory.mkdir(mode=0o700)
+    _make_missing_dirs(Path(path), 0o700)
 
 
 def make_dirs_unwritable_by_others(path: Path | str) -> None:
     """Create ``path`` and every missing directory above it with the umask's mode less group and other write
     (umask 000 would give 0777: another user could swap the file ColdSnap writes there for one of theirs).
     Existing directories are left as they are."""
-    path = Path(path)
+    _make_missing_dirs(Path(path), 0o755)
+
+
+def _make_missing_dirs(path: Path, mode: int) -> None:
+    """mkdir ``path`` and its missing parents, top down, each with ``mode`` (the kernel applies the umask on top:
+    never a moment with more). A name already taken (a link, a file, a racing mkdir) is left as it is."""
     missing = []
     while not os.path.lexists(path) and path != path.parent:
         missing.append(path)
         path = path.parent
     for directory in reversed(missing):
         with contextlib.suppress(FileExistsError):
-            directory.mkdir(mode=0o755)  # the kernel applies the umask: never a moment with group or other write
+            directory.mkdir(mode=mode)
 
 
 def remove_if_abandoned(path: Path | str) -> bool:
