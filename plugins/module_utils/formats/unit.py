@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.seconds import is_seconds
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
     EVIDENCE_FORMAT,
@@ -56,7 +57,7 @@ def check_timeouts(timeouts: Any, *, option: str = "timeouts") -> dict[str, floa
                                 fix=f"give {', '.join(TIMEOUT_NAMES[:-1])} or {TIMEOUT_NAMES[-1]}")
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        if not is_seconds(value, zero=False):
             raise ColdSnapError(f"{option}.{name} is {value!r}", fix="give a finite number of seconds greater than 0")
         out[name] = float(value)
     return out

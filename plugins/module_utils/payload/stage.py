@@ -25,6 +25,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     IntegrityError,
     space_error,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.seconds import is_seconds
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import (
@@ -145,8 +146,7 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
     hexd = parse_digest(sha256, what="model payload digest")
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         raise ColdSnapError(f"payload size {size!r} is not a non-negative integer", fix="give the size in bytes")
-    if lock_timeout is not None and (isinstance(lock_timeout, bool) or not isinstance(lock_timeout, (int, float))
-                                     or not 0 <= lock_timeout < float("inf")):
+    if lock_timeout is not None and not is_seconds(lock_timeout, zero=True):
         # nan would wait for ever on a held lock, a negative number time out at once
         raise ColdSnapError(f"lock_timeout is {lock_timeout!r}", fix="give a finite number of seconds >= 0")
     source.check()

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.seconds import is_seconds
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import units_on_host
@@ -123,7 +124,7 @@ def capture_running_units(request: dict, artifact: dict, *, host: str, capture_i
     """
     timeouts = check_timeouts(timeouts)
     ids.check_id(capture_id, what="capture_id")
-    if isinstance(payload_wait, bool) or not isinstance(payload_wait, (int, float)) or not 0 <= payload_wait < float("inf"):
+    if not is_seconds(payload_wait, zero=True):
         raise ColdSnapError(f"payload_wait is {payload_wait!r}", fix="give a finite number of seconds >= 0")
     ids.parse_digest(activation_digest, what="activation_digest")
     layout = StateLayout(state_root)
