@@ -111,7 +111,7 @@ class Receipt:
 
     @property
     def cancelled(self) -> bool:
-        """Stopped by a cancel event, SIGINT or SIGTERM (the run failed)."""
+        """Stopped by a cancel event, SIGINT, SIGTERM or SIGHUP (the run failed)."""
         return bool(((self.result or {}).get("runner") or {}).get("cancelled"))
 
     @property

@@ -106,11 +106,11 @@ def log_errors(log_path: Path, limit: int = 8) -> list[str]:
 
 
 def _run(criu: Criu, args: list[str], log_path: Path, what: str, timeout: float, *,
-         env: dict[str, str] | None = None) -> float:
+         env: dict[str, str] | None = None, umask: int = -1) -> float:
     t0 = time.monotonic()
     try:
         r = subprocess.run([criu.binary, *args], check=False, capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, **env} if env else None)
+                           env={**os.environ, **env} if env else None, umask=umask)
     except subprocess.TimeoutExpired:  # CRIU was killed: what its log says so far is all there is
         errs = log_errors(log_path)
         raise ColdSnapError(f"CRIU {what} did not finish within {timeout:.0f}s and was stopped"
@@ -188,7 +188,9 @@ def archive_shm(images_dir: Path, shm_dir: str = SHM_DIR) -> int:
     root = Path(shm_dir)
     total = 0
     tmp = Path(images_dir) / (SHM_ARCHIVE + ".part")
-    with tarfile.open(tmp, "w:gz", compresslevel=1, format=tarfile.PAX_FORMAT) as tar:  # ring buffers: mostly zeros
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)  # as the images
+    with os.fdopen(fd, "wb") as raw, \
+            tarfile.open(fileobj=raw, mode="w:gz", compresslevel=1, format=tarfile.PAX_FORMAT) as tar:  # mostly zeros
         for path in sorted(root.rglob("*")):
             st = path.lstat()
             if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
@@ -282,7 +284,9 @@ def dump(criu: Criu, pid: int, images_dir: Path, *, leave_running: bool = False,
             "--tcp-close", "--skip-in-flight", "--file-locks", *(options or CriuOptions()).dump_args()]
     if leave_running:
         args.append("--leave-running")
-    secs = _run(criu, args, images_dir / "dump.log", "dump", timeout, env={CRIU_SKIP_ZERO_ENV: "1"})
+    # The images hold the engine's memory (its credentials among it): owner-only files, whatever the umask
+    # of whoever runs the capture (CRIU creates them 0644 under the usual 022).
+    secs = _run(criu, args, images_dir / "dump.log", "dump", timeout, env={CRIU_SKIP_ZERO_ENV: "1"}, umask=0o077)
     if options is not None and options.shm_archive:
         archive_shm(images_dir)
     size = sum(f.stat().st_size for f in images_dir.iterdir() if f.is_file())

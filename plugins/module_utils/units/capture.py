@@ -3,10 +3,12 @@ and ``capture_running_units`` (capture restored units in place, for a target-loc
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import rmtree_atomically
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.seconds import is_seconds
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
@@ -48,6 +50,16 @@ def _existing(layout: StateLayout, capture_id: str, units: list[dict]) -> list[d
             ev["state"] = capture_state.seal_of(udir)
             out.append(ev)
     return out
+
+
+def _clear_attempts(layout: StateLayout, capture_id: str, units: list[dict]) -> None:
+    """Take away what an earlier attempt under ``capture_id`` left in each unit's directory (a dump that failed
+    half-way leaves images, logs and control files, and no evidence): the seal covers every file there, so a
+    retry must start from an empty directory, or it would seal the failed attempt's files into the capture."""
+    for u in units:
+        udir = layout.capture_unit(capture_id, u["id"])
+        if os.path.lexists(udir):
+            rmtree_atomically(udir)
 
 
 def _sealed(layout: StateLayout, capture_id: str, evidence: list[dict]) -> list[dict]:
@@ -104,6 +116,7 @@ def capture_units(request: dict, *, host: str, capture_id: str, state_root: Path
         _require_service_ports_free(request, units)
         if check_mode:
             return {"changed": True, "units": [], "msg": f"would capture {len(units)} unit(s) on {host}"}
+        _clear_attempts(layout, capture_id, units)
         specs = build_specs(request, host=host, operation="capture", capture_id=capture_id, state_root=state_root,
                             python=python, coordinator_endpoint=coordinator_endpoint, timeouts=timeouts,
                             progress_dir=progress_dir)
@@ -170,6 +183,7 @@ def capture_running_units(request: dict, artifact: dict, *, host: str, capture_i
                         state_root=state_root, python=python, coordinator_endpoint=coordinator_endpoint,
                         weights=plan, validation=validation, timeouts=timeouts)
     with claimed(state_root, request, host=host, step="overlay-capture", run=run_id):
+        _clear_attempts(layout, capture_id, units)
         evidence = _sealed(layout, capture_id, runtime.capture_running(specs))
     return {"changed": True, "units": [public(e) for e in evidence], "coldsnap_timing": timing_of(evidence),
             "capture_id": capture_id}

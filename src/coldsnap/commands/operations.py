@@ -6,7 +6,7 @@ request strictly (before any host is touched), run the collection's
 When stdout is a terminal it gets a short summary for people; with ``--json``, or
 when stdout is piped, it carries the receipt JSON (or, with ``--receipt-json``,
 nothing but what ``--timing-ndjson -`` streams); progress and the one-line summary
-go to stderr. Exit status: 0 succeeded, 1 failed, 130 cancelled (SIGINT/SIGTERM),
+go to stderr. Exit status: 0 succeeded, 1 failed, 130 cancelled (SIGINT/SIGTERM/SIGHUP),
 2 for a request or usage error.
 """
 
@@ -93,7 +93,10 @@ def _key_values(items: list[str], option: str) -> dict[str, str]:
 
 @contextmanager
 def cancel_on_signals() -> Iterator[threading.Event]:
-    """SIGINT/SIGTERM set the returned event (the run stops and still writes its receipt)."""
+    """SIGINT, SIGTERM and SIGHUP set the returned event (the run stops and still writes its receipt).
+
+    SIGHUP is a cancel too: a terminal or SSH session that closes under a running ``coldsnap`` would otherwise
+    end the controller at once, leaving its playbook holding the workload and no receipt behind."""
     event = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield event
@@ -103,7 +106,7 @@ def cancel_on_signals() -> Iterator[threading.Event]:
     def handler(signum, frame) -> None:
         event.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         previous[sig] = signal.signal(sig, handler)
     try:
         yield event

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import load_receipt
 from controller_helpers import PLAYBOOKS, REQUEST, read_ndjson, request_for
@@ -75,7 +76,8 @@ def test_failed_run_exits_1_with_the_error(tmp_path: Path) -> None:
     assert "coldsnap status: failed" in p.stderr
 
 
-def test_sigterm_cancels_and_still_writes_the_receipt(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_cancels_and_still_writes_the_receipt(tmp_path: Path, signum: int) -> None:
     out, ndjson = tmp_path / "receipt.json", tmp_path / "t.ndjson"
     proc = subprocess.Popen(
         [sys.executable, "-m", "coldsnap.cli", "sleep", "--request-json", str(_request_file(tmp_path, "sleep")),
@@ -92,7 +94,7 @@ def test_sigterm_cancels_and_still_writes_the_receipt(tmp_path: Path) -> None:
         else:
             raise AssertionError("the long task never started")
         time.sleep(0.3)
-        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signum)
         _unused, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

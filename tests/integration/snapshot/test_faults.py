@@ -147,6 +147,34 @@ def test_fault23_engine_dies_during_capture(state_root, tiny_model, env_digest, 
     assert not wl.engines()
 
 
+def test_a_capture_retried_after_a_failed_dump_seals_only_its_own_images(state_root, tiny_model, env_digest,
+                                                                           tmp_path):
+    """A dump that fails half-way leaves images in the unit's directory; the same capture run again must not
+    seal them into its capsule (and the images it writes are the owner's alone)."""
+    wl = Workload(state_root, tiny_model, env_digest, tp=1, name="redump")
+    real = shutil.which("criu") or "/usr/local/sbin/criu"
+    wrapper = tmp_path / "criu-whose-dump-fails-late"
+    wrapper.write_text(f'#!/bin/sh\nif [ "$1" = dump ]; then\n  {real} "$@"; prev=""\n'
+                       '  for a in "$@"; do [ "$prev" = "-D" ] && dir="$a"; prev="$a"; done\n'
+                       '  echo left-by-the-failed-dump > "$dir/pages-999.img"; exit 1\nfi\n'
+                       f'exec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    req = wl.request("capture")
+    res = wl.run(req, envvars={"COLDSNAP_CRIU": str(wrapper)})
+    failed(res, phase_word="capture")
+    unit_dir = state_root / "captures" / req["id"] / "units" / "unit-0"
+    assert list(unit_dir.rglob("pages-999.img")), "the failed attempt left its images (as a real failed dump does)"
+    res = wl.run(req)
+    assert res.succeeded, res.receipt["error"]
+    assert not list(unit_dir.rglob("pages-999.img"))
+    sealed = json.loads((unit_dir / "state-digests.json").read_text())
+    assert sealed["files"] and not [name for name in sealed["files"] if "pages-999" in name]
+    images = [f for f in unit_dir.rglob("*.img") if f.is_file()]
+    assert images and all(f.stat().st_mode & 0o077 == 0 for f in images), \
+        sorted((f.name, oct(f.stat().st_mode & 0o777)) for f in images)[:5]
+    wl.stop()
+
+
 def test_corrupt_residual_fails_closed_and_leaves_no_process(captured, state_root):
     wl, artifact, art = captured
     blob = state_root / "captures" / art["capture_id"] / "units" / "unit-0" / "workers" / "worker-0" / "weights.blob"

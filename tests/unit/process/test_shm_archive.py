@@ -26,6 +26,7 @@ def test_files_and_modes_come_back_and_sockets_are_left_to_criu(tmp_path):
         images.mkdir()
         assert criu.archive_shm(images, str(shm)) == 70_001
     assert not (images / (criu.SHM_ARCHIVE + ".part")).exists()
+    assert (images / criu.SHM_ARCHIVE).stat().st_mode & 0o777 == 0o600, "owner-only, as the CRIU images"
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     assert criu.unpack_shm(images, str(fresh)) == 2
