@@ -20,6 +20,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt imp
     validate_receipt,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import request_sha256
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import json_safe
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
     RECEIPT_FORMAT,
     RECEIPT_KIND,
@@ -57,8 +58,15 @@ def build_receipt(*, operation_id: str, operation: str, prepare_only: bool, succ
         "result": result,
         "error": error,
     }
+    receipt = _loadable(receipt)
     validate_receipt(receipt)
     return receipt
+
+
+def _loadable(receipt: Mapping[str, Any]) -> dict:
+    """What the run recorded (task results, error text, span attributes) as JSON the receipt's loader takes back:
+    a message quoting a file name that is not UTF-8, or a NaN rate, must not cost the receipt."""
+    return {**receipt, **{k: json_safe(receipt[k]) for k in ("timing", "result", "error") if k in receipt}}
 
 
 def receipt_bytes(receipt: Mapping[str, Any]) -> bytes:
@@ -68,6 +76,7 @@ def receipt_bytes(receipt: Mapping[str, Any]) -> bytes:
 
 def write_receipt(path: Path, receipt: Mapping[str, Any], *, mode: int = 0o600) -> Path:
     """Validate and write a receipt atomically; returns the path."""
-    validate_receipt(dict(receipt))
+    receipt = _loadable(receipt)
+    validate_receipt(receipt)
     atomic_write_bytes(Path(path), receipt_bytes(receipt), mode=mode)
     return Path(path)

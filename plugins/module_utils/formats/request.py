@@ -625,6 +625,12 @@ def cross_check(req: dict) -> list[FormatIssue]:
         add("$.output", f"{op} writes a separate descriptor", "add output.artifact_dir for the published descriptor")
     if op in NEEDS_VALIDATION and "validation" not in req:
         add("$.validation", f"operation {op!r} validates the engine's reply", "add validation.prompt")
+    if op in NEEDS_VALIDATION and not launch["execution"]["services"]:
+        # The validation request goes to a service: without one no unit would probe or ask anything, and a
+        # capture would commit an "accepted" artifact whose acceptance reply nobody checked.
+        add("$.launch.execution.services", f"operation {op!r} validates the engine's reply, but no service says "
+            "where the engine serves", "add the service the validation request goes to, e.g. {\"id\": \"api\", "
+            "\"unit\": \"<the unit that serves>\", \"port\": <its --port>}")
     policy = req.get("policy", {})
     if op == "publish" and not policy.get("capsule", {}).get("repository"):
         add("$.policy.capsule.repository", "publish pushes capsules but no repository is set",

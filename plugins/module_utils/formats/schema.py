@@ -42,6 +42,51 @@ def _shown(value: Any) -> str:
     return text if len(text) <= MAX_QUOTED else f"{text[:MAX_QUOTED]}... ({len(text)} characters)"
 
 
+# A str that cannot be written as UTF-8: a lone surrogate (U+D800..U+DFFF), as Python gives for a byte of a
+# file name that is not UTF-8. strict_loads refuses the escape in a document; a decoded value (a module
+# option, an API caller's dict) is refused here, before a digest or a write of it fails with a traceback.
+NOT_TEXT = "holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair), which is not Unicode text"
+NOT_TEXT_FIX = "give Unicode text (a name that is not UTF-8 decodes with errors='replace', not 'surrogateescape')"
+
+
+def is_text(value: str) -> bool:
+    """Whether ``value`` can be written as UTF-8 (holds no lone surrogate)."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` as JSON every ColdSnap loader takes back, for what a writer records but does not control (span
+    attributes, error messages, task results): a non-finite number becomes null, an integer beyond 64 bits the
+    double it rounds to, a lone surrogate U+FFFD, a tuple a list, a key and any other object its str()."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return value if is_text(value) else _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, int):
+        if abs(value) <= INT64_MAX:
+            return int(value)
+        try:
+            return float(value)
+        except OverflowError:
+            return None
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {json_safe(k if isinstance(k, str) else str(k)): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return json_safe(str(value))
+
+
 def _type_name(value: Any) -> str:
     if value is None:
         return "null"
@@ -113,6 +158,9 @@ class Str(Schema):
     def validate(self, value, path, issues):
         if not isinstance(value, str):
             return self._wrong_type(value, path, issues, "a string")
+        if not is_text(value):
+            issues.append(FormatIssue(path, NOT_TEXT, NOT_TEXT_FIX))
+            return MISSING
         if self.enum is not None and value not in self.enum:
             close = difflib.get_close_matches(value, self.enum, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -371,6 +419,9 @@ class Map(Schema):
         out = {}
         for key, item in value.items():
             sub = _path_key(path, key)
+            if not is_text(key):
+                issues.append(FormatIssue(sub, f"key {NOT_TEXT}", NOT_TEXT_FIX))
+                continue
             if self.key_pattern is not None and not re.fullmatch(self.key_pattern, key):
                 issues.append(FormatIssue(sub, f"key {_shown(key)} is not allowed",
                                           self.key_fix or f"keys must match {self.key_pattern}"))
@@ -426,13 +477,18 @@ def _check_opaque(value: Any, path: str, issues: list[FormatIssue], seen: list[i
         for k, v in value.items():
             if not isinstance(k, str):
                 issues.append(FormatIssue(path, f"key {_shown(k)} is not a string", "JSON object keys are strings"))
+            elif not is_text(k):
+                issues.append(FormatIssue(_path_key(path, k), f"key {NOT_TEXT}", NOT_TEXT_FIX))
             elif not _check_opaque(v, _path_key(path, k), issues, seen, bound):
                 return False
     elif isinstance(value, list):
         for i, v in enumerate(value):
             if not _check_opaque(v, f"{path}[{i}]", issues, seen, bound):
                 return False
-    elif isinstance(value, bool) or value is None or isinstance(value, str):
+    elif isinstance(value, str):
+        if not is_text(value):
+            issues.append(FormatIssue(path, NOT_TEXT, NOT_TEXT_FIX))
+    elif isinstance(value, bool) or value is None:
         pass
     elif isinstance(value, int | float):
         if not _finite_json_number(value, MAX_OPAQUE_INT):  # nanosecond clocks need 64 bits

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema impo
     Nullable,
     Obj,
     Str,
+    json_safe,
     validate_document,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import strict_loads
@@ -90,7 +90,7 @@ class SpanRecorder:
         if self.sink is None or self.sink_broken:
             return
         try:
-            self.sink(event)
+            self.sink(json_safe(event))
         except Exception:  # a broken live stream must never change the operation's result
             self.sink_broken = True
 
@@ -186,12 +186,13 @@ class SpanRecorder:
                         "host": s.get("host"), "unit": s.get("unit"), "clock": s["clock"]})
 
     def envelope(self, operation_id: str) -> dict:
-        """The complete timing record for the receipt."""
+        """The complete timing record for the receipt: JSON its loader takes back (attributes are whatever the
+        code recorded: an error's text may hold a file name that is not UTF-8, a rate may be NaN)."""
         with self._lock:
             spans = sorted(self.spans, key=lambda s: (s["clock"], s["start_ns"]))
             marks = list(self.marks)
-        return {"format": TIMING_FORMAT, "kind": ENVELOPE_KIND, "operation_id": operation_id,
-                "spans": spans, "marks": marks}
+        return json_safe({"format": TIMING_FORMAT, "kind": ENVELOPE_KIND, "operation_id": operation_id,
+                          "spans": spans, "marks": marks})
 
     def finish(self, operation_id: str) -> dict:
         """Emit the closing envelope event and return the envelope."""
@@ -202,21 +203,9 @@ class SpanRecorder:
 
 
 def ndjson_line(event: dict) -> str:
-    """One event as a compact JSON line (strict JSON: a non-finite number in attrs is written as null)."""
-    try:
-        return json.dumps(event, separators=(",", ":"), sort_keys=True, allow_nan=False) + "\n"
-    except ValueError:
-        return json.dumps(_finite(event), separators=(",", ":"), sort_keys=True, allow_nan=False) + "\n"
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
+    """One event as a compact JSON line that :func:`parse_ndjson` takes back (:func:`.schema.json_safe`: a
+    non-finite number in attrs is written as null, a lone surrogate as U+FFFD)."""
+    return json.dumps(json_safe(event), separators=(",", ":"), sort_keys=True, allow_nan=False) + "\n"
 
 
 def span_seconds(envelope: dict, name: str) -> float | None:

@@ -84,3 +84,28 @@ def test_write_receipt_roundtrips_and_is_atomic(tmp_path: Path) -> None:
     assert load_receipt(path.read_bytes())["operation_id"] == "op-1"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert [p.name for p in path.parent.iterdir()] == ["receipt.json"]  # no temp file left behind
+
+
+def test_a_run_whose_records_are_not_clean_json_still_gets_a_receipt_its_loader_takes(tmp_path: Path) -> None:
+    """An error quoting a file name that is not UTF-8 (surrogate escapes), a NaN rate or a 2**70 counter in a
+    span: the writer records them as JSON the loader takes back, never fails the receipt."""
+    rec = SpanRecorder("controller")
+    with pytest.raises(OSError), rec.span("controller.read", rate=float("nan")):
+        raise OSError("cannot read /srv/models/caf\udce9")
+    rec.mark("controller.bytes", total=2 ** 70, where=Path("/srv"))
+    t0 = dt.datetime(2026, 11, 29, 11, 0, 0, tzinfo=dt.UTC)
+    receipt = build_receipt(operation_id="op-1", operation="capture", prepare_only=False, succeeded=False,
+                            request=None, started_at=t0, completed_at=t0, duration_seconds=1.0,
+                            timing=rec.finish("op-1"), result={"why": "open('\udcff')", "inf": float("inf")},
+                            error={"message": "cannot read /srv/models/caf\udce9"})
+    path = write_receipt(tmp_path / "receipt.json", receipt)
+    loaded = load_receipt(path.read_bytes())
+    assert loaded["error"]["message"] == "cannot read /srv/models/caf\ufffd"
+    assert loaded["result"] == {"why": "open('\ufffd')", "inf": None}
+    span = loaded["timing"]["spans"][0]
+    assert span["attrs"]["rate"] is None and span["attrs"]["error"].endswith("caf\ufffd")
+    assert loaded["timing"]["marks"][0]["attrs"] == {"total": float(2 ** 70), "where": "/srv"}
+    # a receipt rewritten later (a rollback appends to its message) is made loadable the same way
+    rewritten = {**loaded, "error": {"message": loaded["error"]["message"] + " and /srv/\udcff"}}
+    assert load_receipt(write_receipt(tmp_path / "again.json", rewritten).read_bytes())["error"]["message"] \
+        .endswith("/srv/\ufffd")

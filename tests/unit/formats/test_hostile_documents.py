@@ -12,12 +12,17 @@ from pathlib import Path
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import validate_artifact
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.canonical import canonical_sha256
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.schema import (
     MAX_OPAQUE_VALUES,
     MAX_SAFE_INT,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import ndjson_line, parse_ndjson
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import (
+    SpanRecorder,
+    ndjson_line,
+    parse_ndjson,
+)
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
@@ -161,3 +166,40 @@ def test_timing_lines_end_at_newline_only_and_are_strict_json():
     assert parse_ndjson(line + line)[1]["name"] == "a\u2028b\u0085c"
     written = ndjson_line(event)
     assert "NaN" not in written and parse_ndjson(written)[0]["attrs"] == {"rate": None}
+
+
+@pytest.mark.parametrize(("edit", "field"), [
+    (lambda r: r["validation"].__setitem__("prompt", "ColdSnap \udcff says:"), "$.validation.prompt"),
+    (lambda r: r["launch"]["units"][0]["environment"].__setitem__("X", "\ud800"), "$.launch.units[0].environment.X"),
+    (lambda r: r["launch"]["execution"]["adapter"].__setitem__("payload", {"a": ["\udcff"]}),
+     "$.launch.execution.adapter.payload.a[0]"),
+    (lambda r: r["launch"]["execution"]["adapter"].__setitem__("payload", {"k\udcff": 1}),
+     "$.launch.execution.adapter.payload['k\\udcff']"),
+])
+def test_a_decoded_value_that_is_not_unicode_text_is_refused_at_its_field(request_doc, edit, field):
+    """What a module option or an API caller hands over decoded (a file name read with surrogateescape) is
+    refused like the escape in a document, never later as a UnicodeEncodeError from the request's digest."""
+    edit(request_doc)
+    assert "lone UTF-16 surrogate" in refused(validate_request, request_doc)[field]
+
+
+def test_an_artifact_reply_that_is_not_unicode_text_is_refused_not_a_crash(artifact_doc):
+    artifact_doc["acceptance"]["reply"] = "\udcff"
+    assert "lone UTF-16 surrogate" in _artifact_refused(artifact_doc)["$.acceptance.reply"]
+
+
+def test_what_a_span_recorder_streams_and_envelopes_its_own_loaders_take():
+    """Span attributes are whatever the code recorded: the stream, the envelope and its digest survive a NaN,
+    text that is not UTF-8 (an exception quoting such a file name), a 2**70 counter and a non-JSON object."""
+    events: list[dict] = []
+    rec = SpanRecorder("unit:unit-0", host="h1", unit="unit-0", sink=events.append)
+    with pytest.raises(OSError), rec.span("unit.read", rate=math.inf):
+        raise OSError("no such file: /models/\udcff")
+    rec.mark("unit.counted", total=2 ** 70, rate=math.nan, path=Path("/models"), pair=(1, 2))
+    envelope = rec.finish("op-1")  # digests the envelope: raised on NaN or a lone surrogate before
+    events = parse_ndjson("".join(ndjson_line(e) for e in events))
+    assert [e["event"] for e in events] == ["span-start", "span-end", "mark", "envelope"]
+    assert events[1]["attrs"]["error"] == "no such file: /models/\ufffd"
+    assert events[2]["attrs"] == {"total": float(2 ** 70), "rate": None, "path": "/models", "pair": [1, 2]}
+    assert events[3]["attrs"]["sha256"] == canonical_sha256(envelope)
+    assert envelope["spans"][0]["attrs"]["rate"] is None

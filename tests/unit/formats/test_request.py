@@ -531,3 +531,24 @@ def test_a_host_name_where_a_restore_moves_listeners_by_address_is_refused(edit,
     with pytest.raises(FormatError) as err:
         validate_request(doc)
     assert any(i.path == field and "is not an IP address" in i.message for i in err.value.issues), err.value
+
+
+@pytest.mark.parametrize("operation", ["capture", "restore", "warm", "wake"])
+def test_an_operation_that_validates_needs_a_service_to_ask(base, operation):
+    # Without a service no unit probes or asks anything: a capture would commit an "accepted" artifact
+    # whose acceptance reply nobody checked.
+    base["operation"] = operation
+    if operation != "capture":
+        base.pop("output")
+        base["artifact"] = {"path": "/var/lib/coldsnap/artifacts/x/artifact.json"}
+    base["launch"]["execution"]["services"] = []
+    p = problems(base)
+    assert "no service says where the engine serves" in p["$.launch.execution.services"]
+    assert "add the service the validation request goes to" in p["$.launch.execution.services"]
+
+
+def test_operations_that_ask_the_engine_nothing_need_no_service(base):
+    base["operation"] = "sleep"
+    base.pop("output")
+    base["launch"]["execution"]["services"] = []
+    validate_request(base)
