@@ -43,6 +43,7 @@ from typing import IO, Any
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     IntegrityError,
+    space_error,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir, temp_path_for
 
@@ -656,6 +657,9 @@ def safe_extract(fileobj: IO[bytes], dest: Path, *, expected_digest: str | None 
         rmtree(tmp)
         raise ArchiveError(f"{what} is not a readable tar archive: {exc}",
                            fix="the stored bytes are corrupt; pull or rebuild the capsule") from exc
+    except OSError as exc:
+        rmtree(tmp)
+        raise space_error(exc, what=f"the files of {what}", path=dest.parent) from None
     except BaseException:
         rmtree(tmp)
         raise

@@ -330,16 +330,8 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
                             labels)
 
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    _remove_abandoned_builds(root)
-    tmp = temp_path_for(root / "capsule")
-    # Made under a name the clean-up of abandoned builds does not match, locked, then renamed: a build that
-    # cleans up at the same moment never takes this one for abandoned between its mkdir and its lock.
-    pending = tmp.with_name(tmp.name.replace(TEMP_MARKER, ".new-", 1))
-    os.mkdir(pending, 0o700)  # a capsule holds process memory: private, like its blobs
-    # Held for the whole build: a later build removes this directory only once its builder is gone.
-    held = os.open(pending, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    fcntl.flock(held, fcntl.LOCK_EX)
-    os.rename(pending, tmp)
+    remove_abandoned_layouts(root)
+    tmp, held = locked_temp_layout(root, "capsule")
     try:
         try:
             layer = oci.write_blob_stream(tmp, oci.MEDIA_LAYER_TAR, lambda out: archive.write_layer(entries, out))
@@ -366,11 +358,36 @@ def _build_oci(*, unit: str, trees: list[tuple[str, list[LayerEntry]]], labels: 
     return CapsuleBuild(ref, changed, tuple(excluded), tuple(absent), key, False, labels)
 
 
-def _remove_abandoned_builds(root: Path) -> None:
-    """Remove the temporary layouts of builds that were killed (their builder no longer holds the lock)."""
-    prefix = temp_path_for(root / "capsule").name.rsplit(TEMP_MARKER, 1)[0] + TEMP_MARKER
+LAYOUT_TEMP_STEMS = ("capsule", "pull")  # the temporary layouts of builds and of pulls below a capsule root
+
+
+def locked_temp_layout(root: Path, stem: str) -> tuple[Path, int]:
+    """A new private temporary directory below ``root`` for a build or a pull (``stem``), and the descriptor
+    that holds its lock until the caller closes it: :func:`remove_abandoned_layouts` removes it only once its
+    writer is gone (killed), never under a live one."""
+    tmp = temp_path_for(root / stem)
+    # Made under a name the clean-up does not match, locked, then renamed: a build or pull that cleans up
+    # at the same moment never takes this one for abandoned between its mkdir and its lock.
+    pending = tmp.with_name(tmp.name.replace(TEMP_MARKER, ".new-", 1))
+    os.mkdir(pending, 0o700)  # a capsule holds process memory: private, like its blobs
+    held = os.open(pending, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        os.rename(pending, tmp)
+    except BaseException:
+        os.close(held)
+        archive.rmtree(pending)
+        raise
+    return tmp, held
+
+
+def remove_abandoned_layouts(root: Path) -> None:
+    """Remove the temporary layouts of builds and pulls that were killed (their writer no longer holds the
+    lock): a pull cut short by ``kill -9`` would otherwise keep its partial layers for ever."""
+    prefixes = tuple(temp_path_for(root / stem).name.rsplit(TEMP_MARKER, 1)[0] + TEMP_MARKER
+                     for stem in LAYOUT_TEMP_STEMS)
     for entry in os.scandir(root):
-        if not entry.name.startswith(prefix) or not entry.is_dir(follow_symlinks=False):
+        if not entry.name.startswith(prefixes) or not entry.is_dir(follow_symlinks=False):
             continue
         try:
             fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

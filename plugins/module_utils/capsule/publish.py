@@ -29,6 +29,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build impor
     LABEL_UNIT,
     CapsuleRef,
     inspect_capsule,
+    locked_temp_layout,
+    remove_abandoned_layouts,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import (
     RegistryClient,
@@ -39,6 +41,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry im
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     IntegrityError,
+    space_error,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir, temp_path_for
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
@@ -212,6 +215,12 @@ def _verify_remote_manifest(repository: str, digest: str, *, auth: dict[str, Any
                            fix="the pushed image is not the recorded capsule; nothing was recorded")
     for d in (config, *layers):
         if not reg.blob_exists(d.digest, d.size):
+            if reg.blob_exists(d.digest):
+                raise PublishError(f"registry {repository} holds blob {d.digest} of {what} with another size than "
+                                   f"its {d.size} bytes, a damaged copy that a push does not replace (a registry "
+                                   "keeps the first bytes stored under a digest)",
+                                   fix="have the registry's operator remove that blob from its storage, then "
+                                       "publish again; nothing was recorded")
             raise PublishError(f"registry {repository} lacks blob {d.digest} of {what} after the push",
                                fix="retry the publication; nothing was recorded")
 
@@ -332,8 +341,8 @@ def _pull_oci(repo: str, digest: str, root: Path, image_id: str, *, auth: dict[s
         raise IntegrityError(f"OCI capsule {repository_digest}: the recorded id {image_id} is not its manifest digest",
                              fix="the descriptor is inconsistent; re-publish the capture")
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = temp_path_for(root / "pull")
-    os.mkdir(tmp, 0o700)  # a capsule holds process memory: private, like its blobs
+    remove_abandoned_layouts(root)  # what a killed pull (or build) left
+    tmp, held = locked_temp_layout(root, "pull")  # private (a capsule holds process memory), locked while it runs
     try:
         _fetch_blob(reg, tmp, config, what=what, progress=progress, unit=unit)
         if compressed:
@@ -363,9 +372,12 @@ def _pull_oci(repo: str, digest: str, root: Path, image_id: str, *, auth: dict[s
             if _cached_layout(final, image_id, what=what, verify_layers=False) is None:
                 os.rename(tmp, final)
                 fsync_dir(final.parent)
+    except OSError as exc:  # the pull needs the capsule's size free below the capsule root
+        raise space_error(exc, what=what, path=root) from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        os.close(held)
     img = oci.open_layout(final, expected_manifest=image_id, verify_layers=False, what=what)
     return _oci_ref(img, final, unit, repository_digest)
 
@@ -411,12 +423,22 @@ def _private_file(path: Path) -> Any:
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "wb")
 
 
+# A registry keeps the first bytes stored under a digest: a push of the same blob is taken as done.
+STORED_COPY_FIX = ("run again; when the same bytes come back, the registry's stored copy is damaged and publishing "
+                   "again does not replace it (a registry keeps the first bytes stored under a digest): have its "
+                   "operator remove that blob from its storage, then publish the capture again; nothing was cached")
+
+
 def _check_wire(hashing: archive.HashingReader, desc: oci.Descriptor, *, what: str) -> None:
     """The bytes the registry returned are the descriptor's, or the pull fails saying so."""
+    if hashing.size < desc.size:
+        raise IntegrityError(f"registry returned only {hashing.size} of the {desc.size} bytes of {what} "
+                             f"({desc.digest}): the body ended early (a connection cut short, or a truncated "
+                             "copy on the registry)", fix=STORED_COPY_FIX)
     if hashing.size != desc.size or hashing.digest != desc.digest:
         raise IntegrityError(f"registry returned {hashing.size} bytes hashing to {hashing.digest} for {what} "
-                             f"({desc.digest}, {desc.size} bytes)",
-                             fix="the registry (or something between) corrupts content; nothing was cached")
+                             f"({desc.digest}, {desc.size} bytes): the registry, or something between, "
+                             "alters content", fix=STORED_COPY_FIX)
 
 
 def _fetch_layer(reg: RegistryClient, layout: Path, desc: oci.Descriptor, diff_id: str, *, what: str,

@@ -13,6 +13,7 @@ logged, never put into an exception message, and never written to disk.
 from __future__ import annotations
 
 import base64
+import http.client
 import ipaddress
 import json
 import re
@@ -119,6 +120,35 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
+class _Body:
+    """A response body whose transport failures (a connection reset or cut short, a read that timed out)
+    are a RegistryError naming the registry, what was read and how far, never a bare socket or HTTP error."""
+
+    def __init__(self, resp: Any, registry: str, what: str) -> None:
+        self.resp, self.registry, self.what = resp, registry, what
+        self.got = 0
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            data = self.resp.read(n)
+        except (OSError, http.client.HTTPException) as exc:
+            got = self.got + len(getattr(exc, "partial", b"") or b"")  # what IncompleteRead held back
+            raise RegistryError(f"the connection to registry {self.registry} broke while {self.what} after "
+                                f"{got} bytes ({type(exc).__name__}: {exc})",
+                                fix="check the network and the registry, and run again; nothing was cached") from None
+        self.got += len(data)
+        return data
+
+    def close(self) -> None:
+        self.resp.close()
+
+    def __enter__(self) -> _Body:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class RegistryClient:
     """One repository on one registry."""
 
@@ -153,6 +183,16 @@ class RegistryClient:
             try:
                 resp = self._opener.open(req, timeout=self.timeout)
             except urllib.error.HTTPError as exc:
+                if exc.code == 401 and not self._same_origin(exc.geturl()):
+                    # A redirect's target (object storage, a CDN) asking for credentials: its challenge is never
+                    # answered, or the registry's credentials would go to whatever realm it names.
+                    exc.close()
+                    elsewhere = urllib.parse.urlsplit(exc.geturl()).netloc
+                    raise RegistryError(f"registry {self.repo.registry} redirected {method} to {elsewhere}, which "
+                                        f"asks for credentials while {what}; they are given only to the registry "
+                                        "itself", status=401, code="UNAUTHORIZED",
+                                        fix="have the registry redirect to URLs that carry their own signature "
+                                            "(or serve blobs itself)") from None
                 if exc.code == 401 and attempt == 0 and self._answer_challenge(exc.headers, scope):
                     exc.close()
                     continue
@@ -287,8 +327,8 @@ class RegistryClient:
     def get_manifest(self, reference: str, accept: tuple[str, ...], *, what: str, limit: int = 4 << 20) -> bytes:
         resp = self.request("GET", f"/v2/{self.repo.name}/manifests/{urllib.parse.quote(reference, safe=':')}",
                             headers={"Accept": ", ".join(accept)}, what=f"fetching the manifest of {what}")
-        with resp:
-            data = resp.read(limit + 1)
+        with _Body(resp, self.repo.registry, f"fetching the manifest of {what}") as body:
+            data = body.read(limit + 1)
         if len(data) > limit:
             raise RegistryError(f"manifest of {what} is larger than {limit} bytes", fix="this is not a capsule")
         return data
@@ -301,4 +341,5 @@ class RegistryClient:
 
     def open_blob(self, digest: str, *, what: str) -> Any:
         ids.parse_digest(digest, what="blob digest")
-        return self.request("GET", f"/v2/{self.repo.name}/blobs/{digest}", what=f"downloading {what}")
+        resp = self.request("GET", f"/v2/{self.repo.name}/blobs/{digest}", what=f"downloading {what}")
+        return _Body(resp, self.repo.registry, f"downloading {what}")

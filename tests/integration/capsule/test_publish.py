@@ -173,10 +173,59 @@ def test_oci_pull_of_corrupted_bytes_fails_and_caches_nothing(tmp_path, capture_
     root = tmp_path / "restore-host"
     with CorruptingProxy(registry, min_bytes=min_bytes) as proxy:
         via_proxy = f"{proxy.address}/coldsnap/capsules@{published.split('@')[1]}"
-        with pytest.raises(IntegrityError, match="corrupts content"):
+        with pytest.raises(IntegrityError, match="alters content"):
             pull_capsule(via_proxy, expected_image_id=ref.image_id, layout="oci-layout", oci_root=root)
         assert proxy.corrupted, "the proxy served at least one (corrupted) blob"
     assert _leftovers(root) == [], "no layout, no blob, no temporary directory may remain"
+
+
+def test_a_damaged_copy_on_the_registry_is_named_and_never_taken_as_replaced(tmp_path, capture_id):
+    """A byte of a stored layer changed, then the layer cut short, on the registry's own disk: the pull fails
+    and its fix says that publishing again does not replace a stored blob (the registry keeps the first bytes
+    stored under a digest); a publish over the truncated copy names it as damaged instead of "retry"."""
+    from capsule_helpers import docker_registry
+
+    ref = _oci(tmp_path, capture_id)
+    with docker_registry(tmp_path / "registry") as addr:
+        repo = f"{addr}/coldsnap/capsules"
+        published = push_capsule(ref, repo)
+        layer = json.loads(RegistryClient(repo).get_manifest(published.split("@")[1], MANIFEST_ACCEPT,
+                                                             what="t"))["layers"][0]["digest"].split(":")[1]
+        stored = next((tmp_path / "registry").rglob(f"blobs/sha256/{layer[:2]}/{layer}/data"))
+        data = bytearray(stored.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        stored.write_bytes(bytes(data))
+        root = tmp_path / "restore-host"
+        with pytest.raises(IntegrityError, match="alters content") as err:
+            pull_capsule(published, expected_image_id=ref.image_id, layout="oci-layout", oci_root=root)
+        assert "publishing again does not replace it" in str(err.value)
+        stored.write_bytes(bytes(data[: len(data) // 2]))
+        with pytest.raises(PublishError, match=f"holds blob sha256:{layer} .* a damaged copy"):
+            push_capsule(ref, repo)
+        with pytest.raises(IntegrityError, match=f"only {len(data) // 2} of the {len(data)} bytes .* ended early"):
+            pull_capsule(published, expected_image_id=ref.image_id, layout="oci-layout", oci_root=root)
+    assert _leftovers(root) == [], "no layout, no blob, no temporary directory may remain"
+
+
+def test_what_a_killed_pull_left_goes_with_the_next_pull(tmp_path, capture_id, registry):
+    """A pull killed mid-layer leaves its private temporary layout; the next pull removes it (a live pull's
+    stays), instead of keeping the partial layers for ever."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.build import locked_temp_layout
+
+    ref = _oci(tmp_path, capture_id)
+    published = push_capsule(ref, f"{registry}/coldsnap/capsules")
+    root = tmp_path / "restore-host"
+    root.mkdir()
+    dead, held = locked_temp_layout(root, "pull")
+    (dead / "partial-layer").write_bytes(b"x" * 4096)
+    os.close(held)  # its puller is gone (kill -9 releases the lock)
+    live, held = locked_temp_layout(root, "pull")
+    try:
+        pull_capsule(published, expected_image_id=ref.image_id, layout="oci-layout", oci_root=root)
+        assert not dead.exists() and live.exists()
+    finally:
+        os.close(held)
+    assert sorted(p.name for p in root.iterdir()) == sorted(["sha256", live.name])
 
 
 def test_a_corrupted_local_layout_is_refused_before_push(tmp_path, capture_id, registry):

@@ -388,13 +388,15 @@ def test_restore_caches_never_places_a_file_outside_its_cache_path(tmp_path: Pat
     assert (cache / "latest").read_bytes() == b"a"
 
 
-def test_a_killed_build_leaves_nothing_the_next_build_keeps(state: Path, tmp_path: Path) -> None:
-    """The temporary layout of a build that was killed is removed by the next build; a live one's stays."""
+@pytest.mark.parametrize("stem", ["capsule", "pull"])
+def test_a_killed_build_leaves_nothing_the_next_build_keeps(state: Path, tmp_path: Path, stem: str) -> None:
+    """The temporary layout of a build (or a pull) that was killed is removed by the next build; a live
+    one's stays."""
     import fcntl
 
     root = tmp_path / "capsules"
     root.mkdir()
-    dead, live = root / ".capsule.tmp-0123456789ab", root / ".capsule.tmp-ba9876543210"
+    dead, live = root / f".{stem}.tmp-0123456789ab", root / f".{stem}.tmp-ba9876543210"
     for d in (dead, live):
         (d / "blobs" / "sha256").mkdir(parents=True)
         (d / "blobs" / "sha256" / "partial").write_bytes(b"x" * 4096)
@@ -416,6 +418,23 @@ def test_no_space_for_a_capsule_is_named_with_the_fix(state: Path, tmp_path: Pat
     with pytest.raises(ColdSnapError, match=r"no space left on the file system of .*capsules.*free space there"):
         _build(state, root)
     assert [p.name for p in root.iterdir()] == [], "the temporary layout is removed"
+
+
+def test_no_space_while_a_capsule_is_extracted_is_named_and_leaves_nothing(state: Path, tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import archive
+
+    ref = _build(state, tmp_path / "c").ref
+
+    def full(*_a, **_kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(archive, "_write_all", full)
+    work = tmp_path / "restore"
+    with pytest.raises(ColdSnapError, match=r"no space left on the file system of .*restore while writing the "
+                                            r"files of capsule layer sha256:[0-9a-f]{64} of unit .*free space"):
+        extract_capsule(ref, work / "unit-0")
+    assert list(work.iterdir()) == [], "no destination and no temporary directory remain"
 
 
 @pytest.mark.parametrize("damage", ["link to /dev/zero", "directory", "fifo", "deep nesting", "trailing data"])

@@ -190,6 +190,110 @@ def test_registry_credentials_never_reach_another_host() -> None:
         registry.shutdown()
 
 
+def test_a_challenge_from_where_a_download_was_redirected_is_never_answered() -> None:
+    """A blob GET redirected to another host (object storage) that answers 401 with a Bearer challenge
+    naming a token realm of its own: the registry's credentials never go to that realm."""
+    seen: list = []
+
+    class Storage(BaseHTTPRequestHandler):
+        def log_message(self, *_a) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            seen.append((self.path, self.headers.get("Authorization")))
+            if self.path.startswith("/token"):
+                body = json.dumps({"token": "stolen"}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            self.send_response(401)
+            self.send_header("WWW-Authenticate",
+                             f'Bearer realm="http://127.0.0.2:{self.server.server_address[1]}/token",service="s"')
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    storage = ThreadingHTTPServer(("127.0.0.2", 0), Storage)
+
+    class Registry(BaseHTTPRequestHandler):
+        def log_message(self, *_a) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.headers.get("Authorization") is None:
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Basic realm="r"')
+            else:
+                self.send_response(307)
+                self.send_header("Location", f"http://127.0.0.2:{storage.server_address[1]}/data/blob")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    registry = ThreadingHTTPServer(("127.0.0.1", 0), Registry)
+    for s in (storage, registry):
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    try:
+        client = RegistryClient(f"127.0.0.1:{registry.server_address[1]}/coldsnap/capsules",
+                                auth={"username": "alice", "password": PASSWORD})
+        with pytest.raises(RegistryError, match=r"127\.0\.0\.2") as err:
+            client.open_blob(DIGEST, what="a layer")
+        assert seen and all(auth is None for _p, auth in seen), seen
+        assert not any(p.startswith("/token") for p, _a in seen), seen
+        assert PASSWORD not in str(err.value)
+    finally:
+        storage.shutdown()
+        registry.shutdown()
+
+
+@pytest.mark.parametrize("how", ["reset", "chunked-cut", "stall"])
+def test_a_download_cut_short_or_stalled_is_a_registry_error(how: str) -> None:
+    """A connection reset, a chunked body cut mid-chunk, a read that times out: a RegistryError naming the
+    registry and how far the download got, never a bare socket or HTTP exception."""
+    import socket
+    import struct
+
+    release = threading.Event()
+
+    class Registry(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *_a) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            half = b"x" * 5000
+            if how == "chunked-cut":
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                self.wfile.write(b"%x\r\n" % 10000 + half)
+            else:
+                self.send_header("Content-Length", "10000")
+                self.end_headers()
+                self.wfile.write(half)
+            self.wfile.flush()
+            if how == "stall":
+                release.wait(30)
+            elif how == "reset":
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+            self.close_connection = True
+
+    registry = ThreadingHTTPServer(("127.0.0.1", 0), Registry)
+    threading.Thread(target=registry.serve_forever, daemon=True).start()
+    try:
+        client = RegistryClient(f"127.0.0.1:{registry.server_address[1]}/coldsnap/capsules", timeout=1)
+        with pytest.raises(RegistryError, match=r"connection to registry 127\.0\.0\.1:\d+ broke while downloading "
+                                                r"a layer after \d+ bytes"):
+            with client.open_blob(DIGEST, what="a layer") as body:
+                while body.read(1 << 20):
+                    pass
+    finally:
+        release.set()
+        registry.shutdown()
+
+
 @pytest.mark.parametrize(("old", "new", "kept"), [
     ("https://reg.example/v2/x/blobs/a", "https://reg.example/v2/x/blobs/b", True),
     ("https://reg.example/v2/x/blobs/a", "http://reg.example/v2/x/blobs/a", False),  # a downgrade, same host
