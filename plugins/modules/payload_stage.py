@@ -20,6 +20,8 @@ description:
   - A payload that is already present and verified is left alone (C(changed=false)); one that fails
     verification is quarantined and staged again.
   - Partial writes live under a temporary name; leftovers of a killed writer are removed on the next run.
+  - What an interrupted peer transfer kept for its resume is removed once the payload is in the node cache,
+    whichever source brought it.
 author:
   - ColdSnap maintainers (@coldsnap)
 extends_documentation_fragment:
@@ -85,7 +87,11 @@ options:
 attributes:
   check_mode:
     support: full
-    details: Verifies an existing payload without writing anything and reports whether a real run would stage.
+    details:
+      - Verifies an existing payload without writing anything and reports whether a real run would stage.
+      - When it would, asks the source whether it can deliver, writing nothing and moving no payload byte (the
+        local file is opened; a peer's transfer server is asked for its file listing; the Hub for the file's
+        metadata at the pinned revision), and fails as the real run would when it cannot.
   diff_mode:
     support: none
   idempotent:

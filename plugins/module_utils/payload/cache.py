@@ -38,6 +38,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import reco
 
 PAYLOAD_ROOT = "model-payloads"
 INCOMING = "incoming.pack"
+PEER_PARTIAL = ".peer-partial"
 DEFAULT_LOCK_TIMEOUT = 1800.0
 
 
@@ -66,6 +67,23 @@ class NodeCache:
 
     def record_path_for(self, sha256: str) -> Path:
         return records.record_path_for(self.path_for(sha256))
+
+    def peer_partial(self, sha256: str) -> Path:
+        """Where a peer transfer of ``sha256`` keeps its bytes until they are verified (kept across runs)."""
+        return self.downloads / f"{parse_digest(sha256, what='model payload digest')}{PEER_PARTIAL}"
+
+    def drop_peer_partial(self, sha256: str) -> bool:
+        """Remove what an interrupted peer transfer of ``sha256`` left, once its pack is committed under its
+        final name (from whatever source): nothing resumes it any more. The caller holds the digest's lock,
+        under which alone a peer transfer writes it. True when something was removed."""
+        try:
+            self.peer_partial(sha256).unlink()
+        except FileNotFoundError:
+            return False
+        except IsADirectoryError:
+            remove_tree_quietly(self.peer_partial(sha256))
+        fsutil.fsync_dir(self.downloads)
+        return True
 
     def contains(self, sha256: str) -> bool:
         """An object exists under the final name (not verified: use PayloadVerifier)."""

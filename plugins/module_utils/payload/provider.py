@@ -71,6 +71,13 @@ def select_provider(mode: str, *, pack_available: bool, recovery_enabled: bool, 
                         fix="stage the payload, or enable policy.weights.recovery.enabled")
 
 
+def source_failure(where: str, exc: ColdSnapError) -> str:
+    """One source's failure among several: what went wrong there and its own fix (a peer's token, a
+    path, a revision: the way out differs by source, and one generic fix would hide it)."""
+    problem = exc.problem if exc.problem.startswith(where) else f"{where}: {exc.problem}"
+    return f"{problem} (fix: {exc.fix})" if exc.fix else problem
+
+
 @dataclass
 class ProviderResolution:
     """The chosen provider and, for native, the verified payload (held open)."""
@@ -116,7 +123,7 @@ def resolve_provider(mode: str, *, state_root: Path | str, pack: PackRef | None,
                 payload = PayloadVerifier().verify(cache, pack.sha256, pack.size)
                 break
             except ColdSnapError as exc:
-                reasons.append(f"{src.describe()}: {exc.problem}")
+                reasons.append(source_failure(src.describe(), exc))
     elif pack is None and mode != "recovery":
         reasons.append("the capture has no native payload")
     try:

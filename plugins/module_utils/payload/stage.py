@@ -160,14 +160,15 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
                     return StageResult(False, final, sha256, size, v.reused_record, v.bytes_hashed, 0, source.describe())
             except IntegrityError:
                 pass
-        if source.kind == "local":
-            os.close(_open_local(source, hexd, size))  # what the real run would refuse, read-only
+        _probe(cache, hexd, size, source)  # what the real run would refuse, asked read-only
+        _refuse_unwritable(cache)
         return StageResult(True, final, sha256, size, False, 0, 0, source.describe())
 
     if source.kind == "local" and not os.path.lexists(final):
         # A source that cannot be used is refused before the digest's lock is taken (every other stager
         # of the digest on this host waits on it); a staged pack is reused below whatever the source is.
         os.close(_open_local(source, hexd, size))
+    _writable_cache(cache)
     with cache.lock(sha256, timeout=lock_timeout):
         cache.clean_stale_temps(sha256)
         _clean_downloads(cache, hexd)
@@ -175,6 +176,7 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
         if os.path.lexists(final):
             try:
                 with verifier.verify_locked(final, sha256, size, progress=progress) as v:
+                    _drop_peer_partial(cache, sha256)
                     return StageResult(False, final, sha256, size, v.reused_record, v.bytes_hashed, 0,
                                        source.describe())
             except IntegrityError as exc:
@@ -196,7 +198,59 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
             exc.details = {**exc.details, "quarantined": quarantined}
             exc.args = (exc.problem if not exc.fix else f"{exc.problem}; {exc.fix}",)
             raise
+        _drop_peer_partial(cache, sha256)  # committed from another source: a peer pull's bytes are not needed
         return StageResult(True, final, sha256, size, False, size, copied, source.describe(), quarantined)
+
+
+def _writable_cache(cache: NodeCache) -> None:
+    """The node cache's directories exist and this user may write them: those another user made (a run
+    with sudo, then one without) are named with their owners, not left to a bare permission error."""
+    try:
+        cache.ensure_dirs()
+    except PermissionError as exc:
+        _refuse_foreign_cache(cache, [Path(exc.filename) if exc.filename else cache.root])
+    _refuse_unwritable(cache)
+
+
+def _refuse_unwritable(cache: NodeCache) -> None:
+    """Those of the cache's directories that exist can be written (check mode asks this alone)."""
+    theirs = [d for d in (cache.state_root, cache.root, cache.objects, cache.locks, cache.downloads,
+                          cache.quarantine_dir) if os.path.isdir(d) and not os.access(d, os.W_OK | os.X_OK)]
+    if theirs and os.statvfs(theirs[0]).f_flag & os.ST_RDONLY:
+        raise ColdSnapError(f"node cache directory {theirs[0]} lies on a read-only file system",
+                            fix="point state_root (coldsnap_state_root) at a writable file system")
+    if theirs:
+        _refuse_foreign_cache(cache, theirs)
+
+
+def _refuse_foreign_cache(cache: NodeCache, dirs: list[Path]) -> None:
+    def owned(d: Path) -> str:
+        try:
+            return f"{d} (uid {os.stat(d).st_uid})"
+        except OSError:
+            return str(d)
+
+    top = cache.root if all(cache.root in (d, *d.parents) for d in dirs) else cache.state_root
+    raise ColdSnapError(f"node cache director{'y' if len(dirs) == 1 else 'ies'} {', '.join(map(owned, dirs))} "
+                        f"cannot be written by this user (uid {os.geteuid()}): permission denied",
+                        fix=f"run as the state root's owner (or root), or give this user the node cache "
+                            f"(chown -R {os.geteuid()} {top})")
+
+
+def _drop_peer_partial(cache: NodeCache, sha256: str) -> None:
+    with contextlib.suppress(OSError):  # only disk space is at stake; the pack is staged
+        cache.drop_peer_partial(sha256)
+
+
+def _probe(cache: NodeCache, hexd: str, size: int, source: StageSource) -> None:
+    """Check mode: ask the source whether it can deliver the payload, as cheaply as it allows and writing
+    nothing anywhere; raise what the real run would."""
+    if source.kind == "local":
+        os.close(_open_local(source, hexd, size))
+    elif source.kind == "peer":
+        _probe_peer(cache, hexd, size, source)
+    else:
+        _probe_huggingface(hexd, size, source)
 
 
 def _stage_local(cache: NodeCache, hexd: str, size: int, source: StageSource, progress: Progress | None) -> int:
@@ -268,6 +322,33 @@ def _scrub(text: str, token: str | None) -> str:
     return text.replace(token, "********") if token else text
 
 
+def _hub_error(filename: str, source: StageSource, exc: Exception) -> ColdSnapError:
+    msg = _scrub(f"{type(exc).__name__}: {exc}", source.token).splitlines()[0]
+    return ColdSnapError(f"could not download {filename} from {source.describe()}: {msg}",
+                         fix="check the repository, the pinned revision, the token and the endpoint, or "
+                             "restore with weights mode 'recovery'")
+
+
+def _probe_huggingface(hexd: str, size: int, source: StageSource) -> None:
+    """The file's metadata at the pinned revision (one HEAD request, as the download's first step): the
+    Hub answers, the token is accepted, the revision and the file exist, and its size is the payload's."""
+    try:
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    except ImportError:
+        raise ColdSnapError("staging from Hugging Face needs the huggingface_hub library on this host",
+                            fix="pip install huggingface_hub (or stage from a local path)") from None
+    filename = source.filename or pack_relpath(hexd)
+    try:
+        meta = get_hf_file_metadata(hf_hub_url(source.repository, filename, revision=source.revision,
+                                               endpoint=source.endpoint),
+                                    token=source.token, endpoint=source.endpoint)
+    except Exception as exc:  # the library raises many types; all mean "would not be staged"
+        raise _hub_error(filename, source, exc) from None
+    if meta.size is not None and meta.size != size:
+        raise IntegrityError(f"{filename} from {source.describe()} has {meta.size} bytes, expected {size}",
+                             fix="the repository does not hold this payload at that revision")
+
+
 def _stage_huggingface(cache: NodeCache, hexd: str, size: int, source: StageSource,
                        progress: Progress | None) -> int:
     try:
@@ -285,10 +366,7 @@ def _stage_huggingface(cache: NodeCache, hexd: str, size: int, source: StageSour
             got = hf_hub_download(repo_id=source.repository, filename=filename, revision=source.revision,
                                   token=source.token, endpoint=source.endpoint, local_dir=where)
         except Exception as exc:  # the library raises many types; all mean "not staged"
-            msg = _scrub(f"{type(exc).__name__}: {exc}", source.token).splitlines()[0]
-            raise ColdSnapError(f"could not download {filename} from {source.describe()}: {msg}",
-                                fix="check the repository, the pinned revision, the token and the endpoint, or "
-                                    "restore with weights mode 'recovery'") from None
+            raise _hub_error(filename, source, exc) from None
         fd = os.open(got, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             st = os.fstat(fd)
@@ -322,15 +400,51 @@ def _commit_verified(cache: NodeCache, fd: int, path: Path, hexd: str, size: int
 
 def peer_partial(cache: NodeCache, hexd: str) -> Path:
     """Where a peer transfer of ``hexd`` keeps its bytes until they are verified (kept across runs)."""
-    return cache.downloads / f"{hexd}.peer-partial"
+    return cache.peer_partial(f"sha256:{hexd}")
 
 
 def _free_bytes(path: Path) -> int | None:
+    while not path.exists() and path.parent != path:
+        path = path.parent  # made on first use: its file system is its nearest existing parent's
     try:
         st = os.statvfs(path)
     except OSError:
         return None
     return st.f_bavail * st.f_frsize
+
+
+def _peer_space(cache: NodeCache, hexd: str, size: int, source: StageSource) -> None:
+    """Room on the download directory's file system for what a peer transfer still has to bring."""
+    partial = peer_partial(cache, hexd)
+    have = partial.stat().st_size if partial.is_file() and not partial.is_symlink() else 0
+    free = _free_bytes(cache.downloads)
+    if free is not None and have <= size and free < size - have:
+        raise ColdSnapError(f"no space on the file system of {cache.downloads} for model payload sha256:{hexd} "
+                            f"from {source.address}: {size - have} bytes needed, {free} free",
+                            fix="free space there (or point coldsnap_state_root at a larger file system) "
+                                "and run again" + (f"; the {have} bytes already fetched are kept in {partial}"
+                                                   if have else ""))
+
+
+def _probe_peer(cache: NodeCache, hexd: str, size: int, source: StageSource) -> None:
+    """The transfer server answers this transfer's token and lists the payload with its size and digest
+    (its file listing: no byte of the payload is asked for)."""
+    if source.address is None or source.port is None or source.token is None:
+        raise AssertionError("a peer stage source lacks its endpoint")
+    peer = Peer(source.address, source.port, source.token)
+    name = source.filename or f"{hexd}.pack"
+    entry = next((f for f in peer.listing() if f.get("name") == name), None)
+    if entry is None:
+        raise ColdSnapError(f"{peer.describe()} does not serve {name}",
+                            fix="the source host lacks the file; capture again or restore elsewhere")
+    if entry.get("size") != size:
+        raise IntegrityError(f"{peer.describe()} serves {name} with {entry.get('size')!r} bytes; "
+                             f"sha256:{hexd} has {size}", fix="the source is not serving this payload; capture again")
+    if entry.get("sha256") not in (None, hexd):
+        raise IntegrityError(f"{peer.describe()} serves {name} as sha256:{entry.get('sha256')}, not sha256:{hexd}",
+                             fix="the source host's copy is not this payload; verify it there (coldsnap payload "
+                                 "verify) or capture again")
+    _peer_space(cache, hexd, size, source)
 
 
 def _stage_peer(cache: NodeCache, hexd: str, size: int, source: StageSource, progress: Progress | None) -> int:
@@ -340,14 +454,7 @@ def _stage_peer(cache: NodeCache, hexd: str, size: int, source: StageSource, pro
     cache.downloads.mkdir(mode=0o700, exist_ok=True)
     partial = peer_partial(cache, hexd)
     what = f"model payload sha256:{hexd} from {source.address}"
-    have = partial.stat().st_size if partial.is_file() and not partial.is_symlink() else 0
-    free = _free_bytes(cache.downloads)
-    if free is not None and have <= size and free < size - have:
-        raise ColdSnapError(f"no space on the file system of {cache.downloads} for {what}: "
-                            f"{size - have} bytes needed, {free} free",
-                            fix="free space there (or point coldsnap_state_root at a larger file system) "
-                                "and run again" + (f"; the {have} bytes already fetched are kept in {partial}"
-                                                   if have else ""))
+    _peer_space(cache, hexd, size, source)
     try:
         got = fetch_file(Peer(source.address, source.port, source.token), source.filename or f"{hexd}.pack",
                          partial, size=size, sha256=hexd, progress=progress)
@@ -358,6 +465,11 @@ def _stage_peer(cache: NodeCache, hexd: str, size: int, source: StageSource, pro
         with contextlib.suppress(OSError):
             partial.unlink()  # a full disk is not left full by our half file
         raise err from None
+    except ColdSnapError:
+        with contextlib.suppress(OSError):
+            if os.lstat(partial).st_size == 0:
+                partial.unlink()  # refused before a byte arrived (token, name): nothing to resume
+        raise
     fd = os.open(partial, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         _commit_verified(cache, fd, partial, hexd, size)

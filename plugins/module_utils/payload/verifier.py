@@ -190,8 +190,12 @@ class PayloadVerifier:
                                     rehash=rehash, pipelined=pipelined)
             with contextlib.suppress(OSError):
                 cache.clean_stale_temps(sha256)  # a killed verifier's record temp (we hold the digest's lock)
-            return self._verify(path, hexd, size, cache, write_record=write_record, progress=progress, rehash=rehash,
-                                pipelined=pipelined)
+            verified = self._verify(path, hexd, size, cache, write_record=write_record, progress=progress,
+                                    rehash=rehash, pipelined=pipelined)
+            if write_record and not explicit:
+                with contextlib.suppress(OSError):  # the pack is here: a peer pull of it has nothing left to resume
+                    cache.drop_peer_partial(sha256)
+            return verified
 
     def verify_many(self, packs: Sequence[tuple[Path | str | NodeCache, str, int]], *, jobs: int | None = None,
                     write_record: bool = True, progress: Progress | None = None,

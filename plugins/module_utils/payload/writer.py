@@ -146,6 +146,7 @@ class PackWriter:
                 if existing is not None:
                     existing.close()
                     self._discard()
+                    self._drop_peer_partial(digest)
                     self.committed = True
                     return CommitResult(PackRef.for_digest(digest, self.written), final, True, False, self.written)
             os.fchmod(self.fd, 0o400)  # content-addressed objects are never edited in place, and private
@@ -155,8 +156,14 @@ class PackWriter:
             record_written = write_settled_record(self.fd, final, hexd, self.written)
             os.close(self.fd)
             self.fd = -1
+            self._drop_peer_partial(digest)
             self.committed = True
             return CommitResult(PackRef.for_digest(digest, self.written), final, False, record_written, self.written)
+
+    def _drop_peer_partial(self, digest: str) -> None:
+        """The pack is committed (under the digest's lock): what a peer pull of it left is not needed."""
+        with contextlib.suppress(OSError):
+            self.cache.drop_peer_partial(digest)
 
     def _discard(self) -> None:
         if self.fd >= 0:

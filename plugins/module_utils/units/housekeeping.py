@@ -8,7 +8,8 @@ another host but never staged (``model-payloads/incoming/<hex>.pack``). Nothing 
 under those names; the next operation on the host removes the ones whose writer is gone.
 
 A payload pulled from another host keeps its bytes in ``model-payloads/downloads/<hex>.peer-partial``
-until they are verified, so that the next run resumes it; one untouched for a week is removed.
+until they are verified, so that the next run resumes it; staging removes it once the payload is in
+the node cache, and one untouched for a week is removed here.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout impo
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.provider import resolve_provider
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.stage import StageSource, stage_payload
 from hub_standin import HubStandin
+from netports import free_port
 from test_payload_modules import run_module
 
 COMMIT = "5" * 40
@@ -120,3 +121,32 @@ def test_stage_module_hub_standin_token_never_in_output_at_vvv(tmp_path, hub):
     proc = run_module("payload_stage", bad, "-vvv", raw=True)
     assert proc.returncode != 0 and "FAILED" in proc.stdout and TOKEN not in proc.stdout + proc.stderr
     assert Path(tmp_path / "state").exists()
+
+
+def test_check_mode_asks_the_hub_standin_for_the_file_and_downloads_nothing(tmp_path, hub):
+    """Check mode sends the download's first request alone (HEAD at the pinned revision): a Hub that does
+    not answer, a refused token, a missing revision or file and another size fail as the real run would."""
+    state = tmp_path / "state"
+
+    def source(**kw) -> StageSource:
+        return StageSource("huggingface", **{"repository": REPO_ID, "revision": COMMIT, "token": TOKEN,
+                                             "endpoint": hub.endpoint, **kw})
+
+    ok = stage_payload(state, hub.digest, hub.size, source(), check_mode=True)
+    assert ok.changed and ok.bytes_copied == 0
+    cases = [(source(token="hf_wrong_token_123"), hub.size, "401"),
+             (source(revision="6" * 40), hub.size, "RevisionNotFound"),
+             (source(filename="model-payloads/other.pack"), hub.size, "EntryNotFound"),
+             (source(), hub.size + 1, f"has {hub.size} bytes, expected {hub.size + 1}"),
+             (source(endpoint=f"http://127.0.0.1:{free_port()}"), hub.size, "could not download")]
+    for src, size, says in cases:
+        with pytest.raises(ColdSnapError, match=says) as err:
+            stage_payload(state, hub.digest, size, src, check_mode=True)
+        assert "hf_wrong_token_123" not in str(err.value)
+    assert {m for m, _p, _a in hub.requests} == {"HEAD"}, "no byte of the payload was asked for"
+    assert not state.exists(), "check mode wrote nothing"
+    args = {"state_root": str(state), "sha256": hub.digest, "size": hub.size,
+            "source": {"kind": "huggingface", "repository": REPO_ID, "revision": "6" * 40, "token": TOKEN,
+                       "endpoint": hub.endpoint}}
+    res = run_module("payload_stage", args, "--check")
+    assert res.get("failed") and "RevisionNotFound" in res["msg"] and not state.exists()

@@ -267,12 +267,41 @@ def test_an_unreadable_local_source_names_the_file_and_the_fix(open_dir):
     state.mkdir(mode=0o700)
     os.chown(state, NOBODY, NOBODY)
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    checked = _as_other_user(lambda: stage_payload(state, digest, len(data), StageSource("local", path=src),
+                                                   check_mode=True))
     kind, msg, fix = _as_other_user(lambda: stage_payload(state, digest, len(data), StageSource("local", path=src)))
+    assert checked == (kind, msg, fix), "check mode says what the real run says"
     assert kind == "ColdSnapError", msg
     assert str(src) in msg and "permission denied" in msg
     assert fix == "make it readable by this user"
     assert not NodeCache(state).path_for(digest).exists()
 
+
+def test_a_node_cache_another_user_made_is_named_with_its_owner_not_a_bare_permission_error(open_dir):
+    """The user's own state root, whose cache directories an earlier run as root (sudo) made."""
+    data = os.urandom(4096)
+    src = open_dir / "export.pack"
+    src.write_bytes(data)
+    os.chmod(src, 0o644)
+    state = open_dir / "state"
+    cache = NodeCache(state)
+    cache.ensure_dirs()  # root's
+    os.chown(state, NOBODY, NOBODY)
+    os.chown(cache.root, NOBODY, NOBODY)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    checked = _as_other_user(lambda: stage_payload(state, digest, len(data), StageSource("local", path=src),
+                                                   check_mode=True))
+    kind, msg, fix = _as_other_user(lambda: stage_payload(state, digest, len(data), StageSource("local", path=src)))
+    assert checked == (kind, msg, fix), "check mode says what the real run says"
+    assert kind == "ColdSnapError", msg
+    assert f"{cache.objects} (uid 0), {cache.locks} (uid 0) cannot be written" in msg and "permission denied" in msg
+    assert fix == f"run as the state root's owner (or root), or give this user the node cache (chown -R {NOBODY} " \
+                  f"{cache.root})"
+    for theirs in (cache.objects, cache.locks):
+        os.chown(theirs, NOBODY, NOBODY)
+    kind, msg, _fix = _as_other_user(lambda: stage_payload(state, digest, len(data),
+                                                           StageSource("local", path=src)).changed)
+    assert (kind, msg) == ("ok", "True")
 
 def test_a_staged_pack_is_reused_whatever_became_of_its_source(tmp_path):
     data = os.urandom(4096)

@@ -7,6 +7,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import socket
 import stat
 import threading
@@ -20,14 +21,18 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     IntegrityError,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout import PackRef
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.provider import resolve_provider
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.stage import (
     StageSource,
     peer_partial,
     stage_payload,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import auth
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.client import (
     Peer,
+    PeerUnreachable,
     fetch_file,
     fetch_tree,
     partial_path,
@@ -43,6 +48,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server imp
     stop_server,
 )
 from module_runner import HAVE_ANSIBLE, run_module
+from netports import free_port
 
 TOKEN = "t" * 40
 
@@ -398,6 +404,94 @@ def test_a_payload_is_staged_from_a_peer_into_the_node_cache(tmp_path):
         StageSource.from_dict({"kind": "peer", "address": "127.0.0.1", "token": TOKEN})
     with pytest.raises(ColdSnapError, match=r"'port' \(1\.\.65535\)"):  # 0 is a listener's ephemeral port, never a peer's
         StageSource.from_dict({"kind": "peer", "address": "127.0.0.1", "port": 0, "token": TOKEN})
+
+
+def _payload_server(tmp_path, data: bytes, *, listed: bytes | None = None):
+    """A transfer server that serves ``listed`` (default: ``data``) as the pack of ``data``'s digest."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / f"{sha(data)}.pack").write_bytes(data if listed is None else listed)
+    return run_server(src, [f"{sha(data)}.pack"])
+
+
+def _peer_source(port: int, token: str = TOKEN, **kw) -> StageSource:
+    return StageSource.from_dict({"kind": "peer", "address": "127.0.0.1", "port": port, "token": token, **kw})
+
+
+def test_check_mode_asks_the_peer_and_fails_as_the_real_run_would(tmp_path):
+    """Check mode asks the transfer server for its listing (no payload byte, nothing written here): a wrong
+    token, a file it does not serve, another size, a server that is gone fail as the real run does."""
+    data = os.urandom(1 << 20)
+    digest, state = f"sha256:{sha(data)}", tmp_path / "state"
+    server = _payload_server(tmp_path, data)
+    port = server.server_address[1]
+    try:
+        ok = stage_payload(state, digest, len(data), _peer_source(port), check_mode=True)
+        assert ok.changed and ok.bytes_copied == 0
+        cases = [(_peer_source(port, "w" * 40), len(data), "refused the transfer"),
+                 (_peer_source(port, filename="other.pack"), len(data), "does not serve other.pack"),
+                 (_peer_source(port), len(data) + 1, f"with {len(data)} bytes; {digest} has {len(data) + 1}")]
+        for source, size, says in cases:
+            with pytest.raises(ColdSnapError, match=re.escape(says)):
+                stage_payload(state, digest, size, source, check_mode=True)
+        assert not state.exists(), "check mode wrote nothing"
+        with pytest.raises(ColdSnapError, match="refused the transfer"):
+            stage_payload(state, digest, len(data), _peer_source(port, "w" * 40))  # the real run says the same
+        assert not peer_partial(NodeCache(state), sha(data)).exists(), "a refused pull keeps no empty partial"
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(PeerUnreachable, match="cannot reach"):
+        stage_payload(tmp_path / "s2", digest, len(data), _peer_source(port), check_mode=True)
+    assert not (tmp_path / "s2").exists()
+
+
+def test_a_peer_partial_goes_once_the_payload_is_staged_from_elsewhere_never_under_a_held_lock(tmp_path):
+    data = os.urandom(1 << 20)
+    digest, state = f"sha256:{sha(data)}", tmp_path / "state"
+    local = tmp_path / "local.pack"
+    local.write_bytes(data)
+    cache = NodeCache(state)
+    cache.ensure_dirs()
+    cache.downloads.mkdir()
+    partial = peer_partial(cache, sha(data))
+    partial.write_bytes(data[:4096])  # an interrupted pull from the capture host
+    with cache.lock(digest), pytest.raises(ColdSnapError, match="another worker"):
+        stage_payload(state, digest, len(data), StageSource("local", path=local), lock_timeout=0)
+    assert partial.exists(), "a partial is never removed while another stage holds the digest"
+    assert stage_payload(state, digest, len(data), StageSource("local", path=local)).changed
+    assert not partial.exists(), "staged from a later source: the peer's bytes are not kept"
+    partial.write_bytes(data[:4096])
+    gone = _peer_source(free_port())  # the cache already has it: the peer is never asked
+    again = stage_payload(state, digest, len(data), gone)
+    assert not again.changed and not partial.exists()
+    partial.write_bytes(data[:4096])
+    PayloadVerifier().verify(cache, digest, len(data)).close()  # the role's first look finds it in the cache
+    assert not partial.exists()
+
+
+def test_when_every_source_fails_each_failure_is_named_with_its_own_fix(tmp_path):
+    data = os.urandom(1 << 20)
+    digest = f"sha256:{sha(data)}"
+    liar = _payload_server(tmp_path, data, listed=os.urandom(len(data)))  # the right size, other bytes
+    port = liar.server_address[1]
+    try:
+        with pytest.raises(ColdSnapError) as err:
+            resolve_provider("native", state_root=tmp_path / "state", pack=PackRef.for_digest(digest, len(data)),
+                             recovery_enabled=False,
+                             sources=[StageSource("local", path=tmp_path / "nowhere.pack"),
+                                      _peer_source(port, "w" * 40), _peer_source(port)])
+    finally:
+        liar.shutdown()
+    msg = str(err.value)
+    served = (tmp_path / "src" / f"{sha(data)}.pack").read_bytes()
+    assert f"{tmp_path / 'nowhere.pack'} does not exist (fix: give the path of the pack on this host)" in msg
+    assert "refused the transfer (authentication failed) (fix: the server was started for another transfer" in msg
+    assert f"hashes to sha256:{sha(served)}" in msg and "(fix: the source host's copy is corrupt" in msg
+    assert f"peer 127.0.0.1:{port}: peer" not in msg  # each source named once
+    cache = NodeCache(tmp_path / "state")
+    assert not cache.path_for(digest).exists()
+    assert not any(cache.downloads.iterdir()), "the other bytes are not kept for a resume"
 
 
 def test_partial_names_stay_beside_the_final_name():
