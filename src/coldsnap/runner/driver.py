@@ -726,7 +726,7 @@ class PlaybookRun:
         if cfg.operation in eviction.RESTORE_OPERATIONS:  # what became of the workload that ran before
             result["eviction"] = eviction_record(
                 collector.evictions, succeeded=succeeded, in_flight=in_flight,
-                detached=not cancelled or _live_progress(cfg.public_vars.get(EXTRAVAR_LIVE_PROGRESS)))
+                detached=not cancelled or _activation_in_background(cfg.public_vars, cfg.request))
             if error is not None:
                 error["message"] = with_eviction(error["message"], result["eviction"])
         if cancelled:
@@ -824,6 +824,15 @@ _ACTIVATION_ACTIONS = ("unit_restore", "job_wait")
 def _live_progress(value: Any) -> bool:
     """Whether the long steps ran as async jobs (``coldsnap_live_progress``, as Ansible's ``bool`` reads it)."""
     return value is True or str(value).strip().lower() in ("1", "true", "yes", "on", "y", "t")
+
+
+def _activation_in_background(public_vars: Mapping[str, Any], request: Mapping[str, Any] | None) -> bool:
+    """Whether a restore's activation ran as an async job: with live progress, and always for units on more
+    than one host (the role coldsnap_restore runs theirs in the background whatever the forks)."""
+    if _live_progress(public_vars.get(EXTRAVAR_LIVE_PROGRESS)):
+        return True
+    units = ((request or {}).get("launch") or {}).get("units") or []
+    return len({u.get("host") for u in units if isinstance(u, Mapping)}) > 1
 
 
 def eviction_record(evictions: Mapping[str, Any], *, succeeded: bool, in_flight: list[dict],

@@ -54,10 +54,12 @@ def tp2(operation: str, op_id: str, model, placement: tuple[str, str], **kw) -> 
     return req
 
 
-def run(req: dict, inventory: dict, *, prepare_only: bool = False):
+def run(req: dict, inventory: dict, *, prepare_only: bool = False, envvars: dict | None = None):
+    # No terminal: the long steps run in the foreground unless the playbooks put them in the background.
     return run_playbook(operation=req["operation"], request=req, playbook=f"coldsnap.fleet.{req['operation']}",
                         extravars=operation_extravars(req, prepare_only=prepare_only, state_root=STATE_ROOT),
-                        inventory=copy.deepcopy(inventory), state_root=STATE_ROOT, prepare_only=prepare_only)
+                        inventory=copy.deepcopy(inventory), state_root=STATE_ROOT, prepare_only=prepare_only,
+                        envvars=envvars)
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +138,23 @@ def test_fault25_unreachable_host_stops_before_eviction(hosts, model, swapped):
     assert "prepare" in res.receipt["error"]["phase"]
     after = {h.name: hosts.run_on(h, mine).stdout.split() for h in hosts.hosts}
     assert after == before, "no host may be evicted when one was unreachable during preparation"
+
+
+def test_one_fork_for_two_unit_hosts_restores_and_a_wake_is_refused_before_it_starts(hosts, model, swapped):
+    """Fewer forks than unit hosts (an AWX job template's Forks, ANSIBLE_FORKS) without live progress: the
+    activation, whose units wait for one another across the hosts, still runs on both hosts at once; a wake,
+    which runs in the foreground, is refused before it touches anything instead of waking one host at a time."""
+    inv = hosts.inventory(sys.executable)
+    artifact, art, _res = swapped
+    one_fork = {"ANSIBLE_FORKS": "1"}
+    # where the swapped restore runs it (the hosts share one pid namespace: the captured pids are free there)
+    res = run(tp2("restore", "mh-restore-one-fork", model, ("hostb", "hosta"), artifact=artifact), inv,
+              envvars=one_fork)
+    assert res.succeeded, res.receipt["error"]
+    units = {u["unit"]: u for u in res.receipt["result"]["operation"]["units"]}
+    assert units["unit-0"]["host"] == "hostb" and units["unit-0"]["reply"] == art["acceptance"]["reply"]
+    wake = run(tp2("wake", "mh-wake-one-fork", model, ("hostb", "hosta"), artifact=artifact), inv, envvars=one_fork)
+    assert not wake.succeeded
+    assert "units are on 2 hosts" in wake.receipt["error"]["message"] and "forks" in wake.receipt["error"]["message"]
+    # refused in the first play, before any unit host ran a module
+    assert {t["play"] for t in wake.receipt["result"]["tasks"]} == {"ColdSnap | every unit host and localhost take part"}

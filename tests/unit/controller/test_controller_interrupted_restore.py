@@ -104,3 +104,33 @@ def test_a_playbook_killed_from_outside_during_activation_is_unknown_and_not_rol
     failed = SimpleNamespace(succeeded=False, cancelled=False, receipt={"result": {"eviction": record}})
     config = SimpleNamespace(request={"workload": {"recipe": "demo"}}, prepare_only=False, state_root=tmp_path)
     assert rollback.after_restore(config, failed, enabled=True, build=None, run=None, say=print) is failed
+
+
+def _two_host_restore(tmp_path: Path) -> dict:
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import validate_request
+
+    from coldsnap.demo import reference_request
+
+    req = reference_request(operation="restore", op_id="two-hosts", model_dir=tmp_path / "model",
+                            model={"id": "org/model", "revision": "a" * 40}, port=18000, state_root=tmp_path,
+                            env_digest="sha256:" + "1" * 64, artifact=tmp_path / "artifact.json", tp=2)
+    for unit, host in zip(req["launch"]["units"], ("gpu-a", "gpu-b"), strict=True):
+        unit["host"] = host
+    return validate_request(req)
+
+
+def test_a_cancel_of_a_multi_host_activation_without_live_progress_is_unknown(tmp_path: Path) -> None:
+    # Units on several hosts activate as async jobs even without live progress (a host's step waits for the
+    # others' units, so none may hold a fork in the foreground): a cancel leaves those jobs running.
+    config = RunConfig.build(operation="restore", request=_two_host_restore(tmp_path), playbook="playbooks/restore.yml",
+                             extravars={"coldsnap_live_progress": False},
+                             inventory={"all": {"hosts": {"localhost": {}, "gpu-a": {}, "gpu-b": {}}}},
+                             state_root=tmp_path)
+    (tmp_path / "runs").mkdir(mode=0o700)
+    config.run_dir.mkdir(mode=0o700)
+    cancel = threading.Event()
+    result = PlaybookRun(config, ansible_runner=_CancelledDuringActivation(cancel, live=True), cancel_event=cancel,
+                         progress=False, progress_stream=io.StringIO()).run()
+    record = result.receipt["result"]["eviction"]
+    assert record["previous_workload"] == eviction.UNKNOWN, record
+    assert record["activation_cut_off"] == ["localhost"]
