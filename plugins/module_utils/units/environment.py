@@ -148,7 +148,8 @@ def unit_python(command: list[str], default: str, unit_environment: dict | None 
     path (the unit's ``PATH``, else the runtime interpreter's directory and the system's), a relative
     path from ``/``. A Python is itself the answer; a console script (``/venv/bin/vllm``) runs the
     ``python`` beside it, else the one its ``#!`` line names; anything else, ``default``. A command
-    that is not there is refused here, before anything of the running workload is touched."""
+    that is not there (not found on the search path, or a path to nothing) is refused here, before
+    anything of the running workload is touched."""
     if not command:
         return default
     word = command[0]
@@ -165,7 +166,12 @@ def unit_python(command: list[str], default: str, unit_environment: dict | None 
                     "absolute path of the engine environment's program")
         first = Path(found)
     if first.name.startswith("python"):
-        return str(first)
+        return str(first)  # one that is not there is named when it is asked for its digest
+    if not first.exists():  # e.g. /opt/venv/bin/vllm once the environment was removed (or a link to nothing)
+        raise AdmissionError(
+            f"the unit's command {word!r} is not on this host ({first} does not exist)",
+            fix="install the unit's engine environment here at the captured path (scripts/engine-env.sh for vLLM, "
+                "scripts/setup-venv.sh for the reference engine)")
     sibling = first.with_name("python")
     if sibling.exists():
         return str(sibling)

@@ -38,6 +38,7 @@ class EngineHandle:
         self.pid: int | None = None
         self._started: str | None = None  # an adopted pid's start time: a later process with its number is not it
         self._control: ec.ControlInfo | None = None
+        self._members: dict[int, tuple[str | None, str]] = {}  # the restored tree's other processes (note_tree)
 
     # ----------------------------------------------------------- processes
     def spawn(self, command: list[str], env: dict[str, str], *, private_shm: bool = False) -> int:
@@ -82,6 +83,22 @@ class EngineHandle:
         if self.pid is None:
             return False
         return self.proc is not None or (self._started is not None and start_time(self.pid) == self._started)
+
+    def note_tree(self) -> None:
+        """Remember the other processes of the engine's tree (a multi-process engine's engine core and
+        workers), so that a later failure can say which of them ended."""
+        self._members = {}
+        for pid in process_tree(self.pid) - {self.pid}:
+            try:
+                name = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                continue
+            self._members[pid] = (start_time(pid), name)
+
+    def ended_members(self) -> list[str]:
+        """The processes of the noted tree that are no longer running (``NAME (pid N)``)."""
+        return [f"{name} (pid {pid})" for pid, (started, name) in sorted(self._members.items())
+                if started is None or start_time(pid) != started or not pid_alive(pid)]
 
     def reap(self, timeout: float = 30) -> int | None:
         """Wait for our child to finish (CRIU dump kills it; the parent must reap)."""
@@ -165,17 +182,23 @@ class EngineHandle:
         try:
             return EngineClient(self.control_info()).call(method, path, body, timeout=timeout)
         except ControlCallError as exc:
+            ended = self.ended_members()
+            if ended:  # a process of its tree died (an engine core killed): say so, with the log's last lines
+                raise self.failure(f"engine refused {path}: {exc}; {_tree_lost(ended)}") from None
             raise UnitError(f"unit {self.unit} worker {self.worker['id']}: engine refused {path}: {exc}",
                             fix=f"see {self.log_path}") from None
         except (OSError, http.client.HTTPException) as exc:
             # A reset is often the engine exiting: give it a moment to be seen dead, so the
-            # error carries its exit status and log rather than the socket's complaint.
+            # error carries its exit status and log rather than the socket's complaint. A process of its
+            # tree that had ended while it still ran (an engine core killed) is named: the cause.
+            ended = self.ended_members() if self.alive() else []
             grace = time.monotonic() + 2
             while self.alive() and time.monotonic() < grace:
                 time.sleep(0.05)
+            first = f" after {_tree_lost(ended)}" if ended else ""
             if not self.alive():
-                raise self.failure(f"the engine died during {path}") from None
-            raise UnitError(f"unit {self.unit}: control {path} failed: {exc}") from None
+                raise self.failure(f"the engine died during {path}{first}") from None
+            raise UnitError(f"unit {self.unit}: control {path} failed: {exc}{first}") from None
 
     def peek_status(self, *, timeout: float = 2.0) -> dict | None:
         """One ``GET /status`` beside a running step (progress only): None when it does not answer."""
@@ -197,6 +220,10 @@ class EngineHandle:
             if not self.alive():
                 raise self.failure("the engine exited")
             time.sleep(0.05)
+
+
+def _tree_lost(ended: list[str]) -> str:
+    return f"{'processes' if len(ended) > 1 else 'a process'} of the engine's tree had ended: {', '.join(ended)}"
 
 
 def _signal_name(number: int) -> str:

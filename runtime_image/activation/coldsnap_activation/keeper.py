@@ -5,10 +5,11 @@ CRIU restores a detached process tree as a child of the ``criu`` process; when
 init. Not every init reaps promptly, and an unreaped restored engine keeps its pid
 — which CRIU needs free for the next restore. The keeper marks itself a child
 subreaper, runs ``criu restore``, reports the result, then stays as the restored
-tree's parent and reaps it when it exits. It is started with the activation (its
-Python start and imports overlap the activation's own, off the restore's critical
-path) and reads what to restore from a pipe. Docker units do not need it: the rank
-controller is the container's PID 1.
+tree's parent and reaps it when it exits; once the restored root has ended, it ends
+what is left of its tree too (a multi-process engine's children, orphans here). It is
+started with the activation (its Python start and imports overlap the activation's
+own, off the restore's critical path) and reads what to restore from a pipe. Docker
+units do not need it: the rank controller is the container's PID 1.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -69,6 +71,7 @@ def _restore_and_reap(criu, images: Path, result_file: Path, *, leave_stopped: b
         _write(result_file, {"ok": False, "error": str(exc)})
         return 1
     _write(result_file, {"ok": True, "pid": res.pid, "seconds": res.seconds, "keeper": os.getpid()})
+    root_ended = False
     while True:
         try:
             pid, status = os.wait()
@@ -78,6 +81,24 @@ def _restore_and_reap(criu, images: Path, result_file: Path, *, leave_stopped: b
             continue
         if pid == res.pid:  # how the engine ended, for the activation's error (it is not its child)
             _write(exit_record(result_file.parent), {"pid": pid, "wait_status": status})
+            root_ended = True
+        if root_ended:
+            end_orphans()
+
+
+def end_orphans() -> None:
+    """SIGKILL every process left below this keeper once the restored engine's root has ended: the rest
+    of its tree (a multi-process engine's engine core and workers) came here as orphans. Nothing else
+    can end them (the control file names the root only), and they would keep the captured pids and
+    ports a later restore needs."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.proctree import process_tree
+
+    me = os.getpid()
+    for pid in sorted(process_tree(me) - {me}):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def exit_record(work_dir: Path) -> Path:
@@ -169,8 +190,6 @@ class Prestarted:
                         "error": f"the unit keeper exited with status {self.proc.returncode}; see {where}"}
             time.sleep(0.002)
         # Stopped with its CRIU (its own session): no late restore may appear after this error.
-        import signal
-
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -197,6 +216,17 @@ class Prestarted:
             self.proc.kill()
             self.proc.wait()
 
+    def wait_ended(self, timeout: float = 30) -> bool:
+        """Wait until the keeper has exited: every process of the tree it parents has ended and been
+        reaped (it ends them once their root has). False when it is still running after ``timeout`` s."""
+        import subprocess
+
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
 
 def prestart(spec) -> list[Prestarted]:
     """One waiting keeper per worker for a restore that will need them (a unit on a host, whose
@@ -204,13 +234,3 @@ def prestart(spec) -> list[Prestarted]:
     if spec.operation not in ("restore", "warm") or spec.supervise:
         return []
     return [Prestarted(spec.criu_binary) for _worker in spec.workers]
-
-
-def start(images: Path, *, work_dir: Path, leave_stopped: bool, criu_binary: str | None, log_path: Path,
-          timeout: float = 600, options: dict | None = None, huge_pages: bool = False,
-          ready: Prestarted | None = None) -> dict:
-    """Restore ``images`` in a keeper (``ready``, one started ahead, or a new one) and wait for
-    its result (pid, seconds)."""
-    return (ready or Prestarted(criu_binary)).go(images, work_dir=work_dir, leave_stopped=leave_stopped,
-                                                 log_path=log_path, timeout=timeout, options=options,
-                                                 huge_pages=huge_pages)

@@ -709,6 +709,7 @@ class Activation:
         restored: list[EngineHandle] = []
         served: list[dict] = []
         written: list[Path] = []  # control files this restore wrote (never another workload's)
+        parents: list[keeper.Prestarted] = []  # the keepers that parent the restored trees
         probe = None
         try:
             listeners: dict[str, list] = {}
@@ -752,9 +753,10 @@ class Activation:
                             _port_taken_since_admission(exc.problem, listeners[wid], spec.unit_id)
                             raise
                     else:
-                        kept = keeper.start(images, work_dir=work, leave_stopped=True, criu_binary=criu.binary,
-                                            log_path=self.workload_dir / "keeper.log", options=options.to_json(),
-                                            huge_pages=huge, ready=self.keepers.pop(0) if self.keepers else None)
+                        parents.append(self.keepers.pop(0) if self.keepers else keeper.Prestarted(criu.binary))
+                        kept = parents[-1].go(images, work_dir=work, leave_stopped=True,
+                                              log_path=self.workload_dir / "keeper.log", options=options.to_json(),
+                                              huge_pages=huge)
                         if not kept["ok"]:
                             # What the keeper's CRIU got as far as restoring (stopped, at the captured pid, with
                             # this worker's control file in its environment) goes too.
@@ -772,6 +774,7 @@ class Activation:
             self.phases.wait("restore/criu", spec.timeout("phase", 600))
             with self.rec.span("unit.cuda.restore"):
                 for h in self.handles:
+                    h.note_tree()
                     for pid in sorted(ports.process_tree(h.pid)):  # CRIU left the whole tree stopped
                         try:
                             os.kill(pid, signal.SIGCONT)
@@ -797,6 +800,8 @@ class Activation:
             self._fail(exc)
             for h in restored:  # never leave a half-restored process tree behind
                 h.kill()
+            for k in parents:  # gone once its keeper has ended and reaped every process of it (a root that
+                k.wait_ended()  # died first left the rest to its keeper), so a retry finds the pids free
             _forget_controls(written)  # nor a control file of an engine that is not there (status: crashed)
             raise
         finally:

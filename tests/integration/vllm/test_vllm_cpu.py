@@ -6,6 +6,7 @@ client's answers identical to those of the same server started cold, without Col
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import oci
 from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry import RegistryClient
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.cpulist import format_cpus
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affinity
+from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports import process_tree
 from vllm_workload import VllmWorkload, hydration_attrs, openai_answers
 
 pytestmark = [pytest.mark.criu, pytest.mark.vllm, pytest.mark.slow]
@@ -135,9 +137,10 @@ def test_sleep_releases_and_wake_brings_the_same_answers(captured, cold_answers)
     wl, artifact, _art = captured
     if not wl.engines():
         _restored(wl, artifact)
-    for op in ("sleep", "wake"):
+    for op, changed in (("sleep", True), ("sleep", False), ("wake", True)):  # a second sleep changes nothing
         res = wl.run(wl.request(op, artifact=artifact))
         assert res.succeeded, res.receipt["error"]
+        assert [u["changed"] for u in res.receipt["result"]["operation"]["units"]] == [changed], op
     assert res.receipt["result"]["operation"]["units"][0]["logprobs_check"] == "identical"
     assert hydration_attrs(res.receipt)["repacked_layers"] >= 1, "a sleep frees the packed copies; the wake packs them"
     assert openai_answers(wl.port) == cold_answers
@@ -167,6 +170,35 @@ def test_a_host_without_the_engine_environment_fails_in_prepare(captured, tmp_pa
     err = res.receipt["error"]
     assert "prepare" in (err["phase"] or "") and "engine environment" in err["message"], err
     assert wl.engines() == running, "nothing was evicted"
+
+
+def test_an_api_server_killed_as_criu_restores_it_is_rolled_back_and_leaves_no_process(captured, cold_answers,
+                                                                                        tmp_path):
+    """vLLM's API server (the restored tree's root) is killed right after CRIU brings it back: its engine core
+    and worker, left to the unit keeper, end with it, so the rollback finds the captured pids free and the
+    workload that ran serves again; no process of the failed restore and no /dev/shm file is left."""
+    wl, artifact, art = captured
+    if not wl.engines():
+        _restored(wl, artifact)
+    running = wl.engines()
+    api = json.loads((wl.state_root / "captures" / art["capture_id"] / "units" / "unit-0" / "evidence.json")
+                     .read_text())["workers"][0]["pid"]
+    flag = tmp_path / "killed-once"
+    wrapper = tmp_path / "criu-whose-restore-dies"
+    wrapper.write_text(f'#!/bin/sh\n{shutil.which("criu") or "/usr/local/sbin/criu"} "$@"; rc=$?\n'
+                       f'if [ "$1" = restore ] && [ $rc = 0 ] && [ ! -e {flag} ]; then touch {flag}; kill -9 {api}; fi\n'
+                       'exit $rc\n')
+    wrapper.chmod(0o755)
+    shm = set(os.listdir("/dev/shm"))
+    res = wl.run(wl.request("restore", artifact=artifact), envvars={"COLDSNAP_CRIU": str(wrapper)})
+    assert not res.succeeded and flag.exists()
+    message = res.receipt["error"]["message"]
+    assert "rolled back" in message and "died" in message and "killed by SIGKILL" in message, message
+    assert res.receipt["result"]["rollback"]["state"] == "succeeded", res.receipt["result"]["rollback"]
+    assert wl.engines() == running
+    assert wl.processes() <= process_tree(running[0]), "no process of the failed restore is left"
+    assert set(os.listdir("/dev/shm")) <= shm
+    assert openai_answers(wl.port) == cold_answers
 
 
 def test_a_vllm_command_without_the_integration_is_refused_at_validation(vllm, tmp_path, capsys):

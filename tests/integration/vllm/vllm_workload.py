@@ -56,10 +56,27 @@ class VllmWorkload:
             mutate(req)
         return validate_request(req)
 
-    def run(self, req: dict, *, prepare_only: bool = False):
+    def run(self, req: dict, *, prepare_only: bool = False, envvars: dict | None = None):
         return run_playbook(operation=req["operation"], request=req, playbook=f"coldsnap.fleet.{req['operation']}",
                             extravars=operation_extravars(req, prepare_only=prepare_only, state_root=self.state_root),
-                            inventory=None, state_root=self.state_root, prepare_only=prepare_only)
+                            inventory=None, state_root=self.state_root, prepare_only=prepare_only, envvars=envvars)
+
+    def processes(self) -> set[int]:
+        """Every process on this host started for this workload's engines (their environment names one of
+        its control files), whichever tree it is in now."""
+        from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import engine_control as ec
+
+        wdir = str(self.state_root / "workloads" / self.name) + "/"
+        out = set()
+        for proc in Path("/proc").iterdir():
+            try:
+                env = (proc / "environ").read_bytes().split(b"\0") if proc.name.isdigit() else []
+            except OSError:
+                continue
+            mark = f"{ec.ENV_CONTROL_FILE}={wdir}".encode()
+            if any(v.startswith(mark) for v in env):
+                out.add(int(proc.name))
+        return out
 
     def engines(self) -> list[int]:
         pids = []

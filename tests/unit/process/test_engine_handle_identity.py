@@ -82,3 +82,56 @@ def test_a_pid_already_gone_when_adopted_is_never_signalled(tmp_path):
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_a_refusal_after_a_process_of_the_tree_died_names_that_process(tmp_path):
+    """A multi-process engine (vLLM's API server over its engine core) whose child is killed mid-step answers
+    its control call with a bare error (vLLM: ``CancelledError:``): the failure names the process of the
+    tree that ended and carries the log's last lines."""
+    import http.server
+    import threading
+
+    import pytest
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import UnitError
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = b'{"ok": false, "error": "CancelledError: "}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    parent = subprocess.Popen([sys.executable, "-c",
+                               "import subprocess, sys, time\n"
+                               "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+                               "print(c.pid, flush=True)\n"
+                               "time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    try:
+        handle = _handle(tmp_path)
+        handle.workload_dir.mkdir(parents=True)
+        handle.log_path.write_text("engine core exited unexpectedly\n")
+        handle.adopt(parent.pid, {"pid": parent.pid, "port": server.server_address[1], "token": "t" * 32})
+        handle.note_tree()
+        with pytest.raises(UnitError) as before:
+            handle.call("POST", "/resume", {})
+        assert "engine refused /resume: CancelledError" in str(before.value) and "ended" not in str(before.value)
+        subprocess.run(["kill", "-9", str(child)], check=True)
+        deadline = time.monotonic() + 10
+        while not handle.ended_members() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(UnitError) as after:
+            handle.call("POST", "/resume", {})
+        msg = str(after.value)
+        assert f"a process of the engine's tree had ended: python (pid {child})" in msg, msg
+        assert "engine core exited unexpectedly" in msg, "the log's last lines come with it"
+    finally:
+        server.shutdown()
+        parent.kill()
+        parent.wait()

@@ -114,6 +114,48 @@ def test_the_started_keeper_restores_the_tree_parents_it_and_reaps_it(tmp_path, 
     assert gone(res["pid"], timeout=5)
 
 
+PARENT_OF_A_CHILD = r"""
+import json, os, subprocess, sys, time
+out = sys.argv[1]
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(out + ".tmp", "w") as fh:
+    json.dump({"pid": os.getpid(), "child": child.pid}, fh)
+os.rename(out + ".tmp", out)
+while True:
+    time.sleep(1)
+"""
+
+
+@pytest.mark.criu
+def test_the_restored_trees_processes_end_with_its_root(tmp_path, reap, spawn_ready):
+    """A multi-process engine (vLLM: API server, engine core, worker) whose root is killed: its children,
+    re-parented to the keeper, are ended too (they would hold the captured pids, and no control file names
+    them), and the keeper exits."""
+    import ctypes
+
+    criu = criu_mod.find_criu()
+    proc, info = spawn_ready(PARENT_OF_A_CHILD, "parent")
+    keeper.become_subreaper()  # the dumped child comes here to be reaped (its pid must be free to restore)
+    try:
+        criu_mod.dump(criu, info["pid"], tmp_path / "images")
+        proc.wait(timeout=30)
+        os.waitpid(info["child"], 0)
+    finally:
+        ctypes.CDLL(None).prctl(keeper.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    k = keeper.Prestarted(None)
+    reap(k.proc)
+    res = k.go(tmp_path / "images", work_dir=tmp_path / "work", leave_stopped=False,
+               log_path=tmp_path / "keeper.log", timeout=120)
+    assert res["ok"] is True, res
+    reap(info["child"])
+    reap(res["pid"])
+    assert not gone(info["child"], timeout=0.5), "CRIU restored the child with its parent"
+    os.kill(res["pid"], 9)
+    assert k.proc.wait(timeout=30) == 0, "the keeper ends the rest of the tree, reaps it, then ends"
+    assert gone(info["child"], timeout=5) and gone(res["pid"], timeout=5)
+    assert json.loads(keeper.exit_record(tmp_path / "work").read_text())["pid"] == res["pid"]
+
+
 def test_a_keeper_given_half_a_line_restores_nothing(tmp_path):
     k = keeper.Prestarted(None)
     k.proc.stdin.write(json.dumps({"images": str(tmp_path), "result": str(tmp_path / "r.json")})[:20].encode())

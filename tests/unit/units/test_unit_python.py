@@ -56,3 +56,18 @@ def test_a_bare_python_is_the_runtimes_and_a_relative_path_is_taken_from_the_roo
     rel = os.path.relpath(python3, "/")
     assert unit_python([rel, "-m", "x"], "/default/python") == str(python3)
     assert unit_python([], "/default/python") == "/default/python"
+
+
+def test_a_command_path_to_nothing_is_refused_naming_it_not_taken_for_the_runtimes_python(tmp_path):
+    """``/opt/venv/bin/vllm serve ...`` after the environment was removed (or its program is a link to
+    nothing): refused naming the program, never checked as the runtime's own interpreter."""
+    runtime = _exe(tmp_path / "runtime" / "bin" / "python")
+    gone = tmp_path / "removed-venv" / "bin" / "vllm"
+    dangling = tmp_path / "venv" / "bin" / "vllm"
+    dangling.parent.mkdir(parents=True)
+    dangling.symlink_to(tmp_path / "nothing")
+    for program in (gone, dangling, Path(os.path.relpath(gone, "/"))):
+        with pytest.raises(AdmissionError) as exc:
+            unit_python([str(program), "serve", "/models/m"], str(runtime))
+        assert repr(str(program)) in str(exc.value) and "does not exist" in str(exc.value)
+        assert "engine environment" in exc.value.fix
