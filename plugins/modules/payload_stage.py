@@ -75,7 +75,10 @@ options:
         description: Address of the transfer server (kind C(peer)).
         type: str
       port:
-        description: Port of the transfer server (kind C(peer)).
+        description:
+          - Port of the transfer server (kind C(peer)).
+          - In check mode C(0) (what M(coldsnap.fleet.transfer_serve) reports when, in check mode, it starts no
+            server) asks no server and reports that a real run would stage; a real run refuses it.
         type: int
       endpoint:
         description: Hub endpoint URL (a mirror); defaults to the library's (C(HF_ENDPOINT) or the public Hub).
@@ -226,7 +229,7 @@ def run_module() -> None:
     )
     p = module.params
     try:
-        source = StageSource.from_dict(p["source"])
+        source = StageSource.from_dict(p["source"], check_mode=module.check_mode)
         with ProgressSession(None if module.check_mode else p["progress_dir"], lease_s=p["progress_lease"]) as session:
             writer = session.writer(f"stage-{p['sha256'][-12:]}", phase="payload staging",
                                     message=source.describe())

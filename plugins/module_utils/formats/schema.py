@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import FormatError, FormatIssue
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import duplicates_of
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.strictjson import duplicates_of, is_text
 
 MISSING: Any = object()
 
@@ -47,17 +47,6 @@ def _shown(value: Any) -> str:
 # option, an API caller's dict) is refused here, before a digest or a write of it fails with a traceback.
 NOT_TEXT = "holds a lone UTF-16 surrogate (\\ud800-\\udfff without its pair), which is not Unicode text"
 NOT_TEXT_FIX = "give Unicode text (a name that is not UTF-8 decodes with errors='replace', not 'surrogateescape')"
-
-
-def is_text(value: str) -> bool:
-    """Whether ``value`` can be written as UTF-8 (holds no lone surrogate)."""
-    if value.isascii():
-        return True
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

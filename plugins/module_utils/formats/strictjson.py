@@ -135,6 +135,18 @@ def strict_loads(text: str | bytes, *, document: str = "document") -> Any:
     return value
 
 
+def is_text(value: str) -> bool:
+    """Whether ``value`` can be written as UTF-8 (holds no lone surrogate): the one test of Unicode text, for a
+    decoded document here and for a decoded value in :mod:`.schema`."""
+    if value.isascii():
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _lone_surrogate(value: Any, path: str) -> str | None:
     """The JSON path of the first string (or key) holding an unpaired surrogate; None when there is none.
     Bounded by MAX_DEPTH like the decoder."""
@@ -142,18 +154,12 @@ def _lone_surrogate(value: Any, path: str) -> str | None:
     while stack:
         item, where = stack.pop()
         if isinstance(item, str):
-            if not item.isascii():
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError:
-                    return where
+            if not is_text(item):
+                return where
         elif isinstance(item, dict):
             for key, sub in item.items():
-                if not key.isascii():
-                    try:
-                        key.encode("utf-8")
-                    except UnicodeEncodeError:
-                        return where
+                if not is_text(key):
+                    return where
                 stack.append((sub, f"{where}.{key}"))
         elif isinstance(item, list):
             stack.extend((sub, f"{where}[{i}]") for i, sub in enumerate(item))

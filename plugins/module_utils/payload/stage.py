@@ -65,7 +65,7 @@ class StageSource:
     port: int | None = None
 
     @classmethod
-    def from_dict(cls, d: dict) -> StageSource:
+    def from_dict(cls, d: dict, *, check_mode: bool = False) -> StageSource:
         """Build and check a source from module/CLI options."""
         kind = d.get("kind")
         if kind not in SOURCE_KINDS:
@@ -73,17 +73,19 @@ class StageSource:
                                 fix="set source.kind to 'local', 'huggingface' or 'peer'")
         src = cls(kind, Path(d["path"]) if d.get("path") else None, d.get("repository"), d.get("revision"),
                   d.get("filename"), d.get("token"), d.get("endpoint"), d.get("address"), d.get("port"))
-        src.check()
+        src.check(check_mode=check_mode)
         return src
 
-    def check(self) -> None:
+    def check(self, *, check_mode: bool = False) -> None:
+        """Refuse a source that no run could use. In check mode a peer on port 0 is taken: transfer_serve
+        starts no server in check mode and reports port 0, so there is nothing to ask (see :func:`_probe_peer`)."""
         if self.kind == "local":
             if self.path is None:
                 raise ColdSnapError("a local payload source needs 'path'", fix="set source.path to the pack file")
             return
         if self.kind == "peer":
             if not self.address or isinstance(self.port, bool) or not isinstance(self.port, int) \
-                    or not 0 < self.port < 65536 or not self.token:
+                    or not (0 if check_mode else 1) <= self.port < 65536 or not self.token:
                 raise ColdSnapError("a peer payload source needs 'address', 'port' (1..65535) and 'token'",
                                     fix="give the transfer server's address, port and this transfer's token")
             if self.filename is not None and "/" in self.filename:
@@ -149,7 +151,7 @@ def stage_payload(state_root: Path | str, sha256: str, size: int, source: StageS
     if lock_timeout is not None and not is_seconds(lock_timeout, zero=True):
         # nan would wait for ever on a held lock, a negative number time out at once
         raise ColdSnapError(f"lock_timeout is {lock_timeout!r}", fix="give a finite number of seconds >= 0")
-    source.check()
+    source.check(check_mode=check_mode)
     cache = NodeCache(state_root)
     final = cache.path_for(sha256)
     verifier = PayloadVerifier(lock_timeout=lock_timeout)
@@ -428,9 +430,13 @@ def _peer_space(cache: NodeCache, hexd: str, size: int, source: StageSource) -> 
 
 def _probe_peer(cache: NodeCache, hexd: str, size: int, source: StageSource) -> None:
     """The transfer server answers this transfer's token and lists the payload with its size and digest
-    (its file listing: no byte of the payload is asked for)."""
+    (its file listing: no byte of the payload is asked for). Port 0 is a server that transfer_serve did
+    not start (check mode starts none): nothing to ask, a real run starts it first."""
     if source.address is None or source.port is None or source.token is None:
         raise AssertionError("a peer stage source lacks its endpoint")
+    if source.port == 0:
+        _peer_space(cache, hexd, size, source)
+        return
     peer = Peer(source.address, source.port, source.token)
     name = source.filename or f"{hexd}.pack"
     entry = next((f for f in peer.listing() if f.get("name") == name), None)

@@ -66,7 +66,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout
     default_state_root,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import eviction
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import OPERATIONS
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.request import OPERATIONS, unit_hosts
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.timing import SpanRecorder
 
 from coldsnap.receipts import build_receipt, write_receipt
@@ -831,8 +831,7 @@ def _activation_in_background(public_vars: Mapping[str, Any], request: Mapping[s
     than one host (the role coldsnap_restore runs theirs in the background whatever the forks)."""
     if _live_progress(public_vars.get(EXTRAVAR_LIVE_PROGRESS)):
         return True
-    units = ((request or {}).get("launch") or {}).get("units") or []
-    return len({u.get("host") for u in units if isinstance(u, Mapping)}) > 1
+    return bool(request) and "launch" in request and len(unit_hosts(request)) > 1
 
 
 def eviction_record(evictions: Mapping[str, Any], *, succeeded: bool, in_flight: list[dict],

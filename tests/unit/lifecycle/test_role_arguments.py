@@ -72,3 +72,20 @@ def test_the_playbooks_run_as_awx_does_say_the_artifact_is_gone(tmp_path: Path, 
         assert proc.returncode != 0 and "is not there" in out, out[-3000:]
     else:
         assert proc.returncode == 0, out[-3000:]
+
+
+ROLES = Path(__file__).resolve().parents[3] / "roles"
+# Helpers of another default, never set by a user: coldsnap_coordinator_bind's inventory address.
+INTERNAL_DEFAULTS = {"coldsnap_coordinator_inventory_address"}
+
+
+@pytest.mark.parametrize("role", sorted(p.name for p in ROLES.iterdir() if (p / "defaults" / "main.yml").exists()))
+def test_every_role_default_is_a_documented_argument(role: str) -> None:
+    """A variable a role's defaults set is an option of one of its entry points (argument_specs): a user who
+    sets it is told what it does, and a wrong type is named before any task runs."""
+    import yaml
+
+    defaults = set(yaml.safe_load((ROLES / role / "defaults" / "main.yml").read_text()) or {})
+    specs = yaml.safe_load((ROLES / role / "meta" / "argument_specs.yml").read_text())["argument_specs"]
+    options = {name for entry in specs.values() for name in (entry.get("options") or {})}
+    assert defaults - options - INTERNAL_DEFAULTS == set(), f"{role}: defaults without an argument spec"

@@ -414,8 +414,9 @@ def _payload_server(tmp_path, data: bytes, *, listed: bytes | None = None):
     return run_server(src, [f"{sha(data)}.pack"])
 
 
-def _peer_source(port: int, token: str = TOKEN, **kw) -> StageSource:
-    return StageSource.from_dict({"kind": "peer", "address": "127.0.0.1", "port": port, "token": token, **kw})
+def _peer_source(port: int, token: str = TOKEN, *, check_mode: bool = False, **kw) -> StageSource:
+    return StageSource.from_dict({"kind": "peer", "address": "127.0.0.1", "port": port, "token": token, **kw},
+                                 check_mode=check_mode)
 
 
 def test_check_mode_asks_the_peer_and_fails_as_the_real_run_would(tmp_path):
@@ -834,3 +835,17 @@ def test_the_detached_servers_log_is_never_written_through_a_link(tree, tmp_path
         start_server(root, token=TOKEN, address="127.0.0.1", run_file=run_file, idle_timeout=60)
     assert victim.read_bytes() == b"untouched\n" and stat.S_IMODE(victim.stat().st_mode) == 0o644
     assert not run_file.exists()
+
+
+def test_check_mode_takes_the_port_transfer_serve_reports_when_it_starts_no_server(tmp_path):
+    """In a check-mode play transfer_serve starts no server and the role hands payload_stage port 0: check
+    mode reports that a real run would stage, asking nobody; a real run still refuses port 0."""
+    data = os.urandom(4096)
+    digest, state = f"sha256:{sha(data)}", tmp_path / "state"
+    out = stage_payload(state, digest, len(data), _peer_source(0, check_mode=True), check_mode=True)
+    assert out.changed and out.bytes_copied == 0
+    assert not state.exists(), "check mode wrote nothing"
+    with pytest.raises(ColdSnapError, match=re.escape("'port' (1..65535)")):
+        _peer_source(0)
+    with pytest.raises(ColdSnapError, match=re.escape("'port' (1..65535)")):
+        stage_payload(state, digest, len(data), _peer_source(0, check_mode=True))
