@@ -71,8 +71,7 @@ def _restore_and_reap(criu, images: Path, result_file: Path, *, leave_stopped: b
         _write(result_file, {"ok": False, "error": str(exc)})
         return 1
     _write(result_file, {"ok": True, "pid": res.pid, "seconds": res.seconds, "keeper": os.getpid()})
-    root_ended = False
-    while True:
+    while True:  # the restored tree runs: reap what ends, until its root does
         try:
             pid, status = os.wait()
         except ChildProcessError:
@@ -81,9 +80,17 @@ def _restore_and_reap(criu, images: Path, result_file: Path, *, leave_stopped: b
             continue
         if pid == res.pid:  # how the engine ended, for the activation's error (it is not its child)
             _write(exit_record(result_file.parent), {"pid": pid, "wait_status": status})
-            root_ended = True
-        if root_ended:
-            end_orphans()
+            break
+    while True:  # then end the rest; a process forked while they are killed is caught by the next round
+        end_orphans()
+        try:
+            pid, _status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return 0
+        except InterruptedError:
+            continue
+        if pid == 0:
+            time.sleep(0.02)
 
 
 def end_orphans() -> None:

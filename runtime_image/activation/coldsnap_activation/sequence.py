@@ -800,8 +800,11 @@ class Activation:
             self._fail(exc)
             for h in restored:  # never leave a half-restored process tree behind
                 h.kill()
-            for k in parents:  # gone once its keeper has ended and reaped every process of it (a root that
-                k.wait_ended()  # died first left the rest to its keeper), so a retry finds the pids free
+            # gone once its keeper has ended and reaped every process of it (a root that died first left the
+            # rest to its keeper), so a retry finds the pids free; one deadline for all of them
+            deadline = time.monotonic() + 30
+            for k in parents:
+                k.wait_ended(max(0.1, deadline - time.monotonic()))
             _forget_controls(written)  # nor a control file of an engine that is not there (status: crashed)
             raise
         finally:
