@@ -188,7 +188,8 @@ class RegistryClient:
                     # answered, or the registry's credentials would go to whatever realm it names.
                     exc.close()
                     elsewhere = urllib.parse.urlsplit(exc.geturl()).netloc
-                    raise RegistryError(f"registry {self.repo.registry} redirected {method} to {elsewhere}, which "
+                    how = "sent" if urllib.parse.urlsplit(req.full_url).netloc == elsewhere else "redirected"
+                    raise RegistryError(f"registry {self.repo.registry} {how} {method} to {elsewhere}, which "
                                         f"asks for credentials while {what}; they are given only to the registry "
                                         "itself", status=401, code="UNAUTHORIZED",
                                         fix="have the registry redirect to URLs that carry their own signature "

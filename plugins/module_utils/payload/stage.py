@@ -216,8 +216,10 @@ def _writable_cache(cache: NodeCache) -> None:
 
 def _refuse_unwritable(cache: NodeCache) -> None:
     """Those of the cache's directories that exist can be written (check mode asks this alone)."""
-    theirs = [d for d in (cache.state_root, cache.root, cache.objects, cache.locks, cache.downloads,
-                          cache.quarantine_dir) if os.path.isdir(d) and not os.access(d, os.W_OK | os.X_OK)]
+    # the state root itself only matters while the cache's own directory is still to be made in it
+    parent = () if os.path.isdir(cache.root) else (cache.state_root,)
+    theirs = [d for d in (*parent, cache.root, cache.objects, cache.locks, cache.downloads, cache.quarantine_dir)
+              if os.path.isdir(d) and not os.access(d, os.W_OK | os.X_OK)]
     if theirs and os.statvfs(theirs[0]).f_flag & os.ST_RDONLY:
         raise ColdSnapError(f"node cache directory {theirs[0]} lies on a read-only file system",
                             fix="point state_root (coldsnap_state_root) at a writable file system")

@@ -303,6 +303,26 @@ def test_a_node_cache_another_user_made_is_named_with_its_owner_not_a_bare_permi
                                                            StageSource("local", path=src)).changed)
     assert (kind, msg) == ("ok", "True")
 
+def test_a_node_cache_given_to_a_user_in_a_state_root_it_cannot_write_stages(open_dir):
+    """A shared layout: root's state root, the node cache below it handed to the user who stages."""
+    data = os.urandom(4096)
+    src = open_dir / "export.pack"
+    src.write_bytes(data)
+    os.chmod(src, 0o644)
+    state = open_dir / "state"
+    cache = NodeCache(state)
+    cache.ensure_dirs()
+    os.chmod(state, 0o755)  # root's, not writable by the user
+    subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(cache.root)], check=True)
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    kind, msg, _fix = _as_other_user(lambda: stage_payload(state, digest, len(data), StageSource("local", path=src),
+                                                           check_mode=True).changed)
+    assert (kind, msg) == ("ok", "True")
+    kind, msg, _fix = _as_other_user(lambda: stage_payload(state, digest, len(data),
+                                                           StageSource("local", path=src)).changed)
+    assert (kind, msg) == ("ok", "True")
+
+
 def test_a_staged_pack_is_reused_whatever_became_of_its_source(tmp_path):
     data = os.urandom(4096)
     src = tmp_path / "export.pack"
