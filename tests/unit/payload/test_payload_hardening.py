@@ -277,8 +277,8 @@ def test_an_unreadable_local_source_names_the_file_and_the_fix(open_dir):
     assert not NodeCache(state).path_for(digest).exists()
 
 
-def test_a_node_cache_another_user_made_is_named_with_its_owner_not_a_bare_permission_error(open_dir):
-    """The user's own state root, whose cache directories an earlier run as root (sudo) made."""
+def _export_and_cache(open_dir: Path) -> tuple[Path, Path, NodeCache, str, int]:
+    """A pack to stage that every user may read, and root's state root with its node cache made."""
     data = os.urandom(4096)
     src = open_dir / "export.pack"
     src.write_bytes(data)
@@ -286,12 +286,20 @@ def test_a_node_cache_another_user_made_is_named_with_its_owner_not_a_bare_permi
     state = open_dir / "state"
     cache = NodeCache(state)
     cache.ensure_dirs()  # root's
+    return src, state, cache, "sha256:" + hashlib.sha256(data).hexdigest(), len(data)
+
+
+def _stage_as_nobody(state: Path, digest: str, size: int, src: Path, **kw) -> tuple[str, str, str | None]:
+    return _as_other_user(lambda: stage_payload(state, digest, size, StageSource("local", path=src), **kw).changed)
+
+
+def test_a_node_cache_another_user_made_is_named_with_its_owner_not_a_bare_permission_error(open_dir):
+    """The user's own state root, whose cache directories an earlier run as root (sudo) made."""
+    src, state, cache, digest, size = _export_and_cache(open_dir)
     os.chown(state, NOBODY, NOBODY)
     os.chown(cache.root, NOBODY, NOBODY)
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    checked = _as_other_user(lambda: stage_payload(state, digest, len(data), StageSource("local", path=src),
-                                                   check_mode=True))
-    kind, msg, fix = _as_other_user(lambda: stage_payload(state, digest, len(data), StageSource("local", path=src)))
+    checked = _stage_as_nobody(state, digest, size, src, check_mode=True)
+    kind, msg, fix = _stage_as_nobody(state, digest, size, src)
     assert checked == (kind, msg, fix), "check mode says what the real run says"
     assert kind == "ColdSnapError", msg
     assert f"{cache.objects} (uid 0), {cache.locks} (uid 0) cannot be written" in msg and "permission denied" in msg
@@ -299,28 +307,16 @@ def test_a_node_cache_another_user_made_is_named_with_its_owner_not_a_bare_permi
                   f"{cache.root})"
     for theirs in (cache.objects, cache.locks):
         os.chown(theirs, NOBODY, NOBODY)
-    kind, msg, _fix = _as_other_user(lambda: stage_payload(state, digest, len(data),
-                                                           StageSource("local", path=src)).changed)
-    assert (kind, msg) == ("ok", "True")
+    assert _stage_as_nobody(state, digest, size, src)[:2] == ("ok", "True")
+
 
 def test_a_node_cache_given_to_a_user_in_a_state_root_it_cannot_write_stages(open_dir):
     """A shared layout: root's state root, the node cache below it handed to the user who stages."""
-    data = os.urandom(4096)
-    src = open_dir / "export.pack"
-    src.write_bytes(data)
-    os.chmod(src, 0o644)
-    state = open_dir / "state"
-    cache = NodeCache(state)
-    cache.ensure_dirs()
+    src, state, cache, digest, size = _export_and_cache(open_dir)
     os.chmod(state, 0o755)  # root's, not writable by the user
     subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(cache.root)], check=True)
-    digest = "sha256:" + hashlib.sha256(data).hexdigest()
-    kind, msg, _fix = _as_other_user(lambda: stage_payload(state, digest, len(data), StageSource("local", path=src),
-                                                           check_mode=True).changed)
-    assert (kind, msg) == ("ok", "True")
-    kind, msg, _fix = _as_other_user(lambda: stage_payload(state, digest, len(data),
-                                                           StageSource("local", path=src)).changed)
-    assert (kind, msg) == ("ok", "True")
+    assert _stage_as_nobody(state, digest, size, src, check_mode=True)[:2] == ("ok", "True")
+    assert _stage_as_nobody(state, digest, size, src)[:2] == ("ok", "True")
 
 
 def test_a_staged_pack_is_reused_whatever_became_of_its_source(tmp_path):
