@@ -147,8 +147,8 @@ def test_fault23_engine_dies_during_capture(state_root, tiny_model, env_digest, 
     assert not wl.engines()
 
 
-def test_a_capture_retried_after_a_failed_dump_seals_only_its_own_images(state_root, tiny_model, env_digest,
-                                                                           tmp_path):
+def test_a_capture_retried_after_a_failed_dump_seals_only_its_own_images(
+        state_root, tiny_model, env_digest, tmp_path):
     """A dump that fails half-way leaves images in the unit's directory; the same capture run again must not
     seal them into its capsule (and the images it writes are the owner's alone)."""
     wl = Workload(state_root, tiny_model, env_digest, tp=1, name="redump")

@@ -172,8 +172,8 @@ def test_a_host_without_the_engine_environment_fails_in_prepare(captured, tmp_pa
     assert wl.engines() == running, "nothing was evicted"
 
 
-def test_an_api_server_killed_as_criu_restores_it_is_rolled_back_and_leaves_no_process(captured, cold_answers,
-                                                                                        tmp_path):
+def test_an_api_server_killed_as_criu_restores_it_is_rolled_back_and_leaves_no_process(
+        captured, cold_answers, tmp_path):
     """vLLM's API server (the restored tree's root) is killed right after CRIU brings it back: its engine core
     and worker, left to the unit keeper, end with it, so the rollback finds the captured pids free and the
     workload that ran serves again; no process of the failed restore and no /dev/shm file is left."""

@@ -420,8 +420,8 @@ def test_no_space_for_a_capsule_is_named_with_the_fix(state: Path, tmp_path: Pat
     assert [p.name for p in root.iterdir()] == [], "the temporary layout is removed"
 
 
-def test_no_space_while_a_capsule_is_extracted_is_named_and_leaves_nothing(state: Path, tmp_path: Path,
-                                                                          monkeypatch) -> None:
+def test_no_space_while_a_capsule_is_extracted_is_named_and_leaves_nothing(
+        state: Path, tmp_path: Path, monkeypatch) -> None:
     from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule import archive
 
     ref = _build(state, tmp_path / "c").ref
