@@ -43,13 +43,18 @@ def test_adopted_pid_taken_by_a_later_process_is_not_killed(tmp_path):
             p.wait()
 
 
-def test_adopted_pid_is_killed_with_its_tree(tmp_path):
+def _parent_of_a_sleeper() -> tuple[subprocess.Popen, int]:
+    """A process with one child, both sleeping: the parent and the child's pid."""
     parent = subprocess.Popen([sys.executable, "-c",
                                "import subprocess, sys, time\n"
                                "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
                                "print(c.pid, flush=True)\n"
                                "time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
-    child = int(parent.stdout.readline())
+    return parent, int(parent.stdout.readline())
+
+
+def test_adopted_pid_is_killed_with_its_tree(tmp_path):
+    parent, child = _parent_of_a_sleeper()
     try:
         handle = _handle(tmp_path)
         handle.adopt(parent.pid, {"pid": parent.pid, "port": 1, "token": "t" * 32})
@@ -107,12 +112,7 @@ def test_a_refusal_after_a_process_of_the_tree_died_names_that_process(tmp_path)
 
     server = http.server.HTTPServer(("127.0.0.1", 0), Refuse)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    parent = subprocess.Popen([sys.executable, "-c",
-                               "import subprocess, sys, time\n"
-                               "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
-                               "print(c.pid, flush=True)\n"
-                               "time.sleep(120)\n"], stdout=subprocess.PIPE, text=True)
-    child = int(parent.stdout.readline())
+    parent, child = _parent_of_a_sleeper()
     try:
         handle = _handle(tmp_path)
         handle.workload_dir.mkdir(parents=True)
