@@ -427,7 +427,8 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
     watched = progress if progress is not None else bool(getattr(stream, "isatty", lambda: False)())
     # the run's id: the hosts' claims on the workload tell this run from another run of the same request
     extravars = {EXTRAVAR_LIVE_PROGRESS: bool(watched), EXTRAVAR_RUN_ID: pysecrets.token_hex(16), **dict(extravars)}
-    if rollback and operation in eviction.RESTORE_OPERATIONS:
+    restoring = operation in eviction.RESTORE_OPERATIONS
+    if restoring and rollback_mod.keeps_handover(Path(state_root), request, enabled=rollback):
         # a hand-over its activation never took stays for the rollback (rollback.py), no rival between
         extravars.setdefault(EXTRAVAR_KEEP_HANDOVER, True)
     config = RunConfig.build(operation=operation, request=request, playbook=playbook, extravars=extravars,

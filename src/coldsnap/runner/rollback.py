@@ -99,6 +99,14 @@ def recorded(state_root: Path, recipe: str) -> dict | None:
     return doc if ok else None
 
 
+def keeps_handover(state_root: Path, request: Mapping[str, Any] | None, *, enabled: bool) -> bool:
+    """Whether a restore of ``request`` keeps an evict step's unused hand-over for its rollback (instead of
+    its playbook giving it back): only when a rollback could follow, ``enabled`` and a record of what runs.
+    Without one, a kept hand-over only held the evicted workload away from the next run for two minutes."""
+    recipe = _recipe(request)
+    return bool(enabled and recipe and recorded(state_root, str(recipe)) is not None)
+
+
 def same_workload(record: Mapping[str, Any], evicted: list[Mapping[str, Any]]) -> str | None:
     """None when ``evicted`` (the failed restore's ``result.eviction.units``) is what ``record`` restored:
     the same hosts and units, each running the recorded capture — for runtime ``host`` its engine pids

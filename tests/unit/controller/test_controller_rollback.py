@@ -216,3 +216,13 @@ def test_a_cancelled_restore_or_rollback_says_so(tmp_path):
     rb = dataclasses.replace(result_of(tmp_path, "op-3-rollback", succeeded=False, eviction=EVICTED), cancelled=True)
     out, _calls, _lines = after(tmp_path, Config(tmp_path, request("op-3"), "op-3"), failed, outcome=rb)
     assert out.receipt["result"]["rollback"]["state"] == "cancelled" and out.cancelled and out.exit_code == 130
+
+
+def test_a_hand_over_is_kept_only_for_a_rollback_that_could_run(tmp_path):
+    """Kept with nothing to roll back to (--no-rollback, no record), a restore's unused hand-over held the
+    evicted workload away from the next run for two minutes."""
+    assert not rollback.keeps_handover(tmp_path, request("op-1"), enabled=True), "nothing recorded yet"
+    rollback.remember(tmp_path, request("op-1"), result_of(tmp_path, "op-1", succeeded=True, units=RUNNING).receipt)
+    assert rollback.keeps_handover(tmp_path, request("op-2"), enabled=True)
+    assert not rollback.keeps_handover(tmp_path, request("op-2"), enabled=False), "--no-rollback"
+    assert not rollback.keeps_handover(tmp_path, {"id": "op-3", "operation": "restore"}, enabled=True)
