@@ -34,6 +34,8 @@ PREVIOUS_WORKLOAD_STATES = (UNTOUCHED, NONE_RUNNING, REPLACED, EVICTED, UNKNOWN,
 # The operation id of the rollback of a restore that failed after eviction (the controller's; the host's
 # claim on the workload, handed to the failed restore's activation, passes on to it).
 ROLLBACK_SUFFIX = "-rollback"
+# ... and of the controller's run that gives that hand-over back when no rollback follows (a cancelled restore)
+RELEASE_SUFFIX = "-release"
 
 # Said once in a failure after eviction; a message that holds it is not told again.
 EVICTED_PHRASE = "was evicted and is not running"
@@ -80,6 +82,11 @@ def after_eviction(problem: str, stopped: Sequence[Mapping[str, Any]] | None, *,
 def rollback_id(operation_id: str) -> str:
     """The operation id of ``operation_id``'s rollback."""
     return f"{operation_id}{ROLLBACK_SUFFIX}"
+
+
+def release_id(operation_id: str) -> str:
+    """The operation id of the controller's run that gives back ``operation_id``'s unused hand-over."""
+    return f"{operation_id}{RELEASE_SUFFIX}"
 
 
 def succeeds(holder_id: str, operation_id: str) -> bool:

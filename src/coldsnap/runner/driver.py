@@ -456,10 +456,22 @@ def run_playbook(*, operation: str, request: Mapping[str, Any] | None, playbook:
 
                 result = rollback_mod.after_restore(
                     config, result, enabled=rollback, build=RunConfig.build, run=run_rollback, say=say,
-                    cancelled=lambda: cancel_event is not None and cancel_event.is_set())
+                    cancelled=lambda: cancel_event is not None and cancel_event.is_set(),
+                    release=release_runner(ansible_runner, progress_stream))
             elif config.operation == "stop" and result.succeeded:
                 rollback_mod.forget(config.state_root, ((config.request or {}).get("workload") or {}).get("recipe"))
             return result
+
+
+def release_runner(ansible_runner: Any, progress_stream: IO[str] | None = None) -> Callable[[RunConfig], OperationResult]:
+    """What runs the release of a restore's unused hand-over (rollback.give_back): under its own run lock,
+    after a cancel too (no cancel event: it only gives back what the cancelled run left, one short task a
+    host), without live progress or the caller's timing sink."""
+    def run(cfg: RunConfig) -> OperationResult:
+        with _run_lock(cfg):
+            return PlaybookRun(cfg, ansible_runner=ansible_runner, progress=False,
+                               progress_stream=progress_stream).run()
+    return run
 
 
 @contextlib.contextmanager

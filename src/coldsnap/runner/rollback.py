@@ -146,12 +146,15 @@ def _without_contract(variables: Mapping[str, Any]) -> dict:
 
 def after_restore(config: Any, result: Any, *, enabled: bool, build: Callable[..., Any],
                   run: Callable[[Any], Any], say: Callable[[str], None],
-                  cancelled: Callable[[], bool] = lambda: False) -> Any:
+                  cancelled: Callable[[], bool] = lambda: False,
+                  release: Callable[[Any], Any] | None = None) -> Any:
     """What follows a restore or warm restore's run (``config``/``result``: its RunConfig and
     OperationResult): remember a success; roll back a failure after eviction (module doc). ``build``
     makes the rollback's RunConfig (``RunConfig.build``), ``run`` runs it under its own run lock, ``say``
-    writes one progress line, ``cancelled`` says whether the user asked to stop. Returns the result, its
-    receipt updated when a rollback was considered (or a success could not be recorded)."""
+    writes one progress line, ``cancelled`` says whether the user asked to stop, ``release`` runs (even
+    after a cancel) the playbook that gives back an unused hand-over when no rollback follows
+    (:func:`give_back`). Returns the result, its receipt updated when a rollback was considered (or a
+    success could not be recorded)."""
     request = config.request or {}
     if result.succeeded:
         if not config.prepare_only and _recipe(request):
@@ -176,7 +179,10 @@ def after_restore(config: Any, result: Any, *, enabled: bool, build: Callable[..
     else:
         why = same_workload(previous, evicted)
     if why is not None:
-        return _annotated(result, {"attempted": False, "why": why}, rolled_back=False, previous=previous)
+        info: dict[str, Any] = {"attempted": False, "why": why}
+        if release is not None and (result.cancelled or cancelled() or config.public_vars.get(EXTRAVAR_KEEP_HANDOVER)):
+            info["handover"] = give_back(config, build=build, release=release, say=say)
+        return _annotated(result, info, rolled_back=False, previous=previous)
     rb_request = rollback_request(previous, config.operation_id)
     say(f"restore {config.operation_id} failed after evicting the workload: rolling back to what ran before "
         f"(operation {previous['operation_id']}) as {rb_request['id']}")
@@ -202,6 +208,30 @@ def after_restore(config: Any, result: Any, *, enabled: bool, build: Callable[..
         info["why"] = "it was cancelled" if rb.cancelled else rb_error[:_MAX_CAUSE]
     out = _annotated(result, info, rolled_back=rb.succeeded, previous=previous)
     return dataclasses.replace(out, cancelled=True) if rb.cancelled else out
+
+
+def give_back(config: Any, *, build: Callable[..., Any], release: Callable[[Any], Any],
+              say: Callable[[str], None]) -> str:
+    """Give back the hand-over the failed restore's evict step left for its activation (units/claim.py)
+    when no rollback takes it: its playbook kept it for one, or was cancelled before its ``always`` ran.
+    Left there, it refused the next restore of the workload for two minutes. Runs ``playbooks/release.yml``
+    as ``<id>-release`` with the restore's run id. Returns what became of it, for ``result.rollback``."""
+    request = config.request or {}
+    say(f"giving back the workload restore {config.operation_id} evicted (no rollback follows)")
+    try:
+        cfg = build(operation="restore", request={**request, "id": eviction.release_id(config.operation_id)},
+                    playbook="coldsnap.fleet.release",
+                    extravars={**_without_contract(config.public_vars), "coldsnap_handover_of": config.operation_id},
+                    inventory=config.inventory, state_root=config.state_root, envvars=config.caller_env,
+                    secret_extravars=_without_contract(config.secret_vars), verbosity=config.verbosity,
+                    keep_artifacts=config.keep_artifacts)
+        out = release(cfg)
+    except ColdSnapError as exc:
+        return f"not given back ({exc}): the next restore waits for it up to two minutes"
+    if out.succeeded:
+        return "given back"
+    cause = ((out.receipt.get("error") or {}).get("message") or out.receipt.get("state") or "")[:_MAX_CAUSE]
+    return f"not given back ({cause}): the next restore waits for it up to two minutes"
 
 
 def _annotated(result: Any, info: dict, *, rolled_back: bool, previous: Mapping[str, Any] | None) -> Any:

@@ -204,3 +204,38 @@ def test_a_second_controllers_steps_are_refused_between_this_restores_eviction_a
     pids = wl.engines()
     out = evict_step(wl, other, art, "--check")  # and once it ended, the other one may go on
     assert not out.get("failed") and [s["pids"] for s in out["stopped"]] == [pids], out
+
+
+def test_a_hand_over_no_activation_took_is_given_back_by_the_release_playbook(running, state_root):
+    """A restore cancelled between its eviction and its activation (its playbook's ``always`` never ran)
+    left the evict step's hand-over: the next restore was refused for two minutes. The controller's
+    release run (``playbooks/release.yml``, as ``<id>-release`` with the restore's run id) gives it back
+    on the host; the next restore then goes on at once and serves the same reply."""
+    import ansible_runner
+
+    from coldsnap.runner import rollback
+    from coldsnap.runner.driver import RunConfig, release_runner
+
+    wl, _captured_port, arts = running
+    path, art = arts[0]
+    req = wl.request("restore", artifact=path, mutate=on_port(wl.port))
+    prepared(wl, req)
+    out = run_module("unit_restore", {"phase": "evict", "request": req, "artifact": art, "host": "localhost",
+                                      "state_root": str(wl.state_root), "run_id": "run-7"})
+    assert not out.get("failed") and out["stopped"], out
+    nxt = wl.request("restore", artifact=path, mutate=on_port(wl.port))
+    refused = evict_step(wl, nxt, art, "--check")
+    assert refused.get("failed") and "its activation comes next" in refused["msg"], refused
+    config = RunConfig.build(operation="restore", request=req, playbook=None,
+                             extravars={"coldsnap_run_id": "run-7", "coldsnap_live_progress": False},
+                             inventory=None, state_root=wl.state_root)
+    lines: list[str] = []
+    said = rollback.give_back(config, build=RunConfig.build, say=lines.append,
+                              release=release_runner(ansible_runner))
+    assert said == "given back", said
+    assert lines == [f"giving back the workload restore {req['id']} evicted (no rollback follows)"]
+    receipt = json.loads((wl.state_root / "runs" / f"{req['id']}-release" / "receipt.json").read_text())
+    assert receipt["state"] == "succeeded", receipt["error"]
+    res = wl.run(nxt)  # at once: nothing holds the workload
+    assert res.succeeded, res.receipt["error"]
+    assert wl.complete() == art["acceptance"]["reply"]

@@ -226,3 +226,39 @@ def test_a_hand_over_is_kept_only_for_a_rollback_that_could_run(tmp_path):
     assert rollback.keeps_handover(tmp_path, request("op-2"), enabled=True)
     assert not rollback.keeps_handover(tmp_path, request("op-2"), enabled=False), "--no-rollback"
     assert not rollback.keeps_handover(tmp_path, {"id": "op-3", "operation": "restore"}, enabled=True)
+
+
+def test_a_cancelled_restore_gives_back_its_hand_over_and_a_rollback_takes_it(tmp_path):
+    """No rollback follows a cancel: the hand-over its evict step left (its ``always`` did not run) is given
+    back by the release playbook, under ``<id>-release`` and the restore's run id; a rollback takes it."""
+    rollback.remember(tmp_path, request("op-1"), result_of(tmp_path, "op-1", succeeded=True, units=RUNNING).receipt)
+    failed = dataclasses.replace(result_of(tmp_path, "op-2", succeeded=False, eviction=EVICTED), cancelled=True)
+    config = Config(tmp_path, request("op-2"), "op-2",
+                    public_vars={"coldsnap_request": {}, "coldsnap_run_id": "r7", "coldsnap_keep_handover": True})
+    builds, released = [], []
+
+    def build(**kw):
+        builds.append(kw)
+        return kw
+
+    ok = result_of(tmp_path, "op-2-release", succeeded=True)
+    out = rollback.after_restore(config, failed, enabled=True, build=build, run=None, say=print,
+                                 release=lambda cfg: released.append(cfg) or ok)
+    assert out.receipt["result"]["rollback"] == {"attempted": False, "why": "the restore was cancelled",
+                                                 "handover": "given back"}
+    (cfg,) = released
+    assert cfg["playbook"] == "coldsnap.fleet.release" and cfg["request"]["id"] == "op-2-release"
+    assert cfg["extravars"] == {"coldsnap_run_id": "r7", "coldsnap_handover_of": "op-2"}, "its run id, not kept"
+    # the release itself fails: said, with the wait the next restore then has
+    nope = result_of(tmp_path, "op-3-release", succeeded=False, message="host h1 unreachable")
+    out = rollback.after_restore(Config(tmp_path, request("op-3"), "op-3"), dataclasses.replace(
+        result_of(tmp_path, "op-3", succeeded=False, eviction=EVICTED), cancelled=True), enabled=True, build=build,
+        run=None, say=print, release=lambda cfg: nope)
+    assert out.receipt["result"]["rollback"]["handover"].startswith("not given back (host h1 unreachable)")
+    # a rollback that runs takes the hand-over: nothing is given back
+    released.clear()
+    failed = result_of(tmp_path, "op-4", succeeded=False, eviction=EVICTED)
+    rb = result_of(tmp_path, "op-4-rollback", succeeded=True, units=RUNNING)
+    out = rollback.after_restore(Config(tmp_path, request("op-4"), "op-4"), failed, enabled=True, build=build,
+                                 run=lambda cfg: rb, say=print, release=released.append)
+    assert out.receipt["result"]["rollback"]["state"] == "succeeded" and not released
