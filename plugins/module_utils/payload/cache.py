@@ -164,27 +164,47 @@ class NodeCache:
         return fsutil.lock_held(path, exclusive=True)
 
     def quarantine(self, path: Path, identity: records.FileIdentity) -> Path | None:
-        """Move the pack at ``path`` aside when it still is the inode ``identity`` names; drop its record."""
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        if (st.st_dev, st.st_ino) != (identity.st_dev, identity.st_ino):
-            return None
-        self.quarantine_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-        target = self.quarantine_dir / f"{path.name}.{stamp}-{secrets.token_hex(4)}"
-        try:
-            os.rename(path, target)
-        except OSError as exc:
-            if exc.errno == errno.EXDEV:
+        """Move the pack at ``path`` aside when it still is the inode ``identity`` names; drop its record.
+
+        The move goes through directory descriptors opened without following links: a link planted at
+        ``quarantine`` (or at the pack's directory) of a pack given by its path, in a directory of another
+        user's, never makes this user move the file into a directory the link names (OSError ELOOP or
+        ENOTDIR: the caller removes the wrong object instead)."""
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+        with contextlib.ExitStack() as stack:
+            root_fd = os.open(path.parent.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            stack.callback(os.close, root_fd)
+            src_fd = os.open(path.parent.name, flags, dir_fd=root_fd)
+            stack.callback(os.close, src_fd)
+            try:
+                st = os.stat(path.name, dir_fd=src_fd, follow_symlinks=False)
+            except FileNotFoundError:
                 return None
-            raise
-        with contextlib.suppress(FileNotFoundError):
-            records.record_path_for(path).unlink()
-        fsutil.fsync_dir(path.parent)
-        fsutil.fsync_dir(self.quarantine_dir)
-        return target
+            if (st.st_dev, st.st_ino) != (identity.st_dev, identity.st_ino):
+                return None
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(self.quarantine_dir.name, 0o700, dir_fd=root_fd)
+            try:
+                dst_fd = os.open(self.quarantine_dir.name, flags, dir_fd=root_fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise OSError(exc.errno, "a link or a file where a directory of its own belongs",
+                                  str(self.quarantine_dir)) from None
+                raise
+            stack.callback(os.close, dst_fd)
+            stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+            name = f"{path.name}.{stamp}-{secrets.token_hex(4)}"
+            try:
+                os.rename(path.name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+            except OSError as exc:
+                if exc.errno == errno.EXDEV:
+                    return None
+                raise
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path.name + records.RECORD_SUFFIX, dir_fd=src_fd)
+            os.fsync(src_fd)
+            os.fsync(dst_fd)
+        return self.quarantine_dir / name
 
     def quarantined(self, sha256: str | None = None) -> list[Path]:
         """Files currently held in quarantine (only those of ``sha256`` when given), oldest name first."""

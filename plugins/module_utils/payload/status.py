@@ -79,7 +79,10 @@ def native_status(request: dict, artifact: dict, *, host: str, state_root: Path 
                 state, reason = "verified", "full SHA-256 verification passed"
             except IntegrityError as exc:
                 state, reason = "corrupt", exc.problem
-                changed = True
+                # A change only where a pack was (or, in check mode, would be) quarantined: an intact pack
+                # that the artifact gives another size stays in the cache, untouched.
+                changed |= bool(exc.details.get("quarantined")) or (check_mode
+                                                                    and bool(exc.details.get("wrong_object")))
         entry.update(state=state, reason=reason)
         workers.append(entry)
     summary = Counter(w["state"] for w in workers)

@@ -228,7 +228,12 @@ def _one_response(peer: Peer, name: str, fd: int, *, position: int, hasher, prog
             raise ColdSnapError(f"{peer.describe()} answered {resp.status} for {name}: "
                                 f"{resp.read(200).decode(errors='replace').strip()}",
                                 fix="read the transfer server's log on the source host")
-        expected = int(resp.getheader("Content-Length", "-1"))
+        length = resp.getheader("Content-Length")
+        if length is not None and not (length.isascii() and length.isdigit() and len(length) <= 20):
+            raise IntegrityError(f"{peer.describe()} answered for {name} with Content-Length {length[:40]!r}, "
+                                 "not a byte count", fix="the source is not a ColdSnap transfer server; check "
+                                 "the transfer address and port")
+        expected = -1 if length is None else int(length)
         if size is not None and expected != size - position:
             # Never more than the listing said: an answer that does not match is refused unread (whoever
             # answers at that address could otherwise fill the disk).

@@ -147,3 +147,17 @@ def test_native_status_check_mode_reports_only_the_record_a_real_run_would_write
     dry = native(state_root, art, req, verify=True, check_mode=True)
     assert dry["changed"] is True and not record_path_for(pack).exists()
     assert native(state_root, art, req, verify=True)["changed"] is True and record_path_for(pack).exists()
+
+
+def test_native_status_verify_of_an_intact_pack_with_another_size_changes_nothing(state_root):
+    """An artifact that gives an intact pack another size: the verifier leaves the pack (and its record) in
+    the cache, so neither a real run nor check mode may report a change, run after run."""
+    sha, size = put_pack(state_root, b"weights")
+    req = make_request()
+    art = make_artifact(req, capture_id="c", pack=(sha, size + 1))
+    pack = NodeCache(state_root).path_for(sha)
+    for check_mode in (True, False, False):
+        res = native(state_root, art, req, verify=True, check_mode=check_mode)
+        assert res["workers"][0]["state"] == "corrupt" and "the pack is intact" in res["workers"][0]["reason"]
+        assert res["changed"] is False
+    assert pack.exists() and record_path_for(pack).exists() and not NodeCache(state_root).quarantined()

@@ -413,3 +413,22 @@ def test_a_corrupt_pack_that_cannot_be_quarantined_is_removed_and_the_error_says
         PayloadVerifier().verify(cache, digest, size)
     assert err.value.details["quarantined"] is None and err.value.details["wrong_object"]
     assert not path.exists() and not records.record_path_for(path).exists()
+
+
+def test_a_link_planted_at_quarantine_of_a_pack_given_by_path_is_never_followed(tmp_path):
+    """A pack given by its path lies in a directory its owner controls: a link planted at its ``quarantine``
+    must not make the verifier (root) move the wrong bytes into the directory the link names."""
+    elsewhere = tmp_path / "root-only"
+    elsewhere.mkdir(mode=0o700)
+    data = os.urandom(4096)
+    digest = write_pack_file(tmp_path / "src.pack", data)
+    path = tmp_path / "user" / "model-payloads" / "sha256" / f"{digest.split(':')[1]}.pack"
+    path.parent.mkdir(parents=True)
+    (path.parent.parent / "locks").mkdir()
+    (path.parent.parent / "quarantine").symlink_to(elsewhere)
+    path.write_bytes(b"\x00" + data[1:])
+    with pytest.raises(IntegrityError, match=r"could not be quarantined \(a link or a file where a directory of "
+                                             r"its own belongs: .*quarantine\) and was removed instead") as err:
+        PayloadVerifier().verify(path, digest, len(data))
+    assert err.value.details["quarantined"] is None
+    assert list(elsewhere.iterdir()) == [] and not path.exists()

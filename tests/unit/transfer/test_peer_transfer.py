@@ -849,3 +849,45 @@ def test_check_mode_takes_the_port_transfer_serve_reports_when_it_starts_no_serv
         _peer_source(0)
     with pytest.raises(ColdSnapError, match=re.escape("'port' (1..65535)")):
         stage_payload(state, digest, len(data), _peer_source(0, check_mode=True))
+
+
+@pytest.mark.parametrize("length", ["abc", "1048576, 1048576", "0x100000"])
+def test_a_content_length_that_is_not_a_byte_count_is_named_and_the_next_source_is_tried(tmp_path, length):
+    """Whoever answers at a peer's address with a junk Content-Length made the stage fail with a bare
+    ValueError: no source named, and the sources after the peer never tried."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    data = os.urandom(1 << 20)
+    digest = f"sha256:{sha(data)}"
+
+    class Junk(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def log_message(self, *_a) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", length)
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                self.wfile.write(data)
+
+    liar = ThreadingHTTPServer(("127.0.0.1", 0), Junk)
+    threading.Thread(target=liar.serve_forever, daemon=True).start()
+    local = tmp_path / "local.pack"
+    local.write_bytes(data)
+    port = liar.server_address[1]
+    try:
+        with pytest.raises(IntegrityError, match=rf"peer 127\.0\.0\.1:{port} answered for x\.pack with "
+                                                 rf"Content-Length {re.escape(repr(length))}, not a byte count"):
+            fetch_file(Peer("127.0.0.1", port, TOKEN, attempts=1), "x.pack", tmp_path / "x.partial",
+                       size=len(data), sha256=sha(data))
+        assert not (tmp_path / "x.partial").exists()
+        provider = resolve_provider("native", state_root=tmp_path / "state",
+                                    pack=PackRef.for_digest(digest, len(data)), recovery_enabled=False,
+                                    sources=[_peer_source(port), StageSource("local", path=local)])
+    finally:
+        liar.shutdown()
+    assert NodeCache(tmp_path / "state").path_for(digest).read_bytes() == data
+    assert provider is not None
