@@ -224,15 +224,19 @@ def exclusive_commit(tmp: Path, final: Path) -> None:
 
 
 @contextlib.contextmanager
-def file_lock(path: Path, *, shared: bool = False, timeout: float | None = None) -> Iterator[int]:
+def file_lock(path: Path, *, shared: bool = False, timeout: float | None = None,
+              dir_fd: int | None = None) -> Iterator[int]:
     """Hold an flock on ``path`` (created 0600 if absent; a symbolic link or any other non-regular
-    file there is refused, never followed or written through) for the block."""
+    file there is refused, never followed or written through) for the block. With ``dir_fd`` (an open
+    descriptor of ``path``'s directory) the file is opened in that directory and no directory is made."""
     import time
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if dir_fd is None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        fd = os.open(path if dir_fd is None else path.name,
+                     os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise

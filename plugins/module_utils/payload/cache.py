@@ -110,13 +110,22 @@ class NodeCache:
         it raises FileNotFoundError.
         """
         hexd = parse_digest(sha256, what="model payload digest")
-        if create:
-            self.ensure_dirs()
-        elif not self.locks.is_dir():
-            raise FileNotFoundError(errno.ENOENT, "no lock directory", str(self.locks))
         with contextlib.ExitStack() as stack:
+            dir_fd = None
+            if create:
+                self.ensure_dirs()
+            else:
+                # The directory of a pack given by its path may be another user's: a link planted at
+                # ``locks`` is never followed (that would make this user create files where it points).
+                try:
+                    dir_fd = os.open(self.locks, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOENT, errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    raise FileNotFoundError(errno.ENOENT, "no lock directory", str(self.locks)) from None
+                stack.callback(os.close, dir_fd)
             try:
-                stack.enter_context(fsutil.file_lock(self.locks / f"{hexd}.lock", timeout=timeout))
+                stack.enter_context(fsutil.file_lock(self.locks / f"{hexd}.lock", timeout=timeout, dir_fd=dir_fd))
             except TimeoutError as exc:
                 raise ColdSnapError(f"model payload sha256:{hexd}: {exc}",
                                     fix="another worker on this host is writing or verifying it; wait for it or "

@@ -15,6 +15,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import shutil
 import stat
 import time
@@ -28,6 +29,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     ColdSnapError,
     IntegrityError,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import auth
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server import (
     LIST_PATH,
@@ -391,7 +393,8 @@ def _checked_listing(peer: Peer) -> list[dict[str, Any]]:
     files = peer.listing()
     for entry in files:
         name = str(entry.get("name"))
-        if Path(name).is_absolute() or any(p in ("", ".", "..") for p in name.split("/")):
+        if Path(name).is_absolute() or any(p in ("", ".", "..") for p in name.split("/")) or "\x00" in name \
+                or not _utf8(name):
             raise ColdSnapError(f"{peer.describe()} listed {name!r}, which is not a plain relative path",
                                 fix="the source is not a ColdSnap transfer server")
         size = entry.get("size")
@@ -400,11 +403,23 @@ def _checked_listing(peer: Peer) -> list[dict[str, Any]]:
             raise ColdSnapError(f"{peer.describe()} listed {name!r} without its size and digest; every file is "
                                 "verified on arrival", fix="the source is not a ColdSnap transfer server")
         named, listed = digest_in_name(name), entry.get("sha256")
+        if listed is not None and not (isinstance(listed, str) and re.fullmatch(ids.SHA256_HEX, listed)):
+            raise ColdSnapError(f"{peer.describe()} listed {name!r} with the digest {str(listed)[:80]!r}, not 64 "
+                                "lower-case hex digits", fix="the source is not a ColdSnap transfer server")
         if named is not None and listed is not None and listed != named:
             # The name is the contract (blobs/sha256/<hex>): a listing cannot make other bytes pass for it.
             raise IntegrityError(f"{peer.describe()} listed {name!r} with sha256:{listed}, not the digest its name "
                                  "states", fix="the source is not serving this capsule's files; capture again")
     return files
+
+
+def _utf8(name: str) -> bool:
+    """Whether ``name`` can be a file name here (a JSON listing may hold lone surrogates)."""
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _digest_of(entry: dict[str, Any]) -> str | None:

@@ -91,7 +91,7 @@ def file_table(root: Path | str, include: list[str] | None = None) -> dict[str, 
     if include:
         for name in include:
             parts = Path(name).parts
-            if not name or Path(name).is_absolute() or any(p in (".", "..") for p in parts):
+            if not name or "\x00" in name or Path(name).is_absolute() or any(p in (".", "..") for p in parts):
                 raise ColdSnapError(f"transfer file name {name!r} is not a plain relative path",
                                     fix="name files relative to the transfer root, without '..'")
             names.append(Path(name).as_posix())

@@ -432,3 +432,19 @@ def test_a_link_planted_at_quarantine_of_a_pack_given_by_path_is_never_followed(
         PayloadVerifier().verify(path, digest, len(data))
     assert err.value.details["quarantined"] is None
     assert list(elsewhere.iterdir()) == [] and not path.exists()
+
+
+def test_a_link_planted_at_locks_of_a_pack_given_by_path_is_never_followed(tmp_path):
+    """A link planted at the ``locks`` directory of a pack given by its path made the verifier (root) create
+    its lock file in the directory the link names; now the pack is verified read-only (no lock, no record)."""
+    elsewhere = tmp_path / "root-only"
+    elsewhere.mkdir(mode=0o700)
+    data = os.urandom(4096)
+    digest = write_pack_file(tmp_path / "src.pack", data)
+    path = tmp_path / "user" / "model-payloads" / "sha256" / f"{digest.split(':')[1]}.pack"
+    path.parent.mkdir(parents=True)
+    (path.parent.parent / "locks").symlink_to(elsewhere)
+    path.write_bytes(data)
+    with PayloadVerifier().verify(path, digest, len(data)) as v:
+        assert v.as_result()["verified"] and not v.record_written
+    assert list(elsewhere.iterdir()) == [] and not records.record_path_for(path).exists()

@@ -891,3 +891,29 @@ def test_a_content_length_that_is_not_a_byte_count_is_named_and_the_next_source_
         liar.shutdown()
     assert NodeCache(tmp_path / "state").path_for(digest).read_bytes() == data
     assert provider is not None
+
+
+def test_a_served_name_with_a_nul_byte_is_named_not_a_crash(tree):
+    """A NUL in an ``include`` name reached os.lstat and failed the module with a bare ValueError."""
+    for name in ("a\x00b", f"{'0' * 64}.pack\x00../../etc/passwd"):
+        with pytest.raises(ColdSnapError, match="is not a plain relative path"):
+            file_table(tree[0], [name])
+
+
+@pytest.mark.parametrize("entry", [{"name": "a\x00b", "size": 4, "sha256": "0" * 64},
+                                   {"name": "a\udcffb", "size": 4, "sha256": "0" * 64},
+                                   {"name": "ab", "size": 4, "sha256": "../../x"},
+                                   {"name": "ab", "size": 4, "sha256": ["0" * 64]},
+                                   {"name": "ab", "size": 4, "sha256": "A" * 64}])
+def test_a_listed_name_or_digest_no_file_could_have_is_named_before_any_file_is_asked_for(tmp_path, entry):
+    """A NUL or a lone surrogate in a listed name failed the pull with a bare ValueError or
+    UnicodeEncodeError; a listed digest that is not 64 lower-case hex was taken as one."""
+    liar, asked = _liar(json.dumps({"files": [entry]}).encode(), stream_mib=1)
+    try:
+        peer = Peer("127.0.0.1", liar.server_address[1], TOKEN, attempts=1)
+        for call in (lambda: fetch_tree(peer, tmp_path / "dest"), lambda: plan_tree(peer, tmp_path / "dest")):
+            with pytest.raises(ColdSnapError, match=r"not a plain relative path|not 64 lower-case hex digits"):
+                call()
+        assert asked == [] and not (tmp_path / "dest").exists()
+    finally:
+        liar.shutdown()
