@@ -19,7 +19,8 @@ options:
     description:
       - ColdSnap's state directory on the host. It holds C(model-payloads/sha256/),
         C(activation-runtime/sha256/), C(captures/), C(capsules/), C(workloads/) and C(runs/).
-      - Use the same path on every host of a workload (restored processes keep their paths).
+      - An absolute path, the same on every host of a workload (restored processes keep their paths); an
+        empty or relative one is refused.
       - Shared by the modules of the action group C(coldsnap.fleet.coldsnap); set it once for all of
         them with C(module_defaults).
     type: path

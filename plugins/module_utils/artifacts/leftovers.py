@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil import fsync_dir, rmtree_atomically
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.capsule_labels import CAPSULE_LAYOUTS
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
 
@@ -133,7 +134,7 @@ def remove_local(state_root: Path | str, refs: list[dict], *, keep_payloads: lis
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.cache import NodeCache
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.records import record_path_for
 
-    state_root = Path(state_root)
+    state_root = StateLayout(state_root).root  # an empty or relative one is refused before anything is removed
     check_refs(refs)
     removed: dict[str, list] = {"captures": [], "capsules": [], "extracted": [], "payloads": []}
     kept: dict[str, list] = {"payloads": [], "capsules": []}

@@ -59,6 +59,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.fsutil impor
     rmtree_atomically,
     temp_path_for,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.state_layout import StateLayout
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.identifiers import parse_digest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.versions import (
     ARTIFACT_STORE_FORMAT,
@@ -197,7 +198,7 @@ class ArtifactStore:
     """The descriptor store under ``<state_root>/artifacts``."""
 
     def __init__(self, state_root: Path | str) -> None:
-        self.state_root = Path(state_root)
+        self.state_root = StateLayout(state_root).root  # refuses an empty or relative state root
         self.root = self.state_root / STORE_DIR
 
     def __repr__(self) -> str:

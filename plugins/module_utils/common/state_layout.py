@@ -95,6 +95,12 @@ class StateLayout:
     root: Path
 
     def __init__(self, root: Path | str) -> None:
+        if not str(root).strip() or not os.path.isabs(root):
+            # Path("") is ".": an unset variable in module_defaults would make the module's working directory
+            # (the remote user's home over SSH) the state root, and a relative path would be taken from there.
+            raise ColdSnapError(f"state_root {str(root)!r} is not an absolute path",
+                                fix=f"give state_root (or --state-root) an absolute path such as "
+                                    f"{DEFAULT_STATE_ROOT}, the same on every host of a workload")
         object.__setattr__(self, "root", Path(root))
 
     # ------------------------------------------------------------ payloads

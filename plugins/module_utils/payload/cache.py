@@ -46,7 +46,7 @@ class NodeCache:
     """One host's payload cache under ``state_root``."""
 
     def __init__(self, state_root: Path | str) -> None:
-        self.state_root = Path(state_root)
+        self.state_root = StateLayout(state_root).root  # refuses an empty or relative state root
         self.root = self.state_root / PAYLOAD_ROOT
         self.objects = self.root / "sha256"
         self.locks = self.root / "locks"
