@@ -342,6 +342,10 @@ class EventCollector:
         self.stats = {h: {out: int((ed.get(key) or {}).get(h, 0)) for key, out in STAT_KEYS} for h in sorted(hosts)}
         artifact = ed.get("artifact_data")
         self.custom_stats = dict(artifact) if isinstance(artifact, Mapping) else {}
+        # An unreachable result of a task with ignore_unreachable (a delegated task to a capture host, which
+        # Ansible reports as the delegating host's) left its host in the play: the stats count it as ok.
+        self.unreachable_hosts = [h for h in self.unreachable_hosts if h not in self.stats
+                                  or self.stats[h]["unreachable"]]
         for h, s in self.stats.items():
             if s["unreachable"] and h not in self.unreachable_hosts:
                 self.unreachable_hosts.append(h)
