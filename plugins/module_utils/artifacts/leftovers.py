@@ -100,6 +100,9 @@ def _docker_remove(image_id: str, *, check_mode: bool, client=None) -> str:
     return "removed"
 
 
+# What the artifact store's cleanup entries hold (refs.local_refs, store._keeping_captures).
+REF_FIELDS = frozenset({"kind", "capture_id", "identity", "artifact_sha256", "capsules", "payloads", "hosts",
+                        "capture_kept"})
 _REFS_FIX = "pass the cleanup entries the artifact store returned (artifact_store's cleanup), unchanged"
 
 
@@ -112,6 +115,8 @@ def check_refs(refs: object) -> None:
     need(isinstance(refs, list), "", "must be a list of objects")
     for i, r in enumerate(refs):  # type: ignore[arg-type]
         need(isinstance(r, dict), f"[{i}]", "must be an object")
+        unknown = sorted(str(k) for k in r if k not in REF_FIELDS)
+        need(not unknown, f"[{i}]", f"unknown field(s) {', '.join(unknown)} (known: {', '.join(sorted(REF_FIELDS))})")
         cid = r.get("capture_id")
         need(cid is None or isinstance(cid, str), f"[{i}].capture_id", f"{cid!r} is not a string or null")
         for key, fields in (("capsules", (("image_id", str), ("layout", str))), ("payloads", (("sha256", str),))):

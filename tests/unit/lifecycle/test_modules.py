@@ -54,6 +54,9 @@ def test_artifact_store_refusals_name_the_fix(state_root, tmp_path):
     ("artifact_leftovers", {"refs": [{"payloads": [{"size": 3}]}], "host": "localhost"},
      "refs[0].payloads[0]: 'sha256' is missing"),
     ("artifact_leftovers", {"refs": [{"capture_id": 5}], "host": "localhost"}, "refs[0].capture_id: 5 is not a string"),
+    # a misspelt field removed nothing and reported ok: refused by name
+    ("artifact_leftovers", {"refs": [{"capture_ids": "c", "payload": []}], "host": "localhost"},
+     "refs[0]: unknown field(s) capture_ids, payload"),
     ("artifact_leftovers", {"refs": [{"capsules": [{"unit": "u", "image_id": "x", "layout": "zip"}]}],
                             "host": "localhost"}, "refs[0].capsules[0].layout: 'zip' is not one of"),
     ("capsule_publish", {"state": "verified", "capsules": [{"unit": "u"}]}, "capsule entry 'u': 'layout' is missing"),
