@@ -917,3 +917,45 @@ def test_a_listed_name_or_digest_no_file_could_have_is_named_before_any_file_is_
         assert asked == [] and not (tmp_path / "dest").exists()
     finally:
         liar.shutdown()
+
+
+def test_a_peer_that_trickles_bytes_is_taken_as_stalled_and_what_came_is_kept(tmp_path):
+    """The read timeout bounds each read only: whoever answers at a peer's address sending a byte now and
+    then never reached it, and held the stage (and its per-digest lock) for as long as it kept sending."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    data = os.urandom(4096)
+    stop = threading.Event()
+
+    class Trickle(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.0"
+
+        def log_message(self, *_a) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                for b in data:
+                    if stop.wait(0.05):
+                        return
+                    self.wfile.write(bytes([b]))
+                    self.wfile.flush()
+
+    slow = ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=slow.serve_forever, daemon=True).start()
+    port = slow.server_address[1]
+    partial = tmp_path / "x.partial"
+    try:
+        with pytest.raises(ColdSnapError, match=rf"peer 127\.0\.0\.1:{port}: only \d+ bytes of x\.pack came in "
+                                                r"1 s \(a stalled or throttled source") as err:
+            fetch_file(Peer("127.0.0.1", port, TOKEN, timeout=1.0, attempts=1), "x.pack", partial,
+                       size=len(data), sha256=sha(data))
+    finally:
+        stop.set()
+        slow.shutdown()
+    kept = partial.read_bytes()
+    assert 0 < len(kept) < len(data) and kept == data[:len(kept)], "what came is kept for the next run"
+    assert f"{len(kept)} bytes are kept in {partial}" in str(err.value)
