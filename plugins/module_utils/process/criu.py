@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import tarfile
@@ -120,9 +121,18 @@ def _run(criu: Criu, args: list[str], log_path: Path, what: str, timeout: float,
     elapsed = time.monotonic() - t0
     if r.returncode != 0:
         errs = log_errors(log_path) or [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()][-5:]
+        if r.returncode < 0:  # its log stops where it was: say what ended it
+            errs.append(f"CRIU was killed by {_signal_name(-r.returncode)} (the OOM killer, or by hand)")
         raise ColdSnapError(f"CRIU {what} failed: {' | '.join(errs) or 'no error lines'}",
                             fix=failure_fix(what, errs, log_path))
     return elapsed
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def failure_fix(what: str, errs: list[str], log_path: Path) -> str:

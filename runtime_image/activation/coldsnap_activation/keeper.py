@@ -68,6 +68,9 @@ def _restore_and_reap(criu, images: Path, result_file: Path, *, leave_stopped: b
         res = criu_mod.restore(criu, images, work_dir=result_file.parent, leave_stopped=leave_stopped,
                                options=criu_mod.CriuOptions.from_json(options), huge_pages=huge_pages)
     except (ColdSnapError, OSError) as exc:
+        # A CRIU that ended part way (killed by the OOM killer) leaves what it restored so far here, as
+        # orphans holding the captured pids and ports: ended before the failure is reported.
+        end_tree(timeout=30)
         _write(result_file, {"ok": False, "error": str(exc)})
         return 1
     _write(result_file, {"ok": True, "pid": res.pid, "seconds": res.seconds, "keeper": os.getpid()})
@@ -81,12 +84,20 @@ def _restore_and_reap(criu, images: Path, result_file: Path, *, leave_stopped: b
         if pid == res.pid:  # how the engine ended, for the activation's error (it is not its child)
             _write(exit_record(result_file.parent), {"pid": pid, "wait_status": status})
             break
-    while True:  # then end the rest; a process forked while they are killed is caught by the next round
+    end_tree()
+    return 0
+
+
+def end_tree(timeout: float | None = None) -> None:
+    """End every process left below this keeper and reap them (a process forked while they are killed is
+    caught by the next round); return once none is left, or after ``timeout`` s."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while deadline is None or time.monotonic() < deadline:
         end_orphans()
         try:
             pid, _status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return 0
+            return
         except InterruptedError:
             continue
         if pid == 0:

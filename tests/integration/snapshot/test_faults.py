@@ -387,6 +387,34 @@ def test_a_restore_that_fails_after_eviction_rolls_back_to_what_ran(captured, st
         wl.stop()
 
 
+def test_a_criu_killed_part_way_leaves_no_tree_and_the_rollback_restores_what_ran(captured, state_root, tmp_path):
+    """CRIU killed with -9 (the OOM killer) once it has recreated the engine's root, after the eviction: no
+    half-restored process keeps the captured pid, so the rollback restores what ran before (the same capture,
+    the same pids) and it serves."""
+    wl, artifact, art = captured
+    ok = wl.run(wl.request("restore", artifact=artifact))
+    assert ok.succeeded, ok.receipt["error"]
+    pid = captured_worker(state_root, art)["pid"]
+    real = shutil.which("criu") or "/usr/local/sbin/criu"
+    flag = tmp_path / "criu-killed"
+    wrapper = tmp_path / "criu-killed-part-way"
+    # The shell becomes CRIU; the loop in the background kills it once the engine's root is back (once).
+    wrapper.write_text(f'#!/bin/sh\nif [ "$1" != restore ] || [ -e {flag} ]; then exec {real} "$@"; fi\n'
+                       f"touch {flag}\n(while [ ! -e /proc/{pid} ]; do sleep 0.001; done; kill -9 $$) &\n"
+                       f'exec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    try:
+        res = wl.run(wl.request("restore", artifact=artifact), envvars={"COLDSNAP_CRIU": str(wrapper)})
+        err = failed(res, phase_word="activate")
+        assert flag.exists()
+        assert "CRIU was killed by SIGKILL" in err["message"], err
+        rollback = res.receipt["result"]["rollback"]
+        assert rollback["attempted"] and rollback["state"] == "succeeded", (rollback, err["message"])
+        assert wl.engines() == [pid], "what ran before runs again, at its captured pid"
+        assert wl.complete() == art["acceptance"]["reply"]
+    finally:
+        wl.stop()
+
 def test_a_restore_under_another_state_root_is_refused_in_prepare(captured, tiny_model, env_digest, tmp_path):
     """The restored engine reads its control file at its captured path: another state root is refused
     before anything is evicted, naming the capture's root."""

@@ -156,6 +156,42 @@ def test_the_restored_trees_processes_end_with_its_root(tmp_path, reap, spawn_re
     assert json.loads(keeper.exit_record(tmp_path / "work").read_text())["pid"] == res["pid"]
 
 
+@pytest.mark.criu
+def test_a_criu_killed_part_way_leaves_no_half_restored_tree(tmp_path, reap, spawn_ready):
+    """CRIU killed with -9 (the OOM killer) once it has recreated the tree's root: what it restored so far
+    (orphans of the keeper) is ended before the failure is reported; it kept the captured pids, so the
+    rollback or the next restore of the capture was refused, and a half-restored engine stayed."""
+    import ctypes
+
+    criu = criu_mod.find_criu()
+    proc, info = spawn_ready(PARENT_OF_A_CHILD, "parent")
+    keeper.become_subreaper()
+    try:
+        criu_mod.dump(criu, info["pid"], tmp_path / "images")
+        proc.wait(timeout=30)
+        os.waitpid(info["child"], 0)
+    finally:
+        ctypes.CDLL(None).prctl(keeper.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    killed = tmp_path / "killed"
+    wrapper = tmp_path / "criu"
+    # This shell becomes CRIU: the loop in the background kills it once the tree's root is back.
+    wrapper.write_text(f"#!/bin/sh\n[ \"$1\" = restore ] || exec {criu.binary} \"$@\"\n"
+                       f"(while [ ! -e /proc/{info['pid']} ]; do sleep 0.001; done; kill -9 $$; "
+                       f"echo yes > {killed}) &\nexec {criu.binary} \"$@\"\n")
+    wrapper.chmod(0o755)
+    k = keeper.Prestarted(str(wrapper))
+    reap(k.proc)
+    res = k.go(tmp_path / "images", work_dir=tmp_path / "work", leave_stopped=False,
+               log_path=tmp_path / "keeper.log", timeout=120)
+    assert k.proc.wait(timeout=30) == 1
+    assert res["ok"] is False and killed.exists(), res
+    left = [pid for pid in (info["pid"], info["child"]) if not gone(pid, timeout=5)]
+    for pid in left:  # still there (not reused): the half-restored tree
+        os.kill(pid, 9)
+    assert not left, "the half-restored tree keeps the captured pids"
+    assert "CRIU was killed by SIGKILL" in res["error"], "the error says what ended CRIU"
+
+
 def test_a_keeper_given_half_a_line_restores_nothing(tmp_path):
     k = keeper.Prestarted(None)
     k.proc.stdin.write(json.dumps({"images": str(tmp_path), "result": str(tmp_path / "r.json")})[:20].encode())
