@@ -30,6 +30,7 @@ import contextlib
 import errno
 import fcntl
 import fnmatch
+import hashlib
 import json
 import os
 import platform
@@ -234,13 +235,20 @@ def capsule_labels(*, unit: str, capture_id: str, state_target: str, cache_paths
 
 
 def docker_capsule_name(unit: str, capture_id: str) -> str:
-    """The local image name of a docker capsule: ``coldsnap-capsule/<unit>:<capture id>``."""
+    """The local image name of a docker capsule: ``coldsnap-capsule/<unit>:<capture id>``.
+
+    A repository name is lower case: a unit id that does not pass unchanged (``Web``, ``a--b``) gets a
+    short hash of itself, so units ``Web`` and ``web`` of one capture never share a name (the later
+    build would take it from the earlier one's image, left without a name for ``docker image prune``)."""
     from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.dockerapi import (
         sanitize_repo_component,
         sanitize_tag,
     )
 
-    return f"coldsnap-capsule/{sanitize_repo_component(unit)}:{sanitize_tag(capture_id)}"
+    component = sanitize_repo_component(unit)
+    if component != unit:
+        component += "-" + hashlib.sha256(unit.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    return f"coldsnap-capsule/{component}:{sanitize_tag(capture_id)}"
 
 
 def _goarch() -> str:

@@ -117,9 +117,12 @@ def _push_docker(ref: CapsuleRef, repository: str, tag: str, *, auth: dict[str, 
     except docker.errors.APIError as exc:
         error = str(exc.explanation or exc)
     finally:
-        # The publish tag is a convenience on the registry side only; keep the local store as it was.
+        # The publish tag is a convenience on the registry side only; keep the local store as it was. Where it
+        # is the capsule's only name (another build of its unit and capture took the local name), it stays:
+        # removing an image's last name removes the image, the capsule itself.
         try:
-            client.images.remove(f"{repository}:{tag}", noprune=True)
+            if set(client.images.get(ref.image_id).tags) - {f"{repository}:{tag}"}:
+                client.images.remove(f"{repository}:{tag}", noprune=True)
         except docker.errors.APIError:
             pass
     if error:

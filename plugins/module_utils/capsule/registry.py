@@ -17,6 +17,7 @@ import http.client
 import ipaddress
 import json
 import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -29,6 +30,9 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import iden
 
 USER_AGENT = "coldsnap-capsule-client/1"
 ERROR_BODY_LIMIT = 4096
+# A download must bring at least this many bytes a second, averaged over each ``timeout`` seconds: a registry
+# (or something between) that trickles a byte now and then never trips the per-read timeout alone.
+MIN_RATE = 32 << 10
 
 
 class RegistryError(ColdSnapError):
@@ -120,23 +124,55 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
+class RegistryTooSlow(RegistryError):
+    """A download that kept coming, but slower than the client's minimum rate."""
+
+
 class _Body:
     """A response body whose transport failures (a connection reset or cut short, a read that timed out)
-    are a RegistryError naming the registry, what was read and how far, never a bare socket or HTTP error."""
+    are a RegistryError naming the registry, what was read and how far, never a bare socket or HTTP error.
 
-    def __init__(self, resp: Any, registry: str, what: str) -> None:
+    It is read one receive at a time, so that a body trickled below ``min_rate`` bytes a second over any
+    ``window`` seconds is a RegistryTooSlow: a read of a whole chunk would wait for as long as the trickle
+    lasts, each byte arriving within the socket's timeout."""
+
+    def __init__(self, resp: Any, registry: str, what: str, *, window: float = 120.0,
+                 min_rate: float = MIN_RATE) -> None:
         self.resp, self.registry, self.what = resp, registry, what
         self.got = 0
+        self.window, self.min_rate = window, min_rate
+        self._mark = (time.monotonic(), 0)
 
     def read(self, n: int = -1) -> bytes:
+        parts, got = [], 0
+        while n is None or n < 0 or got < n:
+            data = self._read1(1 << 20 if n is None or n < 0 else n - got)
+            if not data:
+                break
+            parts.append(data)
+            got += len(data)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _read1(self, n: int) -> bytes:
         try:
-            data = self.resp.read(n)
+            data = self.resp.read1(n)
         except (OSError, http.client.HTTPException) as exc:
             got = self.got + len(getattr(exc, "partial", b"") or b"")  # what IncompleteRead held back
             raise RegistryError(f"the connection to registry {self.registry} broke while {self.what} after "
                                 f"{got} bytes ({type(exc).__name__}: {exc})",
                                 fix="check the network and the registry, and run again; nothing was cached") from None
         self.got += len(data)
+        now = time.monotonic()
+        since, got_then = self._mark
+        if data and now - since >= self.window:
+            if self.got - got_then < self.min_rate * (now - since):
+                raise RegistryTooSlow(f"registry {self.registry} sent {self.got - got_then} bytes in "
+                                      f"{now - since:.0f} s while {self.what} (after {self.got} bytes), slower than "
+                                      f"the minimum of {self.min_rate:.0f} bytes a second",
+                                      code="TOO_SLOW",
+                                      fix="check the network path to the registry and the registry's load, and "
+                                          "run again; nothing was cached")
+            self._mark = (now, self.got)
         return data
 
     def close(self) -> None:
@@ -153,8 +189,9 @@ class RegistryClient:
     """One repository on one registry."""
 
     def __init__(self, repository: str, *, auth: dict[str, Any] | None = None, insecure: bool | None = None,
-                 timeout: float = 120.0) -> None:
+                 timeout: float = 120.0, min_rate: float = MIN_RATE) -> None:
         self.repo = parse_repository(repository)
+        self.min_rate = min_rate
         plain = _is_loopback(self.repo.registry) if insecure is None else insecure
         self.base = f"{'http' if plain else 'https'}://{self.repo.registry}"
         self._auth = dict(auth or {})
@@ -328,7 +365,7 @@ class RegistryClient:
     def get_manifest(self, reference: str, accept: tuple[str, ...], *, what: str, limit: int = 4 << 20) -> bytes:
         resp = self.request("GET", f"/v2/{self.repo.name}/manifests/{urllib.parse.quote(reference, safe=':')}",
                             headers={"Accept": ", ".join(accept)}, what=f"fetching the manifest of {what}")
-        with _Body(resp, self.repo.registry, f"fetching the manifest of {what}") as body:
+        with self._body(resp, f"fetching the manifest of {what}") as body:
             data = body.read(limit + 1)
         if len(data) > limit:
             raise RegistryError(f"manifest of {what} is larger than {limit} bytes", fix="this is not a capsule")
@@ -343,4 +380,7 @@ class RegistryClient:
     def open_blob(self, digest: str, *, what: str) -> Any:
         ids.parse_digest(digest, what="blob digest")
         resp = self.request("GET", f"/v2/{self.repo.name}/blobs/{digest}", what=f"downloading {what}")
-        return _Body(resp, self.repo.registry, f"downloading {what}")
+        return self._body(resp, f"downloading {what}")
+
+    def _body(self, resp: Any, what: str) -> _Body:
+        return _Body(resp, self.repo.registry, what, window=self.timeout, min_rate=self.min_rate)

@@ -339,6 +339,41 @@ def test_docker_capsule_round_trip(tmp_path, capture_id, registry, base_image, d
         docker_client.images.get(ref.image_id)
 
 
+@pytest.mark.parametrize("units", [("Web", "web"), ("a--b", "a-b")])
+def test_docker_capsules_of_units_whose_names_fold_together_keep_a_name_each(tmp_path, capture_id, base_image,
+                                                                             docker_client, units):
+    """Unit ids that differ only in case (or in runs of separators) fold to one repository name: each
+    capsule of one capture still keeps a local name of its own, never left nameless for an image prune."""
+    refs = [_docker(tmp_path, capture_id, base_image["base_image"], unit=unit) for unit in units]
+    try:
+        assert refs[0].image_id != refs[1].image_id and refs[0].location != refs[1].location
+        for ref in refs:
+            assert docker_client.images.get(ref.image_id).tags == [ref.location], ref.unit
+    finally:
+        for ref in refs:
+            docker_client.images.remove(ref.image_id, force=True)
+
+
+def test_a_docker_publish_keeps_a_capsule_whose_only_name_was_the_publish_tag(tmp_path, capture_id, registry,
+                                                                             base_image, docker_client):
+    """Another build of the same unit and capture took the capsule's local name: removing the publish tag
+    after the push (the image's last name) would remove the capsule itself from the local store."""
+    first = _docker(tmp_path / "first", capture_id, base_image["base_image"])
+    second = _docker(tmp_path / "second", capture_id, base_image["base_image"])
+    try:
+        assert first.image_id != second.image_id and docker_client.images.get(first.image_id).tags == []
+        published = push_capsule(first, f"{registry}/coldsnap/docker-capsules")
+        assert remote_has(published)
+        assert docker_client.images.get(first.image_id).id == first.image_id
+        assert inspect_capsule(first, verify=True)["capture_id"] == capture_id
+    finally:
+        for ref in (first, second):
+            try:
+                docker_client.images.remove(ref.image_id, force=True)
+            except Exception:  # what the failing case already removed
+                pass
+
+
 def test_docker_push_rejected_by_a_read_only_registry(tmp_path, capture_id, readonly_registry, base_image,
                                                       docker_client):
     ref = _docker(tmp_path, capture_id, base_image["base_image"])

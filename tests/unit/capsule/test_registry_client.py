@@ -314,3 +314,47 @@ def test_a_redirect_keeps_the_credentials_only_within_scheme_host_and_port(old: 
     assert followed.has_header("Authorization") is kept
     upload = urllib.request.Request(old, method="PUT", data=b"x")
     assert _NoRedirect().redirect_request(upload, None, 307, "Temporary Redirect", Message(), new) is None
+
+
+@pytest.mark.parametrize("what", ["blob", "manifest"])
+def test_a_download_trickled_below_the_minimum_rate_is_a_registry_error(what: str) -> None:
+    """A registry that sends a byte now and then, each well within the per-read timeout, is not waited on
+    for as long as it keeps trickling: the download fails naming the registry and the rate it fell below."""
+    release = threading.Event()
+
+    class Registry(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *_a) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            for _ in range(120):  # 6 s of one byte every 0.05 s, then the connection ends
+                try:
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                except OSError:
+                    break
+                if release.wait(0.05):
+                    break
+            self.close_connection = True
+
+    registry = ThreadingHTTPServer(("127.0.0.1", 0), Registry)
+    threading.Thread(target=registry.serve_forever, daemon=True).start()
+    try:
+        client = RegistryClient(f"127.0.0.1:{registry.server_address[1]}/coldsnap/capsules", timeout=1)
+        with pytest.raises(RegistryError, match=r"registry 127\.0\.0\.1:\d+ sent \d+ bytes in \d+ s while "
+                                                r".*slower than the minimum of \d+ bytes a second") as err:
+            if what == "manifest":
+                client.get_manifest(DIGEST, ("application/json",), what="a capsule")
+            else:
+                with client.open_blob(DIGEST, what="a layer") as body:
+                    while body.read(1 << 20):
+                        pass
+        assert type(err.value).__name__ == "RegistryTooSlow" and err.value.code == "TOO_SLOW"
+    finally:
+        release.set()
+        registry.shutdown()
