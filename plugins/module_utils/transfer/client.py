@@ -29,7 +29,6 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     ColdSnapError,
     IntegrityError,
 )
-from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import auth
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server import (
     LIST_PATH,
@@ -40,6 +39,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server imp
 PARTIAL_SUFFIX = ".peer-partial"
 CHUNK = 4 << 20
 MAX_LISTING = 16 << 20  # a capsule's layout lists a few dozen files
+_HEX64 = re.compile(r"[0-9a-f]{64}")  # a listed SHA-256 (transfer sits below formats: its own pattern)
 # A source that sends less than this in any span of the peer's timeout is taken as stalled (the timeout
 # alone bounds each read, and a peer that trickles a byte now and then never reaches it): 1 MiB a minute.
 MIN_BYTES_PER_TIMEOUT = 1 << 20
@@ -417,7 +417,7 @@ def _checked_listing(peer: Peer) -> list[dict[str, Any]]:
             raise ColdSnapError(f"{peer.describe()} listed {name!r} without its size and digest; every file is "
                                 "verified on arrival", fix="the source is not a ColdSnap transfer server")
         named, listed = digest_in_name(name), entry.get("sha256")
-        if listed is not None and not (isinstance(listed, str) and re.fullmatch(ids.SHA256_HEX, listed)):
+        if listed is not None and not (isinstance(listed, str) and _HEX64.fullmatch(listed)):
             raise ColdSnapError(f"{peer.describe()} listed {name!r} with the digest {str(listed)[:80]!r}, not 64 "
                                 "lower-case hex digits", fix="the source is not a ColdSnap transfer server")
         if named is not None and listed is not None and listed != named:
