@@ -354,8 +354,8 @@ def test_docker_capsules_of_units_whose_names_fold_together_keep_a_name_each(tmp
             docker_client.images.remove(ref.image_id, force=True)
 
 
-def test_a_docker_publish_keeps_a_capsule_whose_only_name_was_the_publish_tag(tmp_path, capture_id, registry,
-                                                                             base_image, docker_client):
+def test_a_docker_publish_keeps_a_capsule_whose_only_name_was_the_publish_tag(
+        tmp_path, capture_id, registry, base_image, docker_client):
     """Another build of the same unit and capture took the capsule's local name: removing the publish tag
     after the push (the image's last name) would remove the capsule itself from the local store."""
     first = _docker(tmp_path / "first", capture_id, base_image["base_image"])

@@ -415,6 +415,7 @@ def test_a_criu_killed_part_way_leaves_no_tree_and_the_rollback_restores_what_ra
     finally:
         wl.stop()
 
+
 def test_a_restore_under_another_state_root_is_refused_in_prepare(captured, tiny_model, env_digest, tmp_path):
     """The restored engine reads its control file at its captured path: another state root is refused
     before anything is evicted, naming the capture's root."""

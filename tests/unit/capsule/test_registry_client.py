@@ -332,7 +332,7 @@ def test_a_download_trickled_below_the_minimum_rate_is_a_registry_error(what: st
             self.send_response(200)
             self.send_header("Content-Length", "100000")
             self.end_headers()
-            for _ in range(120):  # 6 s of one byte every 0.05 s, then the connection ends
+            for _byte in range(120):  # 6 s of one byte every 0.05 s, then the connection ends
                 try:
                     self.wfile.write(b"x")
                     self.wfile.flush()
