@@ -219,7 +219,7 @@ def give_back(config: Any, *, build: Callable[..., Any], release: Callable[[Any]
     request = config.request or {}
     say(f"giving back the workload restore {config.operation_id} evicted (no rollback follows)")
     try:
-        cfg = build(operation="restore", request={**request, "id": eviction.release_id(config.operation_id)},
+        cfg = build(operation=config.operation, request={**request, "id": eviction.release_id(config.operation_id)},
                     playbook="coldsnap.fleet.release",
                     extravars={**_without_contract(config.public_vars), "coldsnap_handover_of": config.operation_id},
                     inventory=config.inventory, state_root=config.state_root, envvars=config.caller_env,

@@ -47,6 +47,7 @@ class Config:
     request: dict
     operation_id: str
     prepare_only: bool = False
+    operation: str = "restore"
     public_vars: dict = dataclasses.field(default_factory=lambda: {"coldsnap_request": {}, "mine": 1})
     secret_vars: dict = dataclasses.field(default_factory=lambda: {"registry_password": "s3cret"})
     inventory: dict | None = None
@@ -248,6 +249,11 @@ def test_a_cancelled_restore_gives_back_its_hand_over_and_a_rollback_takes_it(tm
                                                  "handover": "given back"}
     (cfg,) = released
     assert cfg["playbook"] == "coldsnap.fleet.release" and cfg["request"]["id"] == "op-2-release"
+    assert cfg["operation"] == "restore"
+    warm = rollback.after_restore(dataclasses.replace(config, operation="warm"), failed, enabled=True, build=build,
+                                  run=None, say=print, release=lambda cfg: released.append(cfg) or ok)
+    assert warm.receipt["result"]["rollback"]["handover"] == "given back"
+    assert released[-1]["operation"] == "warm", "a warm restore's release is run as one"
     assert cfg["extravars"] == {"coldsnap_run_id": "r7", "coldsnap_handover_of": "op-2"}, "its run id, not kept"
     # the release itself fails: said, with the wait the next restore then has
     nope = result_of(tmp_path, "op-3-release", succeeded=False, message="host h1 unreachable")
