@@ -80,6 +80,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_units 
     canonical_name,
     container_evidence,
     docker_spec,
+    oom_killed,
     write_spec,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.runtime import (
@@ -361,7 +362,8 @@ class DockerRuntime(DockerUnits, UnitRuntime):
                     docker_unit.stop_unit(container, timeout=5)
                 text = _logs(container)
                 (run_dir / f"activation-capture-{spec.unit_id}.log").write_text(text)
-                results[i] = container_evidence(ev_path, spec.unit_id, text, code)
+                results[i] = container_evidence(ev_path, spec.unit_id, text, code,
+                                                oom_killed=code is not None and oom_killed(container))
 
             run_concurrently(wait, [(i, *x) for i, x in enumerate(started)])
             raise_failures(results)
@@ -424,7 +426,8 @@ class DockerRuntime(DockerUnits, UnitRuntime):
                     time.sleep(0.02)
                 text = _logs(container)
                 (run_dir / f"activation-{spec.operation}-{spec.unit_id}.log").write_text(text)
-                results[i] = container_evidence(ev_path, spec.unit_id, text, code)
+                results[i] = container_evidence(ev_path, spec.unit_id, text, code,
+                                                oom_killed=code is not None and oom_killed(container))
 
             run_concurrently(wait, [(i, *x) for i, x in enumerate(started)])
             raise_failures(results)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -75,8 +76,30 @@ def write_spec(run_dir: Path, spec: UnitSpec) -> tuple[Path, Path]:
     return spec_path, ev_path
 
 
-def container_evidence(ev_path: Path, uid: str, log_text: str, code: int | None) -> dict:
-    return read_evidence(ev_path, uid, log_text, code, who="rank container")
+def container_evidence(ev_path: Path, uid: str, log_text: str, code: int | None, *,
+                       oom_killed: bool = False) -> dict:
+    """What a rank container's controller reported, or how the container ended without a report: a PID 1
+    ended by a signal is exit 128+N (``docker kill``, ``docker stop`` past its grace, the OOM killer)."""
+    ended = None
+    if oom_killed:
+        ended = f"was killed by the OOM killer (exit {code}: the container ran out of memory)"
+    elif code is not None and 128 < code < 128 + signal.NSIG:
+        try:
+            name = signal.Signals(code - 128).name
+        except ValueError:
+            name = f"signal {code - 128}"
+        ended = (f"was killed by {name} (exit {code}: docker kill, docker stop past its grace period, or "
+                 "the OOM killer of the host)")
+    return read_evidence(ev_path, uid, log_text, code, who="rank container", ended=ended)
+
+
+def oom_killed(container: Any) -> bool:
+    """Whether Docker records the (exited) container as ended by the OOM killer."""
+    try:
+        container.reload()
+        return bool(container.attrs.get("State", {}).get("OOMKilled"))
+    except Exception:  # a removed container records nothing
+        return False
 
 
 def canonical_container(request: dict, unit_id: str, *, client: Any) -> Any | None:

@@ -47,13 +47,16 @@ def run_concurrently(target, arg_tuples: list[tuple]) -> None:
         t.join()
 
 
-def read_evidence(ev_path: Path, uid: str, output: str, code: int | None, *, who: str) -> dict:
-    """The evidence a unit's activation runtime wrote, or a failure naming its last output."""
+def read_evidence(ev_path: Path, uid: str, output: str, code: int | None, *, who: str,
+                  ended: str | None = None) -> dict:
+    """The evidence a unit's activation runtime wrote, or a failure naming how it ended (``ended``, else its
+    exit status) and its last output."""
     try:
         return json.loads(Path(ev_path).read_text())
     except (OSError, ValueError):
-        status = f"exited {code}" if code is not None else "stopped"
-        return {"ok": False, "unit": uid, "error": f"{who} {status} without evidence; its output:\n{output[-2000:]}"}
+        status = ended or (f"exited {code}" if code is not None else "stopped")
+        said = f"its output:\n{output[-2000:]}" if output.strip() else "it wrote no output"
+        return {"ok": False, "unit": uid, "error": f"{who} {status} without evidence; {said}"}
 
 
 def listeners_served(artifact: dict, request: dict, unit_id: str):

@@ -156,3 +156,19 @@ def test_an_activate_step_never_replaces_a_running_unit_container(rank_runtime, 
         rt.restore({"capture_id": "cap"}, specs, timeout=5)
     assert f"its container {name!r} is running" in err.value.problem and "phase=evict" in err.value.fix
     assert started == [] and not serving.removed
+
+
+def test_a_rank_container_killed_before_it_reported_names_the_signal(tmp_path) -> None:
+    """``docker kill`` (or the OOM killer) of a rank container whose controller wrote nothing: the unit's
+    error says what ended it, not a bare exit status followed by an empty output."""
+    from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_units import container_evidence
+
+    missing = tmp_path / "evidence.json"
+    killed = container_evidence(missing, "unit-0", "", 137)
+    assert killed["ok"] is False
+    assert "rank container was killed by SIGKILL (exit 137: docker kill" in killed["error"], killed
+    assert "it wrote no output" in killed["error"] and "its output" not in killed["error"]
+    oom = container_evidence(missing, "unit-0", "", 137, oom_killed=True)
+    assert "killed by the OOM killer" in oom["error"], oom
+    exited = container_evidence(missing, "unit-0", "Traceback: boom\n", 1)
+    assert "rank container exited 1 without evidence; its output:\nTraceback: boom" in exited["error"], exited
