@@ -25,8 +25,9 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
 )
 
 MIN_MAJOR = 4
-# CRIU prints this on hosts whose bounding set lacks CAP_SYS_RESOURCE; it is harmless.
-HARMLESS = ("Can't setup RLIMIT_NOFILE",)
+# CRIU prints these on every run where they apply, and goes on: the first on hosts whose bounding set lacks
+# CAP_SYS_RESOURCE, the second where /dev/net/tun is missing (a rank container) as it probes the kernel.
+HARMLESS = ("Can't setup RLIMIT_NOFILE", "tun: Unable to create tun")
 
 
 @dataclass(frozen=True)

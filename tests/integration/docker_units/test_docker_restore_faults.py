@@ -227,6 +227,7 @@ def test_a_first_restore_killed_part_way_leaves_no_container_and_names_the_kill(
     assert not res.succeeded
     message = res.receipt["error"]["message"]
     assert "killed by SIGKILL" in message, message
+    assert "tun" not in message, "a line CRIU writes on every run in a rank container is not the cause"
     assert client.containers.list(all=True, filters={"label": f"org.coldsnap.recipe={RECIPE}"}) == []
     assert wl.container() is None, "the canonical name is free"
     assert not _listening(wl.port)

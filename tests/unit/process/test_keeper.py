@@ -267,3 +267,15 @@ def test_the_dumped_tree_names_a_thread_started_after_the_tree_was_looked_at(tmp
     assert set(now) > set(looked)
     criu_mod.dump(criu_mod.find_criu(), proc.pid, tmp_path / "images", leave_running=True)
     assert criu_images.tree_ids(tmp_path / "images") == now
+
+
+def test_criu_lines_of_every_run_in_a_rank_container_are_not_taken_for_the_cause(tmp_path):
+    """The opening lines CRIU 4 writes on every restore in a rank container (no /dev/net/tun there; no
+    CAP_SYS_RESOURCE): a CRIU killed part way is reported by how it ended, not as a tun failure."""
+    log = tmp_path / "restore.log"
+    log.write_text("Error (criu/tun.c:85): tun: Unable to create tun: No such file or directory\n"
+                   "Warn  (criu/kerndat.c:1285): Can't keep kdat cache on non-tempfs\n"
+                   "Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: Operation not permitted\n"
+                   "(00.012345) Error (criu/files-reg.c:2123): Can't open file x on restore: No such file\n")
+    assert criu_mod.log_errors(log) == ["(00.012345) Error (criu/files-reg.c:2123): Can't open file x on restore: "
+                                        "No such file"]
