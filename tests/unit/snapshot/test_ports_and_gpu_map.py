@@ -202,3 +202,32 @@ def test_a_port_taken_between_admission_and_criu_is_named_with_its_holder():
         _port_taken_since_admission("CRIU restore failed: something else", [("127.0.0.1", port)], "unit-0")
     finally:
         holder.close()
+
+
+@pytest.mark.parametrize(("squatted", "captured", "taken"), [
+    ("127.0.0.1", "127.0.0.1", True),
+    ("0.0.0.0", "127.0.0.1", True),
+    ("::", "127.0.0.1", True),  # a dual-stack wildcard holds the IPv4 port too
+    ("::1", "127.0.0.1", False),
+    ("127.0.0.2", "127.0.0.1", False),
+    ("127.0.0.1", "0.0.0.0", True),
+    ("127.0.0.1", "::", True),
+    ("::1", "::", True),
+])
+def test_a_port_is_taken_exactly_where_the_captured_listener_could_not_bind(squatted, captured, taken):
+    """Every pairing of a stranger's address and the captured listener's (a restore of a wildcard listener
+    needs the port on every address; another loopback address leaves a specific one free)."""
+    s = socket.socket(socket.AF_INET6 if ":" in squatted else socket.AF_INET)
+    if ":" in squatted:
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    s.bind((squatted, 0))
+    s.listen()
+    port = s.getsockname()[1]
+    try:
+        if taken:
+            with pytest.raises(AdmissionError, match=rf":{port} is taken on this host by pid {os.getpid()}"):
+                ports.require_ports_free([(captured, port)], unit="unit-0", time_wait_grace=0)
+        else:
+            ports.require_ports_free([(captured, port)], unit="unit-0", time_wait_grace=0)
+    finally:
+        s.close()
