@@ -17,7 +17,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry im
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.cpulist import format_cpus
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affinity
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports import process_tree
-from vllm_workload import VllmWorkload, hydration_attrs, openai_answers
+from vllm_workload import VllmWorkload, hydration_attrs, openai_answers, repacked_where_packed
 
 pytestmark = [pytest.mark.criu, pytest.mark.vllm, pytest.mark.slow]
 
@@ -73,7 +73,7 @@ def test_native_restore_answers_as_the_cold_server_does(captured, cold_answers):
     assert unit["reply"] == art["acceptance"]["reply"]
     assert unit["logprobs_check"] == "identical", unit["logprobs"]
     # Every layer vLLM packed was left out of the image and packed again from the hydrated arena.
-    assert hydration_attrs(res.receipt)["repacked_layers"] >= 1, hydration_attrs(res.receipt)
+    assert repacked_where_packed(hydration_attrs(res.receipt)), hydration_attrs(res.receipt)
     # The worker's pinned threads run on their captured CPUs again.
     ev = json.loads((wl.state_root / "captures" / art["capture_id"] / "units" / "unit-0" / "evidence.json").read_text())
     pins = ev["workers"][0]["affinity"]["threads"]
@@ -142,7 +142,7 @@ def test_sleep_releases_and_wake_brings_the_same_answers(captured, cold_answers)
         assert res.succeeded, res.receipt["error"]
         assert [u["changed"] for u in res.receipt["result"]["operation"]["units"]] == [changed], op
     assert res.receipt["result"]["operation"]["units"][0]["logprobs_check"] == "identical"
-    assert hydration_attrs(res.receipt)["repacked_layers"] >= 1, "a sleep frees the packed copies; the wake packs them"
+    assert repacked_where_packed(hydration_attrs(res.receipt)), "a sleep frees the packed copies; the wake packs them"
     assert openai_answers(wl.port) == cold_answers
 
 

@@ -191,3 +191,23 @@ def openai_answers(port: int) -> dict:
     out["chat_stream"] = "".join((c.choices[0].delta.content or "") for c in client.chat.completions.create(
         model=SERVED, messages=messages, max_tokens=12, temperature=0, stream=True) if c.choices)
     return out
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# vLLM's CPU backend packs the linear layers' weights only where it has AVX-512 kernels: an AVX2-only host
+# (some AMD EPYC VMs) serves the plain weights, and a restore has nothing to pack again.
+PACKS_LAYERS = "avx512f" in _cpu_flags()
+
+
+def repacked_where_packed(attrs: dict) -> bool:
+    """A hydration span's repack count, where vLLM packs layers on this CPU."""
+    return attrs.get("repacked_layers", 0) >= 1 if PACKS_LAYERS else True
