@@ -345,8 +345,31 @@ def drop_build_stage(client: Any) -> None:
 
 # ----------------------------------------------------------------------------- engine variants
 
-# engine -> the compiled module a variant must import (its shared libraries all found in the image)
-ENGINE_MODULES = {"vllm": "vllm._C"}
+# engine -> its package directory in the environment, and how it loads the compiled kernels this CPU takes.
+# vLLM ships one kernel library per x86 level (_C: AVX-512 with BF16, _C_AVX512, _C_AVX2); importing one
+# the CPU lacks dies of SIGILL, so the check lets vLLM choose, as at start-up, and links every one of them.
+ENGINE_KERNELS = {"vllm": ("vllm", "from vllm.platforms import current_platform\n"
+                                   "current_platform.import_kernels()\n"
+                                   "torch.ops._C.silu_and_mul  # an op every CPU build registers\n")}
+# What a variant's build runs last: every shared library the engine's compiled modules link is found in the
+# image (torch's own beside torch), and the kernels this CPU takes load and register their ops. PACKAGE, LOAD
+# and ENGINE are set in lines above it.
+ENGINE_CHECK = """import os, subprocess, sys
+import torch
+root = os.path.join("/opt/coldsnap/engines", ENGINE, PACKAGE)
+env = dict(os.environ, LD_LIBRARY_PATH=os.path.join(os.path.dirname(torch.__file__), "lib"))
+missing = []
+for name in sorted(os.listdir(root)):
+    if name.endswith(".so"):
+        out = subprocess.run(["ldd", os.path.join(root, name)], capture_output=True, text=True, env=env).stdout
+        missing += [f"{name}: {line.split()[0]}" for line in out.splitlines() if "not found" in line]
+if missing:
+    sys.exit(f"the {ENGINE} variant lacks shared libraries: {', '.join(missing)}")
+try:
+    exec(LOAD)
+except (ImportError, AttributeError, RuntimeError) as exc:
+    sys.exit(f"{PACKAGE}'s compiled kernels do not load in the {ENGINE} variant: {exc}")
+"""
 # Debian packages an engine needs beyond the runtime's: vLLM's CPU kernels compile with TorchInductor
 # (a C++ compiler, Python.h, and openssl to hash headers, at start-up even with --enforce-eager) and link libnuma.
 ENGINE_PACKAGES = {"vllm": ("g++", "libnuma1", "openssl", "python3-dev")}
@@ -398,9 +421,8 @@ def engine_build(client: Any, *, runtime: Any, engine: str, python: str, engine_
     dists = sorted(e.arcname.split("/")[1] for e in entries if e.arcname.count("/") == 1
                    and e.arcname.endswith(".dist-info"))
     dockerfile = (HERE / "Dockerfile.engine").read_bytes()
-    module = ENGINE_MODULES[engine]
-    check = (f"import sys\nimport torch  # noqa\ntry:\n    import {module}  # noqa\nexcept ImportError as exc:\n"
-             f"    sys.exit(f'{module} does not import in the {engine} variant: {{exc}}')\n").encode()
+    package, load = ENGINE_KERNELS[engine]
+    check = f"PACKAGE = {package!r}\nLOAD = {load!r}\nENGINE = {engine!r}\n{ENGINE_CHECK}".encode()
     inputs = canonical_sha256({"format": BUILD_FORMAT, "runtime": runtime.id, "engine": engine, "environment": env_id,
                                "dists": dists, "dockerfile": hashlib.sha256(dockerfile).hexdigest(),
                                "check": hashlib.sha256(check).hexdigest()})
@@ -457,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--criu", default=None, help="CRIU binary to bake in (default: the one on PATH)")
     ap.add_argument("--suite", default=None, help="Debian suite of the base (default: this host's)")
     ap.add_argument("--output", type=Path, default=None, help="also write the JSON result to this file")
-    ap.add_argument("--engine", choices=sorted(ENGINE_MODULES), default=None,
+    ap.add_argument("--engine", choices=sorted(ENGINE_KERNELS), default=None,
                     help="also build this engine's variant of the runtime image (tag: TAG-ENGINE)")
     ap.add_argument("--engine-python", default=None,
                     help="the engine environment's python (default: scripts/engine-env.sh ENGINE builds or finds it)")

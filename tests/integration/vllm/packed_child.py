@@ -1,11 +1,14 @@
 """Run in vLLM's engine environment by test_vllm_packed_weights.py: vLLM's own CPU linear dispatch packs
 three layers (one keeping its weight, as the LM head does), ColdSnap drops the packed copies and the
-arena as before a snapshot, hydration refills the arena, and the copies are packed again. Prints JSON."""
+arena as before a snapshot, hydration refills the arena, and the copies are packed again. Prints JSON.
+The weights' dtype is the first argument: bfloat16 (vLLM's CPU default) packs only with AVX-512; float32
+packs with AVX2 too."""
 
 from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -14,11 +17,13 @@ from coldsnap_engines.vllm import cpu_packed
 from coldsnap_engines.vllm.cpu import relocate_parameters
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+DTYPE = getattr(torch, sys.argv[1])
+
 
 class Linear(torch.nn.Module):
     def __init__(self, n: int, k: int) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(n, k, dtype=torch.bfloat16), requires_grad=False)
+        self.weight = torch.nn.Parameter(torch.randn(n, k, dtype=DTYPE), requires_grad=False)
 
 
 def rss_anon() -> int:
@@ -27,7 +32,7 @@ def rss_anon() -> int:
 
 def forward(model) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
-    return [layer.cpu_linear(torch.randn(3, layer.k, dtype=torch.bfloat16, generator=gen), layer.weight, None)
+    return [layer.cpu_linear(torch.randn(3, layer.k, dtype=DTYPE, generator=gen), layer.weight, None)
             for layer in model]
 
 
@@ -66,7 +71,7 @@ def main() -> None:
     print(json.dumps({"found": [[c.name, c.kind] for c in copies], "freed": freed, "emptied": emptied,
                       "anon_dropped": anon0 - anon1, "arena": arena.arena.size, "repacked": repacked,
                       "same": same, "again": again, "same_again": same_again,
-                      "amx": bool(torch.cpu._is_amx_tile_supported())}))
+                      "amx": bool(torch.cpu._is_amx_tile_supported()), "itemsize": DTYPE.itemsize}))
 
 
 if __name__ == "__main__":

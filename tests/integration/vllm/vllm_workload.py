@@ -203,8 +203,8 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-# vLLM's CPU backend packs the linear layers' weights only where it has AVX-512 kernels: an AVX2-only host
-# (some AMD EPYC VMs) serves the plain weights, and a restore has nothing to pack again.
+# vLLM's CPU backend packs bfloat16 linear weights (oneDNN, or its SGL kernels with AMX) only with AVX-512:
+# an AVX2-only host (some AMD EPYC VMs) serves the plain weights, and a restore has nothing to pack again.
 PACKS_LAYERS = "avx512f" in _cpu_flags()
 
 
