@@ -17,7 +17,6 @@ import http.client
 import ipaddress
 import json
 import re
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -26,13 +25,11 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.rate import MIN_RATE, RateFloor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 
 USER_AGENT = "coldsnap-capsule-client/1"
 ERROR_BODY_LIMIT = 4096
-# A download must bring at least this many bytes a second, averaged over each ``timeout`` seconds: a registry
-# (or something between) that trickles a byte now and then never trips the per-read timeout alone.
-MIN_RATE = 32 << 10
 
 
 class RegistryError(ColdSnapError):
@@ -132,16 +129,15 @@ class _Body:
     """A response body whose transport failures (a connection reset or cut short, a read that timed out)
     are a RegistryError naming the registry, what was read and how far, never a bare socket or HTTP error.
 
-    It is read one receive at a time, so that a body trickled below ``min_rate`` bytes a second over any
-    ``window`` seconds is a RegistryTooSlow: a read of a whole chunk would wait for as long as the trickle
-    lasts, each byte arriving within the socket's timeout."""
+    It is read one receive at a time, so that a body trickled below the rate floor (``common.rate``) is a
+    RegistryTooSlow: a read of a whole chunk would wait for as long as the trickle lasts, each byte
+    arriving within the socket's timeout."""
 
     def __init__(self, resp: Any, registry: str, what: str, *, window: float = 120.0,
                  min_rate: float = MIN_RATE) -> None:
         self.resp, self.registry, self.what = resp, registry, what
         self.got = 0
-        self.window, self.min_rate = window, min_rate
-        self._mark = (time.monotonic(), 0)
+        self.floor = RateFloor(window, min_rate)
 
     def read(self, n: int = -1) -> bytes:
         parts, got = [], 0
@@ -162,17 +158,12 @@ class _Body:
                                 f"{got} bytes ({type(exc).__name__}: {exc})",
                                 fix="check the network and the registry, and run again; nothing was cached") from None
         self.got += len(data)
-        now = time.monotonic()
-        since, got_then = self._mark
-        if data and now - since >= self.window:
-            if self.got - got_then < self.min_rate * (now - since):
-                raise RegistryTooSlow(f"registry {self.registry} sent {self.got - got_then} bytes in "
-                                      f"{now - since:.0f} s while {self.what} (after {self.got} bytes), slower than "
-                                      f"the minimum of {self.min_rate:.0f} bytes a second",
-                                      code="TOO_SLOW",
-                                      fix="check the network path to the registry and the registry's load, and "
-                                          "run again; nothing was cached")
-            self._mark = (now, self.got)
+        slow = self.floor.count(len(data)) if data else None
+        if slow is not None:
+            raise RegistryTooSlow(f"registry {self.registry} is too slow while {self.what} (after {self.got} "
+                                  f"bytes): {slow}", code="TOO_SLOW",
+                                  fix="check the network path to the registry and the registry's load, and run "
+                                      "again; nothing was cached")
         return data
 
     def close(self) -> None:

@@ -29,6 +29,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors impor
     ColdSnapError,
     IntegrityError,
 )
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.rate import RateFloor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer import auth
 from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server import (
     LIST_PATH,
@@ -40,9 +41,6 @@ PARTIAL_SUFFIX = ".peer-partial"
 CHUNK = 4 << 20
 MAX_LISTING = 16 << 20  # a capsule's layout lists a few dozen files
 _HEX64 = re.compile(r"[0-9a-f]{64}")  # a listed SHA-256 (transfer sits below formats: its own pattern)
-# A source that sends less than this in any span of the peer's timeout is taken as stalled (the timeout
-# alone bounds each read, and a peer that trickles a byte now and then never reaches it): 1 MiB a minute.
-MIN_BYTES_PER_TIMEOUT = 1 << 20
 Progress = Callable[[int, int], None]
 
 
@@ -245,7 +243,7 @@ def _one_response(peer: Peer, name: str, fd: int, *, position: int, hasher, prog
             raise IntegrityError(f"{peer.describe()} offered {expected} bytes of {name} from byte {position}; "
                                  f"the file has {size}", fix="the source is not serving this file; capture again")
         total = size if size is not None else position + max(expected, 0)
-        span_start, span_got = time.monotonic(), 0
+        floor = RateFloor(peer.timeout)  # a source trickling below it is a stalled one (common.rate)
         while True:
             want = CHUNK if expected < 0 else min(CHUNK, expected - got)
             if want <= 0:
@@ -256,19 +254,12 @@ def _one_response(peer: Peer, name: str, fd: int, *, position: int, hasher, prog
                 raise ConnectionError(f"{peer.describe()}: {exc}") from None
             if not chunk:
                 break
-            span_got += len(chunk)
-            if span_got >= MIN_BYTES_PER_TIMEOUT:
-                span_start, span_got = time.monotonic(), 0
-            elif time.monotonic() - span_start > peer.timeout:
-                _write_all(fd, chunk)  # kept and hashed, as a dropped connection's bytes are
-                hasher.update(chunk)
-                got += len(chunk)
-                raise ConnectionError(f"{peer.describe()}: only {span_got} bytes of {name} came in "
-                                      f"{peer.timeout:g} s (a stalled or throttled source: less than "
-                                      f"{MIN_BYTES_PER_TIMEOUT >> 20} MiB in the read timeout)")
-            _write_all(fd, chunk)
+            _write_all(fd, chunk)  # kept and hashed even when too slow, as a dropped connection's bytes are
             hasher.update(chunk)
             got += len(chunk)
+            slow = floor.count(len(chunk))
+            if slow is not None:
+                raise ConnectionError(f"{peer.describe()}: {name} came too slowly: {slow}")
             if progress is not None:
                 progress(position + got, total)
         if expected >= 0 and got != expected:

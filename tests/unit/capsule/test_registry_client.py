@@ -346,8 +346,9 @@ def test_a_download_trickled_below_the_minimum_rate_is_a_registry_error(what: st
     threading.Thread(target=registry.serve_forever, daemon=True).start()
     try:
         client = RegistryClient(f"127.0.0.1:{registry.server_address[1]}/coldsnap/capsules", timeout=1)
-        with pytest.raises(RegistryError, match=r"registry 127\.0\.0\.1:\d+ sent \d+ bytes in \d+ s while "
-                                                r".*slower than the minimum of \d+ bytes a second") as err:
+        with pytest.raises(RegistryError, match=r"registry 127\.0\.0\.1:\d+ is too slow while .* \(after \d+ "
+                                                r"bytes\): \d+ bytes in [\d.]+ s, under the floor of 32 KiB a "
+                                                r"second") as err:
             if what == "manifest":
                 client.get_manifest(DIGEST, ("application/json",), what="a capsule")
             else:
