@@ -415,17 +415,24 @@ def test_a_corrupt_pack_that_cannot_be_quarantined_is_removed_and_the_error_says
     assert not path.exists() and not records.record_path_for(path).exists()
 
 
-def test_a_link_planted_at_quarantine_of_a_pack_given_by_path_is_never_followed(tmp_path):
-    """A pack given by its path lies in a directory its owner controls: a link planted at its ``quarantine``
-    must not make the verifier (root) move the wrong bytes into the directory the link names."""
+def _a_pack_beside_a_planted_link(tmp_path, planted: str):
+    """A pack's directory in a user's tree (``model-payloads/sha256``) whose ``planted`` sibling is a link to
+    a directory only root may write: (that directory, the pack's path, its digest, its bytes)."""
     elsewhere = tmp_path / "root-only"
     elsewhere.mkdir(mode=0o700)
     data = os.urandom(4096)
     digest = write_pack_file(tmp_path / "src.pack", data)
     path = tmp_path / "user" / "model-payloads" / "sha256" / f"{digest.split(':')[1]}.pack"
     path.parent.mkdir(parents=True)
+    (path.parent.parent / planted).symlink_to(elsewhere)
+    return elsewhere, path, digest, data
+
+
+def test_a_link_planted_at_quarantine_of_a_pack_given_by_path_is_never_followed(tmp_path):
+    """A pack given by its path lies in a directory its owner controls: a link planted at its ``quarantine``
+    must not make the verifier (root) move the wrong bytes into the directory the link names."""
+    elsewhere, path, digest, data = _a_pack_beside_a_planted_link(tmp_path, "quarantine")
     (path.parent.parent / "locks").mkdir()
-    (path.parent.parent / "quarantine").symlink_to(elsewhere)
     path.write_bytes(b"\x00" + data[1:])
     with pytest.raises(IntegrityError, match=r"could not be quarantined \(a link or a file where a directory of "
                                              r"its own belongs: .*quarantine\) and was removed instead") as err:
@@ -437,13 +444,7 @@ def test_a_link_planted_at_quarantine_of_a_pack_given_by_path_is_never_followed(
 def test_a_link_planted_at_locks_of_a_pack_given_by_path_is_never_followed(tmp_path):
     """A link planted at the ``locks`` directory of a pack given by its path made the verifier (root) create
     its lock file in the directory the link names; now the pack is verified read-only (no lock, no record)."""
-    elsewhere = tmp_path / "root-only"
-    elsewhere.mkdir(mode=0o700)
-    data = os.urandom(4096)
-    digest = write_pack_file(tmp_path / "src.pack", data)
-    path = tmp_path / "user" / "model-payloads" / "sha256" / f"{digest.split(':')[1]}.pack"
-    path.parent.mkdir(parents=True)
-    (path.parent.parent / "locks").symlink_to(elsewhere)
+    elsewhere, path, digest, data = _a_pack_beside_a_planted_link(tmp_path, "locks")
     path.write_bytes(data)
     with PayloadVerifier().verify(path, digest, len(data)) as v:
         assert v.as_result()["verified"] and not v.record_written

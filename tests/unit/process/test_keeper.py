@@ -126,11 +126,8 @@ while True:
 """
 
 
-@pytest.mark.criu
-def test_the_restored_trees_processes_end_with_its_root(tmp_path, reap, spawn_ready):
-    """A multi-process engine (vLLM: API server, engine core, worker) whose root is killed: its children,
-    re-parented to the keeper, are ended too (they would hold the captured pids, and no control file names
-    them), and the keeper exits."""
+def _dump_a_parent_and_its_child(tmp_path, spawn_ready):
+    """CRIU dumps a parent and its child to ``tmp_path/images`` and both end; returns (criu, their info)."""
     import ctypes
 
     criu = criu_mod.find_criu()
@@ -142,6 +139,15 @@ def test_the_restored_trees_processes_end_with_its_root(tmp_path, reap, spawn_re
         os.waitpid(info["child"], 0)
     finally:
         ctypes.CDLL(None).prctl(keeper.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    return criu, info
+
+
+@pytest.mark.criu
+def test_the_restored_trees_processes_end_with_its_root(tmp_path, reap, spawn_ready):
+    """A multi-process engine (vLLM: API server, engine core, worker) whose root is killed: its children,
+    re-parented to the keeper, are ended too (they would hold the captured pids, and no control file names
+    them), and the keeper exits."""
+    _criu, info = _dump_a_parent_and_its_child(tmp_path, spawn_ready)
     k = keeper.Prestarted(None)
     reap(k.proc)
     res = k.go(tmp_path / "images", work_dir=tmp_path / "work", leave_stopped=False,
@@ -161,17 +167,7 @@ def test_a_criu_killed_part_way_leaves_no_half_restored_tree(tmp_path, reap, spa
     """CRIU killed with -9 (the OOM killer) once it has recreated the tree's root: what it restored so far
     (orphans of the keeper) is ended before the failure is reported; it kept the captured pids, so the
     rollback or the next restore of the capture was refused, and a half-restored engine stayed."""
-    import ctypes
-
-    criu = criu_mod.find_criu()
-    proc, info = spawn_ready(PARENT_OF_A_CHILD, "parent")
-    keeper.become_subreaper()
-    try:
-        criu_mod.dump(criu, info["pid"], tmp_path / "images")
-        proc.wait(timeout=30)
-        os.waitpid(info["child"], 0)
-    finally:
-        ctypes.CDLL(None).prctl(keeper.PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    criu, info = _dump_a_parent_and_its_child(tmp_path, spawn_ready)
     killed = tmp_path / "killed"
     wrapper = tmp_path / "criu"
     # This shell becomes CRIU: the loop in the background kills it once the tree's root is back.
