@@ -13,8 +13,10 @@ bootstrap:
 venv:
 	bash scripts/setup-venv.sh
 
-## The full test suite: static checks, unit + integration tests (real CRIU, dockerd, registry).
-test: lint pytest sanity
+## The full test suite: static checks, then unit + integration tests (real CRIU, dockerd, registry) and
+## ansible-test sanity in two lanes at once (scripts/test-lanes.sh; COLDSNAP_TEST_LANES=1: one after the other).
+test: lint
+	PYTEST_ARGS="$(PYTEST_ARGS)" bash scripts/test-lanes.sh
 
 pytest:
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)

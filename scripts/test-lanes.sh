@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# pytest and ansible-test sanity in two lanes at once (what `make test` runs after `make lint`).
+#
+# Lane A holds every test that drives dockerd, the local registry, network namespaces or vLLM
+# (tests/integration, less the packages named below); lane B holds ansible-test sanity, then the unit
+# tests and the integration packages that use none of those (their engines run as host processes on
+# ports drawn at random). pytest itself is one process on one core, and most of lane A waits on engines,
+# CRIU and dockerd, so the second core does lane B meanwhile. Every test runs in exactly one lane: lane A
+# is "tests/ less lane B's paths", so a new package lands in lane A unless it is added here.
+#
+# Each lane has its own --basetemp and pytest cache. Lane B's output is printed when both are done.
+# COLDSNAP_TEST_LANES=1 runs the same tests one after the other (pytest, then sanity); PYTEST_ARGS
+# goes to both pytest runs, PYTEST_ADDOPTS as pytest reads it.
+set -uo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+cd "$here"
+py=${PY:-$here/.venv/bin/python}
+scratch=${COLDSNAP_TEST_TMP:-/tmp/coldsnap-tests}
+read -r -a extra <<< "${PYTEST_ARGS:-}"
+
+lane_b_paths=(tests/unit tests/gpu tests/integration/collection tests/integration/controller
+              tests/integration/lifecycle tests/integration/payload)
+lane_a_ignores=()
+for p in "${lane_b_paths[@]}"; do
+  [ -e "$p" ] || { echo "[test-lanes] $p is gone: update lane_b_paths in $0" >&2; exit 2; }
+  lane_a_ignores+=("--ignore=$p")
+done
+
+unmounted() {  # no mount point at or under $1 (removing through a bind mount would delete its source)
+  ! awk '{print $5}' /proc/self/mountinfo | grep -qE "^$1(/|$)"
+}
+
+lane_pytest() {  # lane-name, pytest arguments...
+  local name=$1; shift
+  "$py" -m pytest -q -ra --basetemp="$scratch/$name" -o cache_dir="$here/.pytest_cache/$name" \
+    ${extra[@]+"${extra[@]}"} "$@"
+}
+
+if [ "${COLDSNAP_TEST_LANES:-2}" = 1 ]; then
+  "$py" -m pytest -q -ra ${extra[@]+"${extra[@]}"} && bash scripts/ansible-sanity.sh
+  exit
+fi
+
+mkdir -p "$scratch"
+log_b="$scratch/lane-b.log"
+start=$(date +%s)
+(
+  # Sanity first: it copies the working tree at its start, before any test has written beside it.
+  bash scripts/ansible-sanity.sh
+  rc_sanity=$?
+  echo "[test-lanes] lane B: sanity exit $rc_sanity after $(( $(date +%s) - start )) s; pytest next"
+  lane_pytest lane-b "${lane_b_paths[@]}"
+  rc_pytest=$?
+  echo "[test-lanes] lane B: pytest exit $rc_pytest after $(( $(date +%s) - start )) s"
+  [ "$rc_pytest" -eq 0 ] && [ "$rc_sanity" -eq 0 ]
+) > "$log_b" 2>&1 &
+lane_b=$!
+trap 'pkill -TERM -P "$lane_b"; kill "$lane_b" 2>/dev/null; exit 130' INT TERM
+echo "[test-lanes] lane B (sanity, then ${lane_b_paths[*]}) runs beside this one; its output: $log_b"
+
+lane_pytest lane-a tests "${lane_a_ignores[@]}"
+rc_a=$?
+echo "[test-lanes] lane A: pytest exit $rc_a after $(( $(date +%s) - start )) s"
+wait "$lane_b"
+rc_b=$?
+echo "======================== lane B: $log_b ========================"
+cat "$log_b"
+echo "[test-lanes] both lanes done after $(( $(date +%s) - start )) s: lane A exit $rc_a, lane B exit $rc_b"
+for lane in lane-a lane-b; do
+  # A green lane's scratch goes (pytest keeps a --basetemp tree); a red one's stays for the post-mortem.
+  if { [ "$lane" = lane-a ] && [ "$rc_a" -eq 0 ]; } || { [ "$lane" = lane-b ] && [ "$rc_b" -eq 0 ]; }; then
+    unmounted "$scratch/$lane" && rm -rf "${scratch:?}/$lane"
+  fi
+done
+[ "$rc_a" -eq 0 ] && [ "$rc_b" -eq 0 ]
