@@ -13,13 +13,14 @@
 # goes to both pytest runs, PYTEST_ADDOPTS as pytest reads it.
 set -uo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-cd "$here"
+cd "$here" || exit 2
 py=${PY:-$here/.venv/bin/python}
 scratch=${COLDSNAP_TEST_TMP:-/tmp/coldsnap-tests}
 read -r -a extra <<< "${PYTEST_ARGS:-}"
 
-lane_b_paths=(tests/unit tests/gpu tests/integration/collection tests/integration/controller
-              tests/integration/lifecycle tests/integration/payload)
+# In the order one run of all tests takes them: the integration packages before the unit tests.
+lane_b_paths=(tests/integration/collection tests/integration/controller tests/integration/lifecycle
+              tests/integration/payload tests/gpu tests/unit)
 lane_a_ignores=()
 for p in "${lane_b_paths[@]}"; do
   [ -e "$p" ] || { echo "[test-lanes] $p is gone: update lane_b_paths in $0" >&2; exit 2; }

@@ -4,6 +4,7 @@ per test module."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 @pytest.fixture(scope="session")
 def env_digest() -> str:
-    return environment.compute()
+    """This interpreter's environment digest as a capture computes it: in a fresh process, so that what
+    earlier tests put on this process's sys.path (an engine's site directory, a probe's metadata) is
+    not counted."""
+    return environment.of_python(sys.executable)
 
 
 @pytest.fixture(scope="module")

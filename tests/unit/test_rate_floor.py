@@ -16,7 +16,7 @@ def clock(monkeypatch):
 
 def test_a_span_shorter_than_the_window_is_never_judged(clock):
     floor = rate.RateFloor(10.0)
-    for _ in range(9):
+    for _second in range(9):
         clock[0] += 1.0
         assert floor.count(1) is None  # 9 bytes in 9 s: too few, but the span is not over
 
