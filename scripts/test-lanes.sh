@@ -20,7 +20,7 @@ read -r -a extra <<< "${PYTEST_ARGS:-}"
 
 # In the order one run of all tests takes them: the integration packages before the unit tests.
 lane_b_paths=(tests/integration/collection tests/integration/controller tests/integration/lifecycle
-              tests/integration/payload tests/gpu tests/unit)
+              tests/integration/payload tests/integration/snapshot tests/gpu tests/unit)
 lane_a_ignores=()
 for p in "${lane_b_paths[@]}"; do
   [ -e "$p" ] || { echo "[test-lanes] $p is gone: update lane_b_paths in $0" >&2; exit 2; }
