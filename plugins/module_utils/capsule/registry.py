@@ -25,6 +25,10 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common.http_deadline import (
+    HeadersTooSlow,
+    handlers,
+)
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.rate import MIN_RATE, RateFloor
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats import identifiers as ids
 
@@ -188,7 +192,8 @@ class RegistryClient:
         self._auth = dict(auth or {})
         self._authorization: str | None = None
         self.timeout = timeout
-        self._opener = urllib.request.build_opener(_NoRedirect())
+        # Response headers within twice the timeout (common.http_deadline); bodies above a rate floor (_Body).
+        self._opener = urllib.request.build_opener(_NoRedirect(), *handlers())
 
     # ------------------------------------------------------------------ plumbing
     def _url(self, path: str) -> str:
@@ -231,6 +236,10 @@ class RegistryClient:
                 if exc.code in expect:
                     return exc
                 raise self._error(exc, method, what) from None
+            except HeadersTooSlow as exc:
+                raise RegistryTooSlow(f"registry {self.repo.registry} is too slow while {what}: {exc}",
+                                      code="TOO_SLOW", fix="check the network path to the registry and the "
+                                                           "registry's load, and run again") from None
             except (urllib.error.URLError, OSError) as exc:
                 reason = getattr(exc, "reason", exc)
                 raise RegistryError(f"registry {self.repo.registry} is unreachable while {what} ({reason})",

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsutil
+from ansible_collections.coldsnap.fleet.plugins.module_utils.common import fsutil, http_deadline
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import (
     ColdSnapError,
     IntegrityError,
@@ -68,7 +68,8 @@ class Peer:
         return f"peer {self.address}:{self.port}"
 
     def _connect(self) -> http.client.HTTPConnection:
-        return http.client.HTTPConnection(self.address, self.port, timeout=self.timeout)
+        # The response's headers within twice the timeout (common.http_deadline), its body above a rate floor.
+        return http_deadline.HTTPConnection(self.address, self.port, timeout=self.timeout)
 
     def request(self, path: str, range_header: str = "") -> tuple[Any, Any]:
         """Send one signed GET; returns ``(connection, response)`` (the caller closes the connection)."""

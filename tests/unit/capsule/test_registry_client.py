@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +18,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry im
     split_repository_digest,
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.common.errors import ColdSnapError
+from slow_servers import answering, header_trickler, self_signed
 
 DIGEST = "sha256:" + "c" * 64
 PASSWORD = "pw-9f8e7d6c5b4a"
@@ -359,3 +361,52 @@ def test_a_download_trickled_below_the_minimum_rate_is_a_registry_error(what: st
     finally:
         release.set()
         registry.shutdown()
+
+
+def test_response_headers_trickled_past_the_deadline_are_a_registry_error() -> None:
+    """A registry that sends its headers a byte at a time, each within the read timeout, is cut off at twice
+    that timeout (common.http_deadline), naming the registry and the deadline, instead of holding the
+    request for as long as it keeps trickling."""
+    with header_trickler() as port:
+        client = RegistryClient(f"127.0.0.1:{port}/coldsnap/capsules", timeout=0.5)
+        with pytest.raises(RegistryError, match=rf"registry 127\.0\.0\.1:{port} is too slow while .*: its status "
+                                                r"line and headers did not all come within 1 s") as err:
+            client.get_manifest(DIGEST, ("application/json",), what="a capsule")
+    assert type(err.value).__name__ == "RegistryTooSlow" and err.value.code == "TOO_SLOW"
+
+
+def test_the_deadline_holds_over_tls_too(tmp_path, monkeypatch) -> None:
+    """A registry's https endpoint (certificate verified) trickling its headers meets the same deadline."""
+    pytest.importorskip("cryptography")
+    cert, key = self_signed(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    with header_trickler(tls=(cert, key)) as port:
+        client = RegistryClient(f"127.0.0.1:{port}/coldsnap/capsules", insecure=False, timeout=0.5)
+        assert client.base.startswith("https://")
+        with pytest.raises(RegistryError, match=r"is too slow while .*: its status line and headers did not all "
+                                                r"come within 1 s") as err:
+            client.get_manifest(DIGEST, ("application/json",), what="a capsule")
+    assert err.value.code == "TOO_SLOW"
+
+
+def test_a_body_that_outlasts_the_headers_deadline_is_read_whole() -> None:
+    """The deadline covers the status line and headers only: a layer that streams at a sound rate for longer
+    than twice the timeout comes in whole."""
+    chunk, chunks = b"y" * (64 << 10), 15  # 960 KiB over 1.5 s; the deadline is 1 s
+
+    def steady(handler: BaseHTTPRequestHandler) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(len(chunk) * chunks))
+        handler.end_headers()
+        for _chunk in range(chunks):
+            time.sleep(0.1)
+            handler.wfile.write(chunk)
+            handler.wfile.flush()
+
+    with answering(steady) as port:
+        client = RegistryClient(f"127.0.0.1:{port}/coldsnap/capsules", timeout=0.5)
+        got = 0
+        with client.open_blob(DIGEST, what="a layer") as body:
+            while data := body.read(1 << 20):
+                got += len(data)
+    assert got == len(chunk) * chunks

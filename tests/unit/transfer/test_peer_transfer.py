@@ -49,6 +49,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.transfer.server imp
 )
 from module_runner import HAVE_ANSIBLE, run_module
 from netports import free_port
+from slow_servers import header_trickler
 
 TOKEN = "t" * 40
 
@@ -959,3 +960,16 @@ def test_a_peer_that_trickles_bytes_is_taken_as_stalled_and_what_came_is_kept(tm
     kept = partial.read_bytes()
     assert 0 < len(kept) < len(data) and kept == data[:len(kept)], "what came is kept for the next run"
     assert f"{len(kept)} bytes are kept in {partial}" in str(err.value)
+
+
+def test_a_peer_that_trickles_its_headers_is_cut_off_at_the_deadline(tmp_path):
+    """Whoever answers at a peer's address sending its response headers a byte at a time is cut off at twice
+    the timeout (common.http_deadline), retried as a stalled peer, and named with what it did."""
+    partial = tmp_path / "x.partial"
+    with header_trickler() as port:
+        with pytest.raises(ColdSnapError, match=rf"peer 127\.0\.0\.1:{port}: its status line and headers did not "
+                                                r"all come within 1 s of the request \(a stalled or trickling "
+                                                r"server\) failed after 2 attempts"):
+            fetch_file(Peer("127.0.0.1", port, TOKEN, timeout=0.5, attempts=2), "x.pack", partial,
+                       size=4, sha256=sha(b"abcd"))
+    assert not partial.exists() or partial.stat().st_size == 0
