@@ -2,9 +2,9 @@
 # pytest and ansible-test sanity in two lanes at once (what `make test` runs after `make lint`).
 #
 # Lane A holds every test that drives dockerd, the local registry, network namespaces or vLLM
-# (tests/integration, less the packages named below); lane B holds ansible-test sanity, then the unit
-# tests and the integration packages that use none of those (their engines run as host processes on
-# ports drawn at random). pytest itself is one process on one core, and most of lane A waits on engines,
+# (tests/integration, less the packages named below); lane B holds ansible-test sanity, then the
+# integration packages that use none of those (their engines run as host processes on ports drawn at
+# random), then the unit tests. pytest itself is one process on one core, and most of lane A waits on engines,
 # CRIU and dockerd, so the second core does lane B meanwhile. Every test runs in exactly one lane: lane A
 # is "tests/ less lane B's paths", so a new package lands in lane A unless it is added here.
 #

@@ -211,7 +211,8 @@ def _download(peer: Peer, name: str, partial: Path, *, offset: int, size: int | 
                     raise ColdSnapError(
                         f"transfer of {name} from {exc} failed after {attempt} attempts "
                         f"({offset + received} bytes are kept in {partial}; the next run resumes there)",
-                        fix="make the source host reachable from this host and run the operation again") from None
+                        fix="make the source host reachable from this host (a stalled or trickling source: check "
+                            "its load and the network path) and run the operation again") from None
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 5.0))
         os.fsync(fd)
     finally:
