@@ -4,9 +4,9 @@
 # Lane A holds every test that drives dockerd, the local registry, network namespaces or vLLM
 # (tests/integration, less the packages named below); lane B holds ansible-test sanity, then the
 # integration packages that use none of those (their engines run as host processes on ports drawn at
-# random), then the unit tests. pytest itself is one process on one core, and most of lane A waits on engines,
-# CRIU and dockerd, so the second core does lane B meanwhile. Every test runs in exactly one lane: lane A
-# is "tests/ less lane B's paths", so a new package lands in lane A unless it is added here.
+# random), then the unit tests. pytest itself is one process on one core, and most of lane A waits on
+# engines, CRIU and dockerd, so the second core does lane B meanwhile. Every test runs in exactly one
+# lane: lane A is "tests/ less lane B's paths", so a new package lands in lane A unless it is added here.
 #
 # Each lane has its own --basetemp and pytest cache. Lane B's output is printed when both are done.
 # COLDSNAP_TEST_LANES=1 runs the same tests one after the other (pytest, then sanity); PYTEST_ARGS
@@ -67,10 +67,7 @@ rc_b=$?
 echo "======================== lane B: $log_b ========================"
 cat "$log_b"
 echo "[test-lanes] both lanes done after $(( $(date +%s) - start )) s: lane A exit $rc_a, lane B exit $rc_b"
-for lane in lane-a lane-b; do
-  # A green lane's scratch goes (pytest keeps a --basetemp tree); a red one's stays for the post-mortem.
-  if { [ "$lane" = lane-a ] && [ "$rc_a" -eq 0 ]; } || { [ "$lane" = lane-b ] && [ "$rc_b" -eq 0 ]; }; then
-    unmounted "$scratch/$lane" && rm -rf "${scratch:?}/$lane"
-  fi
-done
+# A green lane's scratch goes (pytest keeps a --basetemp tree); a red one's stays for the post-mortem.
+[ "$rc_a" -eq 0 ] && unmounted "$scratch/lane-a" && rm -rf "${scratch:?}/lane-a"
+[ "$rc_b" -eq 0 ] && unmounted "$scratch/lane-b" && rm -rf "${scratch:?}/lane-b"
 [ "$rc_a" -eq 0 ] && [ "$rc_b" -eq 0 ]

@@ -126,7 +126,11 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 class RegistryTooSlow(RegistryError):
-    """A download that kept coming, but slower than the client's minimum rate."""
+    """A response that kept coming, but slower than the client allows: a body under the minimum rate, or a
+    status line and headers past their deadline."""
+
+
+_TOO_SLOW_FIX = "check the network path to the registry and the registry's load, and run again; nothing was cached"
 
 
 class _Body:
@@ -166,8 +170,7 @@ class _Body:
         if slow is not None:
             raise RegistryTooSlow(f"registry {self.registry} is too slow while {self.what} (after {self.got} "
                                   f"bytes): {slow}", code="TOO_SLOW",
-                                  fix="check the network path to the registry and the registry's load, and run "
-                                      "again; nothing was cached")
+                                  fix=_TOO_SLOW_FIX)
         return data
 
     def close(self) -> None:
@@ -238,8 +241,7 @@ class RegistryClient:
                 raise self._error(exc, method, what) from None
             except HeadersTooSlow as exc:
                 raise RegistryTooSlow(f"registry {self.repo.registry} is too slow while {what}: {exc}",
-                                      code="TOO_SLOW", fix="check the network path to the registry and the "
-                                                           "registry's load, and run again") from None
+                                      code="TOO_SLOW", fix=_TOO_SLOW_FIX) from None
             except (urllib.error.URLError, OSError) as exc:
                 reason = getattr(exc, "reason", exc)
                 raise RegistryError(f"registry {self.repo.registry} is unreachable while {what} ({reason})",
