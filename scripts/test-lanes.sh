@@ -37,6 +37,11 @@ lane_pytest() {  # lane-name, pytest arguments...
     ${extra[@]+"${extra[@]}"} "$@"
 }
 
+case "${COLDSNAP_TEST_LANES:-2}" in
+  1|2) ;;
+  *) echo "[test-lanes] COLDSNAP_TEST_LANES=${COLDSNAP_TEST_LANES} is not 1 or 2: 1 runs pytest then sanity," \
+          "one after the other; 2 (the default) runs them in two lanes at once" >&2; exit 2 ;;
+esac
 if [ "${COLDSNAP_TEST_LANES:-2}" = 1 ]; then
   "$py" -m pytest -q -ra ${extra[@]+"${extra[@]}"} && bash scripts/ansible-sanity.sh
   exit
