@@ -34,7 +34,7 @@
 #include <unistd.h>
 
 #ifndef CS_ABI
-#define CS_ABI 2
+#define CS_ABI 3
 #endif
 #define CS_MAX_THREADS 64
 #define CS_MAX_SLOTS 8
@@ -355,6 +355,57 @@ static void *worker(void *argp) {
     return NULL;
 }
 
+static void *stager(void *argp) {
+    struct worker_arg *arg = argp;
+    struct fill *f = arg->f;
+    struct cs_sink *s = f->sink;
+    if (s->ctx && cu.ctx_set(s->ctx)) {
+        fail(f, CS_CUDA, 0, -1, 0, "cuCtxSetCurrent");
+        return NULL;
+    }
+    for (int k = 0; k < s->slots && !stopping(f); k++)
+        if (lane_slot(f, &s->lane[arg->index], (unsigned)k))
+            break;
+    return NULL;
+}
+
+/* Start n threads running `fn` over one fill's state; join them; 0, or -1 with f->err set. */
+static int run_threads(struct fill *f, int n, void *(*fn)(void *)) {
+    pthread_t tid[CS_MAX_THREADS];
+    struct worker_arg args[CS_MAX_THREADS];
+    int started = 0;
+    for (int i = 0; i < n; i++) {
+        args[i].f = f;
+        args[i].index = i;
+        if (pthread_create(&tid[i], NULL, fn, &args[i])) {
+            fail(f, CS_NOMEM, errno, -1, 0, "pthread_create");
+            break;
+        }
+        started++;
+    }
+    for (int i = 0; i < started; i++)
+        pthread_join(tid[i], NULL);
+    return atomic_load(&f->failed) ? -1 : 0;
+}
+
+/* Page-lock every lane's staging (and create its stream and events) now, one thread per lane,
+ * instead of on each lane's first group: a restore calls this while it still checks the
+ * payload, so its fill starts with the staging ready. Returns 0, or -1 with *err set; what
+ * was allocated stays in the sink either way (cs_sink_free frees it). */
+int cs_sink_stage(struct cs_sink *s, struct cs_error *err) {
+    struct fill f;
+    memset(&f, 0, sizeof f);
+    memset(err, 0, sizeof *err);
+    f.sink = s;
+    f.err.piece = -1;
+    pthread_mutex_init(&f.lock, NULL);
+    int rc = run_threads(&f, s->threads, stager);
+    pthread_mutex_destroy(&f.lock);
+    if (rc)
+        *err = f.err;
+    return rc;
+}
+
 /* A sink: `threads` lanes of `slots` x `chunk` bytes of staging, on `ctx` (NULL: host mode).
  * Returns NULL with *err set when the arguments are out of range or libcuda cannot be loaded. */
 struct cs_sink *cs_sink_new(void *ctx, int threads, int slots, uint64_t chunk, struct cs_error *err) {
@@ -411,27 +462,11 @@ int cs_fill(struct cs_sink *s, const struct cs_piece *pieces, const uint64_t *gr
         return -1;
     }
     pthread_mutex_init(&f.lock, NULL);
-    int n = ngroups < (uint64_t)s->threads ? (int)ngroups : s->threads;
-    pthread_t tid[CS_MAX_THREADS];
-    struct worker_arg args[CS_MAX_THREADS];
-    int started = 0;
-    for (int i = 0; i < n; i++) {
-        args[i].f = &f;
-        args[i].index = i;
-        if (pthread_create(&tid[i], NULL, worker, &args[i])) {
-            fail(&f, CS_NOMEM, errno, -1, 0, "pthread_create");
-            break;
-        }
-        started++;
-    }
-    for (int i = 0; i < started; i++)
-        pthread_join(tid[i], NULL);
+    int rc = run_threads(&f, ngroups < (uint64_t)s->threads ? (int)ngroups : s->threads, worker);
     pthread_mutex_destroy(&f.lock);
-    if (atomic_load(&f.failed)) {
+    if (rc)
         *err = f.err;
-        return -1;
-    }
-    return 0;
+    return rc;
 }
 
 /* Wait for nothing (every fill has synchronized), free the staging, streams and events. */

@@ -227,6 +227,7 @@ class CudaSink:
             raise
         self.lanes: list[_Lane | None] = [None] * self.threads  # lane i belongs to fill thread i
         self._map_lock = threading.Lock()
+        self._stager: tuple[threading.Thread, list[BaseException]] | None = None
 
     @classmethod
     def for_restore(cls, ptrs: dict[str, int], device: int = 0, *, sizes: dict[str, int] | None = None,
@@ -236,9 +237,41 @@ class CudaSink:
         Every restore page-locks its staging afresh (a snapshot must not carry pinned memory),
         which weighs on a single fill: 8 lanes x 2 x 4 MiB gave the fastest first fill on an
         H200 (native fill: 8.6 GB in 0.195 s, 0.80 of the pinned rate, staging included; the
-        Python loop: 4 GiB in 0.16 s vs 0.27 s with 16 x 2 x 8 MiB; BENCHMARKS.md).
+        Python loop: 4 GiB in 0.16 s vs 0.27 s with 16 x 2 x 8 MiB; BENCHMARKS.md). The staging
+        is page-locked from here on, in the background (:meth:`stage`), while the caller still
+        checks the manifest and the payload.
         """
-        return cls(ptrs, device, sizes=sizes, chunk=RESTORE_CHUNK, threads=min(threads, os.cpu_count() or 1))
+        sink = cls(ptrs, device, sizes=sizes, chunk=RESTORE_CHUNK, threads=min(threads, os.cpu_count() or 1))
+        sink.stage()
+        return sink
+
+    def stage(self) -> None:
+        """Start page-locking every lane's staging now on a helper thread (native fill; the Python
+        loop allocates each lane's on first use), so that it overlaps the caller's own work;
+        :meth:`fill` waits for it and raises what it raised, :meth:`close` waits for it."""
+        if self.native is None or self._stager is not None:
+            return
+        errors: list[BaseException] = []
+        native = self.native
+
+        def run() -> None:
+            try:
+                native.stage(cuda_error=error_name)
+            except BaseException as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=run, name="coldsnap-cuda-stage", daemon=True)
+        thread.start()
+        self._stager = (thread, errors)
+
+    def staged(self) -> None:
+        """Wait for :meth:`stage`'s helper (if any); raise its failure."""
+        if self._stager is not None:
+            thread, errors = self._stager
+            thread.join()
+            self._stager = None
+            if errors:
+                raise errors[0]
 
     def check_allocations(self, allocations: Sequence[Allocation]) -> None:
         if self.sizes is not None:
@@ -266,6 +299,7 @@ class CudaSink:
         return lane
 
     def fill(self, jobs: Sequence[FillJob], *, progress: Progress | None = None) -> None:
+        self.staged()
         total = sum(j.size for j in jobs)
         done = 0
         if self.native is not None:
@@ -394,6 +428,9 @@ class CudaSink:
     def close(self) -> None:
         """Wait for outstanding copies; free streams, events, pinned buffers, file mappings, the native
         library; release the context."""
+        if self._stager is not None:
+            self._stager[0].join()  # its failure, if any, is moot now: everything is freed below
+            self._stager = None
         if self.native is not None:
             self.native.close()
             self.native = None

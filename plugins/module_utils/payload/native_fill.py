@@ -40,7 +40,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate imp
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import Progress, truncated
 
-ABI = 2
+ABI = 3
 ENV_LIB = "COLDSNAP_NATIVE_LIB"
 SLOTS = 2
 CHUNK = 4 << 20
@@ -194,6 +194,8 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.cs_fill.argtypes = [ctypes.c_void_p, ctypes.POINTER(CsPiece), ctypes.POINTER(ctypes.c_uint64),
                             ctypes.c_uint64, ctypes.POINTER(ctypes.c_ubyte), ctypes.POINTER(ctypes.c_uint64),
                             ctypes.POINTER(CsError)]
+    lib.cs_sink_stage.restype = ctypes.c_int
+    lib.cs_sink_stage.argtypes = [ctypes.c_void_p, ctypes.POINTER(CsError)]
     lib.cs_sha256_available.restype = ctypes.c_int
     lib.cs_sink_free.restype = None
     lib.cs_sink_free.argtypes = [ctypes.c_void_p]
@@ -249,8 +251,8 @@ class NativeLanes:
     """A pool of C fill threads, each with ``slots`` staging buffers of ``chunk`` bytes.
 
     ``ctx`` is a CUcontext address (device destinations) or None (host destinations: the
-    pipeline ends in memcpy). Staging is allocated by each thread on its first group and
-    kept until :meth:`close`, which also drops the library reference.
+    pipeline ends in memcpy). Staging is allocated by each thread on its first group (or all
+    at once by :meth:`stage`) and kept until :meth:`close`, which also drops the library reference.
     """
 
     def __init__(self, lib: ctypes.CDLL, ctx: int | None, *, threads: int, chunk: int = CHUNK,
@@ -268,6 +270,14 @@ class NativeLanes:
                                     "NVIDIA driver for device destinations")
         self.handle = handle
         self.hashes = bool(lib.cs_sha256_available())  # hash-checked jobs can take the native fill
+
+    def stage(self, *, cuda_error: Callable[[int], str] | None = None) -> None:
+        """Allocate (page-lock) every lane's staging now, one C thread per lane, without the GIL."""
+        if self.handle is None:
+            raise ColdSnapError("the native fill was used after close()", fix="create a new sink")
+        err = CsError()
+        if self.lib.cs_sink_stage(self.handle, ctypes.byref(err)) != 0:
+            raise self._error(err, None, cuda_error)
 
     def fill(self, jobs: Sequence[FillJob], ptrs: dict[str, int], *, progress: Progress | None = None,
              cuda_error: Callable[[int], str] | None = None) -> None:
@@ -321,10 +331,11 @@ class NativeLanes:
                 return result[0]
 
     @staticmethod
-    def _error(err: CsError, plan: Plan, cuda_error) -> ColdSnapError:
+    def _error(err: CsError, plan: Plan | None, cuda_error) -> ColdSnapError:
         call = err.call.decode(errors="replace")
-        piece = plan.pieces[err.piece] if 0 <= err.piece < len(plan.job_of) else None
-        what = (plan.jobs[plan.job_of[err.piece]].what if piece is not None else "") or "hydration source"
+        piece = plan.pieces[err.piece] if plan is not None and 0 <= err.piece < len(plan.job_of) else None
+        what = (plan.jobs[plan.job_of[err.piece]].what if plan is not None and piece is not None else "") \
+            or "hydration source"
         if err.kind == SHORT_READ and piece is not None:
             return truncated(what, err.at, piece.size, piece.offset)
         if err.kind == READ_ERRNO and piece is not None:

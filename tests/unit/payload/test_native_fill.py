@@ -86,6 +86,25 @@ def test_hydrate_native_through_the_native_pipeline_gives_the_captured_bytes(tmp
     assert [d for d, _t in seen] == sorted(d for d, _t in seen)
 
 
+def test_staging_allocated_ahead_of_the_fill_is_the_staging_the_fill_uses(tmp_path, lib):
+    """A restore stages while it still checks the payload; the fill then copies through those slots."""
+    w = make_worker(tmp_path)
+    wp, out, cache = capture(tmp_path, w)
+    buffers = {a.id: (ctypes.c_ubyte * a.size)() for a in w.allocations}
+    sink = HostSink(buffers, threads=3, chunk=4096, slots=2)
+    try:
+        sink.lanes.stage()
+        sink.lanes.stage()  # staging already there: nothing more is allocated
+        with PayloadVerifier().verify(cache, wp.pack.sha256, wp.pack.size) as v:
+            hydrate_native(out / "native-manifest.json", v, out / "weights.blob", sink)
+    finally:
+        sink.lanes.close()
+    for a in w.allocations:
+        assert bytes(buffers[a.id]) == bytes(w.buffers[a.id]), a.id
+    with pytest.raises(ColdSnapError, match="after close"):
+        sink.lanes.stage()
+
+
 def test_pieces_from_several_files_land_contiguously(tmp_path, lib):
     rnd = random.Random(7)
     a, b = os.urandom(300_001), os.urandom(77_777)

@@ -156,11 +156,11 @@ def hydrate(table: AllocationTable, spec: dict, *, relocatable: bool = False, pr
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import hydrate as hy
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
 
-    manifest = hy.load_manifest(Path(spec["manifest"]))
-    table.check_manifest(manifest.allocations, relocatable=relocatable)
-    sink = table.sink()
+    sink = table.sink()  # on a GPU its staging is page-locked from now on, while the manifest and payload are checked
     provider = spec.get("provider")
     try:
+        manifest = hy.load_manifest(Path(spec["manifest"]))
+        table.check_manifest(manifest.allocations, relocatable=relocatable)
         if provider == "native":
             pack = spec.get("pack") or {}
             if not pack.get("path"):
