@@ -287,6 +287,8 @@ def main() -> int:
         restores.append({"provider": provider, "wall_s": round(time.time() - t, 2), "readiness": ev["readiness"],
                          "reply_ok": ev["reply"] == expected,
                          "fill": hydrate_fills(ev),
+                         "hydration": [{k: s["attrs"].get(k) for k in ("seconds", "staging_wait_s")}
+                                       for s in ev["timing"]["spans"] if s["name"] == "engine.hydrate"],
                          "spans": {s["name"]: round((s["end_ns"] - s["start_ns"]) / 1e9, 4)
                                    for s in ev["timing"]["spans"]},
                          "timeline": timeline(ev["timing"]["spans"]),

@@ -27,6 +27,7 @@ import hashlib
 import os
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -228,6 +229,7 @@ class CudaSink:
         self.lanes: list[_Lane | None] = [None] * self.threads  # lane i belongs to fill thread i
         self._map_lock = threading.Lock()
         self._stager: tuple[threading.Thread, list[BaseException]] | None = None
+        self.staging_wait: float | None = None  # seconds fill() waited for stage()'s helper
 
     @classmethod
     def for_restore(cls, ptrs: dict[str, int], device: int = 0, *, sizes: dict[str, int] | None = None,
@@ -268,7 +270,9 @@ class CudaSink:
         """Wait for :meth:`stage`'s helper (if any); raise its failure."""
         if self._stager is not None:
             thread, errors = self._stager
+            started = time.monotonic()
             thread.join()
+            self.staging_wait = time.monotonic() - started
             self._stager = None
             if errors:
                 raise errors[0]

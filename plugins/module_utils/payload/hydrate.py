@@ -111,6 +111,7 @@ class HydrationStats:
     fill: str = "python"  # which copy loop ran: the sink's ``engine`` ("native": native/fill.c; "map", "map+python")
     mapped_bytes: int = 0  # model bytes mapped from the pack instead of copied (MappingSink)
     map_fallback: str | None = None  # why model bytes were copied where a MappingSink could map
+    staging_wait: float | None = None  # seconds the fill waited for its page-locked staging (CudaSink.for_restore)
 
     @property
     def bytes(self) -> int:
@@ -124,7 +125,8 @@ class HydrationStats:
         return {"provider": self.provider, "model_bytes": self.model_bytes, "residual_bytes": self.residual_bytes,
                 "extents": self.extents, "seconds": round(self.seconds, 6), "gb_per_s": round(self.gb_per_s, 3),
                 "fill": self.fill, "mapped_bytes": self.mapped_bytes,
-                **({"map_fallback": self.map_fallback} if self.map_fallback else {})}
+                **({"map_fallback": self.map_fallback} if self.map_fallback else {}),
+                **({"staging_wait_s": round(self.staging_wait, 6)} if self.staging_wait is not None else {})}
 
 
 def split_jobs(jobs: Sequence[FillJob], chunk: int = SPLIT) -> list[FillJob]:
@@ -412,7 +414,8 @@ def hydrate_native(manifest: NativeManifest | Path | str, payload: VerifiedPaylo
 def _stats(provider: str, manifest: NativeManifest, extents: int, started: float, sink) -> HydrationStats:
     return HydrationStats(provider, manifest.model_bytes, manifest.residual_bytes, extents, time.monotonic() - started,
                           getattr(sink, "engine", "python"), getattr(sink, "mapped_bytes", 0),
-                          getattr(sink, "map_fallback", None) if getattr(sink, "regions", None) else None)
+                          getattr(sink, "map_fallback", None) if getattr(sink, "regions", None) else None,
+                      getattr(sink, "staging_wait", None))
 
 
 def hydrate_recovery(manifest: NativeManifest | Path | str, replay_plan_path: Path, safetensors_dir: Path,
