@@ -287,7 +287,8 @@ def main() -> int:
         restores.append({"provider": provider, "wall_s": round(time.time() - t, 2), "readiness": ev["readiness"],
                          "reply_ok": ev["reply"] == expected,
                          "fill": hydrate_fills(ev),
-                         "hydration": [{k: s["attrs"].get(k) for k in ("seconds", "staging_wait_s")}
+                         "hydration": [{k: s["attrs"].get(k) for k in ("seconds", "staging_wait_s", "sink_open_s",
+                                                                       "sink_close_s")}
                                        for s in ev["timing"]["spans"] if s["name"] == "engine.hydrate"],
                          "spans": {s["name"]: round((s["end_ns"] - s["start_ns"]) / 1e9, 4)
                                    for s in ev["timing"]["spans"]},
@@ -311,6 +312,9 @@ def main() -> int:
         "capsule_over_model_bytes": round(result["capsule_bytes"] / result["model_bytes"], 4),
         "hydration_gbps": round(result["model_bytes"] / hyd / 1e9, 2) if hyd else None,
         "hydration_over_pinned": round(result["model_bytes"] / hyd / 1e9 / result["pinned_h2d_gbps"], 3) if hyd else None,
+        "fill_over_pinned": max((round(result["model_bytes"] / h["seconds"] / 1e9 / result["pinned_h2d_gbps"], 3)
+                                 for r in restores[: args.restores] for h in r["hydration"] if h.get("seconds")),
+                                default=None),
         "recovery_ttft_s": restores[-1]["readiness"]["ttft_s"],
         "cold_again_ttft_s": result["cold_again"]["ttft_s"],
         "restore_over_cold_again_ttft": round(best["readiness"]["ttft_s"] / result["cold_again"]["ttft_s"], 4),

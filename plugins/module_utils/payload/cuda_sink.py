@@ -46,13 +46,30 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.layout impo
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import Progress, read_exact_into
 
 DEFAULT_CHUNK = 32 << 20
-RESTORE_CHUNK, RESTORE_THREADS = 4 << 20, 8  # see CudaSink.for_restore
+RESTORE_CHUNK = 4 << 20  # see CudaSink.for_restore
+ENV_LANES = "COLDSNAP_GPU_FILL_LANES"  # the fill threads of a hydration (default: default_lanes())
 STRATEGIES = ("auto", "native", "pread", "register")
 PAGE = 4096
 
 
 def _round_page(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
+
+
+def default_lanes() -> int:
+    """Fill threads for this host: ``$COLDSNAP_GPU_FILL_LANES``, else three quarters of the cores, at most 16.
+
+    Page-cache reads run ~4-7 GB/s per thread; a pinned H2D link takes ~50 GB/s: use most of
+    the cores, not all (12 beat 16 readers on a 16-core H200 host, 16 beat 24 and 32 on a
+    32-core one: the copy engine and the page cache share the memory bus; BENCHMARKS.md).
+    """
+    raw = os.environ.get(ENV_LANES, "").strip()
+    if not raw:
+        return max(1, min(16, (os.cpu_count() or 1) * 3 // 4))
+    if not raw.isdigit() or not 1 <= int(raw) <= 64:
+        raise ColdSnapError(f"{ENV_LANES}={raw!r} is not a number of fill threads from 1 to 64",
+                            fix=f"set {ENV_LANES} to 1-64, or unset it for three quarters of the cores")
+    return int(raw)
 
 
 def _libc() -> Any:
@@ -208,10 +225,7 @@ class CudaSink:
         self.maps: dict[int, tuple[int, int]] = {}
         self.ptrs = {k: int(v) for k, v in ptrs.items()}
         self.sizes = dict(sizes) if sizes is not None else None
-        # Page-cache reads run ~4-7 GB/s per thread; a pinned H2D link takes ~50 GB/s: use most of
-        # the cores, not all (12 beat 16 readers on a 16-core H200 host, 16 beat 24 and 32 on a
-        # 32-core one: the copy engine and the page cache share the memory bus; BENCHMARKS.md).
-        self.threads = threads or max(1, min(16, (os.cpu_count() or 1) * 3 // 4))
+        self.threads = threads or default_lanes()
         self.chunk = chunk or (native_fill.CHUNK if lib is not None else DEFAULT_CHUNK)
         try:
             self.ctx = _Context(device)
@@ -233,17 +247,15 @@ class CudaSink:
 
     @classmethod
     def for_restore(cls, ptrs: dict[str, int], device: int = 0, *, sizes: dict[str, int] | None = None,
-                    threads: int = RESTORE_THREADS) -> CudaSink:
-        """A sink sized for one fill into a freshly restored process.
+                    threads: int | None = None) -> CudaSink:
+        """A sink for one fill into a freshly restored process.
 
-        Every restore page-locks its staging afresh (a snapshot must not carry pinned memory),
-        which weighs on a single fill: 8 lanes x 2 x 4 MiB gave the fastest first fill on an
-        H200 (native fill: 8.6 GB in 0.195 s, 0.80 of the pinned rate, staging included; the
-        Python loop: 4 GiB in 0.16 s vs 0.27 s with 16 x 2 x 8 MiB; BENCHMARKS.md). The staging
-        is page-locked from here on, in the background (:meth:`stage`), while the caller still
-        checks the manifest and the payload.
+        Every restore page-locks its staging afresh (a snapshot must not carry pinned memory).
+        It is page-locked from here on, in the background (:meth:`stage`), while the caller
+        still checks the manifest and the payload, so the fill finds it (nearly) ready and can
+        use as many lanes as a steady-state fill (BENCHMARKS.md, "GPU hydration").
         """
-        sink = cls(ptrs, device, sizes=sizes, chunk=RESTORE_CHUNK, threads=min(threads, os.cpu_count() or 1))
+        sink = cls(ptrs, device, sizes=sizes, chunk=RESTORE_CHUNK, threads=threads)
         sink.stage()
         return sink
 

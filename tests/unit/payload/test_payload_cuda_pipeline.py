@@ -247,12 +247,21 @@ def test_cuda_reader_materializes_the_capture_pack(tmp_path, drv):
     assert ref == wp.pack
 
 
-def test_restore_sinks_use_few_lanes_unless_told(drv):
+def test_restore_sinks_take_the_hosts_lanes_or_the_ones_set(drv, monkeypatch):
     ptrs = {"a": drv.device_alloc(4096)}
+    monkeypatch.delenv(pcuda.ENV_LANES, raising=False)
     with pcuda.CudaSink.for_restore(ptrs, 0) as sink:
-        assert (sink.threads, sink.chunk) == (min(pcuda.RESTORE_THREADS, os.cpu_count() or 1), pcuda.RESTORE_CHUNK)
+        assert (sink.threads, sink.chunk) == (max(1, min(16, (os.cpu_count() or 1) * 3 // 4)), pcuda.RESTORE_CHUNK)
     with pcuda.CudaSink.for_restore(ptrs, 0, threads=1) as sink:
         assert sink.threads == 1
+    monkeypatch.setenv(pcuda.ENV_LANES, "5")
+    with pcuda.CudaSink.for_restore(ptrs, 0) as sink:
+        assert sink.threads == 5
+    for bad in ("0", "65", "eight", "-3"):
+        monkeypatch.setenv(pcuda.ENV_LANES, bad)
+        with pytest.raises(ColdSnapError, match=f"COLDSNAP_GPU_FILL_LANES='{bad}' is not a number of fill threads "
+                                                "from 1 to 64; set COLDSNAP_GPU_FILL_LANES to 1-64"):
+            pcuda.CudaSink.for_restore(ptrs, 0)
 
 
 def test_cuda_sink_strategies_without_the_native_library(drv):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -156,7 +157,9 @@ def hydrate(table: AllocationTable, spec: dict, *, relocatable: bool = False, pr
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload import hydrate as hy
     from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.verifier import PayloadVerifier
 
+    opened = time.monotonic()
     sink = table.sink()  # on a GPU its staging is page-locked from now on, while the manifest and payload are checked
+    sink_open = time.monotonic() - opened
     provider = spec.get("provider")
     try:
         manifest = hy.load_manifest(Path(spec["manifest"]))
@@ -177,9 +180,12 @@ def hydrate(table: AllocationTable, spec: dict, *, relocatable: bool = False, pr
         else:
             raise ColdSnapError(f"unknown weight provider {provider!r}", fix="use 'native' or 'recovery'")
     finally:
+        closing = time.monotonic()
         close_io(sink)
+        sink_close = time.monotonic() - closing
     out = stats.as_dict()
     out["provider"] = provider
+    out["sink_open_s"], out["sink_close_s"] = round(sink_open, 6), round(sink_close, 6)  # outside ``seconds``
     return out
 
 
