@@ -47,6 +47,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams imp
 
 DEFAULT_CHUNK = 32 << 20
 RESTORE_CHUNK = 4 << 20  # see CudaSink.for_restore
+PYTHON_RESTORE_LANES = 8  # the Python loop's fastest first fill (its lanes page-lock as they start copying)
 ENV_LANES = "COLDSNAP_GPU_FILL_LANES"  # the fill threads of a hydration (default: default_lanes())
 STRATEGIES = ("auto", "native", "pread", "register")
 PAGE = 4096
@@ -251,11 +252,16 @@ class CudaSink:
         """A sink for one fill into a freshly restored process.
 
         Every restore page-locks its staging afresh (a snapshot must not carry pinned memory).
-        It is page-locked from here on, in the background (:meth:`stage`), while the caller
-        still checks the manifest and the payload, so the fill finds it (nearly) ready and can
-        use as many lanes as a steady-state fill (BENCHMARKS.md, "GPU hydration").
+        The native fill page-locks it from here on, in the background (:meth:`stage`), while the
+        caller still checks the manifest and the payload, so the fill finds it (nearly) ready and
+        can use as many lanes as a steady-state fill; the Python loop, whose lanes page-lock
+        their staging (``cuMemHostAlloc``, serialized) as they start copying, keeps to
+        ``PYTHON_RESTORE_LANES`` unless told (BENCHMARKS.md, "GPU hydration").
         """
         sink = cls(ptrs, device, sizes=sizes, chunk=RESTORE_CHUNK, threads=threads)
+        if sink.native is None and threads is None and not os.environ.get(ENV_LANES, "").strip():
+            sink.threads = min(sink.threads, PYTHON_RESTORE_LANES)  # no lane exists yet: they start with a fill
+            sink.lanes = [None] * sink.threads
         sink.stage()
         return sink
 

@@ -415,7 +415,7 @@ def _stats(provider: str, manifest: NativeManifest, extents: int, started: float
     return HydrationStats(provider, manifest.model_bytes, manifest.residual_bytes, extents, time.monotonic() - started,
                           getattr(sink, "engine", "python"), getattr(sink, "mapped_bytes", 0),
                           getattr(sink, "map_fallback", None) if getattr(sink, "regions", None) else None,
-                      getattr(sink, "staging_wait", None))
+                          getattr(sink, "staging_wait", None))
 
 
 def hydrate_recovery(manifest: NativeManifest | Path | str, replay_plan_path: Path, safetensors_dir: Path,

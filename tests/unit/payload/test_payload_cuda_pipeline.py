@@ -250,8 +250,12 @@ def test_cuda_reader_materializes_the_capture_pack(tmp_path, drv):
 def test_restore_sinks_take_the_hosts_lanes_or_the_ones_set(drv, monkeypatch):
     ptrs = {"a": drv.device_alloc(4096)}
     monkeypatch.delenv(pcuda.ENV_LANES, raising=False)
-    with pcuda.CudaSink.for_restore(ptrs, 0) as sink:
-        assert (sink.threads, sink.chunk) == (max(1, min(16, (os.cpu_count() or 1) * 3 // 4)), pcuda.RESTORE_CHUNK)
+    with pcuda.CudaSink(ptrs, 0) as sink:  # steady fills: three quarters of the cores, at most 16
+        assert sink.threads == max(1, min(16, (os.cpu_count() or 1) * 3 // 4))
+    with pcuda.CudaSink.for_restore(ptrs, 0) as sink:  # the Python loop (no native library in these tests)
+        assert sink.engine == "python"
+        assert (sink.threads, sink.chunk) == (min(pcuda.PYTHON_RESTORE_LANES, max(1, (os.cpu_count() or 1) * 3 // 4)),
+                                              pcuda.RESTORE_CHUNK)
     with pcuda.CudaSink.for_restore(ptrs, 0, threads=1) as sink:
         assert sink.threads == 1
     monkeypatch.setenv(pcuda.ENV_LANES, "5")
