@@ -47,7 +47,7 @@ def test_a_restore_sink_closed_while_staging_frees_it(native_fill_built):
     if not native_fill_built:
         pytest.skip("staging ahead of the fill is the native fill's (no C compiler here)")
     dst = torch.zeros(4096, dtype=torch.uint8, device="cuda:0")
-    for _ in range(3):
+    for _attempt in range(3):
         sink = pcuda.CudaSink.for_restore({"a": dst.data_ptr()}, 0, sizes={"a": 4096}, threads=8)
         sink.close()  # the helper may still be page-locking: close waits for it, then frees everything
         assert sink.native is None and sink.staging_wait is None
