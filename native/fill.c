@@ -31,10 +31,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef CS_ABI
-#define CS_ABI 3
+#define CS_ABI 4
 #endif
 #define CS_MAX_THREADS 64
 #define CS_MAX_SLOTS 8
@@ -144,14 +145,9 @@ struct lane {           /* one thread's resources, created by that thread on fir
     unsigned next;
 };
 
-struct cs_sink {
-    CUcontext ctx;      /* NULL: host mode */
-    int threads, slots;
-    uint64_t chunk;
-    struct lane lane[CS_MAX_THREADS];
-};
+struct cs_sink;
 
-struct fill {           /* one cs_fill call, shared by its threads */
+struct fill {           /* one cs_fill call (or one staging), shared by its threads */
     struct cs_sink *sink;
     const struct cs_piece *pieces;
     const uint64_t *groups;     /* group g = pieces[groups[g], groups[g + 1]) */
@@ -167,6 +163,24 @@ struct fill {           /* one cs_fill call, shared by its threads */
 struct worker_arg {
     struct fill *f;
     int index;
+};
+
+struct cs_sink {
+    CUcontext ctx;      /* NULL: host mode */
+    int threads, slots;
+    uint64_t chunk;
+    struct lane lane[CS_MAX_THREADS];
+    /* Staging started ahead of a fill (cs_sink_stage_start): staging[i] stays set while lane i's
+     * stager works on it, and a fill's thread i waits for its own lane only, so the fill starts
+     * on the lanes that are ready while the others are still being page-locked. */
+    pthread_mutex_t stage_lock;
+    pthread_cond_t stage_cond;
+    int staging[CS_MAX_THREADS];
+    int stage_running, stage_threads;
+    pthread_t stage_tid[CS_MAX_THREADS];
+    struct worker_arg stage_arg[CS_MAX_THREADS];
+    struct fill stage;          /* the stagers' shared state: their first failure */
+    uint64_t stage_end_ns;      /* CLOCK_MONOTONIC when the last stager was done */
 };
 
 int cs_abi(void) { return CS_ABI; }
@@ -318,6 +332,10 @@ static void *worker(void *argp) {
     struct cs_sink *s = f->sink;
     struct lane *l = &s->lane[arg->index];
     void *md = NULL;
+    pthread_mutex_lock(&s->stage_lock);             /* staging ahead (if any) is done with this lane */
+    while (s->staging[arg->index])
+        pthread_cond_wait(&s->stage_cond, &s->stage_lock);
+    pthread_mutex_unlock(&s->stage_lock);
     if (s->ctx && cu.ctx_set(s->ctx)) {
         fail(f, CS_CUDA, 0, -1, 0, "cuCtxSetCurrent");
         return NULL;
@@ -355,17 +373,31 @@ static void *worker(void *argp) {
     return NULL;
 }
 
+/* Lane i is the fill's again (whatever its stager got done: a fill's thread allocates what is
+ * missing itself, and reports that failure if it recurs). */
+static void lane_staged(struct cs_sink *s, int i) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    uint64_t ns = (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+    pthread_mutex_lock(&s->stage_lock);
+    s->staging[i] = 0;
+    if (ns > s->stage_end_ns)
+        s->stage_end_ns = ns;
+    pthread_cond_broadcast(&s->stage_cond);
+    pthread_mutex_unlock(&s->stage_lock);
+}
+
 static void *stager(void *argp) {
     struct worker_arg *arg = argp;
     struct fill *f = arg->f;
     struct cs_sink *s = f->sink;
-    if (s->ctx && cu.ctx_set(s->ctx)) {
+    if (s->ctx && cu.ctx_set(s->ctx))
         fail(f, CS_CUDA, 0, -1, 0, "cuCtxSetCurrent");
-        return NULL;
-    }
-    for (int k = 0; k < s->slots && !stopping(f); k++)
-        if (lane_slot(f, &s->lane[arg->index], (unsigned)k))
-            break;
+    else
+        for (int k = 0; k < s->slots && !stopping(f); k++)
+            if (lane_slot(f, &s->lane[arg->index], (unsigned)k))
+                break;
+    lane_staged(s, arg->index);
     return NULL;
 }
 
@@ -388,22 +420,65 @@ static int run_threads(struct fill *f, int n, void *(*fn)(void *)) {
     return atomic_load(&f->failed) ? -1 : 0;
 }
 
-/* Page-lock every lane's staging (and create its stream and events) now, one thread per lane,
- * instead of on each lane's first group: a restore calls this while it still checks the
- * payload, so its fill starts with the staging ready. Returns 0, or -1 with *err set; what
- * was allocated stays in the sink either way (cs_sink_free frees it). */
-int cs_sink_stage(struct cs_sink *s, struct cs_error *err) {
-    struct fill f;
-    memset(&f, 0, sizeof f);
+/* Start page-locking every lane's staging (and creating its stream and events), one thread
+ * per lane, and return at once: a restore calls this while it still checks the payload. A fill
+ * may start before the staging is done; each of its threads waits for its own lane only.
+ * cs_sink_stage_wait joins the stagers. Whatever they allocate stays in the sink (also after a
+ * failure) and cs_sink_free frees it. Returns 0 (a second call while staging runs does nothing). */
+int cs_sink_stage_start(struct cs_sink *s) {
+    if (s->stage_running)
+        return 0;
+    memset(&s->stage, 0, sizeof s->stage);
+    s->stage.sink = s;
+    s->stage.err.piece = -1;
+    pthread_mutex_init(&s->stage.lock, NULL);
+    s->stage_end_ns = 0;
+    pthread_mutex_lock(&s->stage_lock);
+    for (int i = 0; i < s->threads; i++)
+        s->staging[i] = 1;
+    pthread_mutex_unlock(&s->stage_lock);
+    s->stage_running = 1;
+    s->stage_threads = 0;
+    for (int i = 0; i < s->threads; i++) {
+        s->stage_arg[i].f = &s->stage;
+        s->stage_arg[i].index = i;
+        if (pthread_create(&s->stage_tid[i], NULL, stager, &s->stage_arg[i])) {
+            fail(&s->stage, CS_NOMEM, errno, -1, 0, "pthread_create");
+            break;
+        }
+        s->stage_threads++;
+    }
+    for (int i = s->stage_threads; i < s->threads; i++)
+        lane_staged(s, i);                  /* no stager: a fill allocates this lane itself */
+    return 0;
+}
+
+/* Join the stagers of cs_sink_stage_start (if any). Returns 0, or -1 with *err set to their first
+ * failure; *end_ns (may be NULL) gets the CLOCK_MONOTONIC time the staging ended (0: none ran). */
+int cs_sink_stage_wait(struct cs_sink *s, struct cs_error *err, uint64_t *end_ns) {
     memset(err, 0, sizeof *err);
-    f.sink = s;
-    f.err.piece = -1;
-    pthread_mutex_init(&f.lock, NULL);
-    int rc = run_threads(&f, s->threads, stager);
-    pthread_mutex_destroy(&f.lock);
+    err->piece = -1;
+    if (end_ns)
+        *end_ns = 0;
+    if (!s->stage_running)
+        return 0;
+    for (int i = 0; i < s->stage_threads; i++)
+        pthread_join(s->stage_tid[i], NULL);
+    int rc = atomic_load(&s->stage.failed) ? -1 : 0;
     if (rc)
-        *err = f.err;
+        *err = s->stage.err;
+    if (end_ns)
+        *end_ns = s->stage_end_ns;
+    pthread_mutex_destroy(&s->stage.lock);
+    s->stage_running = 0;
+    s->stage_threads = 0;
     return rc;
+}
+
+/* Page-lock every lane's staging now and wait for it (cs_sink_stage_start + cs_sink_stage_wait). */
+int cs_sink_stage(struct cs_sink *s, struct cs_error *err) {
+    cs_sink_stage_start(s);
+    return cs_sink_stage_wait(s, err, NULL);
 }
 
 /* A sink: `threads` lanes of `slots` x `chunk` bytes of staging, on `ctx` (NULL: host mode).
@@ -431,6 +506,8 @@ struct cs_sink *cs_sink_new(void *ctx, int threads, int slots, uint64_t chunk, s
         return NULL;
     }
     s->ctx = ctx;
+    pthread_mutex_init(&s->stage_lock, NULL);
+    pthread_cond_init(&s->stage_cond, NULL);
     s->threads = threads;
     s->slots = slots;
     s->chunk = chunk;
@@ -469,10 +546,13 @@ int cs_fill(struct cs_sink *s, const struct cs_piece *pieces, const uint64_t *gr
     return rc;
 }
 
-/* Wait for nothing (every fill has synchronized), free the staging, streams and events. */
+/* Wait for the staging ahead (if it still runs; every fill has synchronized), free the staging,
+ * streams and events. */
 void cs_sink_free(struct cs_sink *s) {
     if (!s)
         return;
+    struct cs_error ignored;
+    cs_sink_stage_wait(s, &ignored, NULL);  /* its failure is moot: everything is freed below */
     if (s->ctx)
         cu.ctx_set(s->ctx);
     for (int t = 0; t < CS_MAX_THREADS; t++) {
@@ -492,5 +572,7 @@ void cs_sink_free(struct cs_sink *s) {
         if (s->ctx && l->stream)
             cu.stream_destroy(l->stream);
     }
+    pthread_cond_destroy(&s->stage_cond);
+    pthread_mutex_destroy(&s->stage_lock);
     free(s);
 }

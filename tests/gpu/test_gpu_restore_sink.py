@@ -1,6 +1,7 @@
 """On a GPU, a restore's sink page-locks its staging in the background from its creation on: the
-fill that follows lands every byte, says how long it waited for the staging, and a sink closed
-while its staging is still being page-locked waits for it before it frees everything."""
+fill that follows (its lanes start as their own staging is ready) lands every byte, says how much
+staging was still running when it started, and a sink closed while its staging is still being
+page-locked waits for it before it frees everything."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_a_restore_sink_stages_ahead_and_fills_every_byte(tmp_path, native_fill_
     data, fd = _pack(tmp_path, size)
     dst = torch.zeros(size, dtype=torch.uint8, device="cuda:0")
     try:
-        with pcuda.CudaSink.for_restore({"a": dst.data_ptr()}, 0, sizes={"a": size}, threads=4) as sink:
+        with pcuda.CudaSink.for_restore({"a": dst.data_ptr()}, 0, sizes={"a": size}, threads=16) as sink:
             assert sink.engine == ("native" if native_fill_built else "python")
             half = size // 2
             sink.fill([FillJob("a", 0, half, (Piece(fd, 0, half),)),

@@ -243,8 +243,9 @@ class CudaSink:
             raise
         self.lanes: list[_Lane | None] = [None] * self.threads  # lane i belongs to fill thread i
         self._map_lock = threading.Lock()
-        self._stager: tuple[threading.Thread, list[BaseException]] | None = None
-        self.staging_wait: float | None = None  # seconds fill() waited for stage()'s helper
+        self._staging = False  # stage() started page-locking the native lanes' staging
+        # seconds of that staging still to run when fill() started (its lanes that were ready copied meanwhile)
+        self.staging_wait: float | None = None
 
     @classmethod
     def for_restore(cls, ptrs: dict[str, int], device: int = 0, *, sizes: dict[str, int] | None = None,
@@ -253,8 +254,9 @@ class CudaSink:
 
         Every restore page-locks its staging afresh (a snapshot must not carry pinned memory).
         The native fill page-locks it from here on, in the background (:meth:`stage`), while the
-        caller still checks the manifest and the payload, so the fill finds it (nearly) ready and
-        can use as many lanes as a steady-state fill; the Python loop, whose lanes page-lock
+        caller still checks the manifest and the payload, so the fill finds it (nearly) ready (its
+        lanes start as their own staging is ready) and can use as many lanes as a steady-state
+        fill; the Python loop, whose lanes page-lock
         their staging (``cuMemHostAlloc``, serialized) as they start copying, keeps to
         ``PYTHON_RESTORE_LANES`` unless told (BENCHMARKS.md, "GPU hydration").
         """
@@ -266,34 +268,24 @@ class CudaSink:
         return sink
 
     def stage(self) -> None:
-        """Start page-locking every lane's staging now on a helper thread (native fill; the Python
-        loop allocates each lane's on first use), so that it overlaps the caller's own work;
-        :meth:`fill` waits for it and raises what it raised, :meth:`close` waits for it."""
-        if self.native is None or self._stager is not None:
+        """Start page-locking every lane's staging now on C threads (native fill; the Python loop
+        allocates each lane's on first use), so that it overlaps the caller's own work. A
+        :meth:`fill` may begin before it is done: each fill thread waits for its own lane only.
+        :meth:`close` waits for it."""
+        if self.native is None or self._staging:
             return
-        errors: list[BaseException] = []
-        native = self.native
+        self.native.stage_start()
+        self._staging = True
 
-        def run() -> None:
-            try:
-                native.stage(cuda_error=error_name)
-            except BaseException as exc:
-                errors.append(exc)
-
-        thread = threading.Thread(target=run, name="coldsnap-cuda-stage", daemon=True)
-        thread.start()
-        self._stager = (thread, errors)
-
-    def staged(self) -> None:
-        """Wait for :meth:`stage`'s helper (if any); raise its failure."""
-        if self._stager is not None:
-            thread, errors = self._stager
-            started = time.monotonic()
-            thread.join()
-            self.staging_wait = time.monotonic() - started
-            self._stager = None
-            if errors:
-                raise errors[0]
+    def staged(self, fill_started: float | None = None) -> None:
+        """Wait for :meth:`stage`'s threads (if any) and raise their failure. ``fill_started``
+        (``time.monotonic()``): record in :attr:`staging_wait` how much staging was left then."""
+        if not self._staging:
+            return
+        self._staging = False
+        ended = self.native.stage_wait(cuda_error=error_name)
+        if fill_started is not None:
+            self.staging_wait = max(0.0, ended - fill_started) if ended is not None else 0.0
 
     def check_allocations(self, allocations: Sequence[Allocation]) -> None:
         if self.sizes is not None:
@@ -321,16 +313,20 @@ class CudaSink:
         return lane
 
     def fill(self, jobs: Sequence[FillJob], *, progress: Progress | None = None) -> None:
-        self.staged()
+        started = time.monotonic()
         total = sum(j.size for j in jobs)
         done = 0
         if self.native is not None:
             native = [j for j in jobs if j.sha256 is None or self.native.hashes]
             jobs = [j for j in jobs if not (j.sha256 is None or self.native.hashes)]
-            if native:
+            if native:  # runs alongside what is left of stage(): each lane waits for its own staging
                 self.native.fill(native, self.ptrs, progress=(lambda n, _t: progress(n, total)) if progress else None,
                                  cuda_error=error_name)
             done = sum(j.size for j in native)
+            try:
+                self.staged(started)
+            except ColdSnapError:
+                pass  # moot after a fill that landed: each of its lanes allocated what the staging had not
         if jobs:
             self._python_fill(jobs, progress, total, done)
 
@@ -450,10 +446,7 @@ class CudaSink:
     def close(self) -> None:
         """Wait for outstanding copies; free streams, events, pinned buffers, file mappings, the native
         library; release the context."""
-        if self._stager is not None:
-            self._stager[0].join()  # its failure, if any, is moot now: everything is freed below
-            self._stager = None
-        if self.native is not None:
+        if self.native is not None:  # waits for stage()'s threads, if they still run
             self.native.close()
             self.native = None
         if any(self.lanes):

@@ -111,7 +111,9 @@ class HydrationStats:
     fill: str = "python"  # which copy loop ran: the sink's ``engine`` ("native": native/fill.c; "map", "map+python")
     mapped_bytes: int = 0  # model bytes mapped from the pack instead of copied (MappingSink)
     map_fallback: str | None = None  # why model bytes were copied where a MappingSink could map
-    staging_wait: float | None = None  # seconds the fill waited for its page-locked staging (CudaSink.for_restore)
+    # seconds of page-locking still running when the fill started (CudaSink.for_restore; the
+    # fill's lanes that were ready copied meanwhile)
+    staging_wait: float | None = None
 
     @property
     def bytes(self) -> int:

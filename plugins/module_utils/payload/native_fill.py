@@ -40,7 +40,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.hydrate imp
 )
 from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.streams import Progress, truncated
 
-ABI = 3
+ABI = 4
 ENV_LIB = "COLDSNAP_NATIVE_LIB"
 SLOTS = 2
 CHUNK = 4 << 20
@@ -196,6 +196,10 @@ def _open(path: Path) -> ctypes.CDLL:
                             ctypes.POINTER(CsError)]
     lib.cs_sink_stage.restype = ctypes.c_int
     lib.cs_sink_stage.argtypes = [ctypes.c_void_p, ctypes.POINTER(CsError)]
+    lib.cs_sink_stage_start.restype = ctypes.c_int
+    lib.cs_sink_stage_start.argtypes = [ctypes.c_void_p]
+    lib.cs_sink_stage_wait.restype = ctypes.c_int
+    lib.cs_sink_stage_wait.argtypes = [ctypes.c_void_p, ctypes.POINTER(CsError), ctypes.POINTER(ctypes.c_uint64)]
     lib.cs_sha256_available.restype = ctypes.c_int
     lib.cs_sink_free.restype = None
     lib.cs_sink_free.argtypes = [ctypes.c_void_p]
@@ -272,12 +276,33 @@ class NativeLanes:
         self.hashes = bool(lib.cs_sha256_available())  # hash-checked jobs can take the native fill
 
     def stage(self, *, cuda_error: Callable[[int], str] | None = None) -> None:
-        """Allocate (page-lock) every lane's staging now, one C thread per lane, without the GIL."""
+        """Allocate (page-lock) every lane's staging now, one C thread per lane, and wait for it."""
+        self.stage_start()
+        self.stage_wait(cuda_error=cuda_error)
+
+    def stage_start(self) -> None:
+        """Start allocating every lane's staging on C threads (one per lane) and return at once.
+
+        A :meth:`fill` may start meanwhile: each of its threads waits for its own lane only, so the
+        lanes that are ready copy while the others are still page-locked; a lane whose staging
+        failed allocates it again itself (and the fill reports that failure if it recurs).
+        """
+        self._open()
+        self.lib.cs_sink_stage_start(self.handle)
+
+    def stage_wait(self, *, cuda_error: Callable[[int], str] | None = None) -> float | None:
+        """Wait for :meth:`stage_start`'s threads; return when they were done (``time.monotonic()``
+        seconds; None when no staging ran) or raise their first failure."""
+        self._open()
+        err = CsError()
+        end_ns = ctypes.c_uint64(0)
+        if self.lib.cs_sink_stage_wait(self.handle, ctypes.byref(err), ctypes.byref(end_ns)) != 0:
+            raise self._error(err, None, cuda_error)
+        return end_ns.value / 1e9 if end_ns.value else None
+
+    def _open(self) -> None:
         if self.handle is None:
             raise ColdSnapError("the native fill was used after close()", fix="create a new sink")
-        err = CsError()
-        if self.lib.cs_sink_stage(self.handle, ctypes.byref(err)) != 0:
-            raise self._error(err, None, cuda_error)
 
     def fill(self, jobs: Sequence[FillJob], ptrs: dict[str, int], *, progress: Progress | None = None,
              cuda_error: Callable[[int], str] | None = None) -> None:
@@ -288,8 +313,7 @@ class NativeLanes:
         :attr:`hashes`. Raises :class:`FillFailure` for the first failure, or IntegrityError
         for a file shorter than its pieces say; copies queued before a failure have completed.
         """
-        if self.handle is None:
-            raise ColdSnapError("the native fill was used after close()", fix="create a new sink")
+        self._open()
         hashed = [j for j in jobs if j.sha256 is not None]
         if hashed and not self.hashes:
             raise ColdSnapError("the native fill cannot hash here (OpenSSL's libcrypto was not found)",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,34 @@ def test_staging_allocated_ahead_of_the_fill_is_the_staging_the_fill_uses(tmp_pa
         assert bytes(buffers[a.id]) == bytes(w.buffers[a.id]), a.id
     with pytest.raises(ColdSnapError, match="after close"):
         sink.lanes.stage()
+
+
+def test_a_fill_started_while_its_staging_is_still_allocated_lands_every_byte(tmp_path, lib):
+    """A restore's fill does not wait for the whole ring: each fill thread waits for its own lane's
+    staging, then copies; the staging's end time is reported once, and close() after a started
+    staging (never waited for) frees it."""
+    w = make_worker(tmp_path)
+    wp, out, cache = capture(tmp_path, w)
+    for attempt in range(20):
+        buffers = {a.id: (ctypes.c_ubyte * a.size)() for a in w.allocations}
+        sink = HostSink(buffers, threads=16, chunk=4096, slots=8)
+        try:
+            before = time.monotonic()
+            sink.lanes.stage_start()
+            sink.lanes.stage_start()  # already staging: nothing more starts
+            with PayloadVerifier().verify(cache, wp.pack.sha256, wp.pack.size) as v:
+                hydrate_native(out / "native-manifest.json", v, out / "weights.blob", sink)
+            ended = sink.lanes.stage_wait()
+            assert ended is not None and before <= ended <= time.monotonic()
+            assert sink.lanes.stage_wait() is None  # joined once: nothing is left to wait for
+            if attempt % 2:
+                sink.lanes.stage_start()  # closed while (maybe) still staging: close waits, then frees
+        finally:
+            sink.lanes.close()
+        for a in w.allocations:
+            assert bytes(buffers[a.id]) == bytes(w.buffers[a.id]), (attempt, a.id)
+    with pytest.raises(ColdSnapError, match="after close"):
+        sink.lanes.stage_start()
 
 
 def test_pieces_from_several_files_land_contiguously(tmp_path, lib):
