@@ -176,7 +176,8 @@ struct cs_sink {
     pthread_mutex_t stage_lock;
     pthread_cond_t stage_cond;
     int staging[CS_MAX_THREADS];
-    int stage_running, stage_threads;
+    int stage_running, stage_launched;
+    pthread_t stage_launcher;           /* starts the stagers and joins them, off the caller's path */
     pthread_t stage_tid[CS_MAX_THREADS];
     struct worker_arg stage_arg[CS_MAX_THREADS];
     struct fill stage;          /* the stagers' shared state: their first failure */
@@ -420,6 +421,27 @@ static int run_threads(struct fill *f, int n, void *(*fn)(void *)) {
     return atomic_load(&f->failed) ? -1 : 0;
 }
 
+/* The staging's first thread: starts one stager per lane, then waits for them (thread creation
+ * competes with the stagers' page faults for the address space: it is kept off the caller). */
+static void *stage_launch(void *argp) {
+    struct cs_sink *s = argp;
+    int started = 0;
+    for (int i = 0; i < s->threads; i++) {
+        s->stage_arg[i].f = &s->stage;
+        s->stage_arg[i].index = i;
+        if (pthread_create(&s->stage_tid[i], NULL, stager, &s->stage_arg[i])) {
+            fail(&s->stage, CS_NOMEM, errno, -1, 0, "pthread_create");
+            break;
+        }
+        started++;
+    }
+    for (int i = started; i < s->threads; i++)
+        lane_staged(s, i);                  /* no stager: a fill allocates this lane itself */
+    for (int i = 0; i < started; i++)
+        pthread_join(s->stage_tid[i], NULL);
+    return NULL;
+}
+
 /* Start page-locking every lane's staging (and creating its stream and events), one thread
  * per lane, and return at once: a restore calls this while it still checks the payload. A fill
  * may start before the staging is done; each of its threads waits for its own lane only.
@@ -438,18 +460,12 @@ int cs_sink_stage_start(struct cs_sink *s) {
         s->staging[i] = 1;
     pthread_mutex_unlock(&s->stage_lock);
     s->stage_running = 1;
-    s->stage_threads = 0;
-    for (int i = 0; i < s->threads; i++) {
-        s->stage_arg[i].f = &s->stage;
-        s->stage_arg[i].index = i;
-        if (pthread_create(&s->stage_tid[i], NULL, stager, &s->stage_arg[i])) {
-            fail(&s->stage, CS_NOMEM, errno, -1, 0, "pthread_create");
-            break;
-        }
-        s->stage_threads++;
+    s->stage_launched = !pthread_create(&s->stage_launcher, NULL, stage_launch, s);
+    if (!s->stage_launched) {
+        fail(&s->stage, CS_NOMEM, errno, -1, 0, "pthread_create");
+        for (int i = 0; i < s->threads; i++)
+            lane_staged(s, i);
     }
-    for (int i = s->stage_threads; i < s->threads; i++)
-        lane_staged(s, i);                  /* no stager: a fill allocates this lane itself */
     return 0;
 }
 
@@ -462,8 +478,8 @@ int cs_sink_stage_wait(struct cs_sink *s, struct cs_error *err, uint64_t *end_ns
         *end_ns = 0;
     if (!s->stage_running)
         return 0;
-    for (int i = 0; i < s->stage_threads; i++)
-        pthread_join(s->stage_tid[i], NULL);
+    if (s->stage_launched)
+        pthread_join(s->stage_launcher, NULL);
     int rc = atomic_load(&s->stage.failed) ? -1 : 0;
     if (rc)
         *err = s->stage.err;
@@ -471,7 +487,7 @@ int cs_sink_stage_wait(struct cs_sink *s, struct cs_error *err, uint64_t *end_ns
         *end_ns = s->stage_end_ns;
     pthread_mutex_destroy(&s->stage.lock);
     s->stage_running = 0;
-    s->stage_threads = 0;
+    s->stage_launched = 0;
     return rc;
 }
 
