@@ -491,12 +491,6 @@ int cs_sink_stage_wait(struct cs_sink *s, struct cs_error *err, uint64_t *end_ns
     return rc;
 }
 
-/* Page-lock every lane's staging now and wait for it (cs_sink_stage_start + cs_sink_stage_wait). */
-int cs_sink_stage(struct cs_sink *s, struct cs_error *err) {
-    cs_sink_stage_start(s);
-    return cs_sink_stage_wait(s, err, NULL);
-}
-
 /* A sink: `threads` lanes of `slots` x `chunk` bytes of staging, on `ctx` (NULL: host mode).
  * Returns NULL with *err set when the arguments are out of range or libcuda cannot be loaded. */
 struct cs_sink *cs_sink_new(void *ctx, int threads, int slots, uint64_t chunk, struct cs_error *err) {
