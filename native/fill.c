@@ -177,9 +177,7 @@ struct cs_sink {
     pthread_cond_t stage_cond;
     int staging[CS_MAX_THREADS];
     int stage_running, stage_launched;
-    pthread_t stage_launcher;           /* starts the stagers and joins them, off the caller's path */
-    pthread_t stage_tid[CS_MAX_THREADS];
-    struct worker_arg stage_arg[CS_MAX_THREADS];
+    pthread_t stage_launcher;           /* runs the stagers, off the caller's path */
     struct fill stage;          /* the stagers' shared state: their first failure */
     uint64_t stage_end_ns;      /* CLOCK_MONOTONIC when the last stager was done */
 };
@@ -402,7 +400,7 @@ static void *stager(void *argp) {
     return NULL;
 }
 
-/* Start n threads running `fn` over one fill's state; join them; 0, or -1 with f->err set. */
+/* Start n threads running `fn` over one fill's (or staging's) state; join them; 0, or -1 with f->err set. */
 static int run_threads(struct fill *f, int n, void *(*fn)(void *)) {
     pthread_t tid[CS_MAX_THREADS];
     struct worker_arg args[CS_MAX_THREADS];
@@ -421,24 +419,21 @@ static int run_threads(struct fill *f, int n, void *(*fn)(void *)) {
     return atomic_load(&f->failed) ? -1 : 0;
 }
 
-/* The staging's first thread: starts one stager per lane, then waits for them (thread creation
- * competes with the stagers' page faults for the address space: it is kept off the caller). */
+/* Every lane left to the fill: those whose stager never ran allocate their own staging. */
+static void release_lanes(struct cs_sink *s) {
+    pthread_mutex_lock(&s->stage_lock);
+    for (int i = 0; i < s->threads; i++)
+        s->staging[i] = 0;
+    pthread_cond_broadcast(&s->stage_cond);
+    pthread_mutex_unlock(&s->stage_lock);
+}
+
+/* The staging's first thread: runs one stager per lane (thread creation competes with the
+ * stagers' page faults for the address space, so it is kept off the caller). */
 static void *stage_launch(void *argp) {
     struct cs_sink *s = argp;
-    int started = 0;
-    for (int i = 0; i < s->threads; i++) {
-        s->stage_arg[i].f = &s->stage;
-        s->stage_arg[i].index = i;
-        if (pthread_create(&s->stage_tid[i], NULL, stager, &s->stage_arg[i])) {
-            fail(&s->stage, CS_NOMEM, errno, -1, 0, "pthread_create");
-            break;
-        }
-        started++;
-    }
-    for (int i = started; i < s->threads; i++)
-        lane_staged(s, i);                  /* no stager: a fill allocates this lane itself */
-    for (int i = 0; i < started; i++)
-        pthread_join(s->stage_tid[i], NULL);
+    run_threads(&s->stage, s->threads, stager);
+    release_lanes(s);
     return NULL;
 }
 
@@ -446,10 +441,10 @@ static void *stage_launch(void *argp) {
  * per lane, and return at once: a restore calls this while it still checks the payload. A fill
  * may start before the staging is done; each of its threads waits for its own lane only.
  * cs_sink_stage_wait joins the stagers. Whatever they allocate stays in the sink (also after a
- * failure) and cs_sink_free frees it. Returns 0 (a second call while staging runs does nothing). */
-int cs_sink_stage_start(struct cs_sink *s) {
+ * failure) and cs_sink_free frees it. A second call while staging runs does nothing. */
+void cs_sink_stage_start(struct cs_sink *s) {
     if (s->stage_running)
-        return 0;
+        return;
     memset(&s->stage, 0, sizeof s->stage);
     s->stage.sink = s;
     s->stage.err.piece = -1;
@@ -463,10 +458,8 @@ int cs_sink_stage_start(struct cs_sink *s) {
     s->stage_launched = !pthread_create(&s->stage_launcher, NULL, stage_launch, s);
     if (!s->stage_launched) {
         fail(&s->stage, CS_NOMEM, errno, -1, 0, "pthread_create");
-        for (int i = 0; i < s->threads; i++)
-            lane_staged(s, i);
+        release_lanes(s);
     }
-    return 0;
 }
 
 /* Join the stagers of cs_sink_stage_start (if any). Returns 0, or -1 with *err set to their first

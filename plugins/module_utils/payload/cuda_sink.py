@@ -57,8 +57,8 @@ def _round_page(n: int) -> int:
     return (n + PAGE - 1) // PAGE * PAGE
 
 
-def default_lanes() -> int:
-    """Fill threads for this host: ``$COLDSNAP_GPU_FILL_LANES``, else three quarters of the cores, at most 16.
+def default_lanes(most: int = 16) -> int:
+    """Fill threads for this host: ``$COLDSNAP_GPU_FILL_LANES``, else three quarters of the cores, at most ``most``.
 
     Page-cache reads run ~4-7 GB/s per thread; a pinned H2D link takes ~50 GB/s: use most of
     the cores, not all (12 beat 16 readers on a 16-core H200 host, 16 beat 24 and 32 on a
@@ -66,7 +66,7 @@ def default_lanes() -> int:
     """
     raw = os.environ.get(ENV_LANES, "").strip()
     if not raw:
-        return max(1, min(16, (os.cpu_count() or 1) * 3 // 4))
+        return max(1, min(most, (os.cpu_count() or 1) * 3 // 4))
     if not raw.isdigit() or not 1 <= int(raw) <= 64:
         raise ColdSnapError(f"{ENV_LANES}={raw!r} is not a number of fill threads from 1 to 64",
                             fix=f"set {ENV_LANES} to 1-64, or unset it for three quarters of the cores")
@@ -207,10 +207,13 @@ class CudaSink:
     Hash-checked (recovery) jobs are hashed from the staged bytes before their copy: by the
     native fill through OpenSSL's libcrypto, or by the Python loop where libcrypto is not found.
     ``engine`` says which loop runs the plain jobs (``"native"`` or ``"python"``).
+    Without ``threads`` the sink takes :func:`default_lanes`, at most ``python_lanes`` for the
+    Python loop.
     """
 
     def __init__(self, ptrs: dict[str, int], device: int = 0, *, sizes: dict[str, int] | None = None,
-                 threads: int | None = None, chunk: int | None = None, strategy: str = "auto") -> None:
+                 threads: int | None = None, chunk: int | None = None, strategy: str = "auto",
+                 python_lanes: int = 16) -> None:
         if strategy not in STRATEGIES:
             raise ColdSnapError(f"CUDA hydration strategy {strategy!r} is unknown",
                                 fix=f"use one of {', '.join(STRATEGIES)}")
@@ -226,7 +229,7 @@ class CudaSink:
         self.maps: dict[int, tuple[int, int]] = {}
         self.ptrs = {k: int(v) for k, v in ptrs.items()}
         self.sizes = dict(sizes) if sizes is not None else None
-        self.threads = threads or default_lanes()
+        self.threads = threads or default_lanes(16 if lib is not None else python_lanes)
         self.chunk = chunk or (native_fill.CHUNK if lib is not None else DEFAULT_CHUNK)
         try:
             self.ctx = _Context(device)
@@ -256,14 +259,11 @@ class CudaSink:
         The native fill page-locks it from here on, in the background (:meth:`stage`), while the
         caller still checks the manifest and the payload, so the fill finds it (nearly) ready (its
         lanes start as their own staging is ready) and can use as many lanes as a steady-state
-        fill; the Python loop, whose lanes page-lock
-        their staging (``cuMemHostAlloc``, serialized) as they start copying, keeps to
-        ``PYTHON_RESTORE_LANES`` unless told (BENCHMARKS.md, "GPU hydration").
+        fill; the Python loop, whose lanes page-lock their staging (``cuMemHostAlloc``,
+        serialized) as they start copying, keeps to ``PYTHON_RESTORE_LANES`` unless told
+        (BENCHMARKS.md, "GPU hydration").
         """
-        sink = cls(ptrs, device, sizes=sizes, chunk=RESTORE_CHUNK, threads=threads)
-        if sink.native is None and threads is None and not os.environ.get(ENV_LANES, "").strip():
-            sink.threads = min(sink.threads, PYTHON_RESTORE_LANES)  # no lane exists yet: they start with a fill
-            sink.lanes = [None] * sink.threads
+        sink = cls(ptrs, device, sizes=sizes, chunk=RESTORE_CHUNK, threads=threads, python_lanes=PYTHON_RESTORE_LANES)
         sink.stage()
         return sink
 

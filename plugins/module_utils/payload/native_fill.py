@@ -194,7 +194,7 @@ def _open(path: Path) -> ctypes.CDLL:
     lib.cs_fill.argtypes = [ctypes.c_void_p, ctypes.POINTER(CsPiece), ctypes.POINTER(ctypes.c_uint64),
                             ctypes.c_uint64, ctypes.POINTER(ctypes.c_ubyte), ctypes.POINTER(ctypes.c_uint64),
                             ctypes.POINTER(CsError)]
-    lib.cs_sink_stage_start.restype = ctypes.c_int
+    lib.cs_sink_stage_start.restype = None
     lib.cs_sink_stage_start.argtypes = [ctypes.c_void_p]
     lib.cs_sink_stage_wait.restype = ctypes.c_int
     lib.cs_sink_stage_wait.argtypes = [ctypes.c_void_p, ctypes.POINTER(CsError), ctypes.POINTER(ctypes.c_uint64)]
