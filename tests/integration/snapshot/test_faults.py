@@ -53,6 +53,18 @@ def captured_worker(state_root: Path, art: dict) -> dict:
     return ev["workers"][0]
 
 
+def restore_captured(captured, state_root: Path):
+    """Restore the module's capture where a test needs it to succeed. CRIU gives the restored engine its
+    captured pid, and a process of the other test lane (a container's shim) may hold that pid for a while:
+    the refusal would be right (fault 18), so wait (up to a minute) for the pid to be free first."""
+    wl, artifact, art = captured
+    pid = captured_worker(state_root, art)["pid"]
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return wl.run(wl.request("restore", artifact=artifact))
+
+
 def failed(res, *, phase_word: str) -> dict:
     assert not res.succeeded
     err = res.receipt["error"]
@@ -111,13 +123,13 @@ def test_fault18_pid_taken_fails_in_prepare(captured, state_root):
 
 
 def test_fault19_other_architecture_refused_before_eviction(captured, state_root, tmp_path):
-    wl, artifact, art = captured
+    wl, _artifact, art = captured
     other = dict(art)
     other["compatibility"] = {"units": [{**art["compatibility"]["units"][0], "arch": "aarch64"}]}
     path = tmp_path / "artifact-aarch64.json"
     path.write_text(json.dumps(other))
     # A workload is running: the failed prepare must leave it alone.
-    ok = wl.run(wl.request("restore", artifact=artifact))
+    ok = restore_captured(captured, state_root)
     assert ok.succeeded, ok.receipt["error"]
     running = wl.engines()
     err = failed(wl.run(wl.request("restore", artifact=path)), phase_word="prepare")
@@ -301,7 +313,7 @@ def test_an_engine_that_dies_as_criu_restores_it_is_named_and_status_says_stoppe
     assert not engines_after(wl, 10)
     assert unit_state(wl.run(wl.request("status", artifact=artifact))) == "stopped", \
         "a failed restore leaves no control file behind"
-    res = wl.run(wl.request("restore", artifact=artifact))  # and the capsule restores as before
+    res = restore_captured(captured, state_root)  # and the capsule restores as before
     assert res.succeeded, res.receipt["error"]
     assert wl.complete() == art["acceptance"]["reply"]
     wl.stop()
@@ -313,7 +325,7 @@ def test_a_restore_that_fails_after_eviction_says_the_previous_workload_was_evic
     pid) and how to serve again; the receipt records it (result.eviction); status says it is stopped; and
     restoring again, as the error says, brings it back."""
     wl, artifact, art = captured
-    ok = wl.run(wl.request("restore", artifact=artifact))
+    ok = restore_captured(captured, state_root)
     assert ok.succeeded, ok.receipt["error"]
     running = wl.engines()
     assert running, "the workload must run before the failing restore"
@@ -343,7 +355,7 @@ def test_a_restore_that_fails_after_eviction_says_the_previous_workload_was_evic
             "the evicted workload does not run after the failed restore"
     finally:
         wl.stop()
-    again = wl.run(wl.request("restore", artifact=artifact))  # the fix the error names
+    again = restore_captured(captured, state_root)  # the fix the error names
     try:
         assert again.succeeded, again.receipt["error"]
         assert again.receipt["result"]["eviction"]["previous_workload"] == "none-running"
@@ -358,7 +370,7 @@ def test_a_restore_that_fails_after_eviction_rolls_back_to_what_ran(captured, st
     <id>-rollback): it serves the same reply, status says ready, and the failed restore's receipt says it
     was rolled back (it still failed). A workload stopped since has nothing to roll back to."""
     wl, artifact, art = captured
-    ok = wl.run(wl.request("restore", artifact=artifact))
+    ok = restore_captured(captured, state_root)
     assert ok.succeeded, ok.receipt["error"]
     running = wl.engines()
     wrapper = criu_that_kills_after_restore(tmp_path, captured_worker(state_root, art)["pid"], once=True)
@@ -392,7 +404,7 @@ def test_a_criu_killed_part_way_leaves_no_tree_and_the_rollback_restores_what_ra
     half-restored process keeps the captured pid, so the rollback restores what ran before (the same capture,
     the same pids) and it serves."""
     wl, artifact, art = captured
-    ok = wl.run(wl.request("restore", artifact=artifact))
+    ok = restore_captured(captured, state_root)
     assert ok.succeeded, ok.receipt["error"]
     pid = captured_worker(state_root, art)["pid"]
     real = shutil.which("criu") or "/usr/local/sbin/criu"
