@@ -37,6 +37,20 @@ lane_pytest() {  # lane-name, pytest arguments...
     ${extra[@]+"${extra[@]}"} "$@"
 }
 
+# The host runtime restores an engine under its captured pid (a pid in use refuses the restore: FAULTS.md
+# 18). With the kernel's old default pid_max of 32768, the thousands of processes a full run starts wrap
+# the pids within minutes, and another lane's long-lived process (a container's shim) can hold a pid a
+# later restore needs. As root, raise it to 4194304 (systemd's default) for the rest of the boot.
+pid_max=$(cat /proc/sys/kernel/pid_max 2>/dev/null || echo 0)
+if [ "$(id -u)" -eq 0 ] && [ "$pid_max" -lt 4194304 ]; then
+  if echo 4194304 > /proc/sys/kernel/pid_max 2>/dev/null; then
+    echo "[test-lanes] kernel.pid_max raised from $pid_max to 4194304 (restores need their captured pids free)"
+  else
+    echo "[test-lanes] kernel.pid_max is $pid_max and cannot be raised here: a restore may find its" \
+         "captured pid taken by another test's process" >&2
+  fi
+fi
+
 case "${COLDSNAP_TEST_LANES:-2}" in
   1|2) ;;
   *) echo "[test-lanes] COLDSNAP_TEST_LANES=${COLDSNAP_TEST_LANES} is not 1 or 2: 1 runs pytest then sanity," \

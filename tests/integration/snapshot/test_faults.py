@@ -62,6 +62,13 @@ def restore_captured(captured, state_root: Path):
     deadline = time.monotonic() + 60
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.5)
+    try:
+        holder = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        holder = None  # free (or freed just now)
+    if holder is not None:
+        pytest.fail(f"the captured pid {pid} is held by another process for over a minute ({holder!r}): "
+                    "raise kernel.pid_max (scripts/test-lanes.sh does, as root)")
     return wl.run(wl.request("restore", artifact=artifact))
 
 
