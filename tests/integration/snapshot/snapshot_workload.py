@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import time
 from pathlib import Path
 
@@ -16,27 +14,6 @@ from netports import free_port  # pylint: disable=unused-import
 import coldsnap  # noqa: F401  # pylint: disable=unused-import
 from coldsnap.demo import reference_request
 from coldsnap.runner import operation_extravars, run_playbook
-
-
-def free_port_in(ports) -> int:
-    """A free loopback port of ``ports`` (an iterable of port numbers), tried in a random order."""
-    candidates = list(ports)
-    random.shuffle(candidates)
-    for candidate in candidates:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", candidate))
-            except OSError:
-                continue
-        return candidate
-    raise RuntimeError(f"no free port among {len(candidates)} tried")
-
-
-def another_free_port(port: int, *, spread: int = 400) -> int:
-    """A free loopback port within ``spread`` of ``port`` (never ``port`` itself), for a restore onto another
-    port: every listener of the unit moves by the serving port's shift, so a port far away would often send
-    the engine's control listener around the wrap (tested on purpose in test_placement, not everywhere)."""
-    return free_port_in(p for p in range(max(1024, port - spread), min(65535, port + spread) + 1) if p != port)
 
 
 class Workload:

@@ -12,7 +12,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact im
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.cpulist import format_cpus
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affinity, criu
-from snapshot_workload import Workload, another_free_port, units_of
+from netports import another_free_port
+from snapshot_workload import Workload, units_of
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 from module_runner import run_module
-from snapshot_workload import Workload, another_free_port, free_port_in, units_of
+from netports import another_free_port, free_port_in, squatting
+from snapshot_workload import Workload, units_of
 from test_faults import _spawn_with_pid
 from test_placement import on_port
-from test_prepare_boundary import squatting
 
 from coldsnap.runner import operation_extravars, run_playbook
 

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 import pytest
-from snapshot_workload import Workload, another_free_port, free_port_in, units_of
-from test_prepare_boundary import squatting
+from netports import another_free_port, free_port_in, squatting
+from snapshot_workload import Workload, units_of
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 

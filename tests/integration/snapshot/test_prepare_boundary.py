@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from netports import squatting
 from snapshot_workload import Workload, free_port
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
@@ -60,21 +61,6 @@ def running(state_root, tiny_model, env_digest):
     assert res.succeeded, res.receipt["error"]
     yield wl, artifact, art, capture_token
     wl.stop()
-
-
-@contextlib.contextmanager
-def squatting(addr: str, port: int):
-    """A stranger's process listening on ``addr:port`` for the duration."""
-    squatter = subprocess.Popen([sys.executable, "-c", (
-        "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
-        f"s.bind(({addr!r}, {port})); s.listen(); print('up', flush=True); time.sleep(120)")],
-        stdout=subprocess.PIPE, text=True)
-    try:
-        assert squatter.stdout.readline().strip() == "up"
-        yield squatter
-    finally:
-        squatter.kill()
-        squatter.wait()
 
 
 def unit_dir(state_root: Path, art: dict) -> Path:

@@ -17,6 +17,7 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.capsule.registry im
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.cpulist import format_cpus
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process import affinity
 from ansible_collections.coldsnap.fleet.plugins.module_utils.process.ports import process_tree
+from netports import another_free_port, squatting
 from vllm_workload import VllmWorkload, hydration_attrs, openai_answers, repacked_where_packed
 
 pytestmark = [pytest.mark.criu, pytest.mark.vllm, pytest.mark.slow]
@@ -81,6 +82,41 @@ def test_native_restore_answers_as_the_cold_server_does(captured, cold_answers):
     assert step["attrs"]["affinity"]["pinned"] == len(pins) - step["attrs"]["affinity"]["gone"], step["attrs"]
     alive = {tid: cpus for tid, cpus in pins.items() if Path(f"/proc/{tid}").exists()}
     assert alive and all(format_cpus(affinity.thread_cpus(int(t))) == c for t, c in alive.items())
+    assert openai_answers(wl.port) == cold_answers
+
+
+def test_a_restore_onto_another_port_moves_the_whole_tree_and_serves_there(captured, cold_answers):
+    """A stranger holds the captured port: a restore that names another one moves every TCP listener of the
+    tree (the API server's, and any of the engine core's or the worker's) by the same shift; the restored
+    server answers there, the controller reaches it there (status, sleep, wake), and the captured images
+    are left as they were, so the same capture then restores onto its own port again."""
+    wl, artifact, art = captured
+    new_port = another_free_port(wl.port)
+
+    def on_new_port(req: dict) -> None:
+        req["launch"]["execution"]["services"][0]["port"] = new_port
+        cmd = req["launch"]["units"][0]["command"]
+        cmd[cmd.index("--port") + 1] = str(new_port)
+
+    with squatting("127.0.0.1", wl.port):
+        res = wl.run(wl.request("restore", artifact=artifact, mutate=on_new_port))
+        assert res.succeeded, res.receipt["error"]
+        unit = res.receipt["result"]["operation"]["units"][0]
+        assert unit["served"] == {"address": "127.0.0.1", "port": new_port}, unit
+        assert ((["127.0.0.1", wl.port], ["127.0.0.1", new_port])
+                in [(m["from"], m["to"]) for m in unit["listeners_moved"]]), unit["listeners_moved"]
+        shift = new_port - wl.port
+        assert all(m["to"][1] - m["from"][1] in (shift, shift - 64512, shift + 64512)
+                   for m in unit["listeners_moved"]), "one shift for every listener (wrapped in 1024..65535)"
+        assert unit["reply"] == art["acceptance"]["reply"] and unit["logprobs_check"] == "identical"
+        assert openai_answers(new_port) == cold_answers
+        for op in ("status", "sleep", "wake"):
+            done = wl.run(wl.request(op, artifact=artifact, mutate=on_new_port))
+            assert done.succeeded, (op, done.receipt["error"])
+        assert done.receipt["result"]["operation"]["units"][0]["logprobs_check"] == "identical"
+        assert openai_answers(new_port) == cold_answers
+    back = _restored(wl, artifact)
+    assert back.receipt["result"]["operation"]["units"][0]["listeners_moved"] == []
     assert openai_answers(wl.port) == cold_answers
 
 
