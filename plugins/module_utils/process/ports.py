@@ -228,6 +228,10 @@ def require_distinct_units(claims: dict[str, list], unit: str, wanted: list, *, 
                                      "namespace per unit)")
 
 
+# systemd's default kernel.pid_max on 64-bit hosts; the kernel's own default is 32768.
+WIDE_PID_MAX = 4194304
+
+
 def require_pids_free(pids: list[int], *, unit: str) -> None:
     """CRIU restores processes and threads with their captured ids: they must be unused here."""
     for pid in pids:
@@ -235,10 +239,16 @@ def require_pids_free(pids: list[int], *, unit: str) -> None:
             comm = "?"
             with contextlib.suppress(OSError):
                 comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            limit = pid_max()
+            # With few pids, the ids wrap within minutes on a busy host: a stranger holding a captured
+            # pid is then common, and a wider range makes it rare.
+            wrap = (f"; this host's kernel.pid_max is {limit}, so its pids are reused soon: raising it "
+                    f"(sysctl -w kernel.pid_max={WIDE_PID_MAX}) makes this rare") \
+                if limit is not None and limit < WIDE_PID_MAX else ""
             raise AdmissionError(
                 f"unit {unit}: captured pid {pid} is in use on this host by {comm!r}",
                 fix="CRIU restores processes with their captured pids; stop that process, or use the docker "
-                    "runtime (a fresh pid namespace per unit)",
+                    f"runtime (a fresh pid namespace per unit){wrap}",
             )
 
 

@@ -231,3 +231,16 @@ def test_a_port_is_taken_exactly_where_the_captured_listener_could_not_bind(squa
             ports.require_ports_free([(captured, port)], unit="unit-0", time_wait_grace=0)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("limit,hint", [(32768, True), (ports.WIDE_PID_MAX, False), (None, False)])
+def test_a_taken_pid_names_its_holder_and_on_a_narrow_pid_range_how_to_widen_it(monkeypatch, limit, hint):
+    """A pid in use refuses the restore naming the process; where this kernel's pids wrap soon (the kernel's
+    own default of 32768), the fix also says how to make a stranger on a captured pid rare."""
+    monkeypatch.setattr(ports, "pid_max", lambda: limit)
+    with pytest.raises(AdmissionError) as err:
+        ports.require_pids_free([os.getpid()], unit="unit-0")
+    assert f"captured pid {os.getpid()} is in use on this host by 'python" in err.value.problem, err.value.problem
+    assert "stop that process, or use the docker runtime" in err.value.fix
+    widen = f"kernel.pid_max is {limit}, so its pids are reused soon: raising it (sysctl -w kernel.pid_max=4194304)"
+    assert (widen in err.value.fix) is hint, err.value.fix
