@@ -1,8 +1,9 @@
 """Pre-restore checks that a captured process can come back here: its listening
 ports and its pids must be free. Both fail before anything is evicted (at once, but
 for a port held only by TIME_WAIT connections, which is waited for up to a minute, and
-one that only outgoing connections hold, waited for a few seconds): in prepare, and
-again in the evict step right before its kill (:func:`require_restorable`)."""
+one that only outgoing connections hold or a pid that a process holds, each waited for a
+few seconds): in prepare, and again in the evict step right before its kill
+(:func:`require_restorable`)."""
 
 from __future__ import annotations
 
@@ -232,9 +233,14 @@ def require_distinct_units(claims: dict[str, list], unit: str, wanted: list, *, 
 WIDE_PID_MAX = 4194304
 
 
-def require_pids_free(pids: list[int], *, unit: str) -> None:
-    """CRIU restores processes and threads with their captured ids: they must be unused here."""
+def require_pids_free(pids: list[int], *, unit: str, grace: float = 5.0) -> None:
+    """CRIU restores processes and threads with their captured ids: they must be unused here. An id held by a
+    process that ends within ``grace`` seconds (a short-lived command that a host reusing its pids handed the
+    captured one) is waited for; one still held then refuses the restore, naming its holder."""
+    deadline = time.monotonic() + grace
     for pid in pids:
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
         if Path(f"/proc/{pid}").exists():
             comm = "?"
             with contextlib.suppress(OSError):
@@ -246,7 +252,7 @@ def require_pids_free(pids: list[int], *, unit: str) -> None:
                     f"(sysctl -w kernel.pid_max={WIDE_PID_MAX}) makes this rare") \
                 if limit is not None and limit < WIDE_PID_MAX else ""
             raise AdmissionError(
-                f"unit {unit}: captured pid {pid} is in use on this host by {comm!r}",
+                f"unit {unit}: captured pid {pid} is in use on this host by {comm!r} (still after {grace:g} s)",
                 fix="CRIU restores processes with their captured pids; stop that process, or use the docker "
                     f"runtime (a fresh pid namespace per unit){wrap}",
             )

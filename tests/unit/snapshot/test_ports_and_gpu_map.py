@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -239,8 +241,29 @@ def test_a_taken_pid_names_its_holder_and_on_a_narrow_pid_range_how_to_widen_it(
     own default of 32768), the fix also says how to make a stranger on a captured pid rare."""
     monkeypatch.setattr(ports, "pid_max", lambda: limit)
     with pytest.raises(AdmissionError) as err:
-        ports.require_pids_free([os.getpid()], unit="unit-0")
+        ports.require_pids_free([os.getpid()], unit="unit-0", grace=0)
     assert f"captured pid {os.getpid()} is in use on this host by 'python" in err.value.problem, err.value.problem
     assert "stop that process, or use the docker runtime" in err.value.fix
     widen = f"kernel.pid_max is {limit}, so its pids are reused soon: raising it (sysctl -w kernel.pid_max=4194304)"
     assert (widen in err.value.fix) is hint, err.value.fix
+
+
+def test_a_pid_held_by_a_process_that_ends_soon_is_waited_for():
+    """On a host that reuses its pids, a short-lived command may hold a captured pid for a moment: the check
+    waits for it (up to its grace) instead of refusing the restore; a holder that stays is refused, named."""
+    brief = subprocess.Popen(["sleep", "0.5"])
+    reaper = threading.Thread(target=brief.wait)
+    reaper.start()
+    try:
+        ports.require_pids_free([brief.pid], unit="unit-0", grace=30)
+        assert brief.poll() is not None, "returned only once the holder had ended"
+    finally:
+        reaper.join()
+    stays = subprocess.Popen(["sleep", "60"])
+    try:
+        with pytest.raises(AdmissionError, match=rf"captured pid {stays.pid} is in use on this host by 'sleep' "
+                                                 r"\(still after 0.3 s\)"):
+            ports.require_pids_free([stays.pid], unit="unit-0", grace=0.3)
+    finally:
+        stays.kill()
+        stays.wait()
