@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact import load_artifact
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
-from docker_workload import DockerWorkload, integration_module, not_owned, throwaway_user
+from docker_workload import DockerWorkload, not_owned, throwaway_user
+from netports import another_free_port
 
 pytestmark = [pytest.mark.docker, pytest.mark.criu, pytest.mark.slow]
 
@@ -80,7 +81,7 @@ def test_a_stranger_on_the_captured_port_is_refused_in_prepare(captured, address
 def test_restore_onto_another_port_leaves_the_old_one_free(captured):
     wl, path, art, _user = captured
     wl.stop()
-    new_port = integration_module("snapshot", "snapshot_workload").another_free_port(wl.port)
+    new_port = another_free_port(wl.port)
 
     def on_port(req: dict) -> None:
         req["launch"]["execution"]["services"][0]["port"] = new_port

@@ -17,7 +17,8 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.artifact im
 from ansible_collections.coldsnap.fleet.plugins.module_utils.formats.receipt import validate_receipt
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import containers as docker_unit
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units.docker_runtime import PID_FLOOR
-from docker_workload import DockerWorkload, integration_module, not_owned, throwaway_user
+from docker_workload import DockerWorkload, not_owned, throwaway_user
+from netports import another_free_port
 
 pytestmark = [pytest.mark.docker, pytest.mark.criu, pytest.mark.slow]
 
@@ -265,7 +266,7 @@ def test_a_failed_restore_leaves_no_container_and_still_hands_state_back(capture
 def test_restore_onto_another_port_moves_the_listeners_inside_the_unit_container(captured):
     """Placement with runtime docker: the rank container (host networking) restores the capture onto
     another serving port; every listener of the unit moves by one shift."""
-    new_port = integration_module("snapshot", "snapshot_workload").another_free_port(captured.wl.port)
+    new_port = another_free_port(captured.wl.port)
 
     def on_port(req: dict) -> None:
         req["launch"]["execution"]["services"][0]["port"] = new_port

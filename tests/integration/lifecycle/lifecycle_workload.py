@@ -20,7 +20,6 @@ snapshot = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(snapshot)
 Workload = snapshot.Workload
 units_of = snapshot.units_of
-another_free_port = snapshot.another_free_port
 
 
 def run(wl: Workload, req: dict, *, extravars: dict | None = None, hosts: tuple[str, ...] | None = None,

@@ -20,7 +20,6 @@ from ansible_collections.coldsnap.fleet.plugins.module_utils.payload.records imp
 from ansible_collections.coldsnap.fleet.plugins.module_utils.units import activation_stage
 from lifecycle_workload import (
     Workload,
-    another_free_port,
     boundary,
     log_lines,
     ok,
@@ -30,6 +29,7 @@ from lifecycle_workload import (
     units_of,
     wait_payload,
 )
+from netports import another_free_port
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
