@@ -86,11 +86,15 @@ def test_native_restore_answers_as_the_cold_server_does(captured, cold_answers):
 
 
 def test_a_restore_onto_another_port_moves_the_whole_tree_and_serves_there(captured, cold_answers):
-    """A stranger holds the captured port: a restore that names another one moves every TCP listener of the
-    tree (the API server's, and any of the engine core's or the worker's) by the same shift; the restored
-    server answers there, the controller reaches it there (status, sleep, wake), and the captured images
-    are left as they were, so the same capture then restores onto its own port again."""
+    """The server runs on its captured port; a restore that names another port replaces it and moves every
+    TCP listener of the tree (the API server's, and any of the engine core's or the worker's) by the same
+    shift. The captured port is then free: a stranger takes it, and the moved server still answers, the
+    controller still reaches it (status, sleep, wake), and a restore onto the other port again succeeds
+    beside the stranger. The captured images are left as they were: the same capture restores onto its own
+    port afterwards."""
     wl, artifact, art = captured
+    if not wl.engines():
+        _restored(wl, artifact)
     new_port = another_free_port(wl.port)
 
     def on_new_port(req: dict) -> None:
@@ -98,22 +102,28 @@ def test_a_restore_onto_another_port_moves_the_whole_tree_and_serves_there(captu
         cmd = req["launch"]["units"][0]["command"]
         cmd[cmd.index("--port") + 1] = str(new_port)
 
-    with squatting("127.0.0.1", wl.port):
+    def restore_moved():
         res = wl.run(wl.request("restore", artifact=artifact, mutate=on_new_port))
         assert res.succeeded, res.receipt["error"]
         unit = res.receipt["result"]["operation"]["units"][0]
         assert unit["served"] == {"address": "127.0.0.1", "port": new_port}, unit
-        assert ((["127.0.0.1", wl.port], ["127.0.0.1", new_port])
-                in [(m["from"], m["to"]) for m in unit["listeners_moved"]]), unit["listeners_moved"]
+        moved = [(m["from"], m["to"]) for m in unit["listeners_moved"]]
+        assert (["127.0.0.1", wl.port], ["127.0.0.1", new_port]) in moved, moved
         shift = new_port - wl.port
-        assert all(m["to"][1] - m["from"][1] in (shift, shift - 64512, shift + 64512)
-                   for m in unit["listeners_moved"]), "one shift for every listener (wrapped in 1024..65535)"
+        assert all(to[1] - fro[1] in (shift, shift - 64512, shift + 64512) for fro, to in moved), \
+            "one shift for every listener (wrapped within 1024..65535)"
         assert unit["reply"] == art["acceptance"]["reply"] and unit["logprobs_check"] == "identical"
+        return res
+
+    replaced = restore_moved()
+    assert replaced.receipt["result"]["eviction"]["previous_workload"] == "replaced"
+    with squatting("127.0.0.1", wl.port):  # the eviction freed the captured port: a stranger takes it
         assert openai_answers(new_port) == cold_answers
         for op in ("status", "sleep", "wake"):
             done = wl.run(wl.request(op, artifact=artifact, mutate=on_new_port))
             assert done.succeeded, (op, done.receipt["error"])
         assert done.receipt["result"]["operation"]["units"][0]["logprobs_check"] == "identical"
+        restore_moved()
         assert openai_answers(new_port) == cold_answers
     back = _restored(wl, artifact)
     assert back.receipt["result"]["operation"]["units"][0]["listeners_moved"] == []
